@@ -1,0 +1,136 @@
+"""Where everything lives inside a cache directory, and how to list it without trusting it.
+
+::
+
+    <root>/                 mode cache.dir_mode (0750): the trainers' group may read
+      CACHEDIR.TAG          marks the directory as a cache for backup tools; also cachefeed's "this is a cache"
+      lock                  the writer lock: flock(LOCK_EX) held by the daemon; its text names the holder
+      status.json           the daemon's status document (see cachefeed/status.py)
+      segments/<seq>.seg    published segments; <seq> is 16 hex digits, increasing: the name orders by age
+      tmp/<seq>.tmp         segments being written (removed at start-up: only the writer writes here)
+      snapshots/<id>.lock   an epoch pin's lock (see cache/snapshots.py), created locked
+      snapshots/<id>/       hard links to the pinned segments, plus MANIFEST
+
+File names never derive from remote keys: segments are named by sequence number, snapshots by a name the trainer
+side builds from a run id and an epoch number (validated against ``SNAPSHOT_ID``). Listing functions here only
+return regular files whose names match the expected pattern, checked with ``lstat``: symlinks, FIFOs and foreign
+files are never followed or served.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachefeed.errors import NoSuchCacheError
+
+__all__ = ["SEGMENT_NAME", "SNAPSHOT_ID", "CacheLayout", "segment_name", "segment_seq"]
+
+SEGMENT_NAME = re.compile(r"^[0-9a-f]{16}\.seg$")
+SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_TAG = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by cachefeed.\n"
+    "# For information about cache directory tags, see https://bford.info/cachedir/\n"
+)
+
+
+def segment_name(seq: int) -> str:
+    return f"{seq:016x}.seg"
+
+
+def segment_seq(name: str) -> int:
+    return int(name[:16], 16)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """The paths of one cache directory. Creating it is the writer's job (``create``); readers only ``check``."""
+
+    root: Path
+
+    @property
+    def segments(self) -> Path:
+        return self.root / "segments"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "snapshots"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / "lock"
+
+    @property
+    def status_file(self) -> Path:
+        return self.root / "status.json"
+
+    @property
+    def tag_file(self) -> Path:
+        return self.root / "CACHEDIR.TAG"
+
+    def create(self, *, dir_mode: int = 0o750, file_mode: int = 0o640) -> None:
+        """Create the directories with explicit modes. Refuses a root or subdirectory that is a symlink."""
+        self.root.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+        for directory in (self.root, self.segments, self.tmp, self.snapshots):
+            try:
+                directory.mkdir(mode=dir_mode)
+            except FileExistsError:
+                pass
+            info = os.lstat(directory)
+            if not stat.S_ISDIR(info.st_mode):
+                raise NoSuchCacheError(f"{directory} is not a directory (a symlink or a file): refusing to use it")
+            os.chmod(directory, dir_mode, follow_symlinks=False)
+        if not self.tag_file.exists():
+            fd = os.open(self.tag_file, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(_TAG)
+
+    def check(self) -> None:
+        """Raise NoSuchCacheError unless ``root`` is an existing cachefeed cache."""
+        try:
+            info = os.lstat(self.root)
+        except FileNotFoundError:
+            raise NoSuchCacheError(
+                f"no cache at {self.root}: start the daemon (cachefeed daemon --config FILE) or check the path"
+            ) from None
+        if not stat.S_ISDIR(info.st_mode):
+            raise NoSuchCacheError(f"{self.root} is not a directory")
+        if not (self.tag_file.is_file() and self.segments.is_dir()):
+            raise NoSuchCacheError(f"{self.root} is not a cachefeed cache (no CACHEDIR.TAG or segments/)")
+
+    def list_segments(self) -> list[tuple[str, os.stat_result]]:
+        """Published segments as (name, lstat), oldest first. Foreign entries are skipped, never followed."""
+        return list_regular(self.segments, SEGMENT_NAME)
+
+
+def list_regular(directory: Path, pattern: re.Pattern[str]) -> list[tuple[str, os.stat_result]]:
+    """Regular files in ``directory`` whose name matches ``pattern``, sorted by name, with their lstat."""
+    found: list[tuple[str, os.stat_result]] = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not pattern.match(entry.name):
+                    continue
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed while we listed
+                if stat.S_ISREG(info.st_mode):
+                    found.append((entry.name, info))
+    except FileNotFoundError:
+        return []
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def allocated_bytes(info: os.stat_result) -> int:
+    """Bytes a file really occupies (st_blocks is in 512-byte units on Linux)."""
+    return int(info.st_blocks) * 512

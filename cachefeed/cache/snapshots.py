@@ -1,0 +1,346 @@
+"""Epoch snapshots: a pinned, immutable set of segments that eviction cannot take away.
+
+NOTE [ Snapshot pinning protocol ]
+----------------------------------
+Processes: trainer ranks on a node (any number) pin; the daemon evicts and sweeps. No process trusts another to
+clean up after itself: every pin is a ``flock`` that the kernel drops when its holder dies.
+
+A snapshot ``<id>`` is two entries in ``snapshots/``:
+
+* ``<id>.lock``: a lock file. Every process using the snapshot holds ``flock(LOCK_SH)`` on it. It is *born
+  locked*: the creator makes ``.<id>.<pid>.<rand>.partial``, locks it, then hard-links it to ``<id>.lock``
+  (``link`` fails if the name exists, so two creators cannot both win) and unlinks the partial name. Nobody
+  ever sees an unlocked ``<id>.lock`` while its creator lives.
+* ``<id>/``: hard links to the segments, then ``MANIFEST`` (written atomically, last). A snapshot is complete
+  when ``MANIFEST`` exists. Hard links make the kernel count references: when the daemon evicts (unlinks) a
+  segment from ``segments/``, a snapshot's link keeps the data readable, and the bytes still count against the
+  budget (the daemon finds them by scanning ``snapshots/*/``) until the snapshot goes.
+
+Joining (another rank, same epoch): wait for ``MANIFEST``, open ``<id>.lock``, take ``LOCK_SH``, then check
+that the path still names the inode we locked (a remover may have unlinked it between our open and our lock).
+
+Removal: whoever gets ``flock(LOCK_EX | LOCK_NB)`` on ``<id>.lock`` knows nobody else holds the snapshot: it
+removes ``<id>/`` first, then ``<id>.lock``, while holding the lock. The last releaser does this; the daemon's
+``sweep_stale`` does it for holders that died. Removing the directory before the lock means a directory without a
+lock is always garbage; a ``.partial`` lock older than ``PARTIAL_GRACE_S`` whose lock is free is garbage too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import msgpack
+
+from cachefeed.cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
+from cachefeed.errors import SnapshotError
+from cachefeed.fsutil import atomic_write, remove_tree
+from cachefeed.records import TRAILER_BYTES
+
+__all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "segment_count", "sweep_stale"]
+
+MANIFEST = "MANIFEST"
+PARTIAL_GRACE_S = 60.0
+_TRAILER_COUNT = struct.Struct("<8sHH4xQ")
+
+
+def segment_count(path: str | os.PathLike[str]) -> int:
+    """Number of records in a segment, from its trailer alone (one small read). -1 if the trailer is invalid."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    try:
+        size = os.fstat(fd).st_size
+        if size < TRAILER_BYTES:
+            return -1
+        raw = os.pread(fd, _TRAILER_COUNT.size, size - TRAILER_BYTES)
+    finally:
+        os.close(fd)
+    magic, _version, _flags, count = _TRAILER_COUNT.unpack(raw)
+    return int(count) if magic == b"CFSEGEND" else -1
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """What status shows about one live snapshot."""
+
+    snap_id: str
+    samples: int
+    segments: int
+    owner: str
+    created: float
+
+
+class Snapshot:
+    """One pinned epoch snapshot held by this process. Use ``create``/``join``/``open``; ``release`` when done.
+
+    Attributes:
+        snap_id: the snapshot's name (validated: letters, digits, ``_.-``).
+        directory: ``snapshots/<id>/``; segment ``names[i]`` is ``directory / names[i]``.
+        names: segment file names, oldest first.
+        counts: samples in each segment.
+    """
+
+    def __init__(self, layout: CacheLayout, snap_id: str, lock_fd: int, manifest: dict[str, object]) -> None:
+        self.layout = layout
+        self.snap_id = snap_id
+        self.directory = layout.snapshots / snap_id
+        self._lock_fd: int | None = lock_fd
+        entries = manifest.get("segments", [])
+        if not isinstance(entries, list):
+            raise SnapshotError(f"snapshot {snap_id}: malformed MANIFEST")
+        self.names: tuple[str, ...] = tuple(str(entry[0]) for entry in entries)
+        self.counts: tuple[int, ...] = tuple(int(entry[1]) for entry in entries)
+        self.created = float(manifest.get("created", 0.0))  # type: ignore[arg-type]
+
+    @property
+    def samples(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.directory / name for name in self.names]
+
+    # -- creation and joining -------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, root: str | os.PathLike[str], snap_id: str) -> Snapshot:
+        """Pin every segment published right now. If another process created ``snap_id`` first, join it."""
+        layout = _checked_layout(root, snap_id)
+        lock_path = layout.snapshots / f"{snap_id}.lock"
+        partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            owner = {"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
+            os.write(fd, json.dumps(owner).encode())
+            try:
+                os.link(partial, lock_path)
+            except FileExistsError:
+                os.close(fd)
+                fd = -1
+                return cls.join(root, snap_id)
+            finally:
+                os.unlink(partial)
+            directory = layout.snapshots / snap_id
+            remove_tree(directory)  # a directory without its lock is garbage (see the NOTE)
+            directory.mkdir(mode=0o750)
+            entries = []
+            for name, _info in layout.list_segments():
+                try:
+                    os.link(layout.segments / name, directory / name, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # evicted between the listing and the link
+                count = segment_count(directory / name)
+                if count > 0:
+                    entries.append([name, count])
+                else:
+                    os.unlink(directory / name)
+            manifest = {"id": snap_id, "created": time.time(), "segments": entries}
+            atomic_write(directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
+            snapshot = cls(layout, snap_id, fd, manifest)
+            fd = -1
+            return snapshot
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    @classmethod
+    def join(cls, root: str | os.PathLike[str], snap_id: str, *, timeout_s: float = 60.0) -> Snapshot:
+        """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``."""
+        layout = _checked_layout(root, snap_id)
+        lock_path = layout.snapshots / f"{snap_id}.lock"
+        manifest_path = layout.snapshots / snap_id / MANIFEST
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pinned = _try_pin(lock_path, manifest_path)
+            if pinned is not None:
+                fd, manifest = pinned
+                return cls(layout, snap_id, fd, manifest)
+            if time.monotonic() > deadline:
+                raise SnapshotError(
+                    f"snapshot {snap_id!r} did not appear in {layout.snapshots} within {timeout_s:.0f}s: "
+                    "is the rank that creates it (local rank 0) running?"
+                )
+            time.sleep(0.02)
+
+    # -- release --------------------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Drop this process's pin. The last holder removes the snapshot (idempotent)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        try:
+            _remove_if_unheld(fd, self.layout.snapshots / f"{self.snap_id}.lock", self.directory)
+        finally:
+            os.close(fd)
+
+    @property
+    def is_held(self) -> bool:
+        return self._lock_fd is not None
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock_fd", None) is not None:
+            self.release()
+
+    def __reduce__(self) -> str:
+        raise TypeError("a Snapshot holds a lock and cannot be pickled; pass snap_id and names instead")
+
+
+def _checked_layout(root: str | os.PathLike[str], snap_id: str) -> CacheLayout:
+    if not SNAPSHOT_ID.match(snap_id):
+        raise SnapshotError(f"snapshot id {snap_id!r}: expected letters, digits, '_', '.', '-' (at most 128)")
+    layout = CacheLayout(Path(root))
+    layout.check()
+    return layout
+
+
+def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, object]] | None:
+    """One attempt to join: a held lock on the inode the path still names, and a complete manifest."""
+    if not manifest_path.exists():
+        return None
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None  # being removed right now
+    try:
+        if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
+            raise FileNotFoundError
+        manifest = msgpack.unpackb(manifest_path.read_bytes(), raw=False)
+    except (FileNotFoundError, ValueError):
+        os.close(fd)
+        return None
+    return fd, manifest
+
+
+def _remove_if_unheld(fd: int, lock_path: Path, directory: Path) -> bool:
+    """If nobody else holds the lock on ``fd``, remove the snapshot (directory first, then lock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
+            return False  # someone else already removed it
+    except FileNotFoundError:
+        return False
+    remove_tree(directory)
+    try:
+        os.unlink(lock_path)
+    except FileNotFoundError:
+        pass
+    return True
+
+
+# -- the daemon's side ------------------------------------------------------------------------------------------
+
+
+def sweep_stale(layout: CacheLayout, *, now: float | None = None) -> list[str]:
+    """Remove snapshots whose holders are all gone, orphan directories and stale partial locks.
+
+    Safe to run at any time, concurrently with trainers (see the NOTE). Returns the removed snapshot ids.
+    """
+    removed: list[str] = []
+    now = time.time() if now is None else now
+    locks: set[str] = set()
+    try:
+        entries = list(os.scandir(layout.snapshots))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if name.endswith(".lock") and SNAPSHOT_ID.match(name[:-5]):
+            snap_id = name[:-5]
+            locks.add(snap_id)
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                if _remove_if_unheld(fd, Path(entry.path), layout.snapshots / snap_id):
+                    removed.append(snap_id)
+            finally:
+                os.close(fd)
+        elif name.endswith(".partial"):
+            try:
+                info = entry.stat(follow_symlinks=False)
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                if now - info.st_mtime > PARTIAL_GRACE_S:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.unlink(entry.path)
+            except (BlockingIOError, FileNotFoundError):
+                pass
+            finally:
+                os.close(fd)
+    for entry in entries:
+        if entry.name.endswith((".lock", ".partial")) or entry.name in locks:
+            continue
+        if (layout.snapshots / f"{entry.name}.lock").exists():
+            continue  # its creator linked the lock after our listing: live (the lock comes before the dir)
+        # a foreign entry, or a directory whose lock is gone: garbage by the protocol
+        remove_tree(entry.path)
+    return removed
+
+
+def pinned_inodes(layout: CacheLayout) -> dict[int, int]:
+    """Inode -> allocated bytes of every segment linked from any snapshot directory."""
+    found: dict[int, int] = {}
+    try:
+        directories = [e for e in os.scandir(layout.snapshots) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return found
+    for directory in directories:
+        for _name, info in list_regular(Path(directory.path), SEGMENT_NAME):
+            found[info.st_ino] = allocated_bytes(info)
+    return found
+
+
+def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
+    """Complete snapshots and their owners, for status (does not take any lock)."""
+    infos: list[SnapshotInfo] = []
+    for lock_name, _info in list_regular(layout.snapshots, SNAPSHOT_ID):
+        if not lock_name.endswith(".lock"):
+            continue
+        snap_id = lock_name[:-5]
+        try:
+            manifest = msgpack.unpackb((layout.snapshots / snap_id / MANIFEST).read_bytes(), raw=False)
+            owner = json.loads((layout.snapshots / lock_name).read_text() or "{}")
+        except (OSError, ValueError):
+            continue
+        segments = manifest.get("segments", [])
+        infos.append(
+            SnapshotInfo(
+                snap_id=snap_id,
+                samples=sum(int(entry[1]) for entry in segments),
+                segments=len(segments),
+                owner=f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}",
+                created=float(manifest.get("created", 0.0)),
+            )
+        )
+    return infos

@@ -1,0 +1,436 @@
+"""The writer side of one cache directory: exclusivity, recovery, the byte budget, publication and eviction.
+
+Exactly one ``CacheStore`` exists per cache directory, in the daemon's supervisor (or in a test or benchmark
+process). It owns every decision that changes what is published; segment *bytes* may be written by other processes
+(the samplers) into ``tmp/`` under a ``Grant`` it handed out.
+
+The budget (what ``tests/test_cache_budget.py`` checks by sampling the directory's real size)::
+
+    published + pinned_only + reserved <= max_bytes - METADATA_RESERVE_BYTES
+
+* ``published``: allocated bytes of ``segments/*.seg``;
+* ``pinned_only``: segments already evicted from ``segments/`` but still linked by a live snapshot;
+* ``reserved``: the sum of outstanding grants; a grant is page-rounded and the writer never lets its file grow
+  past it, so ``tmp/`` never holds more than ``reserved``;
+* ``METADATA_RESERVE_BYTES`` covers the lock, the tag, status.json and the snapshot directories and manifests.
+
+Hence the bound users can rely on: **the real size of the cache directory never exceeds ``max_bytes``**.
+
+Two rules keep the cache turning over while trainers pin it:
+
+* (A) hard: a grant is given only if the budget above still holds after it; to make room the store evicts
+  *unpinned* segments only (evicting a pinned one frees nothing). If that is not enough, ``reserve`` returns None
+  and the writer waits: back-pressure, never overshoot.
+* (B) turnover: while any snapshot is live, the published set is kept at most ``max_bytes - turnover_bytes`` by
+  evicting the oldest published segments, pinned or not. Their bytes stay with the snapshots until released, so
+  every epoch leaves at least ``turnover_bytes`` for fresh samples instead of freezing the cache under its pins.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachefeed.cache.eviction import EvictionPolicy, make_policy
+from cachefeed.cache.layout import SEGMENT_NAME, CacheLayout, allocated_bytes, segment_name, segment_seq
+from cachefeed.cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
+from cachefeed.config import CacheConfig
+from cachefeed.errors import CacheLockedError, CorruptRecordError
+from cachefeed.fsutil import fsync_dir, remove_tree
+from cachefeed.records import SegmentReader
+
+__all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "Grant", "PublishedSegment", "Usage"]
+
+log = logging.getLogger(__name__)
+
+METADATA_RESERVE_BYTES = 4 << 20
+PAGE_BYTES = 4096
+_PIN_RESCAN_S = 0.5
+_SWEEP_INTERVAL_S = 1.0
+
+
+def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
+    return -(-n // unit) * unit
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Permission to write one segment of at most ``nbytes`` (file size) at ``path``."""
+
+    seq: int
+    path: Path
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedSegment:
+    seq: int
+    name: str
+    nbytes: int
+    samples: int
+    inode: int
+    published_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A consistent picture of the budget at one instant. All sizes are allocated bytes."""
+
+    bytes: int
+    max_bytes: int
+    published_bytes: int
+    pinned_only_bytes: int
+    pinned_bytes: int
+    reserved_bytes: int
+    samples: int
+    segments: int
+    snapshots: int
+    free_bytes: int
+    min_free_bytes: int
+    is_backpressured: bool
+
+
+@dataclass(slots=True)
+class Counters:
+    published_segments: int = 0
+    published_samples: int = 0
+    published_bytes: int = 0
+    evicted_segments: int = 0
+    evicted_samples: int = 0
+    evicted_bytes: int = 0
+    dropped_corrupt: int = 0
+    removed_foreign: int = 0
+    removed_temp: int = 0
+    stale_snapshots: int = 0
+    backpressure_events: int = 0
+    first_eviction_at: float = 0.0
+    evicted_published_at: list[float] = field(default_factory=list)
+
+
+class CacheStore:
+    """The single writer of a cache directory (see the module docstring for the budget it keeps).
+
+    Not thread-safe: the daemon calls it from its main loop only.
+    """
+
+    def __init__(self, config: CacheConfig, *, policy: EvictionPolicy | None = None) -> None:
+        self.config = config
+        self.layout = CacheLayout(config.dir)
+        self.layout.create(dir_mode=config.dir_mode, file_mode=config.file_mode)
+        self.policy = policy or make_policy(config.eviction)
+        self.limit_bytes = config.max_bytes - METADATA_RESERVE_BYTES
+        self.counters = Counters()
+        self._published: dict[int, PublishedSegment] = {}
+        self._grants: dict[int, Grant] = {}
+        self._pinned_only: dict[int, int] = {}
+        self._pinned_published: set[int] = set()
+        self._live_snapshots = 0
+        self._pins_scanned_at = 0.0
+        self._swept_at = 0.0
+        self._next_seq = 0
+        self._is_backpressured = False
+        self._lock_fd = self._take_lock()
+        try:
+            self._recover()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- exclusivity ----------------------------------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        path = self.layout.lock_file
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self.config.file_mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            os.close(fd)
+            try:
+                who = json.loads(holder)
+                name = f"pid {who['pid']} on host {who['host']} (since {who['since']})"
+            except (ValueError, KeyError, TypeError):
+                name = "another process"
+            raise CacheLockedError(
+                f"cache dir {self.layout.root} is in use by {name}: stop that daemon first, "
+                "or give this one another cache.dir"
+            ) from None
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        return fd
+
+    @property
+    def lock_fd(self) -> int:
+        """The writer lock's descriptor. Children that inherit it keep the cache locked until they exit too."""
+        return self._lock_fd
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- recovery -------------------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Bring the directory to a consistent state after any crash. Cost: one small read per segment."""
+        started = time.monotonic()
+        for entry in os.scandir(self.layout.tmp):
+            remove_tree(entry.path)
+            self.counters.removed_temp += 1
+        self.counters.stale_snapshots += len(sweep_stale(self.layout))
+        highest = -1
+        for entry in os.scandir(self.layout.segments):
+            path = Path(entry.path)
+            if not SEGMENT_NAME.match(entry.name) or not entry.is_file(follow_symlinks=False):
+                log.warning("removing foreign entry %s from the cache", path)
+                remove_tree(path)
+                self.counters.removed_foreign += 1
+                continue
+            try:
+                with SegmentReader(path) as reader:
+                    count = reader.count
+            except CorruptRecordError as exc:
+                log.warning("dropping invalid segment at recovery: %s", exc)
+                path.unlink()
+                self.counters.dropped_corrupt += 1
+                continue
+            info = os.lstat(path)
+            seq = segment_seq(entry.name)
+            self._published[seq] = PublishedSegment(
+                seq, entry.name, allocated_bytes(info), count, info.st_ino, info.st_mtime
+            )
+            highest = max(highest, seq)
+        for name in self._snapshot_segment_names():
+            highest = max(highest, segment_seq(name))
+        self._next_seq = highest + 1
+        self._rescan_pins()
+        log.info(
+            "cache %s recovered in %.3fs: %d segments, %d samples, %d temp files removed, %d stale snapshots",
+            self.layout.root, time.monotonic() - started, len(self._published),
+            sum(s.samples for s in self._published.values()), self.counters.removed_temp,
+            self.counters.stale_snapshots,
+        )
+
+    def _snapshot_segment_names(self) -> set[str]:
+        names: set[str] = set()
+        for directory in self.layout.snapshots.iterdir():
+            if directory.is_dir() and not directory.is_symlink():
+                names.update(n for n in os.listdir(directory) if SEGMENT_NAME.match(n))
+        return names
+
+    # -- pins -----------------------------------------------------------------------------------------------
+
+    def _rescan_pins(self) -> None:
+        """Recompute which bytes snapshots hold. Authoritative at the instant of the scan (see snapshots NOTE)."""
+        found = pinned_inodes(self.layout)
+        by_inode = {segment.inode: seq for seq, segment in self._published.items()}
+        self._pinned_published = {by_inode[ino] for ino in found if ino in by_inode}
+        self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
+        self._live_snapshots = len(live_snapshots(self.layout))
+        self._pins_scanned_at = time.monotonic()
+
+    def _maybe_rescan_pins(self, *, force: bool = False) -> None:
+        if force or time.monotonic() - self._pins_scanned_at > _PIN_RESCAN_S:
+            self._rescan_pins()
+
+    def sweep(self) -> list[str]:
+        """Remove snapshots whose holders died (rate-limited to once a second). Returns removed ids."""
+        if time.monotonic() - self._swept_at < _SWEEP_INTERVAL_S:
+            return []
+        self._swept_at = time.monotonic()
+        removed = sweep_stale(self.layout)
+        if removed:
+            self.counters.stale_snapshots += len(removed)
+            log.info("released %d stale snapshots: %s", len(removed), ", ".join(removed))
+            self._rescan_pins()
+        return removed
+
+    # -- the budget -----------------------------------------------------------------------------------------
+
+    @property
+    def published_bytes(self) -> int:
+        return sum(segment.nbytes for segment in self._published.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(grant.nbytes for grant in self._grants.values())
+
+    def _total(self) -> int:
+        return self.published_bytes + sum(self._pinned_only.values()) + self.reserved_bytes
+
+    def _free_bytes(self) -> int:
+        stats = os.statvfs(self.layout.root)
+        return int(stats.f_bavail * stats.f_frsize)
+
+    def _published_target(self) -> int:
+        if self._live_snapshots:
+            return self.limit_bytes - self.config.turnover_bytes
+        return self.limit_bytes
+
+    def reserve(self, nbytes: int) -> Grant | None:
+        """Grant room for one segment of up to ``nbytes``, evicting as the rules allow; None means wait.
+
+        Raises ValueError if ``nbytes`` could never fit (larger than the budget left for the published set).
+        """
+        need = _round_up(nbytes)
+        if need > self.limit_bytes - self.config.turnover_bytes:
+            raise ValueError(
+                f"a segment of {need} bytes cannot fit a cache of {self.config.max_bytes} bytes "
+                f"(turnover {self.config.turnover_bytes}): the sample is too large for this cache"
+            )
+        self._maybe_rescan_pins()
+        self._evict_for_turnover(need)
+        if not self._make_room(need):
+            self._maybe_rescan_pins(force=True)
+            self._evict_for_turnover(need)
+            if not self._make_room(need):
+                if not self._is_backpressured:
+                    self.counters.backpressure_events += 1
+                    log.info("cache full of pinned segments: writers wait until a snapshot is released")
+                self._is_backpressured = True
+                return None
+        self._is_backpressured = False
+        seq = self._next_seq
+        self._next_seq += 1
+        grant = Grant(seq, self.layout.tmp / f"{seq:016x}.tmp", need)
+        self._grants[seq] = grant
+        return grant
+
+    def _fits(self, need: int) -> bool:
+        if self._total() + need > self.limit_bytes:
+            return False
+        unwritten = self.reserved_bytes  # conservative: counts grants as if none of their bytes were written yet
+        return self._free_bytes() - unwritten - need >= self.config.min_free_bytes
+
+    def _make_room(self, need: int) -> bool:
+        """Rule (A): evict unpinned segments until ``need`` fits. True if it fits."""
+        while not self._fits(need):
+            candidates = [seq for seq in sorted(self._published) if seq not in self._pinned_published]
+            if not candidates:
+                return False
+            victim = self.policy.choose(candidates)
+            if self._is_pinned_now(victim):
+                self._pinned_published.add(victim)  # pinned since the last scan: evicting it frees nothing
+                continue
+            self._evict(victim)
+        return True
+
+    def _is_pinned_now(self, seq: int) -> bool:
+        try:
+            return os.lstat(self.layout.segments / self._published[seq].name).st_nlink > 1
+        except FileNotFoundError:
+            return False
+
+    def _evict_for_turnover(self, need: int) -> None:
+        """Rule (B): while snapshots are live, keep the published set below the turnover target."""
+        target = self._published_target()
+        while self._published and self.published_bytes + self.reserved_bytes + need > target:
+            self._evict(self.policy.choose(sorted(self._published)))
+
+    def _evict(self, seq: int) -> None:
+        segment = self._published.pop(seq)
+        path = self.layout.segments / segment.name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            log.warning("segment %s vanished from the cache behind the daemon's back", segment.name)
+            return
+        try:
+            path.unlink()
+            links_left = os.fstat(fd).st_nlink
+        finally:
+            os.close(fd)
+        if links_left > 0:
+            self._pinned_only[segment.inode] = segment.nbytes  # lives on in a snapshot (see the NOTE there)
+        self._pinned_published.discard(seq)
+        counters = self.counters
+        counters.evicted_segments += 1
+        counters.evicted_samples += segment.samples
+        counters.evicted_bytes += segment.nbytes
+        counters.first_eviction_at = counters.first_eviction_at or time.time()
+        counters.evicted_published_at.append(segment.published_at)
+        del counters.evicted_published_at[:-64]
+        log.debug("evicted %s (%d samples, pinned=%s)", segment.name, segment.samples, links_left > 0)
+
+    def enforce(self) -> None:
+        """Periodic upkeep: sweep stale snapshots, refresh pins, apply the sample bound and the turnover target."""
+        self.sweep()
+        self._maybe_rescan_pins()
+        self._evict_for_turnover(0)
+        max_samples = self.config.max_samples
+        while max_samples and self._published and self.samples > max_samples:
+            self._evict(self.policy.choose(sorted(self._published)))
+
+    # -- publication ----------------------------------------------------------------------------------------
+
+    def publish(self, grant: Grant) -> PublishedSegment:
+        """Verify the finished file of ``grant`` and publish it by an atomic rename. The grant is consumed.
+
+        Raises CorruptRecordError (and deletes the file) if the file is not a complete, valid segment or is
+        larger than its grant.
+        """
+        if self._grants.pop(grant.seq, None) is None:
+            raise ValueError(f"unknown or already used grant {grant.seq}")
+        try:
+            info = os.lstat(grant.path)
+            if info.st_size > grant.nbytes:
+                raise CorruptRecordError(f"segment {grant.seq} outgrew its grant ({info.st_size} > {grant.nbytes})")
+            with SegmentReader(grant.path) as reader:
+                samples = reader.count
+            name = segment_name(grant.seq)
+            os.rename(grant.path, self.layout.segments / name)
+        except BaseException:
+            grant.path.unlink(missing_ok=True)
+            raise
+        if self.config.fsync:
+            fsync_dir(self.layout.segments)
+        segment = PublishedSegment(grant.seq, name, allocated_bytes(info), samples, info.st_ino, time.time())
+        self._published[grant.seq] = segment
+        self.counters.published_segments += 1
+        self.counters.published_samples += samples
+        self.counters.published_bytes += segment.nbytes
+        max_samples = self.config.max_samples
+        while max_samples and self.samples > max_samples and len(self._published) > 1:
+            self._evict(self.policy.choose(sorted(self._published)))
+        return segment
+
+    def abort(self, grant: Grant) -> None:
+        """Give a grant back and delete whatever was written under it (idempotent)."""
+        self._grants.pop(grant.seq, None)
+        grant.path.unlink(missing_ok=True)
+
+    # -- views ----------------------------------------------------------------------------------------------
+
+    @property
+    def samples(self) -> int:
+        return sum(segment.samples for segment in self._published.values())
+
+    @property
+    def segments(self) -> list[PublishedSegment]:
+        return [self._published[seq] for seq in sorted(self._published)]
+
+    def usage(self) -> Usage:
+        self._maybe_rescan_pins()
+        pinned_only = sum(self._pinned_only.values())
+        pinned_published = sum(self._published[s].nbytes for s in self._pinned_published if s in self._published)
+        return Usage(
+            bytes=self._total(),
+            max_bytes=self.config.max_bytes,
+            published_bytes=self.published_bytes,
+            pinned_only_bytes=pinned_only,
+            pinned_bytes=pinned_only + pinned_published,
+            reserved_bytes=self.reserved_bytes,
+            samples=self.samples,
+            segments=len(self._published),
+            snapshots=self._live_snapshots,
+            free_bytes=self._free_bytes(),
+            min_free_bytes=self.config.min_free_bytes,
+            is_backpressured=self._is_backpressured,
+        )

@@ -1,0 +1,424 @@
+"""The daemon's TOML configuration, parsed once into frozen dataclasses.
+
+Every key, its unit and its default is listed in ``SCHEMA`` below; ``configs/*.toml`` and the README's config
+reference are written from it. Sizes ("64MiB") and durations ("5m") are parsed here, so every field after
+parsing carries its unit in its name (``max_bytes``, ``refresh_interval_s``).
+
+A bad config raises ``ConfigError`` whose message is one line naming the key, the bad value and the expected
+form, e.g. ``cache.max_bytes = '-5GiB': expected a size >= 0``. Nothing here reads the environment at import
+time; ``node.rank``/``node.count`` default from the usual launcher variables when ``load_config`` runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cachefeed.errors import ConfigError
+from cachefeed.units import parse_duration, parse_size
+
+__all__ = [
+    "CacheConfig",
+    "Config",
+    "LogConfig",
+    "NodeConfig",
+    "RemoteConfig",
+    "SamplerConfig",
+    "StatusConfig",
+    "load_config",
+    "parse_config",
+]
+
+EVICTION_POLICIES = ("fifo", "random")
+COMPRESSIONS = ("none", "zlib")
+BUILTIN_DECODERS = ("npy", "npz", "pt", "msgpack", "raw", "tar")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MIN_SEGMENTS_IN_BUDGET = 4
+_DEFAULT_SEGMENT_BYTES = 64 << 20
+_DEFAULT_PROCESSES = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    url: str
+    pattern: str = "**"
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    refresh_interval_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_attempts: int = 5
+    backoff_base_s: float = 0.1
+    backoff_max_s: float = 10.0
+    retry_budget: float = 0.2
+    max_requests_per_s: float = 0.0
+    max_bytes_per_s: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    dir: Path
+    max_bytes: int
+    max_samples: int = 0
+    min_free_bytes: int = 1 << 30
+    segment_bytes: int = _DEFAULT_SEGMENT_BYTES
+    eviction: str = "fifo"
+    turnover_bytes: int = 0
+    compression: str = "none"
+    fsync: bool = True
+    file_mode: int = 0o640
+    dir_mode: int = 0o750
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerConfig:
+    processes: int = _DEFAULT_PROCESSES
+    concurrency: int = 32
+    decode: str = "npy"
+    preprocess: str = ""
+    seed: int = 0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    rank: int = 0
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StatusConfig:
+    interval_s: float = 1.0
+    metrics_port: int = 0
+    metrics_textfile: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    remote: RemoteConfig
+    cache: CacheConfig
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+    status: StatusConfig = field(default_factory=StatusConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    source: str = "<memory>"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Field parsers: each takes the raw TOML value and returns the typed one, or raises ValueError("expected ...").
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError("expected a string")
+    return value
+
+
+def _nonempty_string(value: object) -> str:
+    text = _string(value)
+    if not text.strip():
+        raise ValueError("expected a non-empty string")
+    return text
+
+
+def _boolean(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("expected true or false")
+    return value
+
+
+def _int_at_least(low: int) -> Callable[[object], int]:
+    def parse(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer >= {low}")
+        if value < low:
+            raise ValueError(f"expected an integer >= {low}")
+        return value
+
+    return parse
+
+
+def _float_at_least(low: float) -> Callable[[object], float]:
+    def parse(value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"expected a number >= {low:g}")
+        if value < low:
+            raise ValueError(f"expected a number >= {low:g}")
+        return float(value)
+
+    return parse
+
+
+def _fraction(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError("expected a number between 0 and 1")
+    return float(value)
+
+
+def _positive_size(value: object) -> int:
+    size = parse_size(value)
+    if size <= 0:
+        raise ValueError("expected a size > 0 such as 64MiB")
+    return size
+
+
+def _positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError("expected a duration > 0 such as 30s")
+    return seconds
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError("expected one of " + ", ".join(repr(c) for c in choices))
+        return value
+
+    return parse
+
+
+def _callable_path(value: object) -> str:
+    text = _string(value)
+    if text and (":" not in text or not all(text.partition(":")[::2])):
+        raise ValueError('expected "package.module:function"')
+    return text
+
+
+def _decoder(value: object) -> str:
+    text = _string(value)
+    if text in BUILTIN_DECODERS:
+        return text
+    try:
+        return _callable_path(text) if text else _one_of(BUILTIN_DECODERS)(text)
+    except ValueError:
+        raise ValueError(
+            "expected one of " + ", ".join(BUILTIN_DECODERS) + ' or "package.module:function"'
+        ) from None
+
+
+def _absolute_path(value: object) -> Path:
+    text = _nonempty_string(value)
+    path = Path(text)
+    if not path.is_absolute():
+        raise ValueError("expected an absolute path such as /dev/shm/cachefeed/example")
+    if any(part == ".." for part in path.parts):
+        raise ValueError("expected a path without '..'")
+    return path
+
+
+def _url(value: object) -> str:
+    text = _nonempty_string(value)
+    if "\n" in text or "\0" in text:
+        raise ValueError("expected a URL on one line")
+    return text
+
+
+def _table(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("expected a table such as { endpoint_url = \"http://127.0.0.1:9000\" }")
+    return dict(value)
+
+
+def _mode(value: object) -> int:
+    if isinstance(value, str):
+        try:
+            mode = int(value, 8)
+        except ValueError:
+            raise ValueError('expected an octal mode such as "0640"') from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    else:
+        raise ValueError('expected an octal mode such as "0640"')
+    if not 0 <= mode <= 0o777:
+        raise ValueError('expected an octal mode between "0000" and "0777"')
+    return mode
+
+
+def _turnover(value: object) -> object:
+    """A size, or a percentage of max_bytes ("25%"); resolved against max_bytes after parsing."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            percent = float(value.strip()[:-1])
+        except ValueError:
+            raise ValueError('expected a size such as 2GiB or a percentage of max_bytes such as "25%"') from None
+        if not 0 <= percent < 100:
+            raise ValueError('expected a percentage of max_bytes from "0%" to below "100%"')
+        return ("percent", percent)
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise ValueError('expected a size such as 2GiB or a percentage of max_bytes such as "25%"') from None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The schema: section -> key -> (field name, parser, doc). A key without a default in the dataclass is required.
+
+Parser = Callable[[object], object]
+SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
+    "remote": {
+        "url": ("url", _url, "fsspec URL of the dataset root: s3://bucket/prefix, file:///data, memory://x"),
+        "pattern": ("pattern", _nonempty_string, 'glob under url selecting the objects (default "**")'),
+        "storage_options": ("storage_options", _table, "passed to fsspec as is (endpoint_url, key, ...)"),
+        "refresh_interval": ("refresh_interval_s", _positive_duration, "re-list the remote this often (5m)"),
+        "connect_timeout": ("connect_timeout_s", _positive_duration, "TCP connect timeout per request (5s)"),
+        "read_timeout": ("read_timeout_s", _positive_duration, "socket read timeout per request (30s)"),
+        "max_attempts": ("max_attempts", _int_at_least(1), "attempts per object, first included (5)"),
+        "backoff_base": ("backoff_base_s", _positive_duration, "full-jitter backoff base (100ms)"),
+        "backoff_max": ("backoff_max_s", _positive_duration, "full-jitter backoff cap (10s)"),
+        "retry_budget": ("retry_budget", _fraction, "retries allowed as a fraction of requests (0.2)"),
+        "max_requests_per_s": ("max_requests_per_s", _float_at_least(0), "request rate cap per node, 0 = none"),
+        "max_bytes_per_s": ("max_bytes_per_s", parse_size, "download rate cap per node, 0 = none"),
+    },
+    "cache": {
+        "dir": ("dir", _absolute_path, "absolute path of the cache root (tmpfs or SSD)"),
+        "max_bytes": ("max_bytes", _positive_size, "hard bound on everything under dir"),
+        "max_samples": ("max_samples", _int_at_least(0), "bound on cached samples, 0 = none (0)"),
+        "min_free_bytes": ("min_free_bytes", parse_size, "free space the filesystem keeps (1GiB)"),
+        "segment_bytes": ("segment_bytes", _positive_size, "target size of one segment file (64MiB)"),
+        "eviction": ("eviction", _one_of(EVICTION_POLICIES), 'which segment goes first ("fifo")'),
+        "turnover": ("turnover_bytes", _turnover, 'room kept for fresh samples while pinned ("25%")'),
+        "compression": ("compression", _one_of(COMPRESSIONS), 'per-record compression ("none")'),
+        "fsync": ("fsync", _boolean, "fsync a segment before publishing it (true; free on tmpfs)"),
+        "file_mode": ("file_mode", _mode, 'mode of files in the cache ("0640")'),
+        "dir_mode": ("dir_mode", _mode, 'mode of directories in the cache ("0750")'),
+    },
+    "sampler": {
+        "processes": ("processes", _int_at_least(1), "sampler subprocesses (2)"),
+        "concurrency": ("concurrency", _int_at_least(1), "requests in flight per process (32)"),
+        "decode": ("decode", _decoder, 'npy, npz, pt, msgpack, raw, tar or "pkg.mod:fn" ("npy")'),
+        "preprocess": ("preprocess", _callable_path, 'deterministic "pkg.mod:fn" run once per sample ("")'),
+        "seed": ("seed", _int_at_least(0), "seed of the sampling permutations (0)"),
+        "restart_backoff": ("restart_backoff_s", _positive_duration, "first restart delay of a sampler (1s)"),
+        "restart_backoff_max": ("restart_backoff_max_s", _positive_duration, "restart delay cap (60s)"),
+    },
+    "node": {
+        "rank": ("rank", _int_at_least(0), "this node's index (default $NODE_RANK or $GROUP_RANK or 0)"),
+        "count": ("count", _int_at_least(1), "number of nodes (default $NNODES or 1)"),
+    },
+    "status": {
+        "interval": ("interval_s", _positive_duration, "status publication interval (1s)"),
+        "metrics_port": ("metrics_port", _int_at_least(0), "Prometheus HTTP port on 127.0.0.1, 0 = off (0)"),
+        "metrics_textfile": ("metrics_textfile", _string, "node-exporter textfile path, empty = off"),
+    },
+    "log": {
+        "level": ("level", _one_of(LOG_LEVELS), 'debug, info, warning or error ("info")'),
+    },
+}
+
+_SECTION_TYPES: dict[str, type] = {
+    "remote": RemoteConfig,
+    "cache": CacheConfig,
+    "sampler": SamplerConfig,
+    "node": NodeConfig,
+    "status": StatusConfig,
+    "log": LogConfig,
+}
+_REQUIRED = {("remote", "url"), ("cache", "dir"), ("cache", "max_bytes")}
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown {kind} {name!r} (expected one of: {', '.join(known)}){hint}"
+
+
+def _env_int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        raw = env.get(name, "").strip()
+        if raw.isdigit():
+            return int(raw)
+    return None
+
+
+def parse_config(
+    document: Mapping[str, Any], *, source: str = "<memory>", env: Mapping[str, str] | None = None
+) -> Config:
+    """Validate a parsed TOML document and return the frozen Config. Raises ConfigError (one line)."""
+    env = os.environ if env is None else env
+    sections: dict[str, dict[str, object]] = {name: {} for name in SCHEMA}
+    for section_name, body in document.items():
+        if section_name not in SCHEMA:
+            raise ConfigError(f"{source}: " + _unknown("section", section_name, list(SCHEMA)))
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: [{section_name}] must be a table of keys")
+        keys = SCHEMA[section_name]
+        for key, raw in body.items():
+            if key not in keys:
+                raise ConfigError(f"{source}: " + _unknown("key", f"{section_name}.{key}", list(keys)))
+            field_name, parser, _doc = keys[key]
+            try:
+                sections[section_name][field_name] = parser(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{source}: {section_name}.{key} = {raw!r}: {exc}") from None
+    for section_name, key in sorted(_REQUIRED):
+        field_name = SCHEMA[section_name][key][0]
+        if field_name not in sections[section_name]:
+            raise ConfigError(f"{source}: {section_name}.{key} is required ({SCHEMA[section_name][key][2]})")
+
+    node = sections["node"]
+    node.setdefault("rank", _env_int(env, "NODE_RANK", "GROUP_RANK") or 0)
+    node.setdefault("count", _env_int(env, "NNODES") or 1)
+    _check_cross_field(sections, source)
+
+    built = {name: _SECTION_TYPES[name](**values) for name, values in sections.items()}
+    return Config(**built, source=source)
+
+
+def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> None:
+    cache = sections["cache"]
+    sampler = sections["sampler"]
+    node = sections["node"]
+    max_bytes = int(cache["max_bytes"])  # type: ignore[call-overload]
+    segment_bytes = int(cache.get("segment_bytes", _DEFAULT_SEGMENT_BYTES))  # type: ignore[call-overload]
+    processes = int(sampler.get("processes", _DEFAULT_PROCESSES))  # type: ignore[call-overload]
+    floor = max(MIN_SEGMENTS_IN_BUDGET, 2 * processes) * segment_bytes
+    if max_bytes < floor:
+        raise ConfigError(
+            f"{source}: cache.max_bytes = {max_bytes} bytes is below {floor} bytes "
+            f"(max({MIN_SEGMENTS_IN_BUDGET}, 2 x sampler.processes) x cache.segment_bytes): "
+            "raise max_bytes or lower segment_bytes"
+        )
+    turnover = cache.get("turnover_bytes", ("percent", 25.0))
+    if isinstance(turnover, tuple):
+        turnover = int(max_bytes * float(turnover[1]) / 100)
+    turnover_bytes = int(turnover)  # type: ignore[call-overload]
+    if turnover_bytes > max_bytes - 2 * segment_bytes:
+        raise ConfigError(
+            f"{source}: cache.turnover = {turnover_bytes} bytes leaves less than two segments for the "
+            "cached set: lower turnover or raise max_bytes"
+        )
+    cache["turnover_bytes"] = turnover_bytes
+    if int(node["rank"]) >= int(node["count"]):  # type: ignore[call-overload]
+        raise ConfigError(
+            f"{source}: node.rank = {node['rank']} must be below node.count = {node['count']}"
+        )
+
+
+def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a TOML config file. Raises ConfigError with a one-line message."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as handle:
+            document = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: is a directory, expected a TOML file") from None
+    except PermissionError:
+        raise ConfigError(f"{source}: permission denied reading the config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not valid UTF-8 text") from None
+    return parse_config(document, source=source, env=env)

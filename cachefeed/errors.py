@@ -1,0 +1,96 @@
+"""The errors cachefeed raises, and the exit status each one means on the command line.
+
+The tree::
+
+    CachefeedError                      root; exit 1
+    ├── ConfigError                     a bad config file or value; exit 78 (EX_CONFIG: systemd must not restart)
+    ├── CacheLockedError                another daemon holds the cache dir; exit 75 (EX_TEMPFAIL)
+    ├── NoSuchCacheError                the cache dir does not exist or is not a cache; exit 66 (EX_NOINPUT)
+    ├── CorruptRecordError              a record or segment failed verification (never served)
+    ├── SnapshotError                   an epoch snapshot could not be created, joined or read
+    ├── RemoteError                     the remote failed for one object (translated in remote.py only)
+    │   ├── RemoteNotFoundError         404: counted, never retried
+    │   ├── RemoteForbiddenError        401/403: counted, never retried
+    │   ├── RemoteTransientError        5xx, throttling, resets, timeouts: retried with backoff
+    │   └── RemoteChangedError          the object changed during the read (ETag or length mismatch)
+    └── DecodeError                     a remote object could not be decoded into samples (quarantined)
+
+Every error carries ``exit_code`` so the CLI maps it to a status without a table of its own.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheLockedError",
+    "CachefeedError",
+    "ConfigError",
+    "CorruptRecordError",
+    "DecodeError",
+    "NoSuchCacheError",
+    "RemoteChangedError",
+    "RemoteError",
+    "RemoteForbiddenError",
+    "RemoteNotFoundError",
+    "RemoteTransientError",
+    "SnapshotError",
+]
+
+
+class CachefeedError(Exception):
+    """Root of every error cachefeed raises on purpose."""
+
+    exit_code: int = 1
+
+
+class ConfigError(CachefeedError):
+    """A config value is missing, unknown or malformed. The message names the key, the value and the form."""
+
+    exit_code = 78
+
+
+class CacheLockedError(CachefeedError):
+    """The cache directory's writer lock is held by another live process."""
+
+    exit_code = 75
+
+
+class NoSuchCacheError(CachefeedError):
+    """The directory is missing or holds no cachefeed cache."""
+
+    exit_code = 66
+
+
+class CorruptRecordError(CachefeedError):
+    """A record or segment failed its checks: wrong magic, length, checksum or key."""
+
+
+class SnapshotError(CachefeedError):
+    """An epoch snapshot could not be created, joined or read."""
+
+
+class RemoteError(CachefeedError):
+    """One remote object could not be read. ``kind`` is a short label used in counters."""
+
+    kind = "error"
+
+
+class RemoteNotFoundError(RemoteError):
+    kind = "not_found"
+
+
+class RemoteForbiddenError(RemoteError):
+    kind = "forbidden"
+
+
+class RemoteTransientError(RemoteError):
+    kind = "transient"
+
+
+class RemoteChangedError(RemoteError):
+    """The object's ETag or length changed between the listing and the end of the read."""
+
+    kind = "changed"
+
+
+class DecodeError(CachefeedError):
+    """A remote object's bytes could not be turned into samples."""

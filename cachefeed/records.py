@@ -1,0 +1,432 @@
+"""The on-disk format: records inside segment files. Write, verify, and read zero-copy from a memory map.
+
+A **segment** is one file holding many records, written once into ``tmp/`` and published by an atomic rename.
+A **record** is one sample: a dict of fields (numpy arrays, torch tensors, bytes, str and small scalars).
+
+Layout (all integers little-endian; every record and every array payload starts on a 64-byte boundary, so an
+array read from a page-aligned memory map is 64-byte aligned and decoded without a copy)::
+
+    segment  := SegmentHeader(64) Record* Index Trailer(64)
+    Record   := RecordHeader(64) meta(msgpack) pad payload* (each payload 64-aligned)
+    Index    := offsets u64[n] lengths u64[n] key_hashes u64[n]
+    Trailer  := magic "CFSEGEND", version, count, index offset, index xxh3, file length, trailer xxh3
+
+``RecordHeader``: magic ``CFRC``, format version, flags (bit 0: zlib-compressed payload area), meta length,
+body length (everything after the header), xxh3-64 of the body, xxh3-64 of the sample's key. A record verifies
+itself: its length, its checksum, and (against the index) which key it holds. A segment verifies itself through its
+trailer (magic, index checksum, file length), which is written last: a file without a valid trailer is partial.
+
+Only an array's own bytes are stored: a slice of a large array stores the slice (made contiguous), never its base.
+
+Reading is zero-copy for uncompressed arrays: ``SegmentReader.read(i)`` returns numpy arrays that are views of
+a private (copy-on-write) memory map: the pages are the page cache's until someone writes to an array, and a write
+changes only that process's copy, never the file. A compressed record is decompressed into one fresh buffer.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from cachefeed.errors import CorruptRecordError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "RecordEncoder",
+    "SegmentReader",
+    "SegmentWriter",
+    "key_hash",
+]
+
+FORMAT_VERSION = 1
+ALIGN = 64
+_SEGMENT_MAGIC = b"CFSEG\x00\x00\x01"
+_TRAILER_MAGIC = b"CFSEGEND"
+_RECORD_MAGIC = b"CFRC"
+_SEGMENT_HEADER = struct.Struct("<8sHH4xQ40x")  # magic, version, flags, created_ns
+_TRAILER = struct.Struct("<8sHH4xQQQQQ")  # magic, version, flags, count, index_off, index_hash, file_len, own_hash
+_RECORD_HEADER = struct.Struct("<4sHHIQQQ")  # magic, version, flags, meta_len, body_len, body_hash, key_hash
+_FLAG_ZLIB = 1
+_INLINE_LIMIT = 256  # str/bytes up to this size live in the metadata; larger ones get a payload
+TRAILER_BYTES = 64
+HEADER_BYTES = 64
+
+if _SEGMENT_HEADER.size != HEADER_BYTES or _TRAILER.size > TRAILER_BYTES or _RECORD_HEADER.size > ALIGN:
+    raise RuntimeError("record format constants are inconsistent")  # pragma: no cover
+
+
+def _pad(n: int) -> int:
+    return -n % ALIGN
+
+
+def key_hash(key: str) -> int:
+    """The 64-bit hash of a sample key stored in the record header and the segment index."""
+    return int(xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass")))
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecord:
+    """A record ready to be written: header + meta + padding, then the payload buffers (already aligned)."""
+
+    key_hash: int
+    parts: list[memoryview | bytes]
+    nbytes: int
+
+
+class RecordEncoder:
+    """Turns a sample dict into an ``EncodedRecord``. Stateless apart from the compression choice."""
+
+    def __init__(self, *, compression: str = "none") -> None:
+        if compression not in ("none", "zlib"):
+            raise ValueError(f"compression must be 'none' or 'zlib', not {compression!r}")
+        self._compress = compression == "zlib"
+
+    def encode(self, sample: Mapping[str, Any]) -> EncodedRecord:
+        key = sample.get("__key__")
+        if not isinstance(key, str):
+            raise TypeError("a sample needs a string '__key__' field")
+        fields: list[list[Any]] = []
+        inline: dict[str, Any] = {}
+        payloads: list[memoryview | bytes] = []
+        offset = 0  # offset of the next payload within the payload area
+        for name, value in sample.items():
+            if name == "__key__":
+                continue
+            if not isinstance(name, str):
+                raise TypeError(f"sample field names must be strings, got {name!r}")
+            kind, view, extra = _to_payload(value)
+            if kind == "inline":
+                inline[name] = extra
+                continue
+            fields.append([name, kind, offset, view.nbytes, *extra])
+            payloads.append(view)
+            pad = _pad(view.nbytes)
+            if pad:
+                payloads.append(bytes(pad))
+            offset += view.nbytes + pad
+        flags = 0
+        raw_len = 0
+        if self._compress and payloads:
+            raw_len = offset
+            payloads = [zlib.compress(b"".join(payloads), 1)]
+            flags |= _FLAG_ZLIB
+        meta = msgpack.packb({"k": key, "f": fields, "v": inline, "r": raw_len}, use_bin_type=True)
+        payload_len = sum(memoryview(p).nbytes for p in payloads)
+        body: list[memoryview | bytes] = [
+            bytes(HEADER_BYTES - _RECORD_HEADER.size),  # header filler: the meta starts 64 bytes in
+            meta,
+            bytes(_pad(HEADER_BYTES + len(meta))),
+            *payloads,
+            bytes(_pad(payload_len)),
+        ]
+        hasher = xxhash.xxh3_64()
+        for part in body:
+            hasher.update(part)
+        body_len = sum(memoryview(p).nbytes for p in body)
+        khash = key_hash(key)
+        header = _RECORD_HEADER.pack(
+            _RECORD_MAGIC, FORMAT_VERSION, flags, len(meta), body_len, hasher.intdigest(), khash
+        )
+        total = _RECORD_HEADER.size + body_len
+        if total % ALIGN:
+            raise RuntimeError("record layout is misaligned")  # pragma: no cover
+        parts: list[memoryview | bytes] = [header, *body]
+        return EncodedRecord(khash, parts, total)
+
+
+def _to_payload(value: Any) -> tuple[str, memoryview, Any]:
+    """Classify one field. Arrays and large blobs become payloads; small scalars stay inline in the meta."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise TypeError("object arrays cannot be cached; convert them to a numeric dtype")
+        array = np.ascontiguousarray(value)
+        view = memoryview(array.reshape(-1).view(np.uint8).data) if array.size else memoryview(b"")
+        return "nd", view, [array.dtype.str, list(array.shape)]
+    if _is_tensor(value):
+        import torch
+
+        tensor = value.detach().cpu().contiguous()
+        view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+        return "pt", view, [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+        if len(data) <= _INLINE_LIMIT:
+            return "inline", memoryview(b""), data
+        return "by", memoryview(data), []
+    if isinstance(value, str):
+        if len(value) <= _INLINE_LIMIT:
+            return "inline", memoryview(b""), value
+        return "st", memoryview(value.encode("utf-8", "surrogatepass")), []
+    if value is None or isinstance(value, bool | int | float | list | tuple | dict):
+        try:
+            msgpack.packb(value, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(f"field value {type(value).__name__} cannot be cached: {exc}") from None
+        return "inline", memoryview(b""), value
+    if isinstance(value, np.generic):
+        return "inline", memoryview(b""), value.item()
+    raise TypeError(
+        f"cannot cache a field of type {type(value).__name__}: use numpy arrays, tensors, bytes, str or scalars"
+    )
+
+
+def _is_tensor(value: Any) -> bool:
+    module = type(value).__module__
+    return module.startswith("torch") and hasattr(value, "detach") and hasattr(value, "numel")
+
+
+class SegmentWriter:
+    """Appends records to one new segment file. Not thread-safe; one writer per file.
+
+    Contract: the file is created exclusively (``O_EXCL``) with ``file_mode``; ``append`` returns False when the
+    record would push the finished file past ``capacity`` bytes (index and trailer included), except for the first
+    record, which is always accepted so that an oversized sample still gets a segment of its own (callers size the
+    capacity for it). ``finish`` writes the index and trailer and optionally fsyncs; only a finished file is a
+    valid segment. ``abort`` removes the file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        capacity: int,
+        compression: str = "none",
+        file_mode: int = 0o640,
+    ) -> None:
+        self.path = Path(path)
+        self.capacity = capacity
+        self._encoder = RecordEncoder(compression=compression)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, file_mode)
+        os.fchmod(fd, file_mode)  # umask must not weaken or strengthen the configured mode
+        self._file = io.FileIO(fd, "wb", closefd=True)
+        self._offsets: list[int] = []
+        self._lengths: list[int] = []
+        self._hashes: list[int] = []
+        self._position = 0
+        self._write([_SEGMENT_HEADER.pack(_SEGMENT_MAGIC, FORMAT_VERSION, 0, 0)])
+
+    @property
+    def count(self) -> int:
+        return len(self._offsets)
+
+    @property
+    def nbytes(self) -> int:
+        """Size the file would have if finished now."""
+        return self._position + self._index_bytes(self.count) + TRAILER_BYTES
+
+    @staticmethod
+    def _index_bytes(count: int) -> int:
+        raw = 24 * count
+        return raw + _pad(raw)
+
+    @staticmethod
+    def size_for(record_nbytes: int) -> int:
+        """Smallest capacity that holds one record of this size."""
+        return HEADER_BYTES + record_nbytes + SegmentWriter._index_bytes(1) + TRAILER_BYTES
+
+    def _write(self, parts: list[memoryview | bytes]) -> None:
+        for part in parts:
+            view = memoryview(part)
+            while view.nbytes:
+                written = self._file.write(view)
+                if written is None or written <= 0:
+                    raise OSError("short write to segment file")
+                view = view[written:]
+        self._position += sum(memoryview(p).nbytes for p in parts)
+
+    def encode(self, sample: Mapping[str, Any]) -> EncodedRecord:
+        return self._encoder.encode(sample)
+
+    def fits(self, record: EncodedRecord) -> bool:
+        grown = self._position + record.nbytes + self._index_bytes(self.count + 1) + TRAILER_BYTES
+        return grown <= self.capacity
+
+    def append(self, record: EncodedRecord) -> bool:
+        """Write one encoded record if it fits (see the class contract). Returns whether it was written."""
+        if self.count and not self.fits(record):
+            return False
+        self._offsets.append(self._position)
+        self._lengths.append(record.nbytes)
+        self._hashes.append(record.key_hash)
+        self._write(record.parts)
+        return True
+
+    def finish(self, *, fsync: bool = True) -> int:
+        """Write index and trailer, close the file, and return its size in bytes."""
+        index_offset = self._position
+        index = np.array([self._offsets, self._lengths, self._hashes], dtype="<u8").reshape(-1)
+        index_bytes = index.tobytes() + bytes(_pad(index.nbytes))
+        self._write([index_bytes])
+        file_len = self._position + TRAILER_BYTES
+        body = _TRAILER.pack(
+            _TRAILER_MAGIC, FORMAT_VERSION, 0, self.count, index_offset,
+            xxhash.xxh3_64_intdigest(index_bytes), file_len, 0,
+        )[:-8]
+        trailer = body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        self._write([trailer + bytes(TRAILER_BYTES - len(trailer))])
+        self._file.flush()
+        if fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        return file_len
+
+    def abort(self) -> None:
+        """Close and delete the unfinished file (idempotent)."""
+        if not self._file.closed:
+            self._file.close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class SegmentReader:
+    """Read access to one published segment through a read-only memory map.
+
+    Opening checks the segment header and trailer (bounded cost: two small reads and the index checksum), so a
+    partial or foreign file is rejected before any record is read. ``read(i)`` checks record ``i``'s header, its
+    checksum (``verify=True``, the default; xxh3 runs near memory bandwidth) and that it holds the key the index
+    promises, then decodes it. Returned numpy arrays are copy-on-write views of the map: they stay valid after the
+    file is unlinked, and keep the map alive for as long as they live.
+
+    Caveat: truncating a mapped file in place makes later access to the lost pages raise SIGBUS; cachefeed never
+    truncates published segments, and a file already short when opened is rejected here.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES + TRAILER_BYTES:
+                raise CorruptRecordError(f"{self.path.name}: too short to be a segment ({size} bytes)")
+            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        self._buffer = memoryview(self._map)
+        self.size = size
+        magic, version, _flags, _created = _SEGMENT_HEADER.unpack_from(self._buffer, 0)
+        if magic != _SEGMENT_MAGIC or version != FORMAT_VERSION:
+            raise CorruptRecordError(f"{self.path.name}: not a cachefeed segment (format {version})")
+        trailer = bytes(self._buffer[size - TRAILER_BYTES : size])
+        fields = _TRAILER.unpack_from(trailer, 0)
+        t_magic, t_version, _tf, count, index_offset, index_hash, file_len, own_hash = fields
+        if t_magic != _TRAILER_MAGIC or t_version != FORMAT_VERSION:
+            raise CorruptRecordError(f"{self.path.name}: no valid trailer (partial or foreign segment)")
+        if xxhash.xxh3_64_intdigest(trailer[: _TRAILER.size - 8]) != own_hash or file_len != size:
+            raise CorruptRecordError(f"{self.path.name}: trailer checksum or length mismatch")
+        index_len = 24 * count + _pad(24 * count)
+        if not HEADER_BYTES <= index_offset <= size - TRAILER_BYTES - index_len:
+            raise CorruptRecordError(f"{self.path.name}: index out of bounds")
+        index_view = self._buffer[index_offset : index_offset + index_len]
+        if xxhash.xxh3_64_intdigest(index_view) != index_hash:
+            raise CorruptRecordError(f"{self.path.name}: index checksum mismatch")
+        table = np.frombuffer(self._map, dtype="<u8", count=3 * count, offset=index_offset).reshape(3, count)
+        self.offsets, self.lengths, self.key_hashes = table[0], table[1], table[2]
+        self.count = int(count)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def close(self) -> None:
+        """Release the map if no array still views it; otherwise it is released when they die."""
+        self._buffer.release()
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+
+    def __enter__(self) -> SegmentReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def record_view(self, i: int, *, verify: bool = True) -> tuple[dict[str, Any], memoryview, int]:
+        """Check record ``i`` and return (meta, payload area, flags)."""
+        if not 0 <= i < self.count:
+            raise IndexError(f"record {i} out of range for a segment of {self.count}")
+        offset, length = int(self.offsets[i]), int(self.lengths[i])
+        name = self.path.name
+        if offset + length > self.size - TRAILER_BYTES or length < HEADER_BYTES:
+            raise CorruptRecordError(f"{name}: record {i} out of bounds")
+        magic, version, flags, meta_len, body_len, body_hash, khash = _RECORD_HEADER.unpack_from(
+            self._buffer, offset
+        )
+        if magic != _RECORD_MAGIC or version != FORMAT_VERSION or _RECORD_HEADER.size + body_len != length:
+            raise CorruptRecordError(f"{name}: record {i} has a bad header")
+        if khash != int(self.key_hashes[i]):
+            raise CorruptRecordError(f"{name}: record {i} holds another key than the index says")
+        body = self._buffer[offset + _RECORD_HEADER.size : offset + length]
+        if verify and xxhash.xxh3_64_intdigest(body) != body_hash:
+            raise CorruptRecordError(f"{name}: record {i} failed its checksum")
+        meta_start = HEADER_BYTES - _RECORD_HEADER.size
+        try:
+            meta = msgpack.unpackb(body[meta_start : meta_start + meta_len], raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise CorruptRecordError(f"{name}: record {i} has unreadable metadata") from exc
+        if not isinstance(meta, dict) or key_hash(str(meta.get("k"))) != khash:
+            raise CorruptRecordError(f"{name}: record {i} metadata does not match its key")
+        payload_start = offset + HEADER_BYTES + meta_len + _pad(HEADER_BYTES + meta_len)
+        return meta, self._buffer[payload_start : offset + length], flags
+
+    def read(self, i: int, *, verify: bool = True) -> dict[str, Any]:
+        """Decode record ``i`` into a sample dict (see the class docstring for the zero-copy contract)."""
+        meta, area, flags = self.record_view(i, verify=verify)
+        if flags & _FLAG_ZLIB:
+            raw = np.frombuffer(zlib.decompress(area), dtype=np.uint8)
+            if raw.nbytes != int(meta.get("r", -1)):
+                raise CorruptRecordError(f"{self.path.name}: record {i} decompressed to a wrong length")
+            source: Any = raw
+        else:
+            source = area
+        sample: dict[str, Any] = {"__key__": meta["k"]}
+        sample.update(meta.get("v", {}))
+        try:
+            for name, kind, offset, nbytes, *extra in meta["f"]:
+                sample[name] = _decode_field(kind, source, offset, nbytes, extra)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise CorruptRecordError(f"{self.path.name}: record {i} has a malformed field: {exc}") from exc
+        return sample
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i in range(self.count):
+            yield self.read(i)
+
+    def verify_all(self) -> None:
+        """Check every record's checksum and key. Raises CorruptRecordError on the first failure."""
+        for i in range(self.count):
+            self.record_view(i, verify=True)
+
+
+def _decode_field(kind: str, source: Any, offset: int, nbytes: int, extra: list[Any]) -> Any:
+    if kind == "nd":
+        dtype, shape = np.dtype(extra[0]), tuple(extra[1])
+        count = nbytes // dtype.itemsize if dtype.itemsize else 0
+        array = np.frombuffer(source, dtype=dtype, count=count, offset=offset) if count else np.empty(0, dtype)
+        return array.reshape(shape)
+    if kind == "pt":
+        import torch
+
+        dtype = getattr(torch, extra[0])
+        shape = tuple(extra[1])
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = np.frombuffer(source, dtype=np.uint8, count=nbytes, offset=offset)
+        return torch.from_numpy(raw).view(dtype).reshape(shape)
+    if kind == "by":
+        return bytes(memoryview(source)[offset : offset + nbytes])
+    if kind == "st":
+        return bytes(memoryview(source)[offset : offset + nbytes]).decode("utf-8", "surrogatepass")
+    raise ValueError(f"unknown field kind {kind!r}")

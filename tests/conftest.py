@@ -1,0 +1,36 @@
+"""Shared fixtures: a real S3 API on loopback (moto's server), reset between tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.moto_server import DUMMY_ENV, MotoServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dummy_aws_credentials() -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in DUMMY_ENV}
+    os.environ.update(DUMMY_ENV)
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    server = MotoServer.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_server: MotoServer) -> Iterator[MotoServer]:
+    """The moto server, emptied before the test."""
+    moto_server.reset()
+    yield moto_server

@@ -1,0 +1,1 @@
+"""Real components the tests run against: a moto S3 server, a fault-injecting proxy, helpers."""
