@@ -1,0 +1,9 @@
+"""``python -m cachefeed`` is the ``cachefeed`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from cachefeed.cli import main
+
+sys.exit(main())

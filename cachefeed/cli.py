@@ -1,0 +1,61 @@
+"""The ``cachefeed`` command: ``daemon``, ``status``, ``demo``.
+
+Each subcommand lives in its own module and exposes ``add_arguments(parser)`` and ``run(args) -> int``; this
+module only wires them up. A ``CachefeedError`` becomes one line on stderr and its ``exit_code``; no traceback for
+user mistakes. ``KeyboardInterrupt`` exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from cachefeed.errors import CachefeedError
+
+__all__ = ["main"]
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "daemon": ("cachefeed.daemon.main", "run the cache daemon in the foreground (what systemd starts)"),
+    "status": ("cachefeed.status", "show what the cache and its daemon are doing"),
+    "demo": ("cachefeed.demo", "run the whole system end to end on a local S3 server, no set-up needed"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachefeed",
+        description="A rolling local sample cache for PyTorch training on object storage.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def _version() -> str:
+    from cachefeed import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args))
+    except CachefeedError as exc:
+        print(f"cachefeed {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
