@@ -9,6 +9,8 @@ import pytest
 
 from tests.support.moto_server import DUMMY_ENV, MotoServer
 
+pytest_plugins = ["tests.support.faultproxy"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _dummy_aws_credentials() -> Iterator[None]:

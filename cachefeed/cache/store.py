@@ -21,9 +21,10 @@ Two rules keep the cache turning over while trainers pin it:
 * (A) hard: a grant is given only if the budget above still holds after it; to make room the store evicts
   *unpinned* segments only (evicting a pinned one frees nothing). If that is not enough, ``reserve`` returns None
   and the writer waits: back-pressure, never overshoot.
-* (B) turnover: while any snapshot is live, the published set is kept at most ``max_bytes - turnover_bytes`` by
-  evicting the oldest published segments, pinned or not. Their bytes stay with the snapshots until released, so
-  every epoch leaves at least ``turnover_bytes`` for fresh samples instead of freezing the cache under its pins.
+* (B) turnover: the published set is kept at most ``max_bytes - turnover_bytes`` by evicting the oldest published
+  segments, pinned or not. A snapshot therefore pins at most that much, and while an epoch reads it at least
+  ``turnover_bytes`` of fresh samples can still arrive; evicted-but-pinned bytes stay with the snapshot until it
+  is released. Without this rule a snapshot of a full cache would freeze ingest for a whole epoch.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ __all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "Grant", "PublishedSegment", 
 
 log = logging.getLogger(__name__)
 
-METADATA_RESERVE_BYTES = 4 << 20
+METADATA_RESERVE_BYTES = 1 << 20
 PAGE_BYTES = 4096
 _PIN_RESCAN_S = 0.5
 _SWEEP_INTERVAL_S = 1.0
@@ -270,9 +271,7 @@ class CacheStore:
         return int(stats.f_bavail * stats.f_frsize)
 
     def _published_target(self) -> int:
-        if self._live_snapshots:
-            return self.limit_bytes - self.config.turnover_bytes
-        return self.limit_bytes
+        return self.limit_bytes - self.config.turnover_bytes
 
     def reserve(self, nbytes: int) -> Grant | None:
         """Grant room for one segment of up to ``nbytes``, evicting as the rules allow; None means wait.
@@ -329,7 +328,7 @@ class CacheStore:
             return False
 
     def _evict_for_turnover(self, need: int) -> None:
-        """Rule (B): while snapshots are live, keep the published set below the turnover target."""
+        """Rule (B): keep the published set (plus grants) below ``max_bytes - turnover``."""
         target = self._published_target()
         while self._published and self.published_bytes + self.reserved_bytes + need > target:
             self._evict(self.policy.choose(sorted(self._published)))

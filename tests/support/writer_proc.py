@@ -1,0 +1,37 @@
+"""A stand-alone cache writer process for crash, race and budget tests.
+
+python -m tests.support.writer_proc ROOT MAX_BYTES SEGMENT_BYTES SAMPLE_BYTES [START_KEY]
+
+Writes self-verifying samples forever (keys "s<n>"), publishing and evicting through a real CacheStore, and prints
+"ready" once recovery is done. It is meant to be SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from cachefeed.cache.store import CacheStore
+from cachefeed.cache.writer import CacheWriter
+from tests.support.samples import cache_config, make_sample
+
+
+def main() -> None:
+    root, max_bytes, segment_bytes, sample_bytes = sys.argv[1:5]
+    start = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+    config = cache_config(
+        Path(root), max_bytes=int(max_bytes), segment_bytes=int(segment_bytes), turnover_bytes=int(segment_bytes)
+    )
+    store = CacheStore(config)
+    print("ready", flush=True)
+    writer = CacheWriter(store, segment_bytes=config.segment_bytes, fsync=False, poll_s=0.005)
+    n = start
+    while True:
+        writer.add(make_sample(f"s{n}", int(sample_bytes)))
+        n += 1
+        if n % 64 == 0:
+            store.enforce()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The cache directory: exclusivity, recovery, eviction order, pins, back-pressure, turnover."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.snapshots import Snapshot
+from cachefeed.cache.store import METADATA_RESERVE_BYTES, CacheStore
+from cachefeed.cache.writer import CacheWriter
+from cachefeed.records import SegmentReader
+from tests.support.samples import cache_config, check_sample, make_sample
+
+
+def fill(store: CacheStore, keys: range, nbytes: int = 4096) -> None:
+    with CacheWriter(store, segment_bytes=store.config.segment_bytes, fsync=False) as writer:
+        for i in keys:
+            writer.add(make_sample(f"k{i}", nbytes))
+
+
+def cached_keys(root: Path) -> list[str]:
+    keys = []
+    for name, _ in CacheLayout(root).list_segments():
+        with SegmentReader(root / "segments" / name) as reader:
+            for sample in reader:
+                check_sample(sample)
+                keys.append(sample["__key__"])
+    return keys
+
+
+def test_a_second_writer_is_refused_at_once_naming_the_first(tmp_path: Path) -> None:
+    config = cache_config(tmp_path / "c")
+    store = CacheStore(config)
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from tests.support.samples import cache_config\n"
+        "from cachefeed.cache.store import CacheStore\n"
+        f"CacheStore(cache_config(Path({str(config.dir)!r})))\n"
+    )
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 30
+    assert "CacheLockedError" in result.stderr and f"pid {os.getpid()}" in result.stderr
+    assert result.returncode != 0
+    store.close()
+    again = CacheStore(config)  # after the first one let go, the next start succeeds
+    again.close()
+
+
+def test_fifo_eviction_keeps_the_newest_samples_within_budget(tmp_path: Path) -> None:
+    store = CacheStore(cache_config(tmp_path / "c", max_bytes=8 << 20, segment_bytes=256 << 10))
+    fill(store, range(5000))
+    keys = cached_keys(tmp_path / "c")
+    numbers = sorted(int(k[1:]) for k in keys)
+    assert numbers == list(range(numbers[0], 5000)), "FIFO keeps a contiguous run of the newest samples"
+    assert store.usage().bytes <= (8 << 20) - METADATA_RESERVE_BYTES
+    assert store.counters.evicted_samples == 5000 - len(keys)
+
+
+def test_recovery_removes_temp_files_partial_and_foreign_entries(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(500))
+    store.close()
+    layout = CacheLayout(root)
+    (layout.tmp / "0000000000000099.tmp").write_bytes(b"partial")
+    good = sorted(layout.segments.iterdir())
+    (layout.segments / "00000000000000ff.seg").write_bytes(good[0].read_bytes()[:1000])  # a partial segment
+    (layout.segments / "notes.txt").write_text("foreign")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("must survive")
+    (layout.segments / "00000000000000fe.seg").symlink_to(outside)
+    os.mkfifo(layout.segments / "00000000000000fd.seg")
+    store = CacheStore(cache_config(root))
+    assert sorted(os.listdir(layout.tmp)) == []
+    assert sorted(p.name for p in layout.segments.iterdir()) == [p.name for p in good]
+    assert outside.read_text() == "must survive"
+    assert len(cached_keys(root)) == 500
+    store.close()
+
+
+def test_an_evicted_segment_stays_readable_while_a_snapshot_holds_it(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, max_bytes=8 << 20, turnover_bytes=2 << 20))
+    fill(store, range(1000))
+    snapshot = Snapshot.create(root, "run-e000000")
+    pinned = snapshot.samples
+    fill(store, range(1000, 4000))
+    store.enforce()
+    assert store.counters.evicted_segments > 0
+    usage = store.usage()
+    assert usage.pinned_only_bytes > 0, "evicted-but-pinned bytes are still counted"
+    assert usage.bytes <= store.limit_bytes
+    seen = 0
+    for path in snapshot.paths:
+        with SegmentReader(path) as reader:
+            for sample in reader:
+                check_sample(sample)
+                seen += 1
+    assert seen == pinned
+    snapshot.release()
+    assert not (root / "snapshots" / "run-e000000").exists()
+    store._pins_scanned_at = 0
+    assert store.usage().pinned_only_bytes == 0
+
+
+def test_writers_wait_when_everything_is_pinned_and_resume_after_release(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    config = cache_config(root, max_bytes=8 << 20, turnover_bytes=0)
+    store = CacheStore(config)
+    fill(store, range(3000))  # fills the whole budget
+    snapshot = Snapshot.create(root, "pin-all")
+    store._pins_scanned_at = 0
+    assert store.reserve(config.segment_bytes) is None, "all data pinned: back-pressure, not overshoot"
+    assert store.usage().is_backpressured
+    snapshot.release()
+    store._swept_at = store._pins_scanned_at = 0
+    assert store.reserve(config.segment_bytes) is not None
+
+
+def test_turnover_keeps_room_for_fresh_samples_under_a_full_pin(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    config = cache_config(root, max_bytes=8 << 20, turnover_bytes=2 << 20)
+    store = CacheStore(config)
+    fill(store, range(2000))
+    with Snapshot.create(root, "epoch-0"):
+        store._pins_scanned_at = 0
+        before = store.counters.published_samples
+        fill(store, range(2000, 2300))  # must not block: turnover room exists
+        assert store.counters.published_samples - before == 300
+        assert store.usage().bytes <= store.limit_bytes
+
+
+def test_a_dead_holders_snapshot_is_swept(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(200))
+    code = (
+        "import sys, time\nfrom cachefeed.cache.snapshots import Snapshot\n"
+        f"s = Snapshot.create({str(root)!r}, 'dead-e1')\nprint('pinned', flush=True)\ntime.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "pinned"
+    store._swept_at = 0
+    assert store.sweep() == [], "a live holder's snapshot is kept"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    holder.stdout.close()
+    store._swept_at = 0
+    assert store.sweep() == ["dead-e1"]
+    assert os.listdir(root / "snapshots") == []
+
+
+def test_a_sample_larger_than_the_budget_is_refused(tmp_path: Path) -> None:
+    store = CacheStore(cache_config(tmp_path / "c", max_bytes=8 << 20))
+    with pytest.raises(ValueError, match="too large"):
+        store.reserve(64 << 20)
+
+
+def test_cache_files_have_explicit_modes(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        root = tmp_path / "c"
+        store = CacheStore(cache_config(root, file_mode=0o640, dir_mode=0o750))
+        fill(store, range(100))
+    finally:
+        os.umask(old)
+    assert (root.stat().st_mode & 0o777) == 0o750
+    for path in (root / "segments").iterdir():
+        assert (path.stat().st_mode & 0o777) == 0o640
+
+
+def test_max_samples_bounds_the_published_set(tmp_path: Path) -> None:
+    store = CacheStore(cache_config(tmp_path / "c", max_samples=300))
+    fill(store, range(2000), nbytes=512)
+    store.enforce()
+    assert store.samples <= 300
+    assert np.all(np.diff(sorted(int(k[1:]) for k in cached_keys(tmp_path / "c"))) == 1)

@@ -1,0 +1,347 @@
+"""Decoders: each built-in format on good and malformed input, user callables, and the writer's contract."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis.extra import numpy as hnp
+
+from cachefeed.codecs import (
+    MSGPACK_NDARRAY_EXT,
+    Sample,
+    check_sample,
+    get_decoder,
+    get_preprocess,
+    load_callable,
+    msgpack_default,
+)
+from cachefeed.errors import ConfigError, DecodeError
+
+KEY = "bucket/prefix/object-000"
+NOT_CALLABLE = 42
+
+
+def npy_bytes(array: np.ndarray[Any, Any], *, allow_pickle: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=allow_pickle)
+    return buffer.getvalue()
+
+
+def decode(name: str, body: bytes) -> list[Sample]:
+    return list(get_decoder(name)(KEY, body))
+
+
+# ---------------------------------------------------------------------------------------------------- npy, npz
+
+
+def test_npy() -> None:
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    (sample,) = decode("npy", npy_bytes(array))
+    assert sample["__key__"] == KEY
+    np.testing.assert_array_equal(sample["data"], array)
+    assert sample["data"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"not an array", npy_bytes(np.arange(10))[:-8], npy_bytes(np.array([{"a": 1}], dtype=object), allow_pickle=True)],
+    ids=["garbage", "truncated", "pickled-objects"],
+)
+def test_npy_malformed(body: bytes) -> None:
+    with pytest.raises(DecodeError, match=KEY):
+        decode("npy", body)
+
+
+def test_npz() -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, image=np.ones((2, 2), np.uint8), label=np.int64(3))
+    (sample,) = decode("npz", buffer.getvalue())
+    assert sorted(sample) == ["__key__", "image", "label"]
+    np.testing.assert_array_equal(sample["image"], np.ones((2, 2), np.uint8))
+    assert int(sample["label"]) == 3
+
+
+def test_npz_malformed() -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, a=np.arange(100))
+    with pytest.raises(DecodeError, match=KEY):
+        decode("npz", buffer.getvalue()[:50])
+    with pytest.raises(DecodeError, match="npz"):
+        decode("npz", npy_bytes(np.arange(3)))  # an .npy is not an .npz
+
+
+# ---------------------------------------------------------------------------------------------------- pt
+
+
+def pt_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def test_pt_tensor_dict_and_list() -> None:
+    (single,) = decode("pt", pt_bytes(torch.arange(6).reshape(2, 3)))
+    assert torch.equal(single["data"], torch.arange(6).reshape(2, 3))
+
+    (fields,) = decode("pt", pt_bytes({"x": torch.ones(3), "label": 7, "name": "cat"}))
+    assert fields["label"] == 7 and fields["name"] == "cat" and fields["__key__"] == KEY
+    assert torch.equal(fields["x"], torch.ones(3))
+
+    several = decode("pt", pt_bytes([{"x": torch.zeros(1)}, {"x": torch.ones(1)}]))
+    assert [sample["__key__"] for sample in several] == [f"{KEY}#0", f"{KEY}#1"]
+
+
+class Payload:
+    """Not allowed by ``weights_only=True``: unpickling it would run arbitrary code."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.getcwd, ())
+
+
+def test_pt_malformed_and_unsafe() -> None:
+    with pytest.raises(DecodeError, match=KEY):
+        decode("pt", b"\x00garbage")
+    with pytest.raises(DecodeError, match=KEY):
+        decode("pt", pt_bytes({"x": Payload()}))
+    with pytest.raises(DecodeError, match=r"sparse|layout"):
+        decode("pt", pt_bytes(torch.eye(3).to_sparse()))
+
+
+# ---------------------------------------------------------------------------------------------------- msgpack
+
+
+def test_msgpack_map_with_ext_arrays_and_list_of_maps() -> None:
+    image = np.arange(24, dtype="<u2").reshape(2, 3, 4)
+    body = msgpack.packb({"image": image, "label": 3, "tags": ["a", "b"], "meta": {"w": 4}}, default=msgpack_default)
+    (sample,) = decode("msgpack", body)
+    np.testing.assert_array_equal(sample["image"], image)
+    assert sample["label"] == 3 and sample["tags"] == ["a", "b"] and sample["meta"] == {"w": 4}
+
+    several = decode("msgpack", msgpack.packb([{"v": 1}, {"v": 2}]))
+    assert [(s["v"], s["__key__"]) for s in several] == [(1, f"{KEY}#0"), (2, f"{KEY}#1")]
+
+
+def test_msgpack_numpy_map_format_and_scalar_value() -> None:
+    array = np.array([1.5, 2.5], dtype="<f8")
+    legacy = {b"nd": True, b"type": "<f8", b"kind": b"", b"shape": [2], b"data": array.tobytes()}
+    (sample,) = decode("msgpack", msgpack.packb({"x": legacy}))
+    np.testing.assert_array_equal(sample["x"], array)
+    (whole,) = decode("msgpack", msgpack.packb(legacy))
+    np.testing.assert_array_equal(whole["data"], array)
+    (scalar,) = decode("msgpack", msgpack.packb("just text"))
+    assert scalar["data"] == "just text"
+
+
+@given(hnp.arrays(dtype=hnp.scalar_dtypes(), shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=4)))
+@settings(max_examples=60, deadline=None)
+def test_msgpack_ext_roundtrips_any_array(array: np.ndarray[Any, Any]) -> None:
+    (sample,) = decode("msgpack", msgpack.packb({"a": array}, default=msgpack_default))
+    assert sample["a"].dtype == array.dtype and sample["a"].shape == array.shape
+    np.testing.assert_array_equal(sample["a"], array)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        msgpack.packb({"a": 1})[:-1],
+        msgpack.packb({"a": msgpack.ExtType(MSGPACK_NDARRAY_EXT, msgpack.packb(["<f4", [4], b"\x00" * 3]))}),
+        msgpack.packb({"a": msgpack.ExtType(MSGPACK_NDARRAY_EXT, msgpack.packb(["|O", [1], b"\x00" * 8]))}),
+        msgpack.packb({"a": msgpack.ExtType(5, b"?")}),
+        msgpack.packb({"nested": [msgpack.ExtType(MSGPACK_NDARRAY_EXT, msgpack.packb(["<f4", [1], b"\x00" * 4]))]}),
+        msgpack.packb({1: "int key"}),
+    ],
+    ids=["truncated", "short-array-data", "object-dtype", "unknown-ext", "array-in-list", "int-field-name"],
+)
+def test_msgpack_malformed(body: bytes) -> None:
+    with pytest.raises(DecodeError, match=KEY):
+        decode("msgpack", body)
+
+
+# ---------------------------------------------------------------------------------------------------- raw
+
+
+def test_raw() -> None:
+    (sample,) = decode("raw", b"\xff\xd8jpeg bytes")
+    assert sample == {"data": b"\xff\xd8jpeg bytes", "__key__": KEY}
+    (empty,) = decode("raw", b"")  # raw has no malformed input: any bytes are a sample
+    assert empty["data"] == b""
+
+
+# ---------------------------------------------------------------------------------------------------- tar
+
+
+def add(archive: tarfile.TarFile, name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, link: str = "") -> None:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.size = len(data) if kind == tarfile.REGTYPE else 0
+    info.linkname = link
+    archive.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+def shard(members: list[tuple[str, bytes]], mode: str = "w", hostile: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode=mode) as archive:  # type: ignore[call-overload]
+        for name, data in members:
+            add(archive, name, data)
+        if hostile:
+            add(archive, "../escape.txt", b"up")
+            add(archive, "/abs/root.txt", b"abs")
+            add(archive, "a/s1.png", kind=tarfile.SYMTYPE, link="/etc/passwd")
+            add(archive, "s2.lnk", kind=tarfile.LNKTYPE, link="s2.txt")
+            add(archive, "dev.raw", kind=tarfile.CHRTYPE)
+            add(archive, "fifo.raw", kind=tarfile.FIFOTYPE)
+            add(archive, "subdir", kind=tarfile.DIRTYPE)
+            add(archive, "README", b"no extension")
+            add(archive, "a/.hidden", b"no basename")
+    return buffer.getvalue()
+
+
+GOOD_MEMBERS = [
+    ("a/s1.jpg", b"\xff\xd8jpeg"),
+    ("a/s1.cls", b" 3\n"),
+    ("a/s1.json", json.dumps({"boxes": [[1, 2, 3, 4]], "ok": True}).encode()),
+    ("s2.npy", npy_bytes(np.eye(2))),
+    ("s2.txt", "caption é".encode()),
+    ("s2.seg.npy", npy_bytes(np.zeros(3, np.int8))),
+]
+
+
+@pytest.fixture
+def empty_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    assert list(tmp_path.iterdir()) == []  # nothing was extracted to disk
+
+
+@pytest.mark.parametrize("mode", ["w", "w:gz"])
+def test_tar_groups_by_basename_and_skips_hostile_members(mode: str, empty_cwd: Path) -> None:
+    samples = decode("tar", shard(GOOD_MEMBERS, mode, hostile=True))
+
+    assert [s["__key__"] for s in samples] == [f"{KEY}/a/s1", f"{KEY}/s2"]
+    first, second = samples
+    assert sorted(first) == ["__key__", "cls", "jpg", "json"]
+    assert first["jpg"] == b"\xff\xd8jpeg" and first["cls"] == 3
+    assert first["json"] == {"boxes": [[1, 2, 3, 4]], "ok": True}
+    assert sorted(second) == ["__key__", "npy", "seg.npy", "txt"]
+    np.testing.assert_array_equal(second["npy"], np.eye(2))
+    np.testing.assert_array_equal(second["seg.npy"], np.zeros(3, np.int8))
+    assert second["txt"] == "caption é"
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"definitely not a tar archive" * 30, "tar"),
+        (shard([("s.cls", b"three")]), "s.cls"),
+        (shard([("s.npy", b"not npy")]), "s.npy"),
+        (shard([("s.json", b"{broken")]), "s.json"),
+        (shard([("s.jpg", b"1"), ("./s.jpg", b"2")]), "twice"),
+        (shard(GOOD_MEMBERS)[:1500], "tar"),
+    ],
+    ids=["garbage", "bad-cls", "bad-npy", "bad-json", "duplicate-field", "truncated"],
+)
+def test_tar_malformed(body: bytes, reason: str, empty_cwd: Path) -> None:
+    with pytest.raises(DecodeError, match=KEY) as caught:
+        decode("tar", body)
+    assert reason in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------------- user callables
+
+
+def user_decoder(key: str, body: bytes) -> Iterator[dict[str, Any]]:
+    for index, line in enumerate(body.decode().splitlines()):
+        yield {"line": line, "index": index} if index else {"line": line}
+
+
+def failing_decoder(key: str, body: bytes) -> list[Sample]:
+    raise RuntimeError("cannot parse")
+
+
+def unwritable_decoder(key: str, body: bytes) -> list[Sample]:
+    return [{"handle": object()}]
+
+
+def double(sample: Sample) -> Sample:
+    return {"data": sample["data"] * 2}
+
+
+def broken_preprocess(sample: Sample) -> Sample:
+    raise KeyError("missing")
+
+
+def test_user_decoder_is_loaded_and_checked() -> None:
+    samples = list(get_decoder("tests.test_codecs:user_decoder")(KEY, b"a\nb"))
+    assert samples == [{"line": "a", "__key__": KEY}, {"line": "b", "index": 1, "__key__": KEY}]
+    with pytest.raises(DecodeError, match=f"{KEY}.*cannot parse"):
+        list(get_decoder("tests.test_codecs:failing_decoder")(KEY, b""))
+    with pytest.raises(DecodeError, match=f"{KEY}.*'handle'"):
+        list(get_decoder("tests.test_codecs:unwritable_decoder")(KEY, b""))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["nope", "tests.no_such_module:f", "tests.test_codecs:missing", "tests.test_codecs:NOT_CALLABLE", ":f"],
+)
+def test_bad_callable_specs_are_config_errors_naming_the_spec(spec: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        get_decoder(spec)
+    assert repr(spec) in str(caught.value)
+
+
+def test_load_callable_follows_attribute_paths() -> None:
+    assert load_callable("os.path:join") is os.path.join
+    assert load_callable("pickle:Pickler.dump") is pickle.Pickler.dump
+
+
+def test_preprocess() -> None:
+    assert get_preprocess("") is None
+    preprocess = get_preprocess("tests.test_codecs:double")
+    assert preprocess is not None
+    assert preprocess({"data": 2, "__key__": KEY}) == {"data": 4, "__key__": KEY}
+    broken = get_preprocess("tests.test_codecs:broken_preprocess")
+    assert broken is not None
+    with pytest.raises(DecodeError, match=f"{KEY}.*preprocess"):
+        broken({"data": 1, "__key__": KEY})
+
+
+# ---------------------------------------------------------------------------------------------------- the contract
+
+
+def test_check_sample_contract() -> None:
+    ok = check_sample(KEY, {"a": np.float32(1.5), "b": [1, "x", None, {"c": b"d"}], "t": torch.ones(2)})
+    assert isinstance(ok["a"], np.ndarray) and ok["a"].shape == () and ok["__key__"] == KEY
+    for bad in [{"__reserved": 1}, {"a": [np.zeros(2)]}, {"a": np.array([object()])}, {"a": {1: 2}}, {"a": 1j}]:
+        with pytest.raises(DecodeError, match=KEY):
+            check_sample(KEY, bad)
+    with pytest.raises(DecodeError, match="dicts"):
+        check_sample(KEY, ["not", "a", "dict"])
+    deep: Any = 1
+    for _ in range(40):
+        deep = [deep]
+    with pytest.raises(DecodeError, match="nested"):
+        check_sample(KEY, {"deep": deep})
+
+
+@pytest.mark.parametrize("mode", ["w", "w:gz"])
+def test_tar_cut_anywhere_fails_or_is_complete(mode: str) -> None:
+    body = shard(GOOD_MEMBERS, mode)
+    complete = [sorted(sample) for sample in decode("tar", body)]
+    for cut in range(0, len(body), 61):
+        try:
+            samples = decode("tar", body[:cut])
+        except DecodeError:
+            continue
+        assert [sorted(sample) for sample in samples] == complete, f"silently partial at {cut} of {len(body)}"

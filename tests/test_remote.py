@@ -1,0 +1,540 @@
+"""The remote transport against a real S3 API (moto) behind a counting, fault-injecting proxy, and local files."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import random
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import fsspec
+import pytest
+from botocore.exceptions import ClientError, ReadTimeoutError
+
+from cachefeed.config import RemoteConfig
+from cachefeed.errors import (
+    ConfigError,
+    RemoteChangedError,
+    RemoteError,
+    RemoteForbiddenError,
+    RemoteNotFoundError,
+    RemoteTransientError,
+)
+from cachefeed.remote import Remote, RemoteObject, backoff_delay, translate_error
+from tests.support.counting_proxy import CountingProxy, Fault
+from tests.support.moto_server import MotoServer
+
+T = TypeVar("T")
+BUCKET = "data"
+PREFIX = "set"
+
+
+@pytest.fixture
+def proxy(s3: MotoServer) -> Iterator[CountingProxy]:
+    s3.client().create_bucket(Bucket=BUCKET)
+    with CountingProxy(s3.endpoint) as running:
+        yield running
+
+
+@pytest.fixture
+def remotes() -> Iterator[list[Remote]]:
+    made: list[Remote] = []
+    yield made
+    for remote in made:
+        remote.close()
+
+
+@pytest.fixture
+def make_remote(proxy: CountingProxy, remotes: list[Remote]) -> Callable[..., Remote]:
+    def make(
+        *, share: float = 1.0, retry_budget_burst: float = 10.0, options: dict[str, Any] | None = None, **fields: Any
+    ) -> Remote:
+        fields.setdefault("backoff_base_s", 0.001)
+        fields.setdefault("backoff_max_s", 0.01)
+        storage = options or {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
+        config = RemoteConfig(url=f"s3://{BUCKET}/{PREFIX}", storage_options=storage, **fields)
+        remote = Remote(config, share=share, retry_budget_burst=retry_budget_burst, rng=random.Random(7))
+        remotes.append(remote)
+        return remote
+
+    return make
+
+
+def put(s3: MotoServer, name: str, body: bytes) -> None:
+    s3.client().put_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}", Body=body)
+
+
+def run(remote: Remote, work: Callable[[], Awaitable[T]]) -> T:
+    """Run ``work`` on a fresh event loop, closing the remote's sessions on that loop afterwards."""
+
+    async def main() -> T:
+        try:
+            return await work()
+        finally:
+            await remote.aclose()
+
+    return asyncio.run(main())
+
+
+def fetch_one(remote: Remote, obj: RemoteObject) -> bytes:
+    return run(remote, lambda: remote.fetch(obj))
+
+
+def object_gets(proxy: CountingProxy) -> int:
+    return proxy.count("GET", f"/{BUCKET}/{PREFIX}/")
+
+
+# ---------------------------------------------------------------------------------------------------- listing
+
+
+def test_list_returns_matching_objects_sorted_with_sizes_and_etags(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    for name in ["b/002.npy", "a/001.npy", "000.npy", "notes.txt", "a/deep/003.npy"]:
+        put(s3, name, name.encode() * 3)
+    s3.client().put_object(Bucket=BUCKET, Key="elsewhere/004.npy", Body=b"outside the prefix")
+    remote = make_remote(pattern="**/*.npy")
+
+    objects = remote.list_objects()
+
+    names = ["000.npy", "a/001.npy", "a/deep/003.npy", "b/002.npy"]
+    assert [obj.path for obj in objects] == [f"{BUCKET}/{PREFIX}/{name}" for name in names]
+    for obj, name in zip(objects, names, strict=True):
+        head = s3.client().head_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}")
+        assert obj.size == len(name.encode() * 3)
+        assert obj.etag == head["ETag"]
+    assert proxy.count("HEAD") == 0
+    assert proxy.count(objects_only=True) == 0  # only bucket-level listing requests
+
+
+def test_list_pattern_star_star_takes_everything_and_refresh_sees_new_objects(
+    s3: MotoServer, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "x.bin", b"1")
+    remote = make_remote()
+    assert [obj.path for obj in remote.list_objects()] == [f"{BUCKET}/{PREFIX}/x.bin"]
+
+    put(s3, "sub/y.bin", b"22")
+    assert [obj.path for obj in remote.list_objects()] == [f"{BUCKET}/{PREFIX}/sub/y.bin", f"{BUCKET}/{PREFIX}/x.bin"]
+    assert remote.stats.listings_total == 2
+
+
+def test_listing_a_missing_bucket_is_not_found(proxy: CountingProxy, remotes: list[Remote]) -> None:
+    config = RemoteConfig(url="s3://no-such-bucket/x", storage_options={"endpoint_url": proxy.endpoint}, max_attempts=3)
+    remote = Remote(config)
+    remotes.append(remote)
+    with pytest.raises(RemoteNotFoundError, match="no-such-bucket"):
+        remote.list_objects()
+    assert proxy.count("GET") == 1  # not retried
+
+
+def test_listing_transient_failure_is_retried_by_cachefeed_only(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "x.bin", b"1")
+    proxy.inject(Fault(status=503, code="SlowDown", query_contains="list-type", times=-1))
+    remote = make_remote(max_attempts=3)
+    with pytest.raises(RemoteTransientError):
+        remote.list_objects()
+    assert proxy.count("GET") == 3  # max_attempts, and nothing below multiplies them
+
+    proxy.clear()
+    proxy.inject(Fault(status=500, code="InternalError", query_contains="list-type", times=1))
+    assert len(remote.list_objects()) == 1
+    assert proxy.count("GET") == 2
+
+
+# ---------------------------------------------------------------------------------------------------- fetching
+
+
+def test_fetch_sends_exactly_one_get_and_no_head_per_object(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    bodies = {f"{i:03d}.npy": os.urandom(100 + i) for i in range(20)}
+    for name, body in bodies.items():
+        put(s3, name, body)
+    remote = make_remote()
+    objects = remote.list_objects()
+    proxy.clear()
+
+    async def fetch_all() -> list[bytes]:
+        return await asyncio.gather(*(remote.fetch(obj) for obj in objects))
+
+    fetched = run(remote, fetch_all)
+
+    assert fetched == list(bodies.values())
+    assert object_gets(proxy) == 20
+    assert proxy.count("HEAD") == 0
+    assert len(proxy.seen()) == 20
+    assert remote.stats.requests_total == 20
+    assert remote.stats.bytes_total == sum(len(body) for body in bodies.values())
+    assert remote.stats.retries_total == 0
+
+
+def test_deleted_object_is_not_found_and_not_retried(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "gone.npy", b"soon gone")
+    remote = make_remote(max_attempts=5)
+    (obj,) = remote.list_objects()
+    s3.client().delete_object(Bucket=BUCKET, Key=f"{PREFIX}/gone.npy")
+
+    with pytest.raises(RemoteNotFoundError, match=r"gone\.npy"):
+        fetch_one(remote, obj)
+    assert object_gets(proxy) == 1
+    assert remote.stats.errors_total == {"not_found": 1}
+
+
+def test_forbidden_is_not_retried(s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]) -> None:
+    put(s3, "secret.npy", b"x")
+    remote = make_remote(max_attempts=5)
+    (obj,) = remote.list_objects()
+    proxy.inject(Fault(method="GET", path_contains="secret.npy", status=403, code="AccessDenied", times=-1))
+
+    with pytest.raises(RemoteForbiddenError):
+        fetch_one(remote, obj)
+    assert object_gets(proxy) == 1
+    assert remote.stats.errors_total == {"forbidden": 1}
+
+
+def test_object_replaced_after_listing_is_changed_412_not_retried(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "v.npy", b"version one")
+    remote = make_remote(max_attempts=5)
+    (obj,) = remote.list_objects()
+    put(s3, "v.npy", b"version two")  # same size, new ETag
+
+    with pytest.raises(RemoteChangedError):
+        fetch_one(remote, obj)
+    assert object_gets(proxy) == 1
+    assert remote.stats.errors_total == {"changed": 1}
+
+
+def test_body_length_differing_from_listing_is_changed(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "v.npy", b"12345")
+    remote = make_remote()
+    (obj,) = remote.list_objects()
+    stale = RemoteObject(obj.path, obj.size + 1, obj.etag)  # a listing that disagrees with the object
+    with pytest.raises(RemoteChangedError, match="listed 6"):
+        fetch_one(remote, stale)
+
+
+def test_transient_errors_are_retried_with_backoff_until_success(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "flaky.npy", b"worth the wait")
+    remote = make_remote(max_attempts=5)
+    (obj,) = remote.list_objects()
+    proxy.inject(Fault(method="GET", path_contains="flaky", status=503, code="SlowDown", times=1))
+    proxy.inject(Fault(method="GET", path_contains="flaky", status=500, code="InternalError", times=1))
+
+    assert fetch_one(remote, obj) == b"worth the wait"
+    assert object_gets(proxy) == 3
+    assert remote.stats.retries_total == 2
+    assert remote.stats.errors_total == {"transient": 2}
+
+
+def test_persistent_transient_error_gives_up_after_max_attempts(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "down.npy", b"x")
+    remote = make_remote(max_attempts=4)
+    (obj,) = remote.list_objects()
+    proxy.inject(Fault(method="GET", path_contains="down", status=503, code="SlowDown", times=-1))
+
+    with pytest.raises(RemoteTransientError, match="4 attempts"):
+        fetch_one(remote, obj)
+    assert object_gets(proxy) == 4  # botocore and s3fs add no attempts of their own
+    assert remote.stats.retries_total == 3
+
+
+def test_single_attempt_means_a_single_request(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "once.npy", b"x")
+    remote = make_remote(max_attempts=1)
+    (obj,) = remote.list_objects()
+    proxy.inject(Fault(method="GET", path_contains="once", status=429, code="TooManyRequests", times=-1))
+    with pytest.raises(RemoteTransientError):
+        fetch_one(remote, obj)
+    assert object_gets(proxy) == 1
+
+
+def test_truncated_body_is_transient_and_retried(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    body = os.urandom(4096)
+    put(s3, "cut.npy", body)
+    remote = make_remote()
+    (obj,) = remote.list_objects()
+    proxy.inject(Fault(action="truncate", method="GET", path_contains="cut", times=1))
+
+    assert fetch_one(remote, obj) == body
+    assert object_gets(proxy) == 2
+    assert remote.stats.errors_total == {"transient": 1}
+
+
+def test_body_corrupted_in_transit_is_caught_by_the_checksum_and_retried(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    body = os.urandom(2048)
+    put(s3, "rot.npy", body)  # boto3 uploads with a CRC32 that S3 returns when asked (x-amz-checksum-mode)
+    remote = make_remote()
+    (obj,) = remote.list_objects()
+    proxy.inject(Fault(action="corrupt", method="GET", path_contains="rot", times=1))
+
+    assert fetch_one(remote, obj) == body
+    assert object_gets(proxy) == 2
+    assert remote.stats.errors_total == {"transient": 1}
+
+
+def test_read_timeout_is_transient_and_retried(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "slow.npy", b"eventually")
+    remote = make_remote(read_timeout_s=0.2)
+    (obj,) = remote.list_objects()
+    proxy.inject(Fault(action="delay", delay_s=1.0, method="GET", path_contains="slow", times=1))
+
+    started = time.monotonic()
+    assert fetch_one(remote, obj) == b"eventually"
+    assert time.monotonic() - started < 0.95  # the timeout fired, the slow reply was not awaited
+    assert remote.stats.retries_total == 1
+
+
+def test_connection_reset_is_transient_and_resent_at_most_once_by_aiohttp(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "reset.npy", b"x")
+    remote = make_remote(max_attempts=2)
+    (obj,) = remote.list_objects()
+    proxy.inject(Fault(action="reset", method="GET", path_contains="reset", times=-1))
+    with pytest.raises(RemoteTransientError):
+        fetch_one(remote, obj)
+    # NOTE [ One retry layer ]: aiohttp re-sends once on a dropped connection; nothing else multiplies attempts.
+    assert 2 <= object_gets(proxy) <= 2 * 2
+    assert remote.stats.requests_total == 2
+
+    proxy.clear()
+    proxy.inject(Fault(action="reset", method="GET", path_contains="reset", times=3))
+    assert fetch_one(remote, obj) == b"x"
+
+
+def test_retry_budget_bounds_the_load_on_a_failing_remote(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    for i in range(6):
+        put(s3, f"{i}.npy", b"x")
+    remote = make_remote(max_attempts=5, retry_budget=0.0, retry_budget_burst=2)
+    objects = remote.list_objects()
+    proxy.inject(Fault(method="GET", status=503, code="SlowDown", times=-1, path_contains=f"/{PREFIX}/"))
+
+    async def fetch_all() -> list[BaseException | bytes]:
+        results: list[BaseException | bytes] = []
+        for obj in objects:
+            try:
+                results.append(await remote.fetch(obj))
+            except RemoteError as exc:
+                results.append(exc)
+        return results
+
+    results = run(remote, fetch_all)
+    assert all(isinstance(result, RemoteTransientError) for result in results)
+    assert object_gets(proxy) == 6 + 2  # one attempt each, plus the burst of two retries
+    assert remote.stats.retries_total == 2
+    assert remote.stats.budget_exhausted_total == 6
+
+
+def test_credentials_never_appear_in_errors_tracebacks_or_logs(
+    s3: MotoServer, proxy: CountingProxy, remotes: list[Remote], caplog: pytest.LogCaptureFixture
+) -> None:
+    sentinels = {"key": "AKIASENTINELKEY0001", "secret": "sentinel-secret-4f1d", "token": "sentinel-token-9c2e"}
+    put(s3, "a.npy", b"x")
+    config = RemoteConfig(
+        url=f"s3://{BUCKET}/{PREFIX}",
+        storage_options={"endpoint_url": proxy.endpoint, **sentinels},
+        max_attempts=2,
+        backoff_base_s=0.001,
+    )
+    remote = Remote(config)
+    remotes.append(remote)
+    caplog.set_level(logging.DEBUG, logger="cachefeed")
+    (obj,) = remote.list_objects()
+
+    # The server echoes the Authorization header and session token, as S3's SignatureDoesNotMatch does.
+    proxy.inject(Fault(method="GET", path_contains="a.npy", status=403, code="SignatureDoesNotMatch", echo_auth=True))
+    proxy.inject(Fault(method="GET", path_contains="a.npy", status=503, code="SlowDown", echo_auth=True, times=-1))
+    proxy.inject(Fault(query_contains="list-type", status=403, code="AccessDenied", echo_auth=True, times=-1))
+    errors: list[BaseException] = []
+    for attempt in (lambda: fetch_one(remote, obj), lambda: fetch_one(remote, obj), remote.list_objects):
+        with pytest.raises(RemoteError) as caught:
+            attempt()
+        errors.append(caught.value)
+    assert [type(error) for error in errors] == [RemoteForbiddenError, RemoteTransientError, RemoteForbiddenError]
+
+    texts = [str(error) + repr(error) + "".join(traceback.format_exception(error)) for error in errors]
+    texts += [record.getMessage() for record in caplog.records]
+    for text in texts:
+        for secret in sentinels.values():
+            assert secret not in text
+    assert "a.npy" in texts[0]
+
+
+# ---------------------------------------------------------------------------------------------------- rate caps
+
+
+def test_request_rate_cap_is_scaled_by_share(
+    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+) -> None:
+    for i in range(6):
+        put(s3, f"{i}.npy", b"x")
+    remote = make_remote(max_requests_per_s=20.0, share=0.5)  # 10 requests/s for this process, burst of 1
+    objects = remote.list_objects()
+
+    async def fetch_all() -> list[bytes]:
+        return await asyncio.gather(*(remote.fetch(obj) for obj in objects))
+
+    started = time.monotonic()
+    run(remote, fetch_all)
+    assert time.monotonic() - started >= 0.45  # 5 requests beyond the burst, 0.1 s apart
+    assert remote.stats.throttled_s > 0
+
+
+def test_byte_rate_cap(s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]) -> None:
+    for i in range(5):
+        put(s3, f"{i}.npy", os.urandom(1000))
+    remote = make_remote(max_bytes_per_s=10_000)  # burst 1000 bytes: one object
+    objects = remote.list_objects()
+
+    async def fetch_all() -> list[bytes]:
+        return await asyncio.gather(*(remote.fetch(obj) for obj in objects))
+
+    started = time.monotonic()
+    assert sum(len(body) for body in run(remote, fetch_all)) == 5000
+    assert time.monotonic() - started >= 0.35  # 4000 bytes beyond the burst at 10 kB/s
+
+
+# ---------------------------------------------------------------------------------------------------- other protocols
+
+
+def test_local_files_list_fetch_and_detect_changes(tmp_path: Path, remotes: list[Remote]) -> None:
+    (tmp_path / "a" / "deep").mkdir(parents=True)
+    files = {"000.npy": b"zero", "a/001.npy": b"one!", "a/deep/002.npy": b"two!!", "a/skip.txt": b"no"}
+    for name, body in files.items():
+        (tmp_path / name).write_bytes(body)
+    remote = Remote(RemoteConfig(url=f"file://{tmp_path}", pattern="**/*.npy", max_attempts=3))
+    remotes.append(remote)
+
+    objects = remote.list_objects()
+    assert [obj.path for obj in objects] == [
+        str(tmp_path / name) for name in ["000.npy", "a/001.npy", "a/deep/002.npy"]
+    ]
+    stat = (tmp_path / "000.npy").stat()
+    assert objects[0].etag == f"{int(stat.st_mtime * 1e9)}-{stat.st_size}"
+
+    async def fetch_all() -> list[bytes]:
+        return [await remote.fetch(obj) for obj in objects]
+
+    assert run(remote, fetch_all) == [b"zero", b"one!", b"two!!"]
+
+    (tmp_path / "000.npy").write_bytes(b"ZERO")  # same size, new mtime
+    os.utime(tmp_path / "000.npy", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(RemoteChangedError):
+        fetch_one(remote, objects[0])
+    (tmp_path / "a" / "001.npy").unlink()
+    with pytest.raises(RemoteNotFoundError):
+        fetch_one(remote, objects[1])
+    assert remote.stats.retries_total == 0
+
+
+def test_memory_filesystem(remotes: list[Remote]) -> None:
+    root = f"/cachefeed-test-{uuid.uuid4().hex}"
+    memory = fsspec.filesystem("memory")
+    memory.pipe({f"{root}/x/1.bin": b"one", f"{root}/2.bin": b"two!"})
+    try:
+        remote = Remote(RemoteConfig(url=f"memory://{root}"))
+        remotes.append(remote)
+        objects = remote.list_objects()
+        assert [(obj.path, obj.size) for obj in objects] == [(f"{root}/2.bin", 4), (f"{root}/x/1.bin", 3)]
+        assert all(obj.etag for obj in objects)
+
+        async def fetch_all() -> list[bytes]:
+            return [await remote.fetch(obj) for obj in objects]
+
+        assert run(remote, fetch_all) == [b"two!", b"one"]
+    finally:
+        memory.rm(root, recursive=True)
+
+
+# ---------------------------------------------------------------------------------------------------- units
+
+
+def test_backoff_is_full_jitter_exponential_and_capped() -> None:
+    rng = random.Random(1)
+    for retry in range(12):
+        cap = min(2.0, 0.1 * 2**retry)
+        draws = [backoff_delay(retry, 0.1, 2.0, rng) for _ in range(300)]
+        assert all(0.0 <= draw <= cap for draw in draws)
+        assert max(draws) > 0.8 * cap and min(draws) < 0.2 * cap  # spread over the whole range
+    assert backoff_delay(10_000, 0.1, 2.0, rng) <= 2.0
+
+
+def _client_error(status: int, code: str) -> ClientError:
+    return ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (_client_error(404, "NoSuchKey"), RemoteNotFoundError),
+        (_client_error(403, "AccessDenied"), RemoteForbiddenError),
+        (_client_error(401, "Unauthorized"), RemoteForbiddenError),
+        (_client_error(412, "PreconditionFailed"), RemoteChangedError),
+        (_client_error(503, "SlowDown"), RemoteTransientError),
+        (_client_error(400, "ThrottlingException"), RemoteTransientError),
+        (_client_error(502, "SomethingNew"), RemoteTransientError),
+        (_client_error(400, "InvalidArgument"), RemoteError),
+        (FileNotFoundError(2, "No such file"), RemoteNotFoundError),
+        (PermissionError(13, "Permission denied"), RemoteForbiddenError),
+        (ConnectionResetError(104, "reset"), RemoteTransientError),
+        (TimeoutError(), RemoteTransientError),
+        (aiohttp.ClientPayloadError("cut"), RemoteTransientError),
+        (aiohttp.ServerDisconnectedError(), RemoteTransientError),
+        (ReadTimeoutError(endpoint_url="http://x"), RemoteTransientError),
+        (ValueError("a bug"), RemoteError),
+    ],
+)
+def test_translation_table(exc: BaseException, kind: type[RemoteError]) -> None:
+    error = translate_error(exc, "bucket/key")
+    assert type(error) is kind
+    assert "bucket/key" in str(error)
+
+
+def test_translation_follows_the_cause_chain() -> None:
+    wrapped = OSError(5, "s3fs translated it")
+    wrapped.__cause__ = _client_error(403, "AccessDenied")
+    assert type(translate_error(wrapped, "k")) is RemoteForbiddenError
+
+
+def test_remote_refuses_pickling_bad_share_and_unknown_protocols() -> None:
+    config = RemoteConfig(url="memory://x")
+    with pytest.raises(TypeError, match="inside the process"):
+        pickle.dumps(Remote(config))
+    with pytest.raises(ValueError, match="share"):
+        Remote(config, share=0.0)
+    with pytest.raises(ConfigError, match=r"remote\.url") as caught:
+        Remote(RemoteConfig(url="nosuchprotocol://user:pw-sentinel@host/x"))
+    assert "pw-sentinel" not in str(caught.value)
