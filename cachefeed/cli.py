@@ -24,18 +24,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser. Only the module of the subcommand named in ``argv`` is imported (the CLI starts fast, and one
+    subcommand's heavy imports, torch or moto, never slow down or break another)."""
     parser = argparse.ArgumentParser(
         prog="cachefeed",
         description="A rolling local sample cache for PyTorch training on object storage.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((arg for arg in argv if arg in COMMANDS), None)
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(command)
-        command.set_defaults(_run=module.run)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(command)
+            command.set_defaults(_run=module.run)
     return parser
 
 
@@ -46,8 +50,8 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args._run(args))
     except CachefeedError as exc:

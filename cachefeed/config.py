@@ -12,6 +12,7 @@ time; ``node.rank``/``node.count`` default from the usual launcher variables whe
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -150,13 +151,19 @@ def _int_at_least(low: int) -> Callable[[object], int]:
 
 def _float_at_least(low: float) -> Callable[[object], float]:
     def parse(value: object) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(f"expected a number >= {low:g}")
         if value < low:
             raise ValueError(f"expected a number >= {low:g}")
         return float(value)
 
     return parse
+
+
+def _port(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError("expected a TCP port from 1 to 65535, or 0 for off")
+    return value
 
 
 def _fraction(value: object) -> float:
@@ -174,7 +181,7 @@ def _positive_size(value: object) -> int:
 
 def _positive_duration(value: object) -> float:
     seconds = parse_duration(value)
-    if seconds <= 0:
+    if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError("expected a duration > 0 such as 30s")
     return seconds
 
@@ -308,7 +315,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
     },
     "status": {
         "interval": ("interval_s", _positive_duration, "status publication interval (1s)"),
-        "metrics_port": ("metrics_port", _int_at_least(0), "Prometheus HTTP port on 127.0.0.1, 0 = off (0)"),
+        "metrics_port": ("metrics_port", _port, "Prometheus HTTP port on 127.0.0.1, 0 = off (0)"),
         "metrics_textfile": ("metrics_textfile", _string, "node-exporter textfile path, empty = off"),
     },
     "log": {
@@ -328,16 +335,23 @@ _REQUIRED = {("remote", "url"), ("cache", "dir"), ("cache", "max_bytes")}
 
 
 def _unknown(kind: str, name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1)
+    close = difflib.get_close_matches(name.rpartition(".")[2], known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"unknown {kind} {name!r} (expected one of: {', '.join(known)}){hint}"
 
 
-def _env_int(env: Mapping[str, str], *names: str) -> int | None:
+def _env_int(env: Mapping[str, str], source: str, *names: str) -> int | None:
+    """The first of ``names`` set in ``env``, as an int >= 0; a malformed value is an error, never ignored."""
     for name in names:
         raw = env.get(name, "").strip()
-        if raw.isdigit():
-            return int(raw)
+        if not raw:
+            continue
+        if not raw.isdigit():
+            raise ConfigError(
+                f"{source}: environment variable {name} = {raw!r}: expected an integer >= 0 "
+                "(or set node.rank/node.count in the config)"
+            )
+        return int(raw)
     return None
 
 
@@ -367,8 +381,10 @@ def parse_config(
             raise ConfigError(f"{source}: {section_name}.{key} is required ({SCHEMA[section_name][key][2]})")
 
     node = sections["node"]
-    node.setdefault("rank", _env_int(env, "NODE_RANK", "GROUP_RANK") or 0)
-    node.setdefault("count", _env_int(env, "NNODES") or 1)
+    if "rank" not in node:
+        node["rank"] = _env_int(env, source, "NODE_RANK", "GROUP_RANK") or 0
+    if "count" not in node:
+        node["count"] = _env_int(env, source, "NNODES") or 1
     _check_cross_field(sections, source)
 
     built = {name: _SECTION_TYPES[name](**values) for name, values in sections.items()}
@@ -399,6 +415,18 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
             "cached set: lower turnover or raise max_bytes"
         )
     cache["turnover_bytes"] = turnover_bytes
+    for section, base, cap in (
+        ("remote", "backoff_base", "backoff_max"),
+        ("sampler", "restart_backoff", "restart_backoff_max"),
+    ):
+        values = sections[section]
+        base_s = values.get(SCHEMA[section][base][0])
+        cap_s = values.get(SCHEMA[section][cap][0])
+        if base_s is not None and cap_s is not None and float(base_s) > float(cap_s):  # type: ignore[arg-type]
+            raise ConfigError(
+                f"{source}: {section}.{base} = {base_s}s is above {section}.{cap} = {cap_s}s: "
+                f"expected {base} <= {cap}"
+            )
     if int(node["rank"]) >= int(node["count"]):  # type: ignore[call-overload]
         raise ConfigError(
             f"{source}: node.rank = {node['rank']} must be below node.count = {node['count']}"

@@ -87,11 +87,21 @@ class CacheLayout:
             info = os.lstat(directory)
             if not stat.S_ISDIR(info.st_mode):
                 raise NoSuchCacheError(f"{directory} is not a directory (a symlink or a file): refusing to use it")
-            os.chmod(directory, dir_mode, follow_symlinks=False)
+            os.chmod(directory, self._mode_of(directory, dir_mode), follow_symlinks=False)
         if not self.tag_file.exists():
             fd = os.open(self.tag_file, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode)
             with os.fdopen(fd, "w") as handle:
                 handle.write(_TAG)
+
+    def _mode_of(self, directory: Path, dir_mode: int) -> int:
+        """snapshots/ is where trainers write: if the group may read the cache, it may pin too.
+
+        Group write lets trainers of the cache's group create snapshots; setgid keeps their files in that group;
+        the sticky bit stops one trainer from deleting another's pins (the daemon owns the directory and sweeps).
+        """
+        if directory == self.snapshots and dir_mode & 0o050 == 0o050:
+            return dir_mode | 0o070 | stat.S_ISGID | stat.S_ISVTX
+        return dir_mode
 
     def check(self) -> None:
         """Raise NoSuchCacheError unless ``root`` is an existing cachefeed cache."""

@@ -247,11 +247,11 @@ def _remove_if_unheld(fd: int, lock_path: Path, directory: Path) -> bool:
             return False  # someone else already removed it
     except FileNotFoundError:
         return False
-    remove_tree(directory)
     try:
-        os.unlink(lock_path)
-    except FileNotFoundError:
-        pass
+        remove_tree(directory)
+        lock_path.unlink(missing_ok=True)
+    except PermissionError:
+        return False  # another user's snapshot in a sticky directory: the daemon's sweep removes it
     return True
 
 

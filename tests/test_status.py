@@ -1,0 +1,533 @@
+"""``cachefeed status`` on status documents written by the test (the daemon's side: test_status_daemon.py).
+
+Every document here follows the contract (tests/api brief, ``STATUS_SCHEMA``); each test changes one thing and
+checks the verdict (exit status), the human output and the JSON output, through the real CLI entry point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cachefeed import cli
+from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.snapshots import Snapshot
+from cachefeed.fsutil import atomic_write
+from cachefeed.records import SegmentWriter
+from cachefeed.status import WIDTH, Health, read_report, render_human, stale_after_s
+
+REPO = Path(__file__).resolve().parents[1]
+# ``cachefeed status`` through the real CLI, with only the status subcommand registered: cli.py imports every
+# subcommand's module to build its parser, and the status command must not depend on the others.
+_ONLY_STATUS = (
+    "import sys\nfrom cachefeed import cli\ncli.COMMANDS = {'status': cli.COMMANDS['status']}\nsys.exit(cli.main())\n"
+)
+STATUS_CMD = [sys.executable, "-c", _ONLY_STATUS, "status"]
+
+
+@pytest.fixture(autouse=True)
+def _only_status_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "COMMANDS", {"status": cli.COMMANDS["status"]})
+
+
+def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
+    """A healthy, running daemon's document (every key of the contract), with ``changes`` applied."""
+    now = time.time()
+    document: dict[str, Any] = {
+        "version": 1,
+        "state": "running",
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started_at": now - 7260,
+        "updated_at": now,
+        "degraded_reasons": [],
+        "cache": {
+            "dir": str(cache_dir),
+            "bytes": 12 << 30,
+            "max_bytes": 16 << 30,
+            "samples": 1_234_567,
+            "max_samples": 0,
+            "segments": 183,
+            "pinned_bytes": 3 << 30,
+            "pinned_only_bytes": 1 << 30,
+            "reserved_bytes": 128 << 20,
+            "free_bytes": 40 << 30,
+            "min_free_bytes": 1 << 30,
+            "turnover_bytes": 4 << 30,
+            "is_backpressured": False,
+            "snapshots": [
+                {"id": "run1-e3", "samples": 12_345, "segments": 20, "owner": "pid 555 on node7", "age_s": 180.0},
+            ],
+        },
+        "ingest": {
+            "bytes_per_s": 120.3 * (1 << 20),
+            "samples_per_s": 812.0,
+            "objects_per_s": 3.1,
+            "objects_total": 45_678,
+            "samples_total": 9_123_456,
+            "bytes_total": 1 << 40,
+            "segments_total": 1234,
+        },
+        "evicted": {"samples_total": 6_000_000, "bytes_total": 800 << 30, "segments_total": 5000, "turnover_s": 860.0},
+        "remote": {
+            "url": "s3://bucket/prefix",
+            "objects_listed": 12_345,
+            "last_listed_at": now - 80,
+            "list_errors_total": 1,
+            "passes_completed": 3,
+            "requests_total": 123_456,
+            "retries_total": 1234,
+            "errors_total": 56,
+            "errors_by_kind": {"forbidden": 3, "transient": 53},
+            "quarantined_total": 2,
+            "bytes_total": 1 << 40,
+        },
+        "samplers": [
+            {"index": 0, "pid": 1235, "state": "running", "restarts": 0, "objects_total": 12_345, "last_error": None},
+            {
+                "index": 1,
+                "pid": None,
+                "state": "restarting",
+                "restarts": 2,
+                "objects_total": 2345,
+                "last_error": "RemoteForbiddenError: access denied",
+            },
+        ],
+    }
+    for path, value in changes.items():
+        target = document
+        *parents, last = path.split("__")
+        for parent in parents:
+            target = target[parent]
+        target[last] = value
+    return document
+
+
+def make_cache(root: Path) -> CacheLayout:
+    layout = CacheLayout(root)
+    layout.create()
+    return layout
+
+
+def write_status(layout: CacheLayout, document: dict[str, Any]) -> None:
+    atomic_write(layout.status_file, json.dumps(document).encode())
+
+
+def status(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["status", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_running_daemon_human_output_fits_80_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root))
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == 0
+    assert max(len(line) for line in out.splitlines()) <= WIDTH
+    for expected in (
+        "health RUNNING",
+        "12.0 GiB of 16.0 GiB (75%), 1,234,567 samples, 183 segments",
+        "40.0 GiB on the filesystem, floor 1.0 GiB",
+        "120.3 MiB/s",
+        "812 samples/s",
+        "6,000,000 samples",
+        "a segment stays about 14m20s; 4.0 GiB kept for fresh samples",
+        "3.0 GiB by 1 snapshot (1.0 GiB already evicted)",
+        "run1-e3: 12,345 samples, 20 segments, pid 555 on node7, 3m00s old",
+        "1 of 2 running, 2 restarts",
+        "#1 restarting",
+        "RemoteForbiddenError: access denied",
+        "s3://bucket/prefix",
+        "12,345 objects, listed 1m20s ago, 3 passes done, 1 failed",
+        "123,456 requests, 1,234 retries",
+        "56 (forbidden 3, transient 53); 2 objects quarantined",
+        "up 2h01m",
+    ):
+        assert expected in " ".join(out.split()), (expected, out)
+
+
+def test_json_is_the_document_plus_heartbeat_age(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    document = make_document(layout.root, updated_at=time.time() - 2.0)
+    write_status(layout, document)
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root), "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert 1.9 <= shown.pop("heartbeat_age_s") < 10
+    assert shown.pop("health") == {"status": "running", "exit_status": 0, "reasons": []}
+    assert shown == document  # nested objects, unchanged
+
+
+def test_degraded_reasons_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    reason = "sampler 1 restarted 5 times in 60s"
+    write_status(layout, make_document(layout.root, state="degraded", degraded_reasons=[reason]))
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == Health.DEGRADED == 2
+    assert "DEGRADED (exit 2)" in out and reason in out
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root), "--json")
+    assert code == 2 and json.loads(out)["health"]["reasons"] == [reason]
+
+
+@pytest.mark.parametrize(("state", "expected"), [("starting", 5), ("stopping", 5), ("stopped", 3), ("weird", 4)])
+def test_states_map_to_exit_statuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], state: str, expected: int
+) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root, state=state))
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == expected, out
+
+
+def test_stale_heartbeat_is_not_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root, updated_at=time.time() - 6.0))
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == Health.NOT_RUNNING == 3
+    assert "stale heartbeat" in out and "NOT RUNNING" in out
+    assert "1,234,567 samples" in out  # the last known status is still shown
+
+
+def test_stale_limit_follows_the_configured_interval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root, updated_at=time.time() - 8.0))
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[remote]\nurl = "memory://x"\n[cache]\ndir = "{layout.root}"\nmax_bytes = "1GiB"\n'
+        'segment_bytes = "1MiB"\n[status]\ninterval = "2s"\n'
+    )
+    assert stale_after_s(2.0) == 10.0
+    code, _, _ = status(capsys, "--config", str(config))
+    assert code == 0  # 8 s old, limit 10 s
+    code, _, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == 3  # default interval 1 s: limit 5 s
+    write_status(layout, make_document(layout.root, updated_at=time.time() - 8.0, interval_s=2.0))
+    code, _, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == 0  # the document's optional interval_s hint
+
+
+def test_dead_pid_on_this_host_is_not_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    write_status(layout, make_document(layout.root, pid=child.pid))
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == 3
+    assert f"pid {child.pid}) is gone" in out
+    # a zombie (killed, not yet reaped by its parent) is gone too
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        zombie.kill()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{zombie.pid}/stat").read_text().split(") ")[1][0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        write_status(layout, make_document(layout.root, pid=zombie.pid))
+        assert status(capsys, "--cache-dir", str(layout.root))[0] == 3
+    finally:
+        zombie.wait()
+    # the same dead pid on another host is not checked: the fresh heartbeat decides
+    write_status(layout, make_document(layout.root, pid=child.pid, host="another-host"))
+    assert status(capsys, "--cache-dir", str(layout.root))[0] == 0
+
+
+def test_dead_pid_with_an_advancing_heartbeat_is_alive(tmp_path: Path) -> None:
+    """Another pid namespace under the same host name: the pid looks gone but the document keeps moving."""
+    layout = make_cache(tmp_path / "cache")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    write_status(layout, make_document(layout.root, pid=child.pid))
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys, time\n"
+            "from cachefeed.fsutil import atomic_write\n"
+            "doc = json.loads(open(sys.argv[1]).read())\n"
+            "for _ in range(200):\n"
+            "    doc['updated_at'] = time.time()\n"
+            "    atomic_write(sys.argv[1], json.dumps(doc).encode())\n"
+            "    time.sleep(0.1)\n",
+            str(layout.status_file),
+        ],
+        cwd=REPO,
+    )
+    try:
+        report = read_report(layout.root, interval_s=0.2)
+        assert report.health == Health.RUNNING, report.reasons
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "empty"),
+        (b'{"version": 1, "state": "runn', "not valid JSON"),
+        (b"\xff\xfe garbage", "not valid JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (b'{"version": 2}', "status version 2"),
+        (b'{"version": 1, "state": "running"}', "pid is missing"),
+    ],
+)
+def test_corrupt_or_half_written_status_never_crashes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
+    layout = make_cache(tmp_path / "cache")
+    layout.status_file.write_bytes(content)
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == Health.UNREADABLE == 4
+    assert message in out and "UNREADABLE" in out
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root), "--json")
+    shown = json.loads(out)
+    assert code == 4 and shown["health"]["status"] == "unreadable" and message in shown["health"]["reasons"][0]
+    assert shown["cache"]["segments"] == 0  # the directory's own view comes with it
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("cache__bytes", "12", "cache.bytes: expected a number"),
+        ("cache__is_backpressured", None, "cache.is_backpressured"),
+        ("samplers", {"0": {}}, "samplers: expected a list"),
+        ("remote__errors_by_kind", {"forbidden": "many"}, "remote.errors_by_kind.forbidden"),
+        ("pid", True, "pid: expected a number"),
+    ],
+)
+def test_wrong_types_are_reported_by_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], path: str, value: object, message: str
+) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root, **{path: value}))
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == 4 and message in out
+
+
+def test_status_symlink_is_not_followed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(make_document(layout.root)))
+    layout.status_file.symlink_to(elsewhere)
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == 4 and "symlink is never followed" in out
+
+
+def _as_unprivileged() -> list[str]:
+    """A command prefix that drops to nobody (when root), so that permissions apply."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: cannot drop privileges")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def test_permission_problems_are_explained(tmp_path: Path) -> None:
+    prefix = _as_unprivileged()
+    base = Path(tempfile.mkdtemp(prefix="cachefeed-perm-", dir="/tmp"))  # traversable by nobody, unlike tmp_path
+    try:
+        base.chmod(0o755)
+        layout = make_cache(base / "cache")
+        write_status(layout, make_document(layout.root))
+
+        def run_status() -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*prefix, *STATUS_CMD, "--cache-dir", str(layout.root)], cwd=REPO, capture_output=True, text=True
+            )
+
+        layout.root.chmod(0o750)  # group-readable only: another user
+        result = run_status()
+        assert result.returncode == 4 and "join its group" in result.stdout + result.stderr
+        assert "Traceback" not in result.stderr
+        layout.root.chmod(0o755)
+        layout.status_file.chmod(0o640)
+        result = run_status()
+        assert result.returncode == 4 and "permission denied" in result.stdout, result.stdout + result.stderr
+        base.chmod(0o700)  # cannot even reach the cache
+        result = run_status()
+        assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr
+    finally:
+        base.chmod(0o755)
+        shutil.rmtree(base)
+
+
+def _write_segment(path: Path, samples: int) -> None:
+    writer = SegmentWriter(path, capacity=1 << 20)
+    for i in range(samples):
+        assert writer.append(writer.encode({"__key__": f"k{i}", "x": np.arange(8, dtype=np.float32) + i}))
+    writer.finish(fsync=False)
+
+
+def test_static_cache_without_status_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    _write_segment(layout.segments / "0000000000000000.seg", 5)
+    _write_segment(layout.segments / "0000000000000001.seg", 7)
+    (layout.segments / "0000000000000002.seg").write_bytes(b"junk")
+    with Snapshot.create(layout.root, "run-e0"):
+        code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+        assert code == Health.NOT_RUNNING == 3
+        text = " ".join(out.split())
+        assert "no status file" in text
+        assert "12 samples, 3 segments (1 invalid)" in text
+        assert "by 1 snapshot" in text and f"pid {os.getpid()}" in text
+        code, out, _ = status(capsys, "--cache-dir", str(layout.root), "--json")
+        shown = json.loads(out)
+    assert code == 3
+    assert shown["state"] is None and shown["heartbeat_age_s"] is None
+    assert shown["cache"]["samples"] == 12 and shown["cache"]["segments"] == 3
+    assert [snap["id"] for snap in shown["cache"]["snapshots"]] == ["run-e0"]
+    assert shown["health"]["status"] == "not_running"
+
+
+def test_no_such_cache_exits_66(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = status(capsys, "--cache-dir", str(tmp_path / "missing"))
+    assert code == 66 and "no cache at" in err
+    (tmp_path / "plain").mkdir()
+    code, _, err = status(capsys, "--cache-dir", str(tmp_path / "plain"))
+    assert code == 66 and "not a cachefeed cache" in err
+
+
+def test_bad_config_exits_78(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = status(capsys, "--config", str(tmp_path / "missing.toml"))
+    assert code == 78 and "no such config file" in err
+
+
+def test_hostile_strings_cannot_reach_the_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = make_cache(tmp_path / "cache")
+    document = make_document(layout.root)
+    document["samplers"][1]["last_error"] = "not found: evil\x1b[2J\x1b]0;pwned\x07key\nFAKE LINE " + "x" * 500
+    document["remote"]["url"] = "s3://b/\x1b[31mred"
+    document["cache"]["snapshots"][0]["id"] = "e\u202ex"
+    write_status(layout, document)
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == 0
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "\nFAKE LINE" not in out
+    assert max(len(line) for line in out.splitlines()) <= WIDTH
+
+
+def test_many_samplers_and_snapshots_stay_compact(tmp_path: Path) -> None:
+    layout = make_cache(tmp_path / "cache")
+    document = make_document(layout.root)
+    sampler = document["samplers"][0]
+    document["samplers"] = [{**copy.deepcopy(sampler), "index": i} for i in range(32)]
+    document["samplers"][7]["state"] = "restarting"
+    snap = document["cache"]["snapshots"][0]
+    document["cache"]["snapshots"] = [{**snap, "id": f"run-e{i}"} for i in range(20)]
+    write_status(layout, document)
+    out = render_human(read_report(layout.root))
+    assert len(out.splitlines()) < 40
+    assert "31 of 32 running" in out and "#7 restarting" in out and "#8 " not in out
+    assert "... and 12 more" in out
+
+
+@contextlib.contextmanager
+def watching(*argv: str, limit_s: float = 30) -> Iterator[subprocess.Popen[str]]:
+    """``cachefeed status --watch`` as a subprocess; killed after ``limit_s`` so a blocked readline ends (EOF)."""
+    process = subprocess.Popen(
+        [*STATUS_CMD, *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    killer = threading.Timer(limit_s, process.kill)
+    killer.start()
+    try:
+        yield process
+    finally:
+        killer.cancel()
+        process.kill()
+        process.wait()
+
+
+def interrupt(process: subprocess.Popen[str]) -> str:
+    """Ctrl-C; returns stderr. The process must exit by itself."""
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=20)
+    return err
+
+
+def test_watch_refreshes_until_ctrl_c(tmp_path: Path) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root, state="starting"))
+    with watching("--cache-dir", str(layout.root), "--watch", "0.1", "--json") as process:
+        assert process.stdout is not None
+        assert json.loads(process.stdout.readline())["state"] == "starting"  # one JSON document per line
+        write_status(layout, make_document(layout.root, state="running"))
+        deadline = time.monotonic() + 20
+        while json.loads(process.stdout.readline())["state"] != "running":
+            assert time.monotonic() < deadline
+        err = interrupt(process)
+    assert process.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def test_watch_human_frames_and_a_missing_cache(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    with watching("--cache-dir", str(root), "--watch", "0.1") as process:
+        assert process.stdout is not None
+        assert "no cache at" in process.stdout.readline()  # not there yet: watching goes on
+        layout = make_cache(root)
+        write_status(layout, make_document(root))
+        deadline = time.monotonic() + 20
+        while "health    RUNNING" not in process.stdout.readline():
+            assert time.monotonic() < deadline
+        err = interrupt(process)
+    assert process.returncode == 0 and "Traceback" not in err
+
+
+def test_watch_on_a_terminal_redraws_in_place(tmp_path: Path) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root))
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        [*STATUS_CMD, "--cache-dir", str(layout.root), "--watch", "0.1"],
+        cwd=REPO,
+        stdout=terminal,
+        stderr=subprocess.DEVNULL,
+    )
+    os.close(terminal)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 20
+        while seen.count(b"\x1b[H\x1b[2J") < 3:  # home + clear before each frame
+            assert time.monotonic() < deadline, seen[-500:]
+            if select.select([controller], [], [], 0.1)[0]:
+                seen += os.read(controller, 65536)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(20) == 0
+    finally:
+        process.kill()
+        process.wait()
+        os.close(controller)
+    frame = seen.split(b"\x1b[H\x1b[2J")[1].decode()
+    assert "health    RUNNING" in frame and len(frame.splitlines()) < 30
+
+
+def test_render_shows_backpressure_and_low_free_space(tmp_path: Path) -> None:
+    layout = make_cache(tmp_path / "cache")
+    document = make_document(layout.root, cache__is_backpressured=True, cache__free_bytes=1 << 20)
+    document["evicted"].update(segments_total=0, turnover_s=None)
+    document["remote"]["last_listed_at"] = None
+    write_status(layout, document)
+    out = " ".join(render_human(read_report(layout.root)).split())
+    assert "BACK-PRESSURE" in out
+    assert "BELOW THE FLOOR" in out
+    assert "nothing evicted yet" in out
+    assert "not listed yet" in out
