@@ -18,9 +18,9 @@ Hence the bound users can rely on: **the real size of the cache directory never 
 
 Two rules keep the cache turning over while trainers pin it:
 
-* (A) hard: a grant is given only if the budget above still holds after it; to make room the store evicts
-  *unpinned* segments only (evicting a pinned one frees nothing). If that is not enough, ``reserve`` returns None
-  and the writer waits: back-pressure, never overshoot.
+* (A) hard: a grant is given only if the budget above still holds after it, and the filesystem keeps
+  ``min_free_bytes`` free (for that floor alone the store evicts *unpinned* segments: evicting a pinned one frees
+  nothing). Otherwise ``reserve`` returns None and the writer waits: back-pressure, never overshoot.
 * (B) turnover: the published set is kept at most ``max_bytes - turnover_bytes`` by evicting the oldest published
   segments, pinned or not. A snapshot therefore pins at most that much, and while an epoch reads it at least
   ``turnover_bytes`` of fresh samples can still arrive; evicted-but-pinned bytes stay with the snapshot until it
@@ -302,15 +302,21 @@ class CacheStore:
         self._grants[seq] = grant
         return grant
 
-    def _fits(self, need: int) -> bool:
-        if self._total() + need > self.limit_bytes:
-            return False
+    def _has_free_space(self, need: int) -> bool:
         unwritten = self.reserved_bytes  # conservative: counts grants as if none of their bytes were written yet
         return self._free_bytes() - unwritten - need >= self.config.min_free_bytes
 
     def _make_room(self, need: int) -> bool:
-        """Rule (A): evict unpinned segments until ``need`` fits. True if it fits."""
-        while not self._fits(need):
+        """Rule (A): True if ``need`` fits the budget and the free-space floor.
+
+        Over budget means pinned bytes fill it (rule B already trimmed the published set): wait. Evicting unpinned
+        segments here would throw away the freshest samples, which no trainer has seen yet, to make room for even
+        fresher ones: downloads wasted. Only the free-space floor (a filesystem shared with others running low)
+        evicts here, oldest unpinned first.
+        """
+        if self._total() + need > self.limit_bytes:
+            return False
+        while not self._has_free_space(need):
             candidates = [seq for seq in sorted(self._published) if seq not in self._pinned_published]
             if not candidates:
                 return False
