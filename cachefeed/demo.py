@@ -265,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         if args.max_bytes:
             max_bytes: int | str = args.max_bytes
         else:
-            max_bytes = max(int(dataset_bytes * args.budget) + (1 << 20), 8 * segment_bytes + (1 << 20))
+            # the budget's floor: the metadata reserve (1 MiB) plus enough segments to train on and turn over
+            max_bytes = max(int(dataset_bytes * args.budget) + (1 << 20), 16 * segment_bytes + (1 << 20))
         cache_dir = Path(args.cache_dir).resolve() if args.cache_dir else workdir / "cache"
         config_path = workdir / "cachefeed.toml"
         _write_config(
@@ -317,7 +318,7 @@ def _train(args: argparse.Namespace, cache_dir: Path) -> None:
     torch.manual_seed(0)
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
-    min_samples = max(args.batch_size * 4, 256)
+    min_samples = args.batch_size * 2  # train while filling: start as soon as two batches are cached
     evicted_before = 0
     header = f"{'epoch':>5} {'cached':>7} {'new':>6} {'evicted':>8} {'handover':>9} {'samples/s':>10} {'loss':>7}"
     with EpochLoaderFactory(

@@ -1,0 +1,32 @@
+"""``cachefeed daemon --config FILE``: run the cache daemon in the foreground (what systemd starts).
+
+Exit statuses: 0 after a clean stop (SIGTERM/SIGINT), 78 for a bad config (``ConfigError``: systemd must not
+restart-loop), 75 when another daemon holds the cache directory (``CacheLockedError``, the holder is named).
+Both errors are one line on stderr, printed by ``cachefeed.cli``; nothing is logged before the config is valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from cachefeed.config import LOG_LEVELS, load_config
+from cachefeed.daemon.supervisor import Supervisor
+from cachefeed.logs import secrets_from_options, setup_logging
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, metavar="FILE", help="the daemon's TOML config file")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="override log.level from the config file")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    level = args.log_level or config.log.level
+    setup_logging(level, secrets=secrets_from_options(config.remote.storage_options))
+    log.info("cachefeed daemon starting with %s", config.source)
+    return Supervisor(config, log_level=level).run()

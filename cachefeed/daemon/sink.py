@@ -1,0 +1,260 @@
+"""Inside a sampler: the writer thread (decode, preprocess, append to segments) and its RPC ``GrantProvider``.
+
+The event loop fetches; this thread does the CPU work (decode, preprocess, encode, write) so that fetching never
+waits on it, and it is the only thread that touches the segment being written. It talks to the supervisor's
+``CacheStore`` through ``RpcGrantProvider`` (see NOTE [ Supervisor-sampler protocol ] in ``protocol.py``).
+
+Flushing: a segment is published when full, when the sampler has nothing in flight (``request_flush``: the tail
+of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow remote still reaches the
+cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of ``max_objects`` objects (which
+bounds the size of the ``Publish`` message).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachefeed.cache.store import Grant
+from cachefeed.cache.writer import CacheWriter, WriterStopped
+from cachefeed.codecs import Decoder, Sample
+from cachefeed.daemon.protocol import (
+    Abort,
+    Channel,
+    ChannelClosed,
+    GrantReply,
+    Message,
+    Publish,
+    PublishReply,
+    Reserve,
+    WorkItem,
+)
+from cachefeed.errors import CorruptRecordError, DecodeError
+
+__all__ = ["RpcGrantProvider", "SegmentSink", "SinkSettings"]
+
+log = logging.getLogger(__name__)
+
+_REPLY_TIMEOUT_S = 60.0
+_FLUSH = "flush"
+
+
+class GrantTooLarge(ValueError):
+    """The supervisor says a segment of this size can never fit the cache."""
+
+
+class RpcGrantProvider:
+    """``GrantProvider`` over the protocol channel. Called from the writer thread; replies arrive on the loop.
+
+    ``completed`` lists the objects whose samples have all been added to the writer; ``publish`` sends them with
+    the segment and clears the list (they are done once it is published).
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future[Message]] = {}
+        self._next_req = 0
+        self._closed: BaseException | None = None
+        self.completed: list[int] = []
+
+    def _call(self, message_for: Callable[[int], Message]) -> Message:
+        future: Future[Message] = Future()
+        with self._lock:
+            if self._closed is not None:
+                raise ChannelClosed(str(self._closed))
+            req = self._next_req
+            self._next_req += 1
+            self._pending[req] = future
+        self._channel.send(message_for(req))
+        return future.result(timeout=_REPLY_TIMEOUT_S)
+
+    def on_reply(self, message: GrantReply | PublishReply) -> None:
+        """Route a reply to the waiting call (loop thread)."""
+        with self._lock:
+            future = self._pending.pop(message.req, None)
+        if future is None:
+            log.warning("reply to unknown request %d", message.req)
+        else:
+            future.set_result(message)
+
+    def close(self, reason: BaseException) -> None:
+        """Fail every waiting call and every later one (the supervisor is gone)."""
+        with self._lock:
+            self._closed = reason
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(ChannelClosed(str(reason)))
+
+    def reserve(self, nbytes: int) -> Grant | None:
+        reply = self._call(lambda req: Reserve(req, nbytes))
+        if not isinstance(reply, GrantReply):
+            raise TypeError(f"expected a grant reply, got {reply!r}")
+        if reply.error:
+            raise GrantTooLarge(reply.error)
+        if reply.wait:
+            return None
+        return Grant(reply.seq, Path(reply.path), reply.nbytes)
+
+    def publish(self, grant: Grant) -> object:
+        done, self.completed = self.completed, []
+        reply = self._call(lambda req: Publish(req, grant.seq, done))
+        if not isinstance(reply, PublishReply):
+            raise TypeError(f"expected a publish reply, got {reply!r}")
+        if reply.error:
+            raise CorruptRecordError(reply.error)  # the supervisor re-queued ``done``
+        return grant.seq
+
+    def abort(self, grant: Grant) -> None:
+        grant.path.unlink(missing_ok=True)
+        try:
+            self._channel.send(Abort(grant.seq))
+        except ChannelClosed:
+            pass  # the supervisor is gone; its successor's recovery removes tmp/ anyway
+
+
+@dataclass(frozen=True, slots=True)
+class SinkSettings:
+    segment_bytes: int
+    compression: str
+    file_mode: int
+    fsync: bool
+    idle_flush_s: float = 0.5
+    max_age_s: float = 10.0
+    max_objects: int = 8192
+
+
+class SegmentSink:
+    """The writer thread of a sampler. ``put`` from the loop; callbacks run on this thread.
+
+    Callbacks: ``on_handled(item, samples)`` when an object's samples are all in the writer (its slot is free;
+    ``samples == 0`` means done without a segment), ``on_failed(item, kind, message)`` when it cannot be cached.
+    """
+
+    def __init__(
+        self,
+        provider: RpcGrantProvider,
+        settings: SinkSettings,
+        *,
+        decode: Decoder,
+        preprocess: Callable[[Sample], Sample] | None,
+        on_handled: Callable[[WorkItem, int], None],
+        on_failed: Callable[[WorkItem, str, str], None],
+    ) -> None:
+        self._provider = provider
+        self._settings = settings
+        self._decode = decode
+        self._preprocess = preprocess
+        self._on_handled = on_handled
+        self._on_failed = on_failed
+        self._queue: queue.SimpleQueue[tuple[WorkItem, bytes] | str | None] = queue.SimpleQueue()
+        self._stop = threading.Event()  # interrupts a wait for room
+        self._is_hard_stop = False
+        self._thread = threading.Thread(target=self._run, name="segment-writer", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, item: WorkItem, body: bytes) -> None:
+        self._queue.put((item, body))
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def request_flush(self) -> None:
+        """Publish the open segment once the objects queued before this call are written."""
+        self._queue.put(_FLUSH)
+
+    def drain(self) -> None:
+        """Finish the object in hand, skip queued bodies, publish the current segment, end the thread."""
+        self._stop.set()
+        self._queue.put(None)
+
+    def kill(self) -> None:
+        """End without publishing anything more: the current segment is aborted."""
+        self._is_hard_stop = True
+        self.drain()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        settings = self._settings
+        writer = CacheWriter(
+            self._provider,
+            segment_bytes=settings.segment_bytes,
+            compression=settings.compression,
+            file_mode=settings.file_mode,
+            fsync=settings.fsync,
+            poll_s=0.1,
+            stop=self._stop,
+        )
+        opened_at = 0.0
+        try:
+            while True:
+                timeout = settings.idle_flush_s if writer.pending_samples else None
+                try:
+                    entry = self._queue.get(timeout=timeout)
+                except queue.Empty:
+                    writer.flush()  # idle: publish what we have
+                    continue
+                if entry is None or self._stop.is_set():
+                    break
+                if isinstance(entry, str):  # _FLUSH
+                    writer.flush()
+                    continue
+                if not writer.pending_samples:
+                    opened_at = time.monotonic()
+                item, body = entry
+                self._write_object(writer, item, body)
+                too_old = writer.pending_samples and time.monotonic() - opened_at > settings.max_age_s
+                if too_old or len(self._provider.completed) >= settings.max_objects:
+                    writer.flush()
+            if self._is_hard_stop:
+                writer.abort()
+            else:
+                writer.flush()
+        except (WriterStopped, ChannelClosed) as exc:
+            log.info("segment writer stopping: %s", exc)
+            writer.abort()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("segment writer failed")
+            writer.abort()
+
+    def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
+        try:
+            samples = list(self._decode(item.path, body))
+            if self._preprocess is not None:
+                samples = [self._preprocess(sample) for sample in samples]
+        except DecodeError as exc:
+            self._on_failed(item, "decode", str(exc))
+            return
+        except Exception as exc:  # a user decoder may raise anything: quarantine the object, keep going
+            self._on_failed(item, "decode", f"{item.path}: {type(exc).__name__}: {exc}")
+            return
+        del body
+        try:
+            for sample in samples:
+                writer.add(sample)
+        except GrantTooLarge as exc:
+            self._on_failed(item, "too_large", f"{item.path}: {exc}")
+            return
+        except CorruptRecordError as exc:  # publishing the previous segment failed; its objects were re-queued
+            log.warning("publishing a segment failed: %s", exc)
+            self._on_failed(item, "error", f"{item.path}: {exc}")
+            return
+        if samples:
+            self._provider.completed.append(item.oid)
+        self._on_handled(item, len(samples))

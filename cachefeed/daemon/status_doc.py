@@ -1,0 +1,167 @@
+"""Building and writing the daemon's status document (the contract is ``STATUS_SCHEMA`` in ``cachefeed/status.py``).
+
+``build_status`` is a pure function of what the supervisor knows at one instant, so tests and other writers can
+reuse it; ``write_status`` replaces ``<cache>/status.json`` atomically (mode 0640: group-readable). No secrets go
+in: the remote URL loses any ``user:password@`` part, and storage options never appear.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cachefeed.cache.snapshots import SnapshotInfo
+from cachefeed.cache.store import Counters, Usage
+from cachefeed.fsutil import atomic_write
+
+__all__ = ["STATUS_VERSION", "RateMeter", "RemoteTotals", "build_status", "write_status"]
+
+STATUS_VERSION = 1
+STATUS_MODE = 0o640
+_RATE_WINDOW_S = 10.0
+
+
+class RateMeter:
+    """Per-second rates of monotonic counters over a sliding window (about ``window_s``)."""
+
+    def __init__(self, window_s: float = _RATE_WINDOW_S) -> None:
+        self._window_s = window_s
+        self._points: deque[tuple[float, tuple[float, ...]]] = deque()
+
+    def add(self, now: float, values: Sequence[float]) -> tuple[float, ...]:
+        """Record the counters' values at ``now``; return their rates over the window."""
+        self._points.append((now, tuple(values)))
+        while len(self._points) > 2 and now - self._points[1][0] >= self._window_s:
+            self._points.popleft()
+        first_t, first = self._points[0]
+        span = now - first_t
+        if span <= 0:
+            return tuple(0.0 for _ in values)
+        return tuple(max(0.0, (v - f) / span) for v, f in zip(values, first, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTotals:
+    """The remote section's inputs, summed over the samplers (dead incarnations included) and the catalog."""
+
+    url: str
+    objects_listed: int
+    last_listed_at: float
+    list_errors_total: int
+    passes_completed: int
+    requests_total: int
+    retries_total: int
+    errors_by_kind: Mapping[str, int]
+    quarantined_total: int
+    bytes_total: int
+    objects_failed_total: int = 0
+    objects_dropped: int = 0
+
+
+def build_status(
+    *,
+    state: str,
+    started_at: float,
+    interval_s: float,
+    degraded_reasons: Sequence[str],
+    cache_dir: str,
+    usage: Usage,
+    turnover_bytes: int,
+    max_samples: int,
+    snapshots: Sequence[SnapshotInfo],
+    counters: Counters,
+    turnover_s: float | None,
+    rates: tuple[float, float, float],
+    objects_total: int,
+    remote: RemoteTotals,
+    samplers: Sequence[Mapping[str, Any]],
+    plan: Mapping[str, Any] | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """The status document (see ``cachefeed.status.STATUS_SCHEMA``).
+
+    ``rates``: ingest bytes, samples and objects per second. ``turnover_s``: how long the last evicted segment
+    stayed in the cache (None before the first eviction). Beyond the contract, ``remote`` also carries
+    ``objects_failed_total`` (objects that could not be cached, any reason, counted per attempt at the object)
+    and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too large), and ``plan`` (optional)
+    describes the sampling plan (pass, in flight, owned objects...).
+    """
+    now = time.time() if now is None else now
+    return {
+        "version": STATUS_VERSION,
+        "state": state,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started_at": started_at,
+        "updated_at": now,
+        "interval_s": interval_s,
+        "degraded_reasons": list(degraded_reasons),
+        "cache": {
+            "dir": cache_dir,
+            "bytes": usage.bytes,
+            "max_bytes": usage.max_bytes,
+            "samples": usage.samples,
+            "max_samples": max_samples,
+            "segments": usage.segments,
+            "pinned_bytes": usage.pinned_bytes,
+            "pinned_only_bytes": usage.pinned_only_bytes,
+            "reserved_bytes": usage.reserved_bytes,
+            "free_bytes": usage.free_bytes,
+            "min_free_bytes": usage.min_free_bytes,
+            "turnover_bytes": turnover_bytes,
+            "is_backpressured": usage.is_backpressured,
+            "snapshots": [
+                {
+                    "id": snap.snap_id,
+                    "samples": snap.samples,
+                    "segments": snap.segments,
+                    "owner": snap.owner,
+                    "age_s": max(0.0, now - snap.created) if snap.created else 0.0,
+                }
+                for snap in snapshots
+            ],
+        },
+        "ingest": {
+            "bytes_per_s": rates[0],
+            "samples_per_s": rates[1],
+            "objects_per_s": rates[2],
+            "objects_total": objects_total,
+            "samples_total": counters.published_samples,
+            "bytes_total": counters.published_bytes,
+            "segments_total": counters.published_segments,
+        },
+        "evicted": {
+            "samples_total": counters.evicted_samples,
+            "bytes_total": counters.evicted_bytes,
+            "segments_total": counters.evicted_segments,
+            "turnover_s": turnover_s,
+        },
+        "remote": {
+            "url": remote.url,
+            "objects_listed": remote.objects_listed,
+            "last_listed_at": remote.last_listed_at or None,
+            "list_errors_total": remote.list_errors_total,
+            "passes_completed": remote.passes_completed,
+            "requests_total": remote.requests_total,
+            "retries_total": remote.retries_total,
+            "errors_total": sum(remote.errors_by_kind.values()),
+            "errors_by_kind": dict(remote.errors_by_kind),
+            "quarantined_total": remote.quarantined_total,
+            "bytes_total": remote.bytes_total,
+            "objects_failed_total": remote.objects_failed_total,
+            "objects_dropped": remote.objects_dropped,
+        },
+        "samplers": [dict(sampler) for sampler in samplers],
+        "plan": dict(plan or {}),
+    }
+
+
+def write_status(path: str | os.PathLike[str], document: Mapping[str, Any]) -> None:
+    """Replace the status file atomically (readers see the old or the new document, never a mix)."""
+    atomic_write(path, json.dumps(document, separators=(",", ":")).encode(), mode=STATUS_MODE)

@@ -1,0 +1,451 @@
+"""The daemon's main process: cache store, catalog, plan, samplers, status and systemd notifications.
+
+Lifecycle (what a test or systemd observes)::
+
+    starting -> (lock taken, recovery done, samplers spawned) READY=1 -> running <-> degraded
+             -> SIGTERM/SIGINT: STOPPING=1, state "stopping", samplers drain -> state "stopped", exit 0
+
+* The ``CacheStore`` is created first: it takes the cache's writer lock (a second daemon fails with
+  ``CacheLockedError``, exit 75) and recovers the directory, all before READY.
+* The main loop waits on the samplers' sockets and a self-pipe woken by signals (``signal.set_wakeup_fd``),
+  with a timeout from the next timer (status, watchdog, restarts). Signal handlers only set flags; the loop acts.
+* Samplers and what happens when one dies: NOTE [ Supervisor-sampler protocol ] in ``protocol.py``.
+* Drain on SIGTERM: no new work; each sampler is told to drain; after ``DRAIN_TIMEOUT_S`` stragglers are
+  SIGKILLed and their grants aborted. A second SIGTERM/SIGINT kills at once. Nothing partial is ever published.
+* ``degraded`` while a sampler is down (restarting), while listing fails, or while nearly every remote request
+  of the last seconds failed; the reasons are listed in the status document.
+
+Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing.connection
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from cachefeed.cache.store import CacheStore
+from cachefeed.codecs import get_decoder, get_preprocess
+from cachefeed.config import Config
+from cachefeed.daemon.catalog import Catalog, safe_url
+from cachefeed.daemon.notify import SystemdNotifier
+from cachefeed.daemon.plan import SamplingPlan
+from cachefeed.daemon.pool import SamplerHandle, SamplerPool, SamplerState
+from cachefeed.daemon.protocol import (
+    Abort,
+    Credit,
+    Done,
+    Drain,
+    Drained,
+    Failed,
+    GrantReply,
+    Init,
+    Message,
+    Publish,
+    PublishReply,
+    Reserve,
+    Stats,
+    Work,
+    WorkItem,
+)
+from cachefeed.daemon.reporter import StatusReporter
+from cachefeed.errors import CorruptRecordError
+from cachefeed.metrics import MetricsExporter
+
+__all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 5.0
+_MAX_WAIT_S = 0.25
+_UPKEEP_INTERVAL_S = 0.5
+
+
+class Supervisor:
+    """Runs the daemon until SIGTERM/SIGINT. ``run()`` returns the exit status (0 after a clean drain).
+
+    Args:
+        config: the parsed config.
+        log_level: the level samplers log at (the CLI's ``--log-level`` or ``config.log.level``).
+        notifier: where READY/STATUS/WATCHDOG/STOPPING go (default: from ``NOTIFY_SOCKET``).
+    """
+
+    def __init__(self, config: Config, *, log_level: str | None = None, notifier: SystemdNotifier | None = None):
+        self.config = config
+        self.log_level = log_level or config.log.level
+        self.notifier = notifier if notifier is not None else SystemdNotifier(unset_environment=True)
+        self.should_exit = False
+        self.force_exit = False
+        self.should_refresh = False
+        self.state = "starting"
+        self.started_at = time.time()
+        self.plan = SamplingPlan(seed=config.sampler.seed, rank=config.node.rank, count=config.node.count)
+        self._store: CacheStore | None = None
+        self._pool: SamplerPool | None = None
+        self._catalog: Catalog | None = None
+        self._metrics: MetricsExporter | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._lost: set[int] = set()
+        self._is_draining = False
+        self._drain_deadline = 0.0
+        self._evicted_seen = 0
+        self._turnover_s: float | None = None
+        self._reporter: StatusReporter | None = None
+        self._next_handle = 0
+
+    # -- signals: handlers only set flags (and the wakeup fd wakes the loop) -----------------------------------
+
+    def handle_term(self, signum: int, frame: FrameType | None) -> None:
+        self.force_exit = self.should_exit
+        self.should_exit = True
+
+    handle_int = handle_term
+
+    def handle_hup(self, signum: int, frame: FrameType | None) -> None:
+        self.should_refresh = True
+
+    @contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        handlers = {signal.SIGTERM: self.handle_term, signal.SIGINT: self.handle_int, signal.SIGHUP: self.handle_hup}
+        previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+        self._wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(old_fd)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        config = self.config
+        with self._signal_handlers():
+            get_decoder(config.sampler.decode)  # ConfigError (exit 78) before anything starts
+            get_preprocess(config.sampler.preprocess)
+            self._catalog = Catalog(config.remote)
+            store = CacheStore(config.cache)  # CacheLockedError (exit 75); recovery happens here
+            self._store = store
+            try:
+                self._metrics = MetricsExporter(config.status)
+                self._pool = SamplerPool(
+                    config.sampler.processes,
+                    make_init=self._make_init,
+                    lock_fd=store.lock_fd,
+                    backoff_s=config.sampler.restart_backoff_s,
+                    backoff_max_s=config.sampler.restart_backoff_max_s,
+                )
+                return self._serve()
+            finally:
+                self._shutdown()
+
+    def _serve(self) -> int:
+        if self._pool is None or self._catalog is None:
+            raise RuntimeError("the supervisor is not set up")
+        for handle in self._pool:
+            self._pool.start(handle)
+        self._catalog.start()
+        self.state = "running"
+        self._publish_status()
+        self.notifier.ready(self._status_line())
+        log.info(
+            "ready: cache %s, %d samplers, remote %s",
+            self.config.cache.dir,
+            len(self._pool.handles),
+            safe_url(self.config.remote.url),
+        )
+        watchdog_s = self.notifier.watchdog_interval_s()
+        now = time.monotonic()
+        next_status = now + self.config.status.interval_s
+        next_watchdog = now
+        next_upkeep = now
+        while True:
+            now = time.monotonic()
+            timers = [next_status, next_upkeep] + ([next_watchdog] if watchdog_s else [])
+            self._poll(min(_MAX_WAIT_S, max(0.0, min(timers) - now)))
+            if self.should_exit and not self._is_draining:
+                self._begin_drain()
+            if self._is_draining:
+                if self._drain_step():
+                    break
+            else:
+                self._step()
+            now = time.monotonic()
+            if now >= next_upkeep and not self._is_draining:
+                next_upkeep = now + _UPKEEP_INTERVAL_S
+                self._upkeep()
+            if now >= next_status:
+                next_status = now + self.config.status.interval_s
+                self._publish_status()
+                self.notifier.status(self._status_line())
+            if watchdog_s and now >= next_watchdog:
+                next_watchdog = now + watchdog_s / 2
+                self.notifier.watchdog()
+        self.state = "stopped"
+        self._publish_status()
+        log.info("stopped")
+        return 0
+
+    def _shutdown(self) -> None:
+        """Whatever happened: no sampler outlives us, the catalog thread stops, the lock is released."""
+        if self._pool is not None:
+            for handle in self._pool:
+                self._pool.kill(handle)
+            for handle in self._pool.reap(lost={h.index for h in self._pool.handles}):
+                self._undo(handle)
+        if self._catalog is not None:
+            self._catalog.stop()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._store is not None:
+            self._store.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self.notifier.close()
+
+    # -- the loop's steps -----------------------------------------------------------------------------------
+
+    def _poll(self, timeout_s: float) -> None:
+        """Wait for messages or a signal; dispatch every message that arrived."""
+        pool = self._require_pool()
+        live = {handle.channel.sock: handle for handle in pool.live() if handle.channel is not None}
+        ready = multiprocessing.connection.wait([self._wake_r, *live], timeout_s)
+        for item in ready:
+            if item is self._wake_r:
+                try:
+                    self._wake_r.recv(4096)
+                except BlockingIOError:
+                    pass
+                continue
+            if not isinstance(item, socket.socket):
+                continue
+            handle = live[item]
+            channel = handle.channel
+            if channel is None:
+                continue
+            try:
+                messages = channel.recv_ready()
+            except ConnectionError:
+                self._lost.add(handle.index)
+                messages = []
+            pool.heard_from(handle)
+            for message in messages:
+                self._dispatch(handle, message)
+
+    def _step(self) -> None:
+        pool = self._require_pool()
+        for handle in pool.reap(lost=self._lost):
+            self._undo(handle)
+            pool.schedule_restart(handle)
+        self._lost.clear()
+        pool.restart_due()
+        catalog = self._require_catalog()
+        if self.should_refresh:
+            self.should_refresh = False
+            log.info("SIGHUP: listing the remote now")
+            catalog.refresh_now()
+        listing = catalog.take()
+        if listing is not None:
+            added = self.plan.update_catalog(listing)
+            if added:
+                log.info("%d new objects join pass %d", added, self.plan.pass_index)
+        self._assign()
+
+    def _assign(self) -> None:
+        pool = self._require_pool()
+        handles = pool.handles[self._next_handle :] + pool.handles[: self._next_handle]
+        self._next_handle = (self._next_handle + 1) % len(pool.handles)
+        for handle in handles:
+            if handle.channel is None or handle.credits <= 0:
+                continue
+            drawn = self.plan.next(handle.credits)
+            if not drawn:
+                return
+            handle.credits -= len(drawn)
+            handle.assigned.update(oid for oid, _ in drawn)
+            pool.send(handle, Work([WorkItem(oid, obj.path, obj.size, obj.etag) for oid, obj in drawn]))
+
+    def _upkeep(self) -> None:
+        store = self._require_store()
+        store.enforce()
+        self._check_evictions()
+
+    def _check_evictions(self) -> None:
+        store = self._require_store()
+        counters = store.counters
+        if counters.evicted_segments == self._evicted_seen:
+            return
+        self._evicted_seen = counters.evicted_segments
+        if counters.evicted_published_at:
+            self._turnover_s = max(0.0, time.time() - counters.evicted_published_at[-1])
+        published = {segment.seq for segment in store.segments}
+        self.plan.evicted([seq for seq in self.plan.cached_segments() if seq not in published])
+
+    # -- messages (NOTE [ Supervisor-sampler protocol ] in protocol.py) -----------------------------------------
+
+    def _dispatch(self, handle: SamplerHandle, message: Message) -> None:
+        pool = self._require_pool()
+        store = self._require_store()
+        if isinstance(message, Credit):
+            handle.credits += message.n
+        elif isinstance(message, Reserve):
+            try:
+                grant = store.reserve(message.nbytes)
+            except ValueError as exc:
+                pool.send(handle, GrantReply(message.req, error=str(exc)))
+                return
+            if grant is None:
+                pool.send(handle, GrantReply(message.req, wait=True))
+            else:
+                handle.grants[grant.seq] = grant
+                pool.send(handle, GrantReply(message.req, grant.seq, str(grant.path), grant.nbytes))
+            self._check_evictions()
+        elif isinstance(message, Publish):
+            self._publish(handle, message)
+        elif isinstance(message, Abort):
+            aborted = handle.grants.pop(message.seq, None)
+            if aborted is not None:
+                store.abort(aborted)
+        elif isinstance(message, Done):
+            handle.assigned.difference_update(message.oids)
+            self.plan.done(message.oids, None)
+        elif isinstance(message, Failed):
+            handle.assigned.discard(message.oid)
+            self.plan.failed(message.oid, message.kind)
+            if message.kind == "changed":
+                self._require_catalog().refresh_now()
+        elif isinstance(message, Stats):
+            handle.stats = message.remote
+            handle.objects_total = message.objects_total
+        elif isinstance(message, Drained):
+            handle.is_drained = True
+        else:
+            log.warning("sampler %d sent an unexpected %s message", handle.index, type(message).__name__)
+
+    def _publish(self, handle: SamplerHandle, message: Publish) -> None:
+        pool = self._require_pool()
+        grant = handle.grants.pop(message.seq, None)
+        done = [oid for oid in message.done if oid in handle.assigned]
+        handle.assigned.difference_update(done)
+        if grant is None:
+            self.plan.requeue(done)
+            pool.send(handle, PublishReply(message.req, error=f"unknown grant {message.seq}"))
+            return
+        try:
+            self._require_store().publish(grant)
+        except (CorruptRecordError, OSError, ValueError) as exc:
+            log.error("sampler %d: segment %d not published: %s", handle.index, message.seq, exc)
+            self.plan.requeue(done)
+            pool.send(handle, PublishReply(message.req, error=str(exc)))
+            return
+        self.plan.done(done, message.seq)
+        log.debug("sampler %d published segment %d with %d objects done", handle.index, message.seq, len(done))
+        handle.backoff_s = self.config.sampler.restart_backoff_s  # it works: a later crash restarts fast
+        pool.send(handle, PublishReply(message.req))
+        self._check_evictions()
+
+    def _undo(self, handle: SamplerHandle) -> None:
+        """A sampler is gone: re-queue what it had not finished, delete what it had not published."""
+        if handle.assigned:
+            log.info("re-queueing %d objects of sampler %d", len(handle.assigned), handle.index)
+        self.plan.requeue(sorted(handle.assigned))
+        handle.assigned.clear()
+        store = self._require_store()
+        for grant in handle.grants.values():
+            store.abort(grant)
+        handle.grants.clear()
+        handle.credits = 0
+
+    # -- draining -------------------------------------------------------------------------------------------
+
+    def _begin_drain(self) -> None:
+        pool = self._require_pool()
+        log.info("stopping: draining %d samplers (at most %.0fs)", len(pool.live()), DRAIN_TIMEOUT_S)
+        self._is_draining = True
+        self.state = "stopping"
+        self.notifier.stopping()
+        self._publish_status()
+        self._require_catalog().stop()
+        for handle in pool.live():
+            if handle.state is SamplerState.STARTING and not handle.assigned and not handle.grants:
+                pool.terminate(handle)  # still starting up: nothing to drain, no reason to wait for its imports
+            else:
+                pool.send(handle, Drain())
+        pool.stop_all()
+        self._drain_deadline = time.monotonic() + DRAIN_TIMEOUT_S
+
+    def _drain_step(self) -> bool:
+        """One step of the drain; True when every sampler is gone."""
+        pool = self._require_pool()
+        for handle in pool.reap(lost=self._lost):
+            self._undo(handle)
+        self._lost.clear()
+        if not pool.live():
+            return True
+        if self.force_exit or time.monotonic() > self._drain_deadline:
+            for handle in pool.live():
+                log.warning("sampler %d did not drain in time: killing it", handle.index)
+                pool.kill(handle)
+            for handle in pool.reap(lost={h.index for h in pool.live()}):
+                self._undo(handle)
+            return True
+        return False
+
+    # -- status ---------------------------------------------------------------------------------------------
+
+    def _publish_status(self) -> None:
+        if self._reporter is None:
+            self._reporter = StatusReporter(
+                self.config,
+                store=self._require_store(),
+                pool=self._require_pool(),
+                catalog=self._require_catalog(),
+                plan=self.plan,
+                metrics=self._metrics,
+                started_at=self.started_at,
+            )
+        self.state = self._reporter.publish(self.state, turnover_s=self._turnover_s)
+
+    def _status_line(self) -> str:
+        return self._reporter.line() if self._reporter is not None else self.state
+
+    # -- plumbing -------------------------------------------------------------------------------------------
+
+    def _make_init(self, index: int) -> Init:
+        config = self.config
+        cache = config.cache
+        return Init(
+            index=index,
+            share=1.0 / config.sampler.processes,
+            log_level=self.log_level,
+            remote=dataclasses.asdict(config.remote),
+            sampler=dataclasses.asdict(config.sampler),
+            segment={
+                "segment_bytes": cache.segment_bytes,
+                "compression": cache.compression,
+                "file_mode": cache.file_mode,
+                "fsync": cache.fsync,
+            },
+        )
+
+    def _require_store(self) -> CacheStore:
+        if self._store is None:
+            raise RuntimeError("the cache store is not open")
+        return self._store
+
+    def _require_pool(self) -> SamplerPool:
+        if self._pool is None:
+            raise RuntimeError("the sampler pool is not set up")
+        return self._pool
+
+    def _require_catalog(self) -> Catalog:
+        if self._catalog is None:
+            raise RuntimeError("the catalog is not set up")
+        return self._catalog

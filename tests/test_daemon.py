@@ -1,0 +1,108 @@
+"""The daemon end to end against moto's S3 server: fill to the budget, keep sampling, pick up new objects, one GET.
+
+Each test runs the real ``cachefeed daemon`` (supervisor + sampler subprocesses) and judges it from outside: the
+status document, the bytes in the cache directory, and the requests the S3 server saw.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachefeed.status import load_document
+from tests.support.daemon_harness import (
+    BUCKET,
+    StartDaemon,
+    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
+    cache_samples,
+    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
+    upload_arrays,
+    wait_for,
+)
+from tests.support.faultproxy import FaultProxy
+
+
+def directory_bytes(root: Path) -> int:
+    """Allocated bytes under ``root``, each inode once (snapshots hard-link segments)."""
+    seen: dict[tuple[int, int], int] = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                info = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            seen[(info.st_dev, info.st_ino)] = info.st_blocks * 512
+    return sum(seen.values())
+
+
+def test_fill_to_budget_then_keep_sampling_with_eviction(bucket: Any, daemon: StartDaemon) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 300, 64 << 10)
+    max_bytes = 8 << 20  # about a third of the 19 MiB dataset
+    proc = daemon(sections={"cache": {"max_bytes": max_bytes}})
+    sizes = []
+
+    def progressed(doc: dict[str, Any]) -> bool:
+        sizes.append(directory_bytes(proc.cache_dir))
+        return doc["remote"]["passes_completed"] >= 2 and doc["evicted"]["segments_total"] > 0
+
+    doc = proc.wait_status(progressed, timeout_s=40, what="two passes with eviction")
+    assert max(sizes) <= max_bytes  # the real size of the directory, sampled while filling and evicting
+    assert doc["cache"]["bytes"] <= max_bytes
+    assert doc["ingest"]["objects_total"] > 300  # more than one pass' worth was ingested
+    assert doc["remote"]["errors_total"] == 0
+    assert load_document(proc.cache_dir / "status.json") is not None  # the documented shape
+
+    assert proc.stop() == 0
+    final = load_document(proc.cache_dir / "status.json")
+    assert final is not None and final["state"] == "stopped"
+    assert not list((proc.cache_dir / "tmp").iterdir())
+    keys = []
+    for _segment, sample in cache_samples(proc.cache_dir):  # verify_all on every segment
+        key = sample["__key__"]
+        np.testing.assert_array_equal(sample["data"], uploaded[key])
+        keys.append(key)
+    assert len(keys) == final["cache"]["samples"] > 0
+    assert len(set(keys)) == len(keys)  # the cache never holds the same sample twice
+
+
+def test_objects_added_mid_run_are_cached_after_the_next_refresh(bucket: Any, daemon: StartDaemon) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 40, 16 << 10)
+    proc = daemon(sections={"remote": {"refresh_interval": "1s"}})
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 40, timeout_s=30, what="first 40 objects")
+    uploaded |= upload_arrays(bucket, BUCKET, 20, 16 << 10, start=40)
+
+    def cached_keys() -> set[str]:
+        return {sample["__key__"] for _, sample in cache_samples(proc.cache_dir)}
+
+    wait_for(lambda: cached_keys() == set(uploaded), timeout_s=30, what="the 20 new objects in the cache")
+    for _, sample in cache_samples(proc.cache_dir):
+        np.testing.assert_array_equal(sample["data"], uploaded[sample["__key__"]])
+    assert proc.status()["remote"]["objects_listed"] == 60  # type: ignore[index]
+
+
+def test_one_get_per_object_and_no_head(bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 120, 8 << 10)
+    fault_proxy.reset_counts()
+    proc = daemon(endpoint=fault_proxy.endpoint)
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 120, timeout_s=30, what="all objects cached")
+    proc.wait_status(lambda d: d["remote"]["passes_completed"] >= 1, timeout_s=30, what="the first pass over")
+    assert proc.stop() == 0
+    counts = fault_proxy.counts()
+    keys = [key.split("/", 1)[1] for key in uploaded]
+    assert {key: counts.request("GET", key) for key in keys} == dict.fromkeys(keys, 1)
+    assert counts.ops.get("HeadObject", 0) == 0
+    assert counts.ops.get("GetObject", 0) == 120
+    assert sum(1 for _ in cache_samples(proc.cache_dir)) == 120
+
+
+def test_sighup_lists_the_remote_at_once(bucket: Any, daemon: StartDaemon) -> None:
+    upload_arrays(bucket, BUCKET, 5, 1024)
+    proc = daemon(sections={"remote": {"refresh_interval": "1h"}})
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 5, timeout_s=30, what="first objects")
+    upload_arrays(bucket, BUCKET, 5, 1024, start=5)
+    proc.signal(signal.SIGHUP)
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 10, timeout_s=20, what="objects listed on SIGHUP")

@@ -1,0 +1,72 @@
+"""Budget back-pressure end to end: a cache full of pinned data pauses fetching, a release resumes it.
+
+A trainer's snapshots pin segments; the store may evict them from ``segments/`` but their bytes stay counted. When
+nothing evictable is left, ``reserve`` answers None, the sampler's writer waits (the RPC reply says "wait"), its
+queue fills, credits stop, and fetching pauses; the directory never grows past ``max_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cachefeed.cache.snapshots import Snapshot
+from tests.support.daemon_harness import (
+    BUCKET,
+    StartDaemon,
+    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
+    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
+    upload_arrays,
+)
+from tests.support.faultproxy import FaultProxy, Rule
+from tests.test_daemon import directory_bytes
+
+
+def test_a_cache_full_of_pinned_data_pauses_fetching_until_released(
+    bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon
+) -> None:
+    upload_arrays(bucket, BUCKET, 300, 64 << 10)
+    max_bytes = 8 << 20
+    proc = daemon(endpoint=fault_proxy.endpoint, sections={"cache": {"max_bytes": max_bytes}})
+    proc.wait_status(lambda d: d["evicted"]["segments_total"] > 0, timeout_s=30, what="a full cache")
+    # Pin everything, again and again, until no room is left: each round holds the GETs until every writer has
+    # flushed and given its grant back (a segment published after a pin is room that eviction can still take).
+    snapshots: list[Snapshot] = []
+
+    def paused_for_a_second() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        try:
+            doc = proc.wait_status(lambda d: d["cache"]["is_backpressured"], timeout_s=3, what="back-pressure")
+        except TimeoutError:
+            return None
+        later = proc.wait_status(lambda d: d["updated_at"] > doc["updated_at"] + 1.0, timeout_s=10, what="1 s later")
+        if later["ingest"]["objects_total"] != doc["ingest"]["objects_total"]:
+            return None
+        return doc, later
+
+    try:
+        for round_ in range(10):
+            fault_proxy.set_rules([Rule("latency", op="GetObject", delay_s=3.0)])
+            proc.wait_status(lambda d: d["cache"]["reserved_bytes"] == 0, timeout_s=20, what="no grant outstanding")
+            snapshots.append(Snapshot.create(proc.cache_dir, f"epoch-{round_}"))
+            fault_proxy.clear()
+            if (found := paused_for_a_second()) is not None:
+                break
+        else:
+            pytest.fail("the cache never filled with pinned data")
+        _doc, later = found
+        paused = later["ingest"]["objects_total"]
+        assert later["cache"]["is_backpressured"]  # nothing published for a second: fetching waits
+        assert later["cache"]["bytes"] <= max_bytes
+        assert directory_bytes(proc.cache_dir) <= max_bytes
+        assert later["cache"]["pinned_bytes"] > 0
+    finally:
+        for snapshot in snapshots:
+            snapshot.release()
+    resumed = proc.wait_status(
+        lambda d: d["ingest"]["objects_total"] > paused + 30 and not d["cache"]["is_backpressured"],
+        timeout_s=30,
+        what="fetching resumes once the snapshot is released",
+    )
+    assert resumed["cache"]["bytes"] <= max_bytes
+    assert proc.stop() == 0

@@ -1,0 +1,111 @@
+"""Starting the daemon: systemd notifications in order, a bad config (exit 78), a cache already in use (exit 75)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.daemon_harness import (
+    BUCKET,
+    StartDaemon,
+    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
+    daemon_argv,
+    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
+    upload_arrays,
+    wait_for,
+)
+
+
+class NotifyListener:
+    """A fake service manager: a unix datagram socket collecting sd_notify messages with their arrival times."""
+
+    def __init__(self, path: Path, cache_dir: Path) -> None:
+        self.path = path
+        self.cache_dir = cache_dir
+        self.messages: list[tuple[float, str]] = []
+        self.tmp_at_ready: list[str] | None = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(path))
+        self._sock.settimeout(0.1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self._sock.recv(4096)
+            except TimeoutError:
+                continue
+            for line in data.decode().splitlines():
+                if line == "READY=1":
+                    self.tmp_at_ready = sorted(os.listdir(self.cache_dir / "tmp"))
+                self.messages.append((time.monotonic(), line))
+
+    def lines(self, prefix: str) -> list[str]:
+        return [line for _, line in list(self.messages) if line.startswith(prefix)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close()
+
+
+@pytest.fixture
+def notify_listener(tmp_path: Path) -> Iterator[NotifyListener]:
+    listener = NotifyListener(tmp_path / "notify.sock", tmp_path / "cache")
+    yield listener
+    listener.close()
+
+
+def test_systemd_notify_protocol(bucket: Any, daemon: StartDaemon, notify_listener: NotifyListener) -> None:
+    upload_arrays(bucket, BUCKET, 20, 1024)
+    tmp = notify_listener.cache_dir / "tmp"
+    tmp.mkdir(parents=True)
+    (tmp / "0000000000000007.tmp").write_bytes(b"left by a crash")  # recovery must remove it before READY
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify_listener.path), "WATCHDOG_USEC": "200000"}
+    proc = daemon(env=env)
+    wait_for(lambda: notify_listener.lines("READY=1"), timeout_s=20, what="READY=1")
+    assert notify_listener.tmp_at_ready == []
+    wait_for(lambda: len(notify_listener.lines("WATCHDOG=1")) >= 5, timeout_s=10, what="watchdog pings")
+    wait_for(lambda: notify_listener.lines("STATUS="), timeout_s=10, what="a STATUS line")
+    proc.signal(signal.SIGTERM)
+    assert proc.process.wait(timeout=10) == 0
+    assert notify_listener.lines("STOPPING=1")
+    order = [line.split("=")[0] for _, line in notify_listener.messages]
+    assert order.index("READY") < order.index("STOPPING")
+    assert order.index("READY") < order.index("WATCHDOG")
+    assert "MAINPID" not in order
+    assert "NOTIFY_SOCKET" not in proc.stderr()
+
+
+def test_bad_config_exits_78_with_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text('[remote]\nurl = "s3://data/"\n[cache]\ndir = "/tmp/x"\nmax_bytes = "-5GiB"\n')
+    result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 78
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "cache.max_bytes" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_second_daemon_on_the_same_cache_exits_75_naming_the_first(bucket: Any, daemon: StartDaemon) -> None:
+    first = daemon()
+    first.wait_status(lambda d: d["state"] == "running", timeout_s=20, what="first daemon ready")
+    second = daemon()
+    assert second.process.wait(timeout=20) == 75
+    err = second.stderr()
+    assert f"pid {first.pid}" in err
+    assert "Traceback" not in err
+    assert first.process.poll() is None
+    assert first.stop() == 0

@@ -1,0 +1,163 @@
+"""The sampling plan: passes without replacement, node partition, re-queues, skips, idle waits."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefeed.daemon.plan import SamplingPlan, owner_of, pass_order_key
+from cachefeed.remote import RemoteObject
+
+
+def objects(n: int, prefix: str = "b/k") -> list[RemoteObject]:
+    return [RemoteObject(f"{prefix}{i:04d}", 100, f"e{i}") for i in range(n)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drain_pass(plan: SamplingPlan, *, seq: int = 0) -> list[str]:
+    """Draw everything currently drawable, mark it done in segment ``seq``; return the paths."""
+    drawn = plan.next(10_000)
+    plan.done([oid for oid, _ in drawn], seq)
+    return [obj.path for _, obj in drawn]
+
+
+def test_a_pass_visits_every_object_once_in_a_seeded_order() -> None:
+    plan = SamplingPlan(seed=7)
+    plan.update_catalog(objects(50))
+    first = drain_pass(plan)
+    assert sorted(first) == [o.path for o in objects(50)]
+    assert first != sorted(first)  # a permutation, not the listing order
+
+    again = SamplingPlan(seed=7)
+    again.update_catalog(reversed(objects(50)))  # listing order does not matter
+    assert drain_pass(again) == first
+
+    other = SamplingPlan(seed=8)
+    other.update_catalog(objects(50))
+    assert drain_pass(other) != first
+
+
+def test_next_pass_starts_only_when_the_last_object_is_resolved() -> None:
+    plan = SamplingPlan(seed=1)
+    plan.update_catalog(objects(4))
+    drawn = plan.next(10)
+    assert len(drawn) == 4
+    assert plan.next(10) == []  # all in flight: pass 0 is not over
+    plan.done([oid for oid, _ in drawn[:3]], 0)
+    assert plan.next(10) == []
+    plan.done([drawn[3][0]], 1)
+    plan.evicted([0, 1])  # evicted: the objects may come back
+    assert len(plan.next(10)) == 4
+    assert plan.counters.passes_completed == 1
+    assert plan.pass_index == 1
+
+
+def test_cached_objects_are_skipped_until_their_segment_is_evicted() -> None:
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    plan.update_catalog(objects(6))
+    drawn = plan.next(10)
+    plan.done([oid for oid, _ in drawn[:3]], 10)
+    plan.done([oid for oid, _ in drawn[3:]], 11)
+    assert plan.next(10) == []  # a new pass would only find cached objects
+    plan.evicted([10])
+    again = plan.next(10)
+    assert {oid for oid, _ in again} == {oid for oid, _ in drawn[:3]}
+    assert plan.counters.skipped_cached_total >= 3
+
+
+def test_idle_passes_back_off_instead_of_spinning() -> None:
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    plan.update_catalog(objects(3))
+    drawn = plan.next(10)
+    plan.done([oid for oid, _ in drawn], 5)
+    for _ in range(100):
+        assert plan.next(10) == []
+    passes = plan.pass_index
+    assert passes <= 2  # not one pass per call
+    clock.now += 100
+    assert plan.next(10) == []  # everything still cached: nothing to draw after the wait either
+    assert plan.counters.passes_completed == 1
+
+
+def test_requeued_objects_come_first() -> None:
+    plan = SamplingPlan(seed=3)
+    plan.update_catalog(objects(20))
+    batch = plan.next(5)
+    plan.requeue([batch[3][0], batch[1][0]])
+    again = plan.next(2)
+    assert [oid for oid, _ in again] == [batch[3][0], batch[1][0]]
+    assert plan.counters.requeued_total == 2
+
+
+def test_failures_drop_quarantine_or_retry_next_pass() -> None:
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    plan.update_catalog(objects(4))
+    (a, _), (b, _), (c, _), (d, _) = plan.next(4)
+    plan.failed(a, "not_found")
+    plan.failed(b, "decode")
+    plan.failed(c, "transient")
+    plan.done([d], 1)
+    plan.evicted([1])
+    # next pass: only c (transient) and d (evicted) come back
+    clock.now += 100
+    assert {oid for oid, _ in plan.next(10)} == {c, d}
+    assert plan.counters.dropped_total == 1
+    assert plan.counters.quarantined_total == 1
+    # a new version of the dropped and the quarantined objects brings them back
+    changed = [RemoteObject(o.path, o.size, "new" if i in (a, b) else o.etag) for i, o in enumerate(objects(4))]
+    plan.update_catalog(changed)
+    assert {oid for oid, _ in plan.next(10)} == {a, b}
+
+
+def test_objects_added_by_a_refresh_join_the_current_pass() -> None:
+    plan = SamplingPlan(seed=5)
+    plan.update_catalog(objects(10))
+    first = plan.next(4)
+    assert plan.update_catalog(objects(15)) == 5
+    rest = plan.next(100)
+    drawn = [obj.path for _, obj in first + rest]
+    assert sorted(drawn) == [o.path for o in objects(15)]
+    new_paths = [p for p in drawn if p >= "b/k0010"]
+    assert drawn[-5:] == new_paths  # appended after the pass's remaining objects
+    assert new_paths == sorted(new_paths, key=lambda p: pass_order_key(p, 5, 0))
+
+
+def test_vanished_objects_are_not_drawn() -> None:
+    plan = SamplingPlan()
+    plan.update_catalog(objects(10))
+    plan.update_catalog(objects(10)[:6])
+    assert {obj.path for _, obj in plan.next(100)} == {o.path for o in objects(6)}
+    assert plan.owned == 6
+
+
+@settings(max_examples=30, deadline=None)
+@given(count=st.integers(1, 6), n=st.integers(0, 200))
+def test_node_partition_is_disjoint_complete_and_stable(count: int, n: int) -> None:
+    listing = objects(n, prefix="bucket/shard-")
+    owners: Counter[str] = Counter()
+    for rank in range(count):
+        plan = SamplingPlan(rank=rank, count=count)
+        plan.update_catalog(listing)
+        owners.update(obj.path for _, obj in plan.next(10_000))
+    assert owners == Counter(o.path for o in listing)  # each object exactly once across nodes
+    grown = objects(n + 50, prefix="bucket/shard-")
+    for obj in listing:
+        assert owner_of(obj.path, count) == owner_of(grown[listing.index(obj)].path, count)
+
+
+def test_rank_is_checked() -> None:
+    with pytest.raises(ValueError, match="rank"):
+        SamplingPlan(rank=2, count=2)
