@@ -1,0 +1,241 @@
+"""A moto S3 server that counts what it serves, so remote traffic is measured at the server, not by the client.
+
+``python -m benchmarks.common.s3server --port N`` runs moto's own WSGI app (what ``moto_server`` runs) wrapped
+in a counting middleware: every request is classified (object GET, ranged GET, HEAD, LIST, PUT, other) and the
+response body bytes are added up as they leave. Counters are read and zeroed over HTTP on the same port:
+
+    GET  /__bench__/stats   -> JSON counters
+    POST /__bench__/reset   -> zero the counters (moto's state is reset with POST /moto-api/reset)
+
+:class:`S3Server` starts that subprocess for a benchmark run and reads the counters. Credentials are dummies and
+``BOTO_CONFIG=/dev/null`` keeps the host's configuration out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+DUMMY_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "BOTO_CONFIG": "/dev/null",
+    "AWS_CONFIG_FILE": "/dev/null",
+    "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+}
+_STATS_PATH = "/__bench__/stats"
+_RESET_PATH = "/__bench__/reset"
+
+
+class _Counters:
+    """Request and byte counts by request kind. Every update holds the lock (werkzeug serves in threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, int] = {}
+        self._bytes_out: dict[str, int] = {}
+        self._bytes_in = 0
+
+    def add(self, kind: str, bytes_out: int, bytes_in: int) -> None:
+        with self._lock:
+            self._requests[kind] = self._requests.get(kind, 0) + 1
+            self._bytes_out[kind] = self._bytes_out.get(kind, 0) + bytes_out
+            self._bytes_in += bytes_in
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "requests": dict(self._requests),
+                "bytes_out": dict(self._bytes_out),
+                "bytes_in": self._bytes_in,
+            }
+
+    def reset(self) -> None:
+        with self._lock:
+            self._requests.clear()
+            self._bytes_out.clear()
+            self._bytes_in = 0
+
+
+def classify(environ: dict[str, Any]) -> str:
+    """Name a request by what it does to S3 (path-style addressing: ``/bucket`` or ``/bucket/key``)."""
+    method = environ.get("REQUEST_METHOD", "GET")
+    path = environ.get("PATH_INFO", "/").strip("/")
+    has_key = "/" in path
+    if path.startswith("moto-api"):
+        return "moto_api"
+    if method == "GET" and has_key:
+        return "get_range" if environ.get("HTTP_RANGE") else "get"
+    if method == "GET":
+        return "list"
+    if method == "HEAD":
+        return "head"
+    if method in ("PUT", "POST"):
+        return "put"
+    return str(method).lower()
+
+
+class CountingMiddleware:
+    """WSGI middleware: counts each response's body bytes as they are sent, and serves the counters."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self.app = app
+        self.counters = _Counters()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == _STATS_PATH:
+            body = json.dumps(self.counters.snapshot()).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        if path == _RESET_PATH:
+            self.counters.reset()
+            start_response("204 No Content", [])
+            return []
+        kind = classify(environ)
+        bytes_in = int(environ.get("CONTENT_LENGTH") or 0)
+        return self._count(kind, bytes_in, self.app(environ, start_response))
+
+    def _count(self, kind: str, bytes_in: int, body: Iterable[bytes]) -> Iterator[bytes]:
+        sent = 0
+        try:
+            for chunk in body:
+                sent += len(chunk)
+                yield chunk
+        finally:
+            close = getattr(body, "close", None)
+            if callable(close):
+                close()
+            self.counters.add(kind, sent, bytes_in)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MOTO_PORT", str(args.port))
+
+    from moto.moto_server.threaded_moto_server import MotoRequestHandler  # type: ignore[attr-defined]
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import run_simple
+
+    app = DomainDispatcherApplication(create_backend_app)
+    run_simple(args.host, args.port, CountingMiddleware(app), threaded=True, request_handler=MotoRequestHandler)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class S3Server:
+    """A running counting moto server (a subprocess of this process)."""
+
+    endpoint: str
+    process: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def start(cls, timeout_s: float = 60.0) -> S3Server:
+        port = free_port()
+        env = {**os.environ, **DUMMY_ENV}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.common.s3server", "--port", str(port)],
+            env=env,
+            cwd=_repo_root(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        server = cls(f"http://127.0.0.1:{port}", process)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                server.stats()
+                return server
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    server.stop()
+                    raise RuntimeError(f"counting moto server did not start on {server.endpoint}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def stats(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.endpoint + _STATS_PATH, timeout=5) as response:
+            doc: dict[str, Any] = json.loads(response.read())
+        return doc
+
+    def reset_stats(self) -> None:
+        request = urllib.request.Request(self.endpoint + _RESET_PATH, method="POST")
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options that reach this server."""
+        return storage_options(self.endpoint)
+
+
+def storage_options(endpoint: str) -> dict[str, Any]:
+    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+
+
+def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the server served between two :meth:`S3Server.stats` snapshots, with totals."""
+    requests = {k: after["requests"].get(k, 0) - before["requests"].get(k, 0) for k in after["requests"]}
+    bytes_out = {k: after["bytes_out"].get(k, 0) - before["bytes_out"].get(k, 0) for k in after["bytes_out"]}
+    requests = {k: v for k, v in requests.items() if v}
+    bytes_out = {k: v for k, v in bytes_out.items() if v}
+    return {
+        "requests": requests,
+        "bytes_out": bytes_out,
+        "total_requests": sum(requests.values()),
+        "total_bytes_out": sum(bytes_out.values()),
+        "data_bytes_out": bytes_out.get("get", 0) + bytes_out.get("get_range", 0),
+    }
+
+
+def fetch_stats(endpoint: str) -> dict[str, Any]:
+    with urllib.request.urlopen(endpoint + _STATS_PATH, timeout=5) as response:
+        doc: dict[str, Any] = json.loads(response.read())
+    return doc
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Batches moved to a CUDA device ahead of use: the copy of batch ``i + 1`` overlaps the compute on batch ``i``.
+
+How the streams are kept honest (the copy runs on a side stream, the training step on the current stream):
+
+1. the copy of batch ``i + 1`` is issued on the side stream after it *waits for the current stream*
+   (``side.wait_stream(current)``), so it never overwrites memory the step is still reading when the caching
+   allocator reuses a block;
+2. before batch ``i + 1`` is handed out, the current stream waits for the side stream (``wait_stream``), so the
+   step never reads a half-copied tensor;
+3. every tensor handed out is marked ``record_stream(current)``: its memory was allocated on the side stream, and
+   without this the allocator could give it to another side-stream copy while the step still reads it.
+
+Copies are ``non_blocking``; they only overlap when the source is in pinned memory (build the loader with
+``pin_memory=True``). A pageable source still works, the copy is then synchronous with the host.
+
+On a CPU device (or ``device=None`` without CUDA) the prefetcher is a pass-through: batches are handed out as the
+loader makes them, nothing is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["DevicePrefetcher", "move_to"]
+
+
+def move_to(batch: Any, device: torch.device, *, non_blocking: bool) -> Any:
+    """Copy every tensor in a nest of dicts, lists, tuples and named tuples to ``device``; keep the rest."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        moved = {key: move_to(value, device, non_blocking=non_blocking) for key, value in batch.items()}
+        return moved if type(batch) is dict else _rebuild(batch, moved)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(move_to(v, device, non_blocking=non_blocking) for v in batch))
+    if isinstance(batch, list | tuple):
+        items = [move_to(v, device, non_blocking=non_blocking) for v in batch]
+        return items if type(batch) is list else _rebuild(batch, items)
+    return batch
+
+
+def _rebuild(original: Any, contents: Any) -> Any:
+    """The same container type holding ``contents`` when its constructor allows it, else the plain one."""
+    try:
+        return type(original)(contents)
+    except TypeError:
+        return contents
+
+
+def _record(batch: Any, stream: Any) -> None:
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            _record(value, stream)
+    elif isinstance(batch, list | tuple):
+        for value in batch:
+            _record(value, stream)
+
+
+class DevicePrefetcher:
+    """Iterate ``loader`` with each batch already on ``device`` (see the module docstring for the protocol).
+
+    Args:
+        loader: any iterable of batches (an ``EpochLoader``, a DataLoader, a list).
+        device: the target; default ``cuda`` (the current device) when CUDA is available, else CPU (pass-through).
+        non_blocking: issue asynchronous copies (they overlap only from pinned memory).
+
+    ``len()`` is the loader's. Each ``iter()`` starts a new pass over the loader.
+    """
+
+    def __init__(
+        self, loader: Iterable[Any], device: torch.device | str | None = None, *, non_blocking: bool = True
+    ) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.loader = loader
+        self.device = torch.device(device)
+        self.non_blocking = non_blocking
+
+    @property
+    def is_passthrough(self) -> bool:
+        return self.device.type != "cuda"
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.is_passthrough:
+            yield from self.loader
+            return
+        yield from self._cuda_batches()
+
+    def _cuda_batches(self) -> Iterator[Any]:
+        side = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        batches = iter(self.loader)
+
+        def issue() -> Any:
+            try:
+                host = next(batches)
+            except StopIteration:
+                return _DONE
+            side.wait_stream(torch.cuda.current_stream(self.device))  # (1) in the module docstring
+            with torch.cuda.stream(side):
+                return move_to(host, self.device, non_blocking=self.non_blocking)
+
+        ahead = issue()
+        while ahead is not _DONE:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(side)  # (2)
+            _record(ahead, current)  # (3)
+            ready, ahead = ahead, issue()
+            yield ready
+
+
+_DONE = object()

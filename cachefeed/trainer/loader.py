@@ -1,0 +1,447 @@
+"""``EpochLoaderFactory``: a DataLoader per epoch over a pinned snapshot, ready before the previous epoch ends.
+
+NOTE [ Epoch handover ]
+-----------------------
+Threads: the *training thread* (the caller's loop), one *build thread* and one *teardown thread* per factory.
+
+* While epoch ``e`` runs, the training thread reports progress after each batch (``on_progress``). When the time
+  left in ``e`` (remaining batches x the recent batch interval) falls under twice the longest build seen so far
+  plus 0.5 s, or fewer than two prefetch windows (``num_workers x prefetch_factor`` batches) are left, or at the
+  fraction ``prepare_at`` if given, the build thread starts on ``e + 1``: pin its snapshot (local rank 0 creates,
+  the node's other ranks join), compute this rank's share, build the dataset and the DataLoader, start its
+  iterator (workers start, the prefetch queue fills) and fetch the first batch. Pinning late keeps the snapshot
+  fresh (it holds what was cached a few seconds before the boundary); starting early enough keeps the boundary
+  free of waits.
+* ``_EpochIterator`` stops after exactly ``len(loader)`` batches without asking the DataLoader iterator again
+  (whose own end would join its workers on the training thread); the exhausted iterator goes to the teardown
+  thread, which shuts its workers down.
+* ``loader(e + 1)`` takes the prepared epoch (waiting for the build only if it is late) and retires every other
+  epoch: the teardown thread shuts down its iterators, closes its dataset and releases its pin. The training
+  thread never joins a process or unlinks a file at the boundary.
+* The handover wait (``EpochStats.handover_wait_s``) is the time the training thread spends inside cachefeed
+  between the last batch of ``e`` and the first of ``e + 1``: the ``next()`` that ends ``e``, ``loader(e + 1)``,
+  ``iter()`` and the first ``next()``. The training step itself is not counted.
+
+Failures of a background build are re-raised by ``loader(e + 1)`` on the training thread, with their traceback.
+With several nodes, every rank's build thread joins one all-reduce per epoch on a dedicated gloo group (created
+by the constructor, which every rank calls), in epoch order, so the training thread's collectives are never
+interleaved with ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO, cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.snapshots import Snapshot
+from cachefeed.trainer.background import SerialWorker
+from cachefeed.trainer.dataset import SnapshotDataset, Transform
+from cachefeed.trainer.epoch import EpochLoader, EpochState, EpochStats, SkipEmptyCollate, shutdown_iterator
+from cachefeed.trainer.partition import (
+    EpochBatchSampler,
+    RankInfo,
+    detect_ranks,
+    epoch_share,
+    launcher_run_id,
+    sanitize_run_id,
+)
+from cachefeed.trainer.wait import wait_for_samples
+
+__all__ = ["EpochLoaderFactory"]
+
+log = logging.getLogger(__name__)
+
+_RESERVED_OPTIONS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "num_workers")
+_LEAD_FACTOR = 2.0
+_LEAD_MARGIN_S = 0.5
+_PACE_WEIGHT = 0.2
+
+
+class EpochLoaderFactory:
+    """Per-epoch DataLoaders over pinned snapshots of a cachefeed cache, prepared ahead (NOTE above).
+
+    Use it as a context manager (or call ``close``)::
+
+        with EpochLoaderFactory("/dev/shm/cachefeed/example", batch_size=256, num_workers=4) as factory:
+            for epoch in range(epochs):
+                for batch in factory.loader(epoch):
+                    train_step(batch["data"])
+
+    Args:
+        cache_dir: the cache directory (the daemon's ``cache.dir``). Must exist (``NoSuchCacheError``).
+        batch_size: samples per batch.
+        num_workers: DataLoader worker processes per epoch.
+        shuffle: shuffle each epoch with a permutation seeded by ``(seed, epoch)`` (identical on every rank).
+        seed: see ``shuffle``.
+        drop_last: drop this rank's last partial batch.
+        transform: per-sample function run in the workers (picklable for spawn/forkserver).
+        collate_fn: batches samples (default ``torch.utils.data.default_collate``).
+        verify: check every record's checksum when reading (a failing record is skipped, never served).
+        min_samples: the first epoch waits until this many samples are cached (a progress line on ``progress``).
+        wait_timeout_s: how long that wait may take before ``SnapshotError``.
+        join_timeout_s: how long a non-zero local rank waits for local rank 0's snapshot of an epoch.
+        prepare_at: fraction of an epoch's batches after which the next epoch is prepared; None = automatic.
+        epochs: the number of epochs, if known: epoch ``epochs`` is then never prepared (no workers started for
+            an epoch that will not run).
+        run_id: names the snapshots (``<run_id>-e<epoch>``); default from torchrun, needed with several ranks
+            otherwise.
+        rank, world_size: the ranks sharing this cache, if torch.distributed / torchrun do not say.
+        progress: where the first wait writes its progress (None: silent).
+        **loader_options: passed to every ``DataLoader`` (pin_memory, prefetch_factor, multiprocessing_context,
+            persistent_workers, worker_init_fn, timeout, generator, in_order, pin_memory_device).
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        *,
+        batch_size: int,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        transform: Transform | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        verify: bool = True,
+        min_samples: int = 1,
+        wait_timeout_s: float = 600.0,
+        join_timeout_s: float = 300.0,
+        prepare_at: float | None = None,
+        epochs: int | None = None,
+        run_id: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        progress: TextIO | None = sys.stderr,
+        **loader_options: Any,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if min_samples < 0 or wait_timeout_s <= 0 or join_timeout_s <= 0:
+            raise ValueError("min_samples must be >= 0 and the timeouts > 0")
+        if epochs is not None and epochs < 0:
+            raise ValueError(f"epochs must be >= 0 (or None), got {epochs}")
+        if prepare_at is not None and not 0.0 <= prepare_at <= 1.0:
+            raise ValueError(f"prepare_at must be a fraction between 0 and 1 (or None), got {prepare_at}")
+        reserved = sorted(set(loader_options) & set(_RESERVED_OPTIONS))
+        if reserved:
+            raise TypeError(f"EpochLoaderFactory sets {', '.join(reserved)} itself; use its own arguments")
+        self.layout = CacheLayout(Path(cache_dir))
+        self.layout.check()
+        self.ranks: RankInfo = detect_ranks(rank, world_size)
+        env_run_id = launcher_run_id()
+        if run_id is None and env_run_id is None and self.ranks.local_world_size > 1:
+            raise ValueError(
+                "several ranks share this cache but nothing names the run: pass run_id= (the same on every rank), "
+                "or launch with torchrun"
+            )
+        self.run_id = sanitize_run_id(run_id) if run_id is not None else (env_run_id or f"pid{os.getpid()}")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.transform = transform
+        self.collate_fn = collate_fn or default_collate
+        self.verify = verify
+        self.min_samples = min_samples
+        self.wait_timeout_s = wait_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.prepare_at = prepare_at
+        self.epochs = epochs
+        self.progress = progress
+        self.loader_options = dict(loader_options)
+        # Fail here, on the caller's thread, on options DataLoader refuses (e.g. prefetch_factor without workers).
+        DataLoader(
+            cast(Dataset[Any], []),
+            batch_sampler=cast(Sampler[list[int]], EpochBatchSampler(np.empty(0, np.int64), 1)),
+            num_workers=num_workers,
+            **self.loader_options,
+        )
+        self._window = max(1, num_workers) * int(loader_options.get("prefetch_factor") or 2)
+        self._agree_group = self._new_agree_group()
+        self._lock = threading.Lock()
+        self._builder = SerialWorker("cachefeed-build")  # not a ThreadPoolExecutor: see background.py
+        self._teardown = SerialWorker("cachefeed-teardown")
+        self._states: dict[int, EpochState] = {}
+        self._retired: dict[int, EpochState] = {}
+        self._prepared: tuple[int, Future[EpochState]] | None = None
+        self._last_names: frozenset[str] | None = None
+        self._has_built = False
+        self._build_estimate_s = 0.0
+        self._waited_s = 0.0
+        self._pace_s: float | None = None
+        self._last_batch_at = 0.0
+        self._closed = False
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    def loader(self, epoch: int) -> EpochLoader:
+        """The loader of ``epoch`` (prepared in the background if the previous epoch ran through this factory).
+
+        Moving to an epoch retires every other one (its workers stop and its pin is released, off this thread).
+        """
+        started = time.perf_counter()
+        state = self._activate(epoch, with_loader=True)
+        self.on_wait(time.perf_counter() - started, first_batch=None)
+        return EpochLoader(state, self, lambda: self.stats(epoch))
+
+    def dataset(self, epoch: int) -> SnapshotDataset:
+        """The snapshot dataset of ``epoch``, for your own DataLoader. Pinned until the factory moves on or closes.
+
+        Note that the dataset holds *all* samples of the node's snapshot; ``share(epoch)`` gives this rank's part.
+        """
+        return self._activate(epoch, with_loader=False).dataset
+
+    def share(self, epoch: int) -> npt.NDArray[np.int64]:
+        """This rank's indices into ``dataset(epoch)``, in this epoch's order (disjoint, equal-sized across ranks)."""
+        return self._activate(epoch, with_loader=False).indices
+
+    def stats(self, epoch: int) -> EpochStats:
+        """Statistics of an epoch this factory built (KeyError for one it never built)."""
+        with self._lock:
+            state = self._states.get(epoch) or self._retired.get(epoch)
+        if state is None:
+            raise KeyError(f"epoch {epoch} was not built by this factory")
+        return state.stats(handover=True)
+
+    def close(self) -> None:
+        """Stop all workers and release all pins. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            prepared, self._prepared = self._prepared, None
+            states = list(self._states.values())
+            self._retired.update(self._states)
+            self._states.clear()
+        if prepared is not None:
+            try:
+                states.append(prepared[1].result())
+            except BaseException:  # it is being discarded: its error does not matter now
+                log.debug("discarded epoch %d failed to build", prepared[0], exc_info=True)
+        self._teardown.shutdown(wait=True)
+        self._builder.shutdown(wait=True)
+        for state in states:
+            state.release()
+
+    def __enter__(self) -> EpochLoaderFactory:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- building ------------------------------------------------------------------------------------------
+
+    def _make_loader(self, dataset: SnapshotDataset, sampler: EpochBatchSampler) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_sampler=cast(Sampler[list[int]], sampler),  # yields int64 arrays: cheaper than lists
+            num_workers=self.num_workers,
+            collate_fn=SkipEmptyCollate(self.collate_fn),
+            **self.loader_options,
+        )
+
+    def _new_agree_group(self) -> Any:
+        if not self.ranks.nodes_differ:
+            return None
+        return torch.distributed.new_group(backend="gloo")
+
+    def _agree_min(self, value: int) -> int:
+        if self._agree_group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self._agree_group)
+        return int(tensor.item())
+
+    def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
+        """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
+        started = time.perf_counter()
+        with self._lock:
+            is_first, self._has_built = not self._has_built, True
+        waited = 0.0
+        join_timeout = self.join_timeout_s
+        if is_first and self.ranks.is_creator:
+            wait_for_samples(self.layout, self.min_samples, timeout_s=self.wait_timeout_s, progress=self.progress)
+            waited = time.perf_counter() - started
+        elif is_first:
+            join_timeout += self.wait_timeout_s
+        snap_id = f"{self.run_id}-e{epoch:06d}"
+        if self.ranks.is_creator:
+            snapshot = Snapshot.create(self.layout.root, snap_id)
+        else:
+            snapshot = Snapshot.join(self.layout.root, snap_id, timeout_s=join_timeout)
+        dataset: SnapshotDataset | None = None
+        pid = os.getpid()
+        try:
+            per_rank = self._agree_min(snapshot.samples // self.ranks.local_world_size)
+            indices = epoch_share(
+                snapshot.samples,
+                seed=self.seed,
+                epoch=epoch,
+                shuffle=self.shuffle,
+                local_rank=self.ranks.local_rank,
+                local_world_size=self.ranks.local_world_size,
+                per_rank=per_rank,
+            )
+            dataset = SnapshotDataset.from_snapshot(snapshot, transform=self.transform, verify=self.verify)
+            with self._lock:
+                previous, self._last_names = self._last_names, frozenset(snapshot.names)
+            fresh = [
+                (n, c)
+                for n, c in zip(snapshot.names, snapshot.counts, strict=True)
+                if previous is None or n not in previous
+            ]
+            state = EpochState(
+                epoch,
+                snapshot,
+                dataset,
+                indices,
+                new_samples=sum(c for _n, c in fresh),
+                new_segments=len(fresh),
+                wait_for_samples_s=waited,
+            )
+            state.is_first_epoch = is_first
+            state.prepared_in_background = background
+            if with_loader:
+                state.start_loader(self._make_loader, self.batch_size, self.drop_last)
+        except BaseException:
+            if os.getpid() != pid:  # unwinding in a forked worker that failed to start: the pin is the parent's
+                raise
+            if dataset is not None:
+                dataset.close()
+            snapshot.release()
+            raise
+        state.build_s = time.perf_counter() - started - waited
+        self._build_estimate_s = max(self._build_estimate_s, state.build_s)
+        log.info(
+            "epoch %d: snapshot %s, %d samples (%d new), %d for this rank, built in %.3fs%s",
+            epoch,
+            snap_id,
+            snapshot.samples,
+            state.new_samples,
+            len(indices),
+            state.build_s,
+            " in the background" if background else "",
+        )
+        return state
+
+    def _activate(self, epoch: int, *, with_loader: bool) -> EpochState:
+        """Make ``epoch`` the current epoch: take or build its state, retire every other one."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this EpochLoaderFactory is closed")
+            state = self._states.get(epoch)
+            prepared = None
+            if state is None and self._prepared is not None:
+                prepared, self._prepared = self._prepared, None
+        if state is None:
+            if prepared is not None and prepared[0] == epoch:
+                state = prepared[1].result()
+            else:
+                if prepared is not None:
+                    prepared[1].add_done_callback(self._retire_future)
+                state = self._build(epoch, with_loader=with_loader, background=False)
+        elif with_loader and state.dataloader is None:
+            started = time.perf_counter()
+            state.start_loader(self._make_loader, self.batch_size, self.drop_last)
+            state.build_s += time.perf_counter() - started
+        with self._lock:
+            self._states[epoch] = state
+            others = [s for e, s in self._states.items() if e != epoch]
+            for other in others:
+                del self._states[other.epoch]
+        for other in others:
+            self._retire(other)
+        return state
+
+    def _retire(self, state: EpochState) -> None:
+        with self._lock:
+            self._retired[state.epoch] = state
+            if not self._closed:  # close() shuts the teardown thread down only after setting _closed
+                self._teardown.submit(_logged, state.release, f"releasing epoch {state.epoch}")
+                return
+        state.release()
+
+    def _retire_future(self, future: Future[EpochState]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        self._retire(future.result())
+
+    # -- hooks called by the epoch iterator (training thread) ----------------------------------------------
+
+    def on_progress(self, state: EpochState, consumed: int) -> None:
+        """After ``consumed`` batches of ``state``'s epoch: learn the pace, start the next epoch when due."""
+        now = time.perf_counter()
+        if consumed > 1:
+            interval = now - self._last_batch_at
+            self._pace_s = (
+                interval if self._pace_s is None else (1 - _PACE_WEIGHT) * self._pace_s + (_PACE_WEIGHT * interval)
+            )
+        self._last_batch_at = now
+        if self._is_due(state, consumed):
+            self._prepare(state.epoch + 1)
+
+    def _is_due(self, state: EpochState, consumed: int) -> bool:
+        total = state.batches
+        if self.prepare_at is not None:
+            return consumed >= math.ceil(self.prepare_at * total)
+        remaining = total - consumed
+        if remaining <= 2 * self._window:
+            return True
+        if self._pace_s is None:
+            return False
+        return remaining * self._pace_s <= _LEAD_FACTOR * self._build_estimate_s + _LEAD_MARGIN_S
+
+    def _prepare(self, epoch: int) -> None:
+        if self.epochs is not None and epoch >= self.epochs:
+            return
+        with self._lock:
+            if self._closed or epoch in self._states:
+                return
+            discarded = self._prepared
+            if discarded is not None and discarded[0] == epoch:
+                return
+            future = self._builder.submit(self._build, epoch, with_loader=True, background=True)
+            self._prepared = (epoch, future)
+        if discarded is not None:  # outside the lock: a done future runs the callback right here
+            discarded[1].add_done_callback(self._retire_future)
+
+    def on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
+        """Account the training thread's time in cachefeed at a handover (NOTE above)."""
+        self._waited_s += seconds
+        if first_batch is not None:
+            first_batch.first_batch_wait_s, self._waited_s = self._waited_s, 0.0
+
+    def on_exhausted(self, inner: Iterator[Any]) -> None:
+        with self._lock:
+            if not self._closed:
+                self._teardown.submit(_logged, shutdown_iterator, "stopping DataLoader workers", inner)
+                return
+        shutdown_iterator(inner)
+
+
+def _logged(fn: Callable[..., object], what: str, *args: object) -> None:
+    """Run a teardown step on the teardown thread, where nobody waits for its outcome: log a failure."""
+    try:
+        fn(*args)
+    except Exception:
+        log.warning("%s failed", what, exc_info=True)

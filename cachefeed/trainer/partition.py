@@ -1,0 +1,168 @@
+"""Who reads what: ranks sharing a cache, the run id that names snapshots, and each rank's share of an epoch.
+
+Ranks and nodes: every node has its own cache (its daemon fetches a disjoint part of the remote dataset), and the
+ranks *on a node* share that node's snapshot. So an epoch's snapshot is split among the node's local ranks
+(``local_rank`` of ``local_world_size``), never among all ranks of the job: with a global split, half of every
+node's snapshot would be read by ranks of other nodes that do not have it. Across nodes, the snapshots differ in
+size; DDP needs the same number of batches on every rank, so with more than one node the share is cut to the
+smallest node's (an all-reduce MIN on a dedicated gloo group, see ``loader.py``).
+
+Equal shares: each local rank gets ``samples // local_world_size`` samples from a permutation seeded by
+``(seed, epoch)``; the remainder (fewer than ``local_world_size`` samples) is **dropped** for this epoch rather than
+padded with repeats, so no sample is delivered twice in an epoch. The permutation differs each epoch, so a dropped
+sample is not dropped the next time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import Sampler
+
+__all__ = [
+    "EpochBatchSampler",
+    "RankInfo",
+    "default_run_id",
+    "detect_ranks",
+    "epoch_order",
+    "epoch_share",
+    "launcher_run_id",
+    "sanitize_run_id",
+]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """This process's place in the job.
+
+    Attributes:
+        rank, world_size: global (for messages and the cross-node agreement).
+        local_rank, local_world_size: among the ranks that share this node's cache; the snapshot is split here.
+        is_distributed: torch.distributed is initialised (cross-node agreement possible).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    is_distributed: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"local_rank {self.local_rank} is not in [0, local_world_size={self.local_world_size})")
+        if self.local_world_size > self.world_size:
+            raise ValueError(f"local_world_size {self.local_world_size} exceeds world_size {self.world_size}")
+
+    @property
+    def is_creator(self) -> bool:
+        """Local rank 0 creates each epoch's snapshot; the node's other ranks join it."""
+        return self.local_rank == 0
+
+    @property
+    def nodes_differ(self) -> bool:
+        """More than one cache takes part: shares must be agreed across nodes."""
+        return self.world_size > self.local_world_size
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
+def detect_ranks(
+    rank: int | None = None, world_size: int | None = None, *, env: Mapping[str, str] | None = None
+) -> RankInfo:
+    """Work out ``RankInfo`` from explicit arguments, else torch.distributed, else torchrun's environment.
+
+    Explicit ``rank``/``world_size`` name the ranks that share this cache (one node: local rank = rank).
+    Otherwise, with torch.distributed initialised, the global rank and size come from it and the local ones from
+    ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (set by torchrun; without them, one node is assumed). Without
+    torch.distributed, torchrun's ``RANK``/``WORLD_SIZE`` are read, if set.
+    """
+    env = os.environ if env is None else env
+    if (rank is None) != (world_size is None):
+        raise ValueError("pass both rank and world_size, or neither (to detect them)")
+    if rank is not None and world_size is not None:
+        return RankInfo(rank, world_size, rank, world_size)
+    is_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if is_dist:
+        g_rank, g_world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        g_rank, g_world = _env_int(env, "RANK") or 0, _env_int(env, "WORLD_SIZE") or 1
+    local, local_world = _env_int(env, "LOCAL_RANK"), _env_int(env, "LOCAL_WORLD_SIZE")
+    if local is None or local_world is None:
+        local, local_world = g_rank, g_world  # no launcher variables: one node
+    info = RankInfo(g_rank, g_world, local, local_world, is_dist)
+    if info.nodes_differ and not is_dist:
+        raise ValueError(
+            f"WORLD_SIZE={g_world} spans more than one node (LOCAL_WORLD_SIZE={local_world}): initialise "
+            "torch.distributed before creating the EpochLoaderFactory, so nodes can agree on epoch sizes"
+        )
+    return info
+
+
+def launcher_run_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The run's name as the launcher gives it: torchrun's ``TORCHELASTIC_RUN_ID``, else the rendezvous address."""
+    env = os.environ if env is None else env
+    raw = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    if not raw and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        raw = f"{env['MASTER_ADDR']}-{env['MASTER_PORT']}"
+    return sanitize_run_id(raw) if raw else None
+
+
+def default_run_id(env: Mapping[str, str] | None = None) -> str:
+    """A name shared by every rank of this run: ``launcher_run_id``, else the pid (one process only)."""
+    return launcher_run_id(env) or f"pid{os.getpid()}"
+
+
+def sanitize_run_id(raw: str) -> str:
+    """Map any string to a valid snapshot-id prefix (letters, digits, ``_.-``; at most 100 characters)."""
+    cleaned = _UNSAFE.sub("_", raw).strip("._-")[:100]
+    return cleaned if cleaned and cleaned[0].isalnum() else f"r{cleaned}"
+
+
+def epoch_order(samples: int, *, seed: int, epoch: int, shuffle: bool) -> npt.NDArray[np.int64]:
+    """The epoch's sample order: a permutation seeded by ``(seed, epoch)``, identical in every process."""
+    if not shuffle:
+        return np.arange(samples, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(samples).astype(np.int64, copy=False)
+
+
+def epoch_share(
+    samples: int, *, seed: int, epoch: int, shuffle: bool, local_rank: int, local_world_size: int, per_rank: int
+) -> npt.NDArray[np.int64]:
+    """This rank's ``per_rank`` indices: a contiguous slice of the epoch order (disjoint across local ranks)."""
+    if per_rank * local_world_size > samples:
+        raise ValueError(f"{local_world_size} shares of {per_rank} do not fit in {samples} samples")
+    order = epoch_order(samples, seed=seed, epoch=epoch, shuffle=shuffle)
+    return order[local_rank * per_rank : (local_rank + 1) * per_rank]
+
+
+class EpochBatchSampler(Sampler[npt.NDArray[np.int64]]):
+    """Yields one rank's share in batches: int64 arrays, cut from a numpy array (no per-sample Python objects)."""
+
+    def __init__(self, indices: npt.NDArray[np.int64], batch_size: int, *, drop_last: bool = False) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.indices = indices
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.indices), self.batch_size)
+        return full if self.drop_last or not rest else full + 1
+
+    def __iter__(self) -> Iterator[npt.NDArray[np.int64]]:
+        size = self.batch_size
+        for start in range(0, len(self) * size, size):
+            yield self.indices[start : start + size]

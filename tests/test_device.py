@@ -1,0 +1,76 @@
+"""The device prefetcher: a pass-through on CPU, a side-stream copier on CUDA (the GPU test runs where one is)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from cachefeed.trainer import DevicePrefetcher, EpochLoaderFactory
+from cachefeed.trainer.device import move_to
+from tests.test_trainer_loader import build_cache
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+def test_on_cpu_batches_pass_through_untouched() -> None:
+    batches = [{"x": torch.arange(4)}, {"x": torch.arange(4, 8)}]
+    prefetcher = DevicePrefetcher(batches, "cpu")
+    assert prefetcher.is_passthrough and len(prefetcher) == 2
+    served = list(prefetcher)
+    assert all(a is b for a, b in zip(served, batches, strict=True)), "no copy on CPU"
+    assert list(prefetcher) == served, "each iter() is a new pass"
+
+
+def test_the_default_device_is_cpu_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert DevicePrefetcher([]).device == torch.device("cpu")
+
+
+def test_move_to_copies_every_tensor_of_a_nest_and_keeps_the_rest() -> None:
+    batch = {
+        "x": torch.ones(2, 3),
+        "keys": ["a", "b"],
+        "nest": OrderedDict(p=Pair(torch.zeros(1), 7), t=(torch.ones(1), "s")),
+        "raw": b"bytes",
+    }
+    moved = move_to(batch, torch.device("meta"), non_blocking=True)
+    assert moved["x"].device.type == "meta" and moved["x"].shape == (2, 3)
+    assert moved["keys"] == ["a", "b"] and moved["raw"] == b"bytes"
+    assert isinstance(moved["nest"], OrderedDict)
+    assert isinstance(moved["nest"]["p"], Pair) and moved["nest"]["p"].x.device.type == "meta"
+    assert moved["nest"]["p"].y == 7
+    assert isinstance(moved["nest"]["t"], tuple) and moved["nest"]["t"][0].device.type == "meta"
+    assert batch["x"].device.type == "cpu", "the source is not modified"
+
+
+def test_it_wraps_an_epoch_loader(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 64)
+    with EpochLoaderFactory(root, batch_size=16, run_id="t", epochs=1) as factory:
+        loader = factory.loader(0)
+        prefetcher = DevicePrefetcher(loader, "cpu")
+        assert len(prefetcher) == 4
+        keys = [key for batch in prefetcher for key in batch["__key__"]]
+    assert sorted(keys) == sorted(f"k{i}" for i in range(64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_batches_arrive_complete_on_the_device_while_the_step_runs() -> None:
+    host = [{"x": torch.full((1 << 22,), i, dtype=torch.float32).pin_memory(), "i": i} for i in range(8)]
+    prefetcher = DevicePrefetcher(host, "cuda")
+    assert not prefetcher.is_passthrough
+    seen = []
+    for batch in prefetcher:
+        assert batch["x"].is_cuda
+        busy = torch.randn(2048, 2048, device="cuda")
+        for _ in range(5):  # keep the current stream busy while the next copy runs on the side stream
+            busy = busy @ busy
+            busy = busy / busy.norm()
+        seen.append((batch["i"], float(batch["x"].mean())))
+        del batch
+    torch.cuda.synchronize()
+    assert seen == [(i, float(i)) for i in range(8)]

@@ -1,0 +1,227 @@
+"""EpochLoaderFactory in one process: exact-once epochs, background preparation, the first wait, errors."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader
+
+from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.snapshots import Snapshot
+from cachefeed.cache.store import CacheStore
+from cachefeed.cache.writer import CacheWriter
+from cachefeed.errors import NoSuchCacheError, SnapshotError
+from cachefeed.records import SegmentReader
+from cachefeed.trainer import EpochLoaderFactory
+from cachefeed.trainer.wait import wait_for_samples
+from tests.support.samples import cache_config, check_sample, make_sample
+
+
+def build_cache(root: Path, count: int, *, start: int = 0, nbytes: int = 256, segment_bytes: int = 16 << 10) -> Path:
+    """Add ``count`` samples keyed ``k<start..>`` to the cache at ``root`` (created if needed); store closed."""
+    store = CacheStore(cache_config(root, segment_bytes=segment_bytes))
+    with CacheWriter(store, segment_bytes=segment_bytes, fsync=False) as writer:
+        for i in range(start, start + count):
+            writer.add(make_sample(f"k{i}", nbytes))
+    store.close()
+    return root
+
+
+def check_batch(batch: dict) -> list[str]:
+    for row, key in enumerate(batch["__key__"]):
+        check_sample({"__key__": key, "data": batch["data"][row], "n": batch["n"][row]})
+    return list(batch["__key__"])
+
+
+def live_snapshot_locks(root: Path) -> list[str]:
+    return sorted(p.name for p in CacheLayout(root).snapshots.glob("*.lock"))
+
+
+def wait_until(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 600)
+    with EpochLoaderFactory(
+        root, batch_size=20, num_workers=2, multiprocessing_context="fork", prepare_at=0.0, run_id="t", epochs=3
+    ) as factory:
+        orders = []
+        for epoch in range(3):
+            loader = factory.loader(epoch)
+            assert len(loader) == 30
+            keys: list[str] = []
+            for batch in loader:
+                keys += check_batch(batch)
+                time.sleep(0.02)  # a training step: gives the background build time to finish
+            assert sorted(keys) == sorted(f"k{i}" for i in range(600)), f"epoch {epoch}: exactly once"
+            orders.append(keys)
+            stats = factory.stats(epoch)
+            assert (stats.samples, stats.rank_samples, stats.batches_served) == (600, 600, 30)
+            assert stats.snapshot_id == f"t-e{epoch:06d}"
+        assert orders[0] != orders[1], "shuffled per epoch"
+        for epoch in (1, 2):
+            stats = factory.stats(epoch)
+            assert stats.prepared_in_background
+            assert stats.handover_wait_s is not None and stats.handover_wait_s < 0.5, stats
+            assert stats.new_samples == 0 and stats.new_segments == 0
+        assert factory.stats(0).handover_wait_s is None and factory.stats(0).new_samples == 600
+        assert factory._prepared is None, "epochs=3: no fourth epoch is prepared"
+    assert live_snapshot_locks(root) == [], "closing releases every pin"
+    assert multiprocessing.active_children() == [], "no worker left behind"
+
+
+def test_moving_on_releases_the_previous_pin_off_the_training_thread(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 100)
+    with EpochLoaderFactory(root, batch_size=10, run_id="t", prepare_at=1.0) as factory:
+        old = factory.loader(0)
+        next(iter(old))  # leave epoch 0 unfinished
+        assert live_snapshot_locks(root) == ["t-e000000.lock"]
+        factory.loader(1)
+        wait_until(lambda: live_snapshot_locks(root) == ["t-e000001.lock"], what="epoch 0's pin to go")
+        with pytest.raises(SnapshotError, match="released"):
+            iter(old)
+
+
+def test_new_samples_are_counted_against_the_previous_snapshot(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 200)
+    with EpochLoaderFactory(root, batch_size=50, run_id="t", prepare_at=1.0) as factory:
+        next(iter(factory.loader(0)))  # prepare_at=1.0: epoch 1 is not prepared before it is asked for
+        build_cache(root, 120, start=200)
+        keys = [k for batch in factory.loader(1) for k in check_batch(batch)]
+        stats = factory.stats(1)
+        assert stats.samples == 320 and len(keys) == 320
+        assert stats.new_samples == 120 and stats.new_segments >= 1
+
+
+def test_dataset_and_share_serve_people_who_build_their_own_loader(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 90)
+    rank0 = Snapshot.create(root, "t-e000000")  # what local rank 0 would do; rank 1 joins it
+    with EpochLoaderFactory(root, batch_size=8, run_id="t", rank=1, world_size=2, join_timeout_s=10) as factory:
+        dataset, share = factory.dataset(0), factory.share(0)
+        assert len(dataset) == 90 and len(share) == 45
+        loader = DataLoader(dataset, batch_size=8, sampler=share.tolist())
+        keys = [k for batch in loader for k in check_batch(batch)]
+        assert len(set(keys)) == 45
+    rank0.release()
+    assert live_snapshot_locks(root) == []
+
+
+def test_a_batch_of_corrupt_records_only_is_dropped_and_counted(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 40)
+    first = CacheLayout(root).segments / CacheLayout(root).list_segments()[0][0]
+    with SegmentReader(first) as reader:
+        offset = int(reader.offsets[0]) + int(reader.lengths[0]) - 100
+        bad_key = reader.read(0)["__key__"]
+    with open(first, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(b"\xff\xfe")
+    with EpochLoaderFactory(root, batch_size=1, run_id="t", epochs=1) as factory:
+        loader = factory.loader(0)
+        keys = [k for batch in loader for k in check_batch(batch)]
+        assert len(loader) == 40 and len(keys) == 39 and bad_key not in keys
+        assert factory.stats(0).skipped_corrupt == 1 and factory.stats(0).batches_served == 39
+
+
+def test_the_first_epoch_waits_for_min_samples_and_shows_progress(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, segment_bytes=8 << 10))
+
+    def fill_later() -> None:
+        time.sleep(0.5)
+        with CacheWriter(store, segment_bytes=8 << 10, fsync=False) as writer:
+            for i in range(100):
+                writer.add(make_sample(f"k{i}", 256))
+
+    progress = io.StringIO()
+    filler = threading.Thread(target=fill_later)
+    filler.start()
+    try:
+        with EpochLoaderFactory(root, batch_size=10, min_samples=60, run_id="t", progress=progress) as factory:
+            loader = factory.loader(0)
+            stats = factory.stats(0)
+            assert stats.samples >= 60 and stats.wait_for_samples_s >= 0.4
+            assert "waiting for samples" in progress.getvalue()
+            assert sum(len(b["__key__"]) for b in loader) == stats.samples
+    finally:
+        filler.join()
+        store.close()
+
+
+def test_new_segments_wake_the_wait_through_inotify_not_polling(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, segment_bytes=8 << 10))
+    published_at: list[float] = []
+
+    def publish_later() -> None:
+        time.sleep(0.3)
+        with CacheWriter(store, segment_bytes=8 << 10, fsync=False) as writer:
+            writer.add(make_sample("k0", 256))
+        published_at.append(time.monotonic())
+
+    filler = threading.Thread(target=publish_later)
+    filler.start()
+    try:
+        have = wait_for_samples(CacheLayout(root), 1, timeout_s=30, progress=None, poll_s=30.0)
+        woke = time.monotonic()
+    finally:
+        filler.join()
+        store.close()
+    assert have == 1
+    assert woke - published_at[0] < 2.0, "woken by the new segment, not by the 30 s poll"
+
+
+def test_waiting_too_long_fails_with_a_clear_error(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 5)
+    with EpochLoaderFactory(root, batch_size=10, min_samples=50, wait_timeout_s=0.3, progress=None) as factory:
+        assert factory.run_id.startswith("pid"), "one process, no launcher: a pid-based run id"
+        with pytest.raises(SnapshotError, match=r"only 5 of min_samples=50 .*after 0.3s.*cachefeed status"):
+            factory.loader(0)
+
+
+def test_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(NoSuchCacheError, match=str(tmp_path / "missing")):
+        EpochLoaderFactory(tmp_path / "missing", batch_size=4)
+    root = build_cache(tmp_path / "c", 5)
+    with pytest.raises(TypeError, match="sampler"):
+        EpochLoaderFactory(root, batch_size=4, sampler=None)
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        EpochLoaderFactory(root, batch_size=4, num_workers=0, prefetch_factor=2)
+    with pytest.raises(ValueError, match="run_id"):
+        EpochLoaderFactory(root, batch_size=4, rank=0, world_size=2)
+
+
+def test_forkserver_with_preload_works(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 120)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "cachefeed.trainer.dataset"])
+    with EpochLoaderFactory(
+        root, batch_size=10, num_workers=2, multiprocessing_context=context, run_id="t", epochs=1
+    ) as factory:
+        keys = [k for batch in factory.loader(0) for k in check_batch(batch)]
+    assert sorted(keys) == sorted(f"k{i}" for i in range(120))
+
+
+def test_a_failed_background_build_is_raised_by_the_next_loader_call(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 40)
+    rank0 = Snapshot.create(root, "t-e000000")  # local rank 0 pins epoch 0, then never epoch 1
+    try:
+        with EpochLoaderFactory(root, batch_size=4, run_id="t", rank=1, world_size=2, join_timeout_s=0.5) as factory:
+            for _ in factory.loader(0):
+                pass
+            assert factory._prepared is not None, "epoch 1 was being prepared in the background"
+            with pytest.raises(SnapshotError, match="local rank 0"):
+                factory.loader(1)
+    finally:
+        rank0.release()
