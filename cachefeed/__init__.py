@@ -1,6 +1,13 @@
-"""cachefeed: a rolling local sample cache daemon for PyTorch training on object storage."""
+"""cachefeed: a rolling local sample cache daemon for PyTorch training on object storage.
+
+The public API. The trainer-side names (which import torch) are loaded on first use, so that the daemon and the
+``cachefeed status`` command start without importing torch.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from cachefeed.config import Config, load_config
 from cachefeed.errors import (
@@ -12,14 +19,29 @@ from cachefeed.errors import (
     SnapshotError,
 )
 
+if TYPE_CHECKING:
+    from cachefeed.trainer import DevicePrefetcher, EpochLoaderFactory, EpochStats, SnapshotDataset
+
 __all__ = [
     "CacheLockedError",
     "CachefeedError",
     "Config",
     "ConfigError",
     "CorruptRecordError",
+    "DevicePrefetcher",
+    "EpochLoaderFactory",
+    "EpochStats",
     "NoSuchCacheError",
+    "SnapshotDataset",
     "SnapshotError",
     "load_config",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {"DevicePrefetcher", "EpochLoaderFactory", "EpochStats", "SnapshotDataset"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module("cachefeed.trainer"), name)
+    raise AttributeError(f"module 'cachefeed' has no attribute {name!r}")

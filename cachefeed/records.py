@@ -385,7 +385,7 @@ class SegmentReader:
         """Decode record ``i`` into a sample dict (see the class docstring for the zero-copy contract)."""
         meta, area, flags = self.record_view(i, verify=verify)
         if flags & _FLAG_ZLIB:
-            raw = np.frombuffer(zlib.decompress(area), dtype=np.uint8)
+            raw = np.frombuffer(bytearray(zlib.decompress(area)), dtype=np.uint8)  # writable, like the map
             if raw.nbytes != int(meta.get("r", -1)):
                 raise CorruptRecordError(f"{self.path.name}: record {i} decompressed to a wrong length")
             source: Any = raw

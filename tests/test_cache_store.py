@@ -184,3 +184,33 @@ def test_max_samples_bounds_the_published_set(tmp_path: Path) -> None:
     store.enforce()
     assert store.samples <= 300
     assert np.all(np.diff(sorted(int(k[1:]) for k in cached_keys(tmp_path / "c"))) == 1)
+
+
+def test_a_leftover_snapshot_of_the_same_id_is_replaced_not_joined(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    old = Snapshot.create(root, "run-e000001")
+    (root / "snapshots" / "run-e000001.lock").unlink()  # simulate a crash that left an unheld lock behind:
+    os.close(os.open(root / "snapshots" / "run-e000001.lock", os.O_CREAT | os.O_WRONLY))  # a fresh, unlocked one
+    fill(store, range(100, 200))
+    fresh = Snapshot.create(root, "run-e000001")
+    assert fresh.samples == 200, "the new snapshot pins what is cached now, not the leftover"
+    fresh.release()
+    old._lock_fd = None  # its lock file is gone; nothing to release
+
+
+def test_release_in_a_forked_child_leaves_the_parents_pin(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    snapshot = Snapshot.create(root, "forked")
+    pid = os.fork()
+    if pid == 0:
+        snapshot.release()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    store._swept_at = 0
+    assert store.sweep() == [], "the parent still holds its pin"
+    snapshot.release()
+    assert not (root / "snapshots" / "forked").exists()

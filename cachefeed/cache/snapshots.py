@@ -95,6 +95,7 @@ class Snapshot:
         self.snap_id = snap_id
         self.directory = layout.snapshots / snap_id
         self._lock_fd: int | None = lock_fd
+        self._owner_pid = os.getpid()
         entries = manifest.get("segments", [])
         if not isinstance(entries, list):
             raise SnapshotError(f"snapshot {snap_id}: malformed MANIFEST")
@@ -124,11 +125,10 @@ class Snapshot:
             owner = {"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
             os.write(fd, json.dumps(owner).encode())
             try:
-                os.link(partial, lock_path)
-            except FileExistsError:
-                os.close(fd)
-                fd = -1
-                return cls.join(root, snap_id)
+                if not _link_lock(partial, lock_path, layout.snapshots / snap_id):
+                    os.close(fd)
+                    fd = -1
+                    return cls.join(root, snap_id)
             finally:
                 os.unlink(partial)
             directory = layout.snapshots / snap_id
@@ -180,6 +180,10 @@ class Snapshot:
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
             return
+        if os.getpid() != self._owner_pid:
+            # A forked child shares the parent's open lock: touching it would drop or convert the parent's pin.
+            os.close(fd)
+            return
         try:
             _remove_if_unheld(fd, self.layout.snapshots / f"{self.snap_id}.lock", self.directory)
         finally:
@@ -203,6 +207,29 @@ class Snapshot:
 
     def __reduce__(self) -> str:
         raise TypeError("a Snapshot holds a lock and cannot be pickled; pass snap_id and names instead")
+
+
+def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:
+    """Give the born-locked ``partial`` its public name. False if a live snapshot of that id exists (join it).
+
+    A lock of that name that nobody holds is a leftover (say, of a restarted job reusing its run id): remove it
+    (see the NOTE: whoever gets the exclusive lock may) and take the name.
+    """
+    for _attempt in range(2):
+        try:
+            os.link(partial, lock_path)
+            return True
+        except FileExistsError:
+            try:
+                fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                if not _remove_if_unheld(fd, lock_path, directory):
+                    return False
+            finally:
+                os.close(fd)
+    return False
 
 
 def _checked_layout(root: str | os.PathLike[str], snap_id: str) -> CacheLayout:

@@ -1,0 +1,154 @@
+"""Read throughput of the snapshot dataset from a warm tmpfs cache, next to a plain sequential read of the same files.
+
+    python -m benchmarks.read_throughput [--dir /dev/shm] [--mib 256] [--repeats 3] [--workers 2]
+
+For each sample size (4 KiB, 128 KiB, 2 MiB) it builds a cache of about ``--mib`` MiB on tmpfs, then measures, in
+payload bytes per second (the same numerator everywhere):
+
+* ``raw read``: every segment file read sequentially with ``readinto`` into one reused buffer (one copy out of
+  the page cache: the ceiling for anything that reads these bytes once);
+* ``dataset``: ``SnapshotDataset.__getitems__`` over shuffled batches: zero-copy views of fresh memory maps (page
+  faults paid, as in a new epoch), every record's xxh3 checksum verified (so every byte is read once);
+* ``dataset+collate``: the same plus ``default_collate`` (stacking the batch: one copy, what a DataLoader worker does);
+* ``DataLoader``: ``EpochLoaderFactory`` with ``--workers`` fork workers, batches consumed by the main process,
+  timed from the first batch to the last (steady state; the handover is ``benchmarks/handover.py``'s subject).
+
+Each figure is the median of ``--repeats`` runs; ratios are against the raw read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.snapshots import Snapshot
+from cachefeed.cache.store import CacheStore
+from cachefeed.cache.writer import CacheWriter
+from cachefeed.config import CacheConfig
+from cachefeed.trainer import EpochLoaderFactory, SnapshotDataset
+
+SIZES = [("4 KiB", 4 << 10, 256), ("128 KiB", 128 << 10, 32), ("2 MiB", 2 << 20, 4)]  # name, bytes, batch
+SEGMENT_BYTES = 64 << 20
+
+
+def build_cache(root: Path, sample_bytes: int, total_bytes: int) -> int:
+    """A cache of ``total_bytes // sample_bytes`` random samples; returns the count."""
+    count = max(1, total_bytes // sample_bytes)
+    config = CacheConfig(
+        dir=root, max_bytes=total_bytes * 2 + (64 << 20), min_free_bytes=0, segment_bytes=SEGMENT_BYTES, fsync=False
+    )
+    store = CacheStore(config)
+    rng = np.random.default_rng(0)
+    pool = rng.integers(0, 256, size=sample_bytes + 4096, dtype=np.uint8)
+    with CacheWriter(store, segment_bytes=SEGMENT_BYTES, fsync=False) as writer:
+        for i in range(count):
+            start = i % 4096
+            writer.add({"__key__": f"s{i}", "data": pool[start : start + sample_bytes]})
+    store.close()
+    return count
+
+
+def raw_read(root: Path, buffer: bytearray) -> float:
+    """Seconds to read every segment file sequentially."""
+    layout = CacheLayout(root)
+    paths = [layout.segments / name for name, _info in layout.list_segments()]
+    view = memoryview(buffer)
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as handle:
+            while handle.readinto(view):
+                pass
+    return time.perf_counter() - started
+
+
+def dataset_pass(root: Path, batch: int, *, collate: bool) -> float:
+    """Seconds for one shuffled pass over a fresh dataset (fresh maps) of the snapshot ``bench``."""
+    with Snapshot.create(root, "bench-read") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        order = np.random.default_rng(1).permutation(len(dataset))
+        started = time.perf_counter()
+        for start in range(0, len(order), batch):
+            samples = dataset.__getitems__(order[start : start + batch])
+            if collate:
+                default_collate(samples)
+        elapsed = time.perf_counter() - started
+        dataset.close()
+    return elapsed
+
+
+def loader_pass(root: Path, batch: int, workers: int, epoch: int) -> float:
+    with EpochLoaderFactory(
+        root,
+        batch_size=batch,
+        num_workers=workers,
+        multiprocessing_context="fork",
+        run_id="bench",
+        epochs=1,
+        prefetch_factor=4,
+        progress=None,
+    ) as factory:
+        loader = factory.loader(epoch)
+        batches = iter(loader)
+        next(batches)  # the first batch was prefetched while building: time the steady state
+        started = time.perf_counter()
+        consumed = 1
+        for _ in batches:
+            consumed += 1
+        elapsed = time.perf_counter() - started
+    return elapsed * len(loader) / max(1, consumed - 1)  # scale to the whole epoch
+
+
+def median(runs: int, measure: Callable[[], float]) -> float:
+    return statistics.median(measure() for _ in range(runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/dev/shm", help="a tmpfs directory (default /dev/shm)")
+    parser.add_argument("--mib", type=int, default=256, help="payload per sample size, MiB (default 256)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"cpus={os.cpu_count()} torch={torch.__version__} dir={args.dir} payload={args.mib} MiB per size")
+    header = f"{'sample':>8} {'samples':>8} {'raw read':>10} {'dataset':>16} {'dataset+collate':>16} {'DataLoader':>16}"
+    print(header)
+    buffer = bytearray(8 << 20)
+    for name, sample_bytes, batch in SIZES:
+        base = Path(tempfile.mkdtemp(prefix="cachefeed-read-", dir=args.dir))
+        try:
+            root = base / "cache"
+            count = build_cache(root, sample_bytes, args.mib << 20)
+            payload = count * sample_bytes
+            raw_read(root, buffer)  # warm-up
+            raw = payload / median(args.repeats, lambda root=root: raw_read(root, buffer))
+            plain = payload / median(args.repeats, lambda r=root, b=batch: dataset_pass(r, b, collate=False))
+            stacked = payload / median(args.repeats, lambda r=root, b=batch: dataset_pass(r, b, collate=True))
+            epochs = iter(range(1 << 20))  # a new epoch (a new snapshot id) per repeat
+            loader = payload / median(
+                args.repeats, lambda r=root, b=batch, e=epochs: loader_pass(r, b, args.workers, next(e))
+            )
+
+            def cell(rate: float, raw: float = raw) -> str:
+                return f"{rate / 1e9:6.2f} GB/s {rate / raw:4.2f}x"
+
+            print(
+                f"{name:>8} {count:>8} {raw / 1e9:6.2f} GB/s {cell(plain):>16} {cell(stacked):>16} {cell(loader):>16}"
+            )
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

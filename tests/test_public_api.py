@@ -1,0 +1,20 @@
+"""The curated public API: a sorted __all__ that resolves, and a CLI that does not import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import cachefeed
+
+
+def test_all_is_sorted_and_every_name_resolves() -> None:
+    assert cachefeed.__all__ == sorted(cachefeed.__all__)
+    for name in cachefeed.__all__:
+        assert getattr(cachefeed, name) is not None
+
+
+def test_the_status_command_does_not_import_torch() -> None:
+    code = "import sys, cachefeed.cli; cachefeed.cli.build_parser(['status']); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
