@@ -56,11 +56,13 @@ def crash_loop(tmp_path: Path, kills: int) -> None:
     total_verified = 0
     for round_ in range(kills):
         writer = start_writer(root, start_key=round_ * 1_000_000)
-        time.sleep(rng.uniform(0.0, 0.25))
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
-        assert writer.stdout is not None
-        writer.stdout.close()
+        try:
+            time.sleep(rng.uniform(0.0, 0.25))
+        finally:
+            writer.send_signal(signal.SIGKILL)
+            writer.wait()
+            assert writer.stdout is not None
+            writer.stdout.close()
         total_verified += verify_recovered(root)
     print(f"\n{kills} SIGKILLs, {total_verified} samples verified after recoveries, 0 violations")
 
@@ -70,5 +72,6 @@ def test_writer_killed_50_times_leaves_no_partial_state(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_writer_killed_500_times_leaves_no_partial_state(tmp_path: Path) -> None:
     crash_loop(tmp_path, 500)
