@@ -40,6 +40,7 @@ COMPRESSIONS = ("none", "zlib")
 BUILTIN_DECODERS = ("npy", "npz", "pt", "msgpack", "raw", "tar")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MIN_SEGMENTS_IN_BUDGET = 4
+METADATA_RESERVE_BYTES = 1 << 20  # lock, tag, status.json, snapshot dirs: part of max_bytes (see cache/store.py)
 _DEFAULT_SEGMENT_BYTES = 64 << 20
 _DEFAULT_PROCESSES = 2
 
@@ -398,18 +399,18 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
     max_bytes = int(cache["max_bytes"])  # type: ignore[call-overload]
     segment_bytes = int(cache.get("segment_bytes", _DEFAULT_SEGMENT_BYTES))  # type: ignore[call-overload]
     processes = int(sampler.get("processes", _DEFAULT_PROCESSES))  # type: ignore[call-overload]
-    floor = max(MIN_SEGMENTS_IN_BUDGET, 2 * processes) * segment_bytes
+    floor = max(MIN_SEGMENTS_IN_BUDGET, 2 * processes) * segment_bytes + METADATA_RESERVE_BYTES
     if max_bytes < floor:
         raise ConfigError(
             f"{source}: cache.max_bytes = {max_bytes} bytes is below {floor} bytes "
-            f"(max({MIN_SEGMENTS_IN_BUDGET}, 2 x sampler.processes) x cache.segment_bytes): "
+            f"(max({MIN_SEGMENTS_IN_BUDGET}, 2 x sampler.processes) x cache.segment_bytes + 1 MiB metadata): "
             "raise max_bytes or lower segment_bytes"
         )
     turnover = cache.get("turnover_bytes", ("percent", 25.0))
     if isinstance(turnover, tuple):
         turnover = int(max_bytes * float(turnover[1]) / 100)
     turnover_bytes = int(turnover)  # type: ignore[call-overload]
-    if turnover_bytes > max_bytes - 2 * segment_bytes:
+    if turnover_bytes > max_bytes - METADATA_RESERVE_BYTES - 2 * segment_bytes:
         raise ConfigError(
             f"{source}: cache.turnover = {turnover_bytes} bytes leaves less than two segments for the "
             "cached set: lower turnover or raise max_bytes"

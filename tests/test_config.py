@@ -205,13 +205,13 @@ CROSS_FIELD = [
     pytest.param(
         {"cache.max_bytes": "100MiB"},
         {},
-        ["cache.max_bytes = 104857600 bytes", "below 268435456 bytes", "cache.segment_bytes"],
+        ["cache.max_bytes = 104857600 bytes", "below 269484032 bytes", "cache.segment_bytes"],
         id="budget-below-four-segments",
     ),
     pytest.param(
         {"cache.max_bytes": "512MiB", "cache.segment_bytes": "32MiB", "sampler.processes": 16},
         {},
-        ["cache.max_bytes = 536870912 bytes", "below 1073741824 bytes", "2 x sampler.processes"],
+        ["cache.max_bytes = 536870912 bytes", "below 1074790400 bytes", "2 x sampler.processes"],
         id="budget-below-two-segments-per-sampler",
     ),
     pytest.param(

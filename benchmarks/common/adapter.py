@@ -19,7 +19,8 @@ Contracts the harness relies on:
   persistent workers as far as the system can; what it cannot honour it says in ``describe()``.
 - ``epoch(e)`` yields batches built by ``samples.collate`` (or anything ``samples.verify_batch`` accepts).
   An epoch may deliver fewer samples than the dataset (a rolling cache trains on what is cached): the harness
-  reports coverage and duplicates instead of failing.
+  reports coverage and duplicates instead of failing. Missing samples make a measurement ``misbehaved`` unless
+  the adapter sets ``rolling = True`` and the measurement has a budget (a rolling cache covers what fits).
 - Adapters are never pickled: the harness never sends one to a worker; what the workers need, ``open`` builds.
 """
 

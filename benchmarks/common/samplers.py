@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
+try:  # only RssSampler needs it (the main .venv's smoke test runs without it)
+    import psutil
+except ImportError:  # pragma: no cover
+    psutil = None
 
 
 def tree_bytes(roots: list[Path]) -> int:
@@ -116,6 +119,11 @@ class DiskSampler(_Periodic):
         }
 
 
+# Processes (with their descendants) that are not DataLoader workers: e.g. a cache daemon the system under test
+# started. Their memory is reported apart (``peak_excluded_rss_sum_bytes``), not as a worker's.
+EXCLUDED_PIDS: set[int] = set()
+
+
 class RssSampler(_Periodic):
     """Samples the memory of this process's descendants (DataLoader workers and their helpers).
 
@@ -125,6 +133,8 @@ class RssSampler(_Periodic):
 
     def __init__(self, interval_s: float = 0.1, with_pss: bool = True) -> None:
         super().__init__(interval_s)
+        if psutil is None:
+            raise RuntimeError("RssSampler needs psutil (installed in .bench-venv)")
         self.with_pss = with_pss
         self._me = psutil.Process(os.getpid())
         self.peak_by_pid: dict[int, int] = {}
@@ -132,12 +142,16 @@ class RssSampler(_Periodic):
         self.peak_sum_pss = 0
         self.peak_parent_rss = 0
         self.max_children = 0
+        self.peak_excluded_rss = 0
 
     def sample(self) -> None:
         self.peak_parent_rss = max(self.peak_parent_rss, self._me.memory_info().rss)
         total_rss = 0
         total_pss = 0
         children = self._me.children(recursive=True)
+        excluded = self._excluded(children)
+        if excluded:
+            children = [c for c in children if c.pid not in excluded]
         self.max_children = max(self.max_children, len(children))
         for child in children:
             try:
@@ -153,6 +167,28 @@ class RssSampler(_Periodic):
         self.peak_sum_rss = max(self.peak_sum_rss, total_rss)
         self.peak_sum_pss = max(self.peak_sum_pss, total_pss)
 
+    def _excluded(self, children: list[Any]) -> set[int]:
+        """Pids of ``EXCLUDED_PIDS`` and their descendants among ``children``; their RSS sum feeds its own peak."""
+        roots = EXCLUDED_PIDS & {c.pid for c in children}
+        if not roots:
+            return set()
+        pids = set(roots)
+        for child in children:
+            if child.pid in roots:
+                try:
+                    pids |= {d.pid for d in child.children(recursive=True)}
+                except psutil.Error:
+                    continue
+        total = 0
+        for child in children:
+            if child.pid in pids:
+                try:
+                    total += child.memory_info().rss
+                except psutil.Error:
+                    continue
+        self.peak_excluded_rss = max(self.peak_excluded_rss, total)
+        return pids
+
     def stop(self) -> dict[str, Any]:
         self.stop_thread()
         peaks = sorted(self.peak_by_pid.values(), reverse=True)
@@ -163,4 +199,5 @@ class RssSampler(_Periodic):
             "peak_parent_rss_bytes": self.peak_parent_rss,
             "processes_seen": len(peaks),
             "max_concurrent_children": self.max_children,
+            "peak_excluded_rss_sum_bytes": self.peak_excluded_rss,
         }

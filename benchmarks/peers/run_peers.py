@@ -11,7 +11,7 @@ failures and child logs) and ``summary.txt``. Create the environment first: ``be
 Where the full run cuts counts (2-core machine, whole suite within about an hour): the datasets are 32 MiB
 (small), 128 MiB (medium), 256 MiB (large); handover is measured on medium only; worker RSS on small only;
 s3fs (no cache: every epoch is the same full download) runs 1 epoch cold, none under the budget (the same
-figure), 2 per handover variant. Smoke: 128 small samples, persistent-fork handover only, no s3fs handover.
+figure), 2 per handover variant. Smoke: 1024 samples of 16 KiB, persistent-fork handover only, no s3fs handover.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ PEERS = [
 ]
 
 WORKLOADS = {
-    "smoke": [Workload("small", 4 << 10, 128, 16)],
+    # 16 MiB: a 30% budget must leave cachefeed (1 MiB metadata reserve, 25% turnover) room for its segments.
+    "smoke": [Workload("small", 16 << 10, 1024, 32)],
     "full": [
         Workload("small", 4 << 10, 8192, 256),
         Workload("medium", 128 << 10, 1024, 32),

@@ -41,7 +41,7 @@ from pathlib import Path
 from cachefeed.cache.eviction import EvictionPolicy, make_policy
 from cachefeed.cache.layout import SEGMENT_NAME, CacheLayout, allocated_bytes, segment_name, segment_seq
 from cachefeed.cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
-from cachefeed.config import CacheConfig
+from cachefeed.config import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed.errors import CacheLockedError, CorruptRecordError
 from cachefeed.fsutil import fsync_dir, remove_tree
 from cachefeed.records import SegmentReader
@@ -50,7 +50,6 @@ __all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "Grant", "PublishedSegment", 
 
 log = logging.getLogger(__name__)
 
-METADATA_RESERVE_BYTES = 1 << 20
 PAGE_BYTES = 4096
 _PIN_RESCAN_S = 0.5
 _SWEEP_INTERVAL_S = 1.0

@@ -1,0 +1,321 @@
+"""cachefeed as a system under the peer harness (``benchmarks/common/adapter.py``): daemon + ``EpochLoaderFactory``.
+
+What it does, per measurement (``open``):
+
+* writes a daemon config whose remote is the harness's per-sample objects (``s3://bench/samples/<workload>``, the
+  same counting moto server as every peer; or ``file://`` of the same files for the local figure), whose cache is
+  ``settings.cache_dir`` with ``max_bytes = settings.cache_budget_bytes`` (the same budget as the peers), and starts
+  ``python -m cachefeed daemon --config FILE`` *in the measuring process's group* (so the harness kills it on a
+  timeout, and counts it if it outlives ``close``);
+* returns an :class:`EpochSource` whose ``epoch(e)`` is ``factory.loader(e)`` of one ``EpochLoaderFactory`` built
+  with the harness's batch size, workers, start method, persistent workers and prefetch factor, and
+  ``collate_fn=samples.collate``; every sample is verified by the harness.
+
+No conversion: the daemon reads the reference per-sample objects as they are (``uses_sample_objects``), so the
+conversion time is 0 (the harness reports ``n/a``). Samples are decoded by :func:`decode_sample` (the object's
+bytes as one ``uint8`` array, stored raw and aligned in the segment: read back zero-copy).
+
+Epoch 0 waits (inside the epoch's timing, so the cold figure includes it) for ``min_samples``: the whole dataset
+when there is no budget (cold first epoch = the whole dataset through the cache, as the peers' first epoch), and
+under a budget, half of what the daemon keeps published (the budget less 25% turnover room and
+1 MiB of metadata reserve) (a rolling cache trains on what is cached; the harness reports
+the coverage). The daemon's own processes are left out of the worker RSS figure (``samplers.EXCLUDED_PIDS``); their
+peak is recorded apart in ``describe``-independent ``daemon_rss`` of the RSS summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common.adapter import DataLocation, LoaderSettings
+from benchmarks.common.samples import Workload, collate
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Rough per-sample overhead of a segment record (header, key, alignment); only used to size an unbounded cache.
+_RECORD_OVERHEAD = 256
+_UNBOUNDED_FLOOR = 64 << 20
+_TURNOVER = 0.25  # the daemon's default cache.turnover
+_METADATA_RESERVE = 1 << 20  # cachefeed.cache.store.METADATA_RESERVE_BYTES
+
+
+def decode_sample(key: str, body: bytes) -> list[dict[str, Any]]:
+    """Daemon decoder (``sampler.decode``): a reference sample file -> one sample ``{"x": uint8 array}``."""
+    return [{"x": np.frombuffer(body, dtype=np.uint8)}]
+
+
+def sample_payload(sample: dict[str, Any]) -> Any:
+    """Trainer transform (runs in the DataLoader workers): the sample's array, a zero-copy view of the segment."""
+    return sample["x"]
+
+
+def segment_bytes_for(workload: Workload) -> int:
+    """The segment size: 1/20 of a 30% budget, at most the peers' shard size, at least one sample.
+
+    Not the peers' shard size: a segment is cachefeed's unit of eviction and of reservation (each of the two
+    samplers holds one open segment's worth of the budget), so a 30% budget must hold many of them for the cache
+    to roll smoothly; shards 1/5 of the budget (what mosaicml-streaming needs) leave it room for one or two. The
+    same size is used with and without a budget, so that every figure reads the same segments.
+    """
+    from benchmarks.common.adapter import shard_bytes_for
+
+    return max(min(shard_bytes_for(workload), int(workload.total_bytes * 0.3 / 20)), workload.sample_bytes + 4096)
+
+
+class CachefeedAdapter:
+    """The cachefeed daemon and its trainer-side loader factory (module docstring)."""
+
+    name = "cachefeed"
+    supports_local = True  # the daemon caches the local files (file:// remote) first; epochs read the cache
+    supports_remote = True
+    uses_sample_objects = True
+    rolling = True  # under a budget, an epoch covers what is cached (coverage reported, not a failure)
+
+    def describe(self) -> dict[str, Any]:
+        import cachefeed
+
+        return {
+            "version": getattr(cachefeed, "__version__", "0.1.0"),
+            "format": "cachefeed segments (records stored raw, 64-byte aligned, xxh3-verified on read)",
+            "loader": "cachefeed.trainer.EpochLoaderFactory (a DataLoader per epoch, built ahead in the background)",
+            "daemon": "python -m cachefeed daemon: 2 sampler processes x 16 requests in flight, fsync off",
+            "segment_bytes": "1/20 of a 30% budget, at most the peers' shard size (segment_bytes_for)",
+            "convert": "none: reads the reference per-sample objects as they are (conversion time 0)",
+            "persistent_workers": "passed to each epoch's DataLoader; the factory builds one DataLoader per epoch",
+            "first_epoch_waits_for": "the whole dataset without a budget; with one, half of (75% of it - 1 MiB)",
+        }
+
+    def convert(self, workload: Workload, samples_dir: Path, out_dir: Path) -> dict[str, Any]:
+        return {}
+
+    def open(self, workload: Workload, data: DataLocation, settings: LoaderSettings) -> CachefeedSource:
+        scratch: Path | None = None
+        if settings.cache_dir is None:
+            # The local figure: no cache dir from the harness; the cache lives next to the local files, removed on
+            # close (the harness measures no disk for it).
+            if data.local_dir is None:
+                raise ValueError("cachefeed needs a cache dir or local files")
+            scratch = Path(tempfile.mkdtemp(prefix="cachefeed-local-", dir=data.local_dir.parent))
+            cache_dir = scratch / "cache"
+            work_dir = scratch
+        else:
+            cache_dir = settings.cache_dir / "cache"
+            work_dir = Path(tempfile.mkdtemp(prefix="cachefeed-daemon-", dir=settings.cache_dir.parent))
+        budget = settings.cache_budget_bytes
+        seg = segment_bytes_for(workload)
+        if budget is None:
+            max_bytes = max(2 * workload.count * (workload.sample_bytes + _RECORD_OVERHEAD), _UNBOUNDED_FLOOR, 8 * seg)
+            min_samples = workload.count
+        else:
+            max_bytes = budget
+            # What the daemon keeps published: the budget less its metadata reserve and the turnover room (25%).
+            published = int(budget * (1 - _TURNOVER)) - _METADATA_RESERVE
+            if published < seg:
+                raise ValueError(
+                    f"a budget of {budget} bytes leaves {published} bytes for published segments (25% turnover and"
+                    f" a 1 MiB metadata reserve taken out), less than one segment of {seg} bytes: cachefeed cannot"
+                    " run with it"
+                )
+            min_samples = max(1, min(workload.count, published // 2 // workload.sample_bytes))
+        if data.local_dir is not None and settings.cache_dir is None:
+            remote: dict[str, Any] = {"url": data.local_dir.resolve().as_uri()}
+        else:
+            if data.remote_url is None:
+                raise ValueError("no remote URL for the remote measurement")
+            remote = {"url": data.remote_url, "storage_options": data.storage_options()}
+        config = {
+            "remote": {**remote, "refresh_interval": "1h", "backoff_base": "20ms", "backoff_max": "500ms"},
+            "cache": {
+                "dir": str(cache_dir),
+                "max_bytes": int(max_bytes),
+                "min_free_bytes": 0,
+                "segment_bytes": int(seg),
+                "fsync": False,
+            },
+            "sampler": {"processes": 2, "concurrency": 16, "decode": f"{__name__}:decode_sample"},
+            "status": {"interval": "500ms"},
+            "log": {"level": "info"},
+        }
+        config_path = work_dir / "daemon.toml"
+        config_path.write_text(_toml(config))
+        stderr_path = work_dir / "daemon.stderr"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+        with stderr_path.open("wb") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "cachefeed", "daemon", "--config", str(config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=env,
+                cwd=REPO_ROOT,
+            )
+        _exclude_from_rss(process.pid)
+        source = CachefeedSource(process, cache_dir, stderr_path, scratch or work_dir, workload, settings, min_samples)
+        try:
+            source.wait_ready(timeout_s=120.0)
+            if settings.cache_dir is None:
+                # Local figure: the whole dataset cached before the first epoch (warm reads only).
+                source.wait_samples(workload.count, timeout_s=600.0)
+        except BaseException:
+            source.close()
+            raise
+        return source
+
+
+class CachefeedSource:
+    """A running daemon and the factory reading its cache; ``close`` stops both (idempotent)."""
+
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        cache_dir: Path,
+        stderr_path: Path,
+        work_dir: Path,
+        workload: Workload,
+        settings: LoaderSettings,
+        min_samples: int,
+    ) -> None:
+        self.process = process
+        self.cache_dir = cache_dir
+        self.stderr_path = stderr_path
+        self.work_dir = work_dir
+        self.workload = workload
+        self.settings = settings
+        self.min_samples = min_samples
+        self.factory: Any = None
+        self.own_files_read: dict[str, Any] | None = None  # figure 1's reference: a read of the segment files
+        self._closed = False
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            doc: dict[str, Any] = json.loads((self.cache_dir / "status.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return doc if doc.get("pid") == self.process.pid else None
+
+    def _check_alive(self) -> None:
+        if self.process.poll() is not None:
+            tail = self.stderr_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"cachefeed daemon exited with {self.process.returncode}:\n{tail}")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            doc = self.status()
+            if doc is not None and doc["state"] in ("running", "degraded"):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cachefeed daemon not running after {timeout_s:.0f}s")
+            time.sleep(0.05)
+
+    def wait_samples(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            doc = self.status()
+            if doc is not None and doc["cache"]["samples"] >= count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {count} samples cached after {timeout_s:.0f}s")
+            time.sleep(0.05)
+
+    def _factory(self) -> Any:
+        if self.factory is None:
+            from cachefeed.trainer import EpochLoaderFactory
+
+            s = self.settings
+            options: dict[str, Any] = {}
+            if s.num_workers > 0:
+                options = {
+                    "multiprocessing_context": s.start_method,
+                    "persistent_workers": s.persistent_workers,
+                    "prefetch_factor": s.prefetch_factor,
+                }
+            epochs = s.extra.get("epochs")
+            self.factory = EpochLoaderFactory(
+                self.cache_dir,
+                batch_size=s.batch_size,
+                num_workers=s.num_workers,
+                shuffle=s.shuffle,
+                seed=s.seed,
+                transform=sample_payload,
+                collate_fn=collate,
+                min_samples=self.min_samples,
+                wait_timeout_s=600.0,
+                epochs=None if epochs is None else int(epochs),
+                run_id=f"bench{os.getpid()}",
+                rank=0,
+                world_size=1,
+                progress=None,
+                **options,
+            )
+        return self.factory
+
+    def epoch(self, epoch: int) -> Iterable[Any]:
+        self._check_alive()
+        loader: Iterable[Any] = self._factory().loader(epoch)
+        return loader
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.factory is not None:
+                self.factory.close()
+        finally:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait(10)
+            _unexclude(self.process.pid)
+            if self.settings.cache_dir is None:  # the local figure: its cache is removed here, read it first
+                from benchmarks.common.measures import sequential_read
+
+                self.own_files_read = sequential_read(self.cache_dir / "segments")
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _exclude_from_rss(pid: int) -> None:
+    from benchmarks.common import samplers
+
+    samplers.EXCLUDED_PIDS.add(pid)
+
+
+def _unexclude(pid: int) -> None:
+    from benchmarks.common import samplers
+
+    samplers.EXCLUDED_PIDS.discard(pid)
+
+
+def _toml(document: dict[str, dict[str, Any]]) -> str:
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return json.dumps(str(v))
+
+    lines: list[str] = []
+    for section, body in document.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in body.items()]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,553 @@
+"""``results.md`` and the PNG plots of ``benchmarks/run_all.py``, from its results document (``results.json``).
+
+Every number comes from the document; nothing is measured here. A figure a system could not produce shows its
+status (``n/a``, ``skipped``, ``timeout``, ``misbehaved: ...``) instead of a number, and every problem is listed
+with what the harness recorded. Plots need matplotlib (in ``.bench-venv``); without it the report says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+_MB = 1e6
+_WORKLOADS = ("small", "medium", "large")
+_HANDOVER = ("handover-fork", "handover-fork-persistent", "handover-spawn", "handover-spawn-persistent")
+
+
+def write_report(doc: dict[str, Any], out: Path) -> None:
+    """Write ``out/results.md`` and the plots (``handover.png``, ``cache_size.png``, ``throughput.png``)."""
+    plots = _plots(doc, out)
+    (out / "results.md").write_text(render(doc, plots))
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _mb(value: Any) -> float | None:
+    return None if value is None else value / _MB
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _workloads(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    found = doc.get("workloads", {})
+    return [(name, found[name]) for name in (*_WORKLOADS, *found) if name in found][: len(found)]
+
+
+def _measure(slot: dict[str, Any], label: str) -> dict[str, Any]:
+    measure = slot.get("measures", {}).get(label)
+    return measure if isinstance(measure, dict) else {}
+
+
+def _status(measure: dict[str, Any]) -> str:
+    return str(measure.get("status", "-"))
+
+
+def _ok(measure: dict[str, Any]) -> bool:
+    return bool(measure.get("epochs"))
+
+
+def _shape(entry: dict[str, Any]) -> str:
+    w = entry["workload"]
+    size = w["sample_bytes"]
+    label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+    return f"{w['count']} x {label} = {w['count'] * size / _MB:.1f} MB, batch {w['batch_size']}"
+
+
+def _ceiling(entry: dict[str, Any]) -> dict[str, Any]:
+    return entry.get("s3_ceiling", {}).get("s3_ceiling", {}).get("prefixes", {}) or {}
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(statistics.mean(values), 4) if values else None
+
+
+# ------------------------------------------------------------------------------------------------- sections
+
+
+def render(doc: dict[str, Any], plots: dict[str, str]) -> str:
+    parts = [_header(doc)]
+    parts.append(_fig1(doc))
+    parts.append(_fig2(doc))
+    parts.append(_fig3(doc))
+    parts.append(_fig4(doc))
+    parts.append(_fig5(doc))
+    parts.append(_fig6(doc))
+    parts.append(_fig7(doc))
+    parts.append(_problems(doc))
+    if plots:
+        parts.append("## Plots\n\n" + "\n".join(f"![{k}]({v})" for k, v in plots.items()))
+    else:
+        parts.append("## Plots\n\nNot drawn (matplotlib missing).")
+    return "\n\n".join(parts) + "\n"
+
+
+def _header(doc: dict[str, Any]) -> str:
+    m = doc.get("machine", {})
+    extra = doc.get("extra", {})
+    versions = ", ".join(f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items()) if v)
+    mem = m.get("memory_bytes")
+    lines = [
+        "# cachefeed and its peers: results (issue 7)",
+        "",
+        f"Command: `{extra.get('command', 'benchmarks/run_all.py')}` (mode `{doc.get('mode')}`), run at "
+        f"{m.get('time_utc')}, {doc.get('run_wall_s', doc.get('total_s'))} s wall.",
+        "",
+        f"Machine: {m.get('cpu_model')}, {m.get('usable_cpus')} usable CPUs of {m.get('logical_cpus')}, "
+        f"{_fmt(mem / 2**30 if mem else None)} GiB RAM, {m.get('platform')}, Python {m.get('python')}; "
+        f"data and caches on {m.get('work_fs')}. The machine is shared (2 cores, other jobs running): compare "
+        "systems within this run, not across runs.",
+        "",
+        f"Versions: {versions}.",
+        "",
+        "S3: one moto server (in-memory, loopback) for every system, counting requests and bytes sent at the "
+        "server. Every sample of every batch is verified (index, size, xxh3 checksum); duplicates within an "
+        f"epoch and missing samples are counted. DataLoader workers: {extra.get('workers', 2)}, fork unless "
+        "stated, prefetch 2, shuffled.",
+        "",
+        "Systems: **cachefeed** (daemon + `EpochLoaderFactory`, reads the per-sample objects as they are), "
+        "**mosaic** (mosaicml-streaming MDS), **litdata** (litdata `optimize` chunks), and baselines: "
+        "**local-files** (one local file per sample, map-style Dataset), **s3fs** (one GET per sample, no "
+        "cache), **memory** (samples in RAM: the DataLoader's own ceiling).",
+        "",
+        f"Cuts (to fit the machine): epoch counts per system and measurement {extra.get('epoch_cuts')}; "
+        f"handover measured on the `{extra.get('handover_workload')}` workload only, worker RSS on "
+        f"`{extra.get('rss_workload')}` only; 4 warm epochs (median of epochs 2-4), 2 cold epochs, 3 budget "
+        "epochs, 3 epochs per handover variant (full run). See `benchmarks/peers/run_peers.py`.",
+    ]
+    for name, entry in _workloads(doc):
+        lines.append(f"- `{name}`: {_shape(entry)}")
+    return "\n".join(lines)
+
+
+def _fig1(doc: dict[str, Any]) -> str:
+    out = [
+        "## 1. Warm local read throughput",
+        "",
+        "Median of the warm epochs (epochs 2-4; epoch 1 warms the page cache and the system's own cache). "
+        "`seq MB/s (own files)`: a plain sequential read (1 MiB reads, warm page cache) of the files the loader "
+        "reads, on the same filesystem: the converted shards for mosaic/litdata, cachefeed's segment files (its "
+        "daemon cached the local per-sample files before the first epoch), the per-sample files for the "
+        "baselines; `ratio` = loader MB/s / that. The per-sample files' read is shown too. `memory` is the "
+        "DataLoader ceiling (no I/O).",
+    ]
+    for name, entry in _workloads(doc):
+        rows = []
+        for system, slot in entry.get("systems", {}).items():
+            local = _measure(slot, "local")
+            if not _ok(local):
+                rows.append([system, _status(local), "", "", "", "", "", ""])
+                continue
+            own = (local.get("sequential_read_own_files") or {}).get("warm", {}).get("mb_per_s")
+            seq = own or (local.get("sequential_read") or {}).get("warm", {}).get("mb_per_s")
+            per_sample = (local.get("sequential_read") or {}).get("warm", {}).get("mb_per_s")
+            warm = local.get("warm_mb_per_s")
+            ratio = warm / seq if warm and seq else None
+            rows.append(
+                [
+                    system,
+                    local.get("warm_samples_per_s"),
+                    warm,
+                    local.get("warm_steady_mb_per_s"),
+                    seq,
+                    ratio,
+                    per_sample,
+                    _status(local),
+                ]
+            )
+        out += [
+            "",
+            f"**{name}** ({_shape(entry)})",
+            "",
+            _table(
+                [
+                    "system",
+                    "samples/s",
+                    "MB/s",
+                    "steady MB/s",
+                    "seq MB/s (own files)",
+                    "ratio",
+                    "seq MB/s (per-sample files)",
+                    "status",
+                ],
+                rows,
+            ),
+        ]
+    return "\n".join(out)
+
+
+def _fig2(doc: dict[str, Any]) -> str:
+    out = [
+        "## 2. Cold first epoch from S3",
+        "",
+        "Epoch 0 into an empty cache with no budget, then epoch 1 from the cache. `remote MB`: bytes the server "
+        "sent during the epoch. For cachefeed epoch 0 includes the wait until the daemon has cached the whole "
+        "dataset (its first epoch only starts on a complete snapshot here), so it is the time to the first full "
+        "pass. The S3 ceiling: 8 threads of plain boto3 GETs of the same objects (per-sample objects, and each "
+        "peer's converted shards).",
+    ]
+    for name, entry in _workloads(doc):
+        rows = []
+        for system, slot in entry.get("systems", {}).items():
+            cold = _measure(slot, "cold")
+            if not _ok(cold):
+                rows.append([system, _status(cold), "", "", "", "", ""])
+                continue
+            first = cold["epochs"][0]
+            second = cold["epochs"][1] if len(cold["epochs"]) > 1 else {}
+            rows.append(
+                [
+                    system,
+                    first["wall_s"],
+                    first["mb_per_s"],
+                    _mb(first.get("remote_bytes")),
+                    first.get("first_batch_s"),
+                    second.get("wall_s"),
+                    _status(cold),
+                ]
+            )
+        ceiling = [
+            f"`{url}`: {p['objects']} objects, {p['requests_per_s']} req/s, {p['mb_per_s']} MB/s"
+            for url, p in _ceiling(entry).items()
+        ]
+        out += [
+            "",
+            f"**{name}** ({_shape(entry)})",
+            "",
+            _table(["system", "cold epoch s", "MB/s", "remote MB", "first batch s", "cached epoch s", "status"], rows),
+            "",
+            "S3 ceiling: " + ("; ".join(ceiling) if ceiling else "-"),
+        ]
+    return "\n".join(out)
+
+
+def _fig3(doc: dict[str, Any]) -> str:
+    out = [
+        "## 3. Cache budget = 30% of the dataset, several epochs",
+        "",
+        "Per epoch: wall time, bytes the server sent (server-counted), distinct samples delivered, and the peak "
+        "on-disk size of the cache directory (sampled every 100 ms) over the budget. A rolling cache (cachefeed) "
+        "trains each epoch on what is cached, so an epoch holds fewer samples than the dataset, by design; the "
+        "peers stream the whole dataset through the bounded cache each epoch. The harness stops a run that "
+        "downloads more than 10x the dataset per epoch (thrash).",
+    ]
+    for name, entry in _workloads(doc):
+        rows = []
+        for system, slot in entry.get("systems", {}).items():
+            budget = _measure(slot, "budget30")
+            if not _ok(budget):
+                rows.append([system, _status(budget), "", "", "", ""])
+                continue
+            epochs = budget["epochs"]
+            rows.append(
+                [
+                    system,
+                    " / ".join(_fmt(e["wall_s"]) for e in epochs),
+                    " / ".join(_fmt(_mb(e.get("remote_bytes"))) for e in epochs),
+                    " / ".join(str(e["unique_samples"]) for e in epochs),
+                    f"{_fmt(budget.get('peak_disk_over_budget'))} (budget {_fmt(_mb(budget.get('budget_bytes')))} MB)",
+                    _status(budget),
+                ]
+            )
+        out += [
+            "",
+            f"**{name}** ({_shape(entry)})",
+            "",
+            _table(
+                ["system", "s / epoch", "remote MB / epoch", "samples / epoch", "peak disk / budget", "status"], rows
+            ),
+        ]
+    return "\n".join(out)
+
+
+def _fig4(doc: dict[str, Any]) -> str:
+    extra = doc.get("extra", {})
+    out = [
+        "## 4. Epoch handover wait",
+        "",
+        "From the consumer finishing the last batch of epoch e to holding the first batch of e+1 (mean over the "
+        "epoch boundaries; each system's recommended loader: cachefeed's `EpochLoaderFactory`, mosaic's and "
+        "the baselines' `DataLoader`, litdata's `StreamingDataLoader`), with and without persistent workers, "
+        f"fork and spawn, on the `{extra.get('handover_workload')}` workload, no budget. `cold` column: the "
+        "boundary after the cold epoch (fork, not persistent) of every workload's figure 2 run.",
+    ]
+    for name, entry in _workloads(doc):
+        rows = []
+        any_handover = False
+        for system, slot in entry.get("systems", {}).items():
+            row: list[Any] = [system]
+            for label in _HANDOVER:
+                measure = _measure(slot, label)
+                waits = [
+                    e["handover_wait_s"] for e in measure.get("epochs", []) if e.get("handover_wait_s") is not None
+                ]
+                any_handover |= bool(measure)
+                row.append(_mean(waits) if waits else (_status(measure) if measure else "-"))
+            cold = _measure(slot, "cold")
+            epochs = cold.get("epochs", [])
+            row.append(epochs[1].get("handover_wait_s") if len(epochs) > 1 else "-")
+            rows.append(row)
+        title = f"**{name}**" + ("" if any_handover else " (cold boundary only)")
+        out += ["", title, "", _table(["system", "fork", "fork persistent", "spawn", "spawn persistent", "cold"], rows)]
+    return "\n".join(out)
+
+
+def _fig5(doc: dict[str, Any]) -> str:
+    extra = doc.get("extra", {})
+    out = [
+        "## 5. Peak DataLoader worker memory",
+        "",
+        f"Workload `{extra.get('rss_workload')}`, sampled every 100 ms over the local and the cold runs: peak RSS "
+        "of one worker, and the peak of the workers' summed PSS (shared pages split among sharers). cachefeed's "
+        "daemon (and its samplers) is not a worker: its RSS sum is the last column.",
+    ]
+    rows = []
+    for name, entry in _workloads(doc):
+        if name != extra.get("rss_workload"):
+            continue
+        for system, slot in entry.get("systems", {}).items():
+            local = _measure(slot, "local").get("rss") or {}
+            cold = _measure(slot, "cold").get("rss") or {}
+            daemon = max(local.get("peak_excluded_rss_sum_bytes") or 0, cold.get("peak_excluded_rss_sum_bytes") or 0)
+            rows.append(
+                [
+                    system,
+                    _mb(local.get("peak_worker_rss_bytes")),
+                    _mb(local.get("peak_workers_pss_sum_bytes")),
+                    _mb(cold.get("peak_worker_rss_bytes")),
+                    _mb(cold.get("peak_workers_pss_sum_bytes")),
+                    _mb(daemon) if daemon else "-",
+                ]
+            )
+    out += [
+        "",
+        _table(
+            [
+                "system",
+                "local: worker RSS MB",
+                "local: workers PSS MB",
+                "S3: worker RSS MB",
+                "S3: workers PSS MB",
+                "daemon RSS MB",
+            ],
+            rows,
+        ),
+    ]
+    return "\n".join(out)
+
+
+def _fig6(doc: dict[str, Any]) -> str:
+    ingest = doc.get("ingest")
+    out = ["## 6. Daemon ingest vs a plain concurrent download", ""]
+    if not ingest:
+        return "\n".join([*out, "Not run (`--no-ingest`)."])
+    out.append(
+        f"`{ingest.get('command')}` ({ingest.get('status')}): the same moto server; plain = one asyncio process "
+        "with as many GETs in flight as the daemon's samplers together; the daemon's time runs from the listing "
+        "to every sample published (see `benchmarks/ingest.py`)."
+    )
+    rows = [
+        [
+            r["object_size"],
+            r["objects"],
+            r["plain_objects_per_s"],
+            r["plain_mib_per_s"],
+            r["daemon_objects_per_s"],
+            r["daemon_mib_per_s"],
+            r["daemon_over_plain"],
+        ]
+        for r in ingest.get("rows", [])
+    ]
+    out += [
+        "",
+        _table(
+            ["object size", "objects", "plain obj/s", "plain MiB/s", "daemon obj/s", "daemon MiB/s", "daemon / plain"],
+            rows,
+        ),
+    ]
+    if ingest.get("stderr_tail"):
+        out += ["", "```", ingest["stderr_tail"], "```"]
+    return "\n".join(out)
+
+
+def _fig7(doc: dict[str, Any]) -> str:
+    out = [
+        "## 7. Conversion time",
+        "",
+        "Time to write each system's format from the per-sample files, then to upload it (timed apart). "
+        "cachefeed, local-files, s3fs and memory read the per-sample objects as they are: no conversion (0 s).",
+        "",
+    ]
+    rows = []
+    for name, entry in _workloads(doc):
+        for system, slot in entry.get("systems", {}).items():
+            convert = _measure(slot, "convert")
+            if convert.get("status") == "ok":
+                rows.append(
+                    [
+                        name,
+                        system,
+                        convert["convert_s"],
+                        convert["upload_s"],
+                        convert["files"],
+                        convert["overhead_ratio"],
+                    ]
+                )
+            else:
+                rows.append([name, system, "0 (none)", "-", "-", "-"])
+    out.append(_table(["workload", "system", "convert s", "upload s", "files", "size / dataset"], rows))
+    return "\n".join(out)
+
+
+def _problems(doc: dict[str, Any]) -> str:
+    out = ["## What went wrong (as recorded)", ""]
+    found = False
+    for name, entry in _workloads(doc):
+        for system, slot in entry.get("systems", {}).items():
+            for label, measure in slot.get("measures", {}).items():
+                if not isinstance(measure, dict) or measure.get("status") in ("ok", "n/a", "skipped", None):
+                    continue
+                found = True
+                detail = measure.get("error") or ""
+                out.append(f"- `{name}` / **{system}** / `{label}`: {measure.get('status')}. {detail}".rstrip())
+            for child in slot.get("children", []):
+                leaks = []
+                if child.get("processes_left_after_exit"):
+                    leaks.append(f"{child['processes_left_after_exit']} processes left after exit")
+                if child.get("shm_left"):
+                    leaks.append(f"/dev/shm left: {', '.join(child['shm_left'][:5])}")
+                if leaks:
+                    found = True
+                    out.append(f"- `{name}` / **{system}**: " + "; ".join(leaks))
+    if not found:
+        out.append("Nothing: every measurement finished with status ok (or n/a where a system has no such mode).")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------- plots
+
+
+def _plots(doc: dict[str, Any], out: Path) -> dict[str, str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    made: dict[str, str] = {}
+    for name, draw in (("handover", _plot_handover), ("cache_size", _plot_cache), ("throughput", _plot_throughput)):
+        fig = draw(doc, plt)
+        if fig is None:
+            continue
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        made[name] = path.name
+    return made
+
+
+def _plot_handover(doc: dict[str, Any], plt: Any) -> Any:
+    name = doc.get("extra", {}).get("handover_workload")
+    entry = doc.get("workloads", {}).get(name)
+    if not entry:
+        return None
+    systems = list(entry.get("systems", {}))
+    fig, axes = plt.subplots(1, len(_HANDOVER), figsize=(4 * len(_HANDOVER), 3.6), sharey=True)
+    drawn = False
+    for ax, label in zip(axes, _HANDOVER, strict=True):
+        for i, system in enumerate(systems):
+            epochs = _measure(entry["systems"][system], label).get("epochs", [])
+            points = [(e["epoch"], e["handover_wait_s"]) for e in epochs if e.get("handover_wait_s") is not None]
+            if points:
+                drawn = True
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system, color=f"C{i}")
+        ax.set_title(label.removeprefix("handover-"))
+        ax.set_xlabel("epoch")
+        ax.set_yscale("symlog", linthresh=0.01)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("handover wait (s)")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(f"Epoch handover wait per epoch ({name} workload)")
+    return fig if drawn else None
+
+
+def _plot_cache(doc: dict[str, Any], plt: Any) -> Any:
+    entries = _workloads(doc)
+    if not entries:
+        return None
+    fig, axes = plt.subplots(1, len(entries), figsize=(5 * len(entries), 3.6), squeeze=False)
+    drawn = False
+    for ax, (name, entry) in zip(axes[0], entries, strict=True):
+        budget_bytes = None
+        for i, (system, slot) in enumerate(entry.get("systems", {}).items()):
+            budget = _measure(slot, "budget30")
+            timeline = (budget.get("disk") or {}).get("timeline_1s") or []
+            if not timeline:
+                continue
+            drawn = True
+            budget_bytes = budget.get("budget_bytes") or budget_bytes
+            ax.plot([t for t, _ in timeline], [b / _MB for _, b in timeline], label=system, color=f"C{i}")
+        if budget_bytes:
+            ax.axhline(budget_bytes / _MB, color="black", linestyle="--", label="budget")
+        ax.set_title(f"{name}: cache dir size, budget 30%")
+        ax.set_xlabel("s since open")
+        ax.set_ylabel("MB on disk")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig if drawn else None
+
+
+def _plot_throughput(doc: dict[str, Any], plt: Any) -> Any:
+    entries = _workloads(doc)
+    systems: list[str] = []
+    for _, entry in entries:
+        systems += [s for s in entry.get("systems", {}) if s not in systems]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = False
+    labels = [f"{name}\n{entry['workload']['sample_bytes'] >> 10} KiB" for name, entry in entries]
+    for i, system in enumerate(systems):
+        values = [
+            _measure(entry.get("systems", {}).get(system, {}), "local").get("warm_mb_per_s") for _, entry in entries
+        ]
+        if any(v is not None for v in values):
+            drawn = True
+            ax.plot(
+                labels, [v if v is not None else float("nan") for v in values], marker="o", label=system, color=f"C{i}"
+            )
+    seq = []
+    for _, entry in entries:
+        local = _measure(entry.get("systems", {}).get("local-files", {}), "local")
+        seq.append((local.get("sequential_read") or {}).get("warm", {}).get("mb_per_s"))
+    if any(v is not None for v in seq):
+        ax.plot(
+            labels,
+            [v if v is not None else float("nan") for v in seq],
+            linestyle="--",
+            color="gray",
+            label="sequential read (per-sample files)",
+        )
+    ax.set_yscale("log")
+    ax.set_ylabel("warm epoch MB/s (median)")
+    ax.set_title("Warm local read throughput per sample size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig if drawn else None

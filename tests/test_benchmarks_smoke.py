@@ -1,0 +1,125 @@
+"""Smoke run of the benchmark scripts at tiny sizes, in the main .venv (no peers, no .bench-venv): seconds, not minutes.
+
+* the issue-7 harness with the cachefeed adapter against the counting S3 server, through the same child-process
+  runner as ``benchmarks/run_all.py``, then the report (``results.md``); one baseline (local files) through the
+  same measurement in this process;
+* the trainer benchmarks' own functions at tiny sizes: ``read_throughput``, ``handover``, and ``ingest`` (its CLI
+  with its smallest counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.common.runner import MeasureSpec
+from benchmarks.common.samples import Workload
+from benchmarks.common.suite import Suite, System
+
+# 8 MiB: the smallest dataset whose 30% budget leaves cachefeed room for a few segments (1 MiB metadata reserve).
+WORKLOAD = Workload("small", 32 << 10, 256, 32)
+CACHEFEED = System("cachefeed", "benchmarks.cachefeed_adapter:CachefeedAdapter")
+
+
+def _plan(workload: Workload, key: str) -> list[MeasureSpec]:
+    # No DataLoader workers here (seconds count); the handover test below runs the factory with a worker.
+    def spec(label: str, kind: str, **params: Any) -> MeasureSpec:
+        return MeasureSpec(label, kind, {"num_workers": 0, **params}, timeout_s=40.0, max_s=60.0)
+
+    return [
+        MeasureSpec("describe", "describe", {}, 30.0),
+        spec("convert", "convert"),
+        spec("local", "local", epochs=2),
+        spec("cold", "remote", epochs=2),
+        spec("budget30", "remote", epochs=2, budget_fraction=0.3, max_remote_factor=10),
+    ]
+
+
+def _no_ceiling(workload: Workload, key: str) -> list[MeasureSpec]:
+    return []  # the S3 ceiling is a child of its own: seconds this test does not have
+
+
+def test_harness_runs_cachefeed_against_the_counting_server_and_writes_the_report(tmp_path: Path) -> None:
+    from benchmarks.common.results_md import write_report
+
+    doc = Suite("test", [CACHEFEED], [WORKLOAD], _plan, _no_ceiling, tmp_path / "run").run()
+    entry = doc["workloads"]["small"]
+    measures = entry["systems"]["cachefeed"]["measures"]
+    for label in ("describe", "local", "cold", "budget30"):
+        assert measures[label]["status"] == "ok", (label, measures[label])
+    assert measures["convert"]["status"] == "n/a"  # no conversion: the per-sample objects as they are
+
+    local = measures["local"]
+    assert all(e["unique_samples"] == WORKLOAD.count and e["corrupt_samples"] == 0 for e in local["epochs"])
+    assert local["sequential_read_own_files"]["warm"]["bytes"] >= WORKLOAD.total_bytes  # its segment files
+
+    cold = measures["cold"]["epochs"]
+    assert [e["unique_samples"] for e in cold] == [WORKLOAD.count, WORKLOAD.count]
+    # Server-counted: the first epoch downloads the dataset once, the second nothing.
+    assert WORKLOAD.total_bytes <= cold[0]["remote_bytes"] < 1.1 * WORKLOAD.total_bytes
+    assert cold[1]["remote_bytes"] == 0
+    assert all(e["duplicate_samples"] == 0 and e["corrupt_samples"] == 0 for e in cold)
+
+    budget = measures["budget30"]
+    assert budget["peak_disk_over_budget"] <= 1.01
+    assert all(0 < e["unique_samples"] < WORKLOAD.count for e in budget["epochs"])  # a rolling cache: part of it
+    assert all(e["duplicate_samples"] == 0 for e in budget["epochs"])
+
+    assert not any(c["processes_left_after_exit"] for c in entry["systems"]["cachefeed"]["children"])
+
+    write_report(doc, tmp_path)
+    report = (tmp_path / "results.md").read_text()
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7."):
+        assert heading in report
+    assert "| cachefeed |" in report
+
+
+def test_a_baseline_measured_in_process(tmp_path: Path) -> None:
+    """The local-files baseline through the same measurement (in this process: no child, no S3)."""
+    from benchmarks.common.measures import Context, measure_local
+    from benchmarks.common.samples import write_samples
+    from benchmarks.peers.baselines import LocalFilesAdapter
+
+    workload = Workload("tiny", 4 << 10, 128, 16)
+    write_samples(workload, tmp_path / "samples")
+    ctx = Context(
+        workload, "http://unused", "bench", tmp_path / "samples", "s3://bench/samples/tiny", tmp_path / "conv",
+        "s3://bench/local-files/tiny", tmp_path / "scratch",
+    )  # fmt: skip
+    result = measure_local(LocalFilesAdapter(), ctx, {"epochs": 2, "num_workers": 0}, lambda _data: None)
+    assert result["status"] == "ok", result
+    assert [e["unique_samples"] for e in result["epochs"]] == [128, 128]
+    assert result["sequential_read"]["warm"]["bytes"] == workload.total_bytes
+
+
+def test_read_throughput_functions_at_tiny_size(tmp_path: Path) -> None:
+    from benchmarks import read_throughput as rt
+
+    count = rt.build_cache(tmp_path, 4 << 10, 1 << 20)
+    assert count == 256
+    assert rt.raw_read(tmp_path, bytearray(1 << 20)) > 0
+    assert rt.dataset_pass(tmp_path, 32, collate=True) > 0
+    assert rt.loader_pass(tmp_path, 32, 1, 0) > 0
+
+
+def test_handover_functions_at_tiny_size(tmp_path: Path) -> None:
+    from benchmarks import handover
+
+    handover.build_cache(tmp_path, 64)
+    args = argparse.Namespace(workers=1, step_ms=1.0, epochs=2, batch=16)
+    context = multiprocessing.get_context("fork")
+    for method in ("factory", "persistent"):
+        waits, _note = handover.measure(method, tmp_path, context, args)
+        assert len(waits) == 1 and waits[0] >= 0
+
+
+def test_ingest_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import ingest
+
+    assert ingest.main(["--small", "8", "--large", "0", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "4KiB" in out and "ratio" in out
