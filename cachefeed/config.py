@@ -332,6 +332,7 @@ _SECTION_TYPES: dict[str, type] = {
     "status": StatusConfig,
     "log": LogConfig,
 }
+_SECRET_KEYS = {("remote", "url"), ("remote", "storage_options")}  # never echoed in errors
 _REQUIRED = {("remote", "url"), ("cache", "dir"), ("cache", "max_bytes")}
 
 
@@ -375,7 +376,8 @@ def parse_config(
             try:
                 sections[section_name][field_name] = parser(raw)
             except ValueError as exc:
-                raise ConfigError(f"{source}: {section_name}.{key} = {raw!r}: {exc}") from None
+                shown = "<hidden: may hold credentials>" if (section_name, key) in _SECRET_KEYS else repr(raw)
+                raise ConfigError(f"{source}: {section_name}.{key} = {shown}: {exc}") from None
     for section_name, key in sorted(_REQUIRED):
         field_name = SCHEMA[section_name][key][0]
         if field_name not in sections[section_name]:

@@ -32,6 +32,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ _TRAILER_COUNT = struct.Struct("<8sHH4xQ")
 def segment_count(path: str | os.PathLike[str]) -> int:
     """Number of records in a segment, from its trailer alone (one small read). -1 if the trailer is invalid."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return -1
     try:
@@ -221,7 +222,7 @@ def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:
             return True
         except FileExistsError:
             try:
-                fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError:
                 continue
             try:
@@ -245,7 +246,7 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
     if not manifest_path.exists():
         return None
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
@@ -303,10 +304,13 @@ def sweep_stale(layout: CacheLayout, *, now: float | None = None) -> list[str]:
             snap_id = name[:-5]
             locks.add(snap_id)
             try:
-                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             except OSError:
                 continue
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a planted FIFO or device: never a lock of ours
+                    Path(entry.path).unlink(missing_ok=True)
+                    continue
                 if _remove_if_unheld(fd, Path(entry.path), layout.snapshots / snap_id):
                     removed.append(snap_id)
             finally:
@@ -314,7 +318,7 @@ def sweep_stale(layout: CacheLayout, *, now: float | None = None) -> list[str]:
         elif name.endswith(".partial"):
             try:
                 info = entry.stat(follow_symlinks=False)
-                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             except OSError:
                 continue
             try:

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ from cachefeed.cache.eviction import EvictionPolicy, make_policy
 from cachefeed.cache.layout import SEGMENT_NAME, CacheLayout, allocated_bytes, segment_name, segment_seq
 from cachefeed.cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
 from cachefeed.config import METADATA_RESERVE_BYTES, CacheConfig
-from cachefeed.errors import CacheLockedError, CorruptRecordError
+from cachefeed.errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
 from cachefeed.fsutil import fsync_dir, remove_tree
 from cachefeed.records import SegmentReader
 
@@ -146,7 +147,15 @@ class CacheStore:
 
     def _take_lock(self) -> int:
         path = self.layout.lock_file
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self.config.file_mode)
+        try:
+            fd = os.open(
+                path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, self.config.file_mode
+            )
+        except OSError as exc:
+            raise NoSuchCacheError(f"{path}: cannot open the cache's lock file ({exc.strerror}): remove it") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NoSuchCacheError(f"{path} is not a regular file (a FIFO or device was planted there): remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -222,7 +231,10 @@ class CacheStore:
         names: set[str] = set()
         for directory in self.layout.snapshots.iterdir():
             if directory.is_dir() and not directory.is_symlink():
-                names.update(n for n in os.listdir(directory) if SEGMENT_NAME.match(n))
+                try:
+                    names.update(n for n in os.listdir(directory) if SEGMENT_NAME.match(n))
+                except FileNotFoundError:
+                    continue  # a trainer released it while we listed
         return names
 
     # -- pins -----------------------------------------------------------------------------------------------
