@@ -55,15 +55,16 @@ def outside_world(base: Path) -> dict[str, Path]:
 def plant(cache_dir: Path, world: dict[str, Path], tag: str) -> list[str]:
     """Plant hostile entries; returns their paths relative to the cache root. ``tag`` keeps names unique."""
     seg, tmp, snaps = cache_dir / "segments", cache_dir / "tmp", cache_dir / "snapshots"
+    nowhere = world["precious"]  # the target of the kinds that have none
     planted = {
         seg / f"ffffffffffff{tag}01.seg": ("symlink", world["segment"]),
-        seg / f"ffffffffffff{tag}02.seg": ("fifo", None),
-        seg / f"ffffffffffff{tag}03.seg": ("dir", None),
-        seg / f"ffffffffffff{tag}04.seg": ("garbage", None),
-        seg / f"foreign-{tag}.txt": ("garbage", None),
+        seg / f"ffffffffffff{tag}02.seg": ("fifo", nowhere),
+        seg / f"ffffffffffff{tag}03.seg": ("dir", nowhere),
+        seg / f"ffffffffffff{tag}04.seg": ("garbage", nowhere),
+        seg / f"foreign-{tag}.txt": ("garbage", nowhere),
         seg / f"ffffffffffff{tag}05.seg": ("symlink", world["dir"]),
         tmp / f"ffffffffffff{tag}06.tmp": ("symlink", world["precious"]),
-        tmp / f"fifo-{tag}.tmp": ("fifo", None),
+        tmp / f"fifo-{tag}.tmp": ("fifo", nowhere),
         snaps / f"evil{tag}.lock": ("symlink", world["precious"]),
         snaps / f"evil{tag}": ("snapdir", world["segment"]),
         snaps / f"linked{tag}": ("symlink", world["dir"]),

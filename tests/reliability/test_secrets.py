@@ -127,7 +127,7 @@ def bad_config(tmp_path: Path, name: str, body: str) -> subprocess.CompletedProc
 
 
 SECRET = "SNTLCONFIGSECRET0123456789"
-BASE = {
+BASE: dict[str, dict[str, Any]] = {
     "remote": {"url": "s3://data/", "storage_options": {"key": "AKIDSNTL", "secret": SECRET}},
     "cache": {"dir": "/tmp/cachefeed-bad-config", "max_bytes": "64MiB"},
 }
