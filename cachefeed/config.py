@@ -59,6 +59,7 @@ class RemoteConfig:
     retry_budget: float = 0.2
     max_requests_per_s: float = 0.0
     max_bytes_per_s: int = 0
+    verify_md5: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +288,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
         "retry_budget": ("retry_budget", _fraction, "retries allowed as a fraction of requests (0.2)"),
         "max_requests_per_s": ("max_requests_per_s", _float_at_least(0), "request rate cap per node, 0 = none"),
         "max_bytes_per_s": ("max_bytes_per_s", parse_size, "download rate cap per node, 0 = none"),
+        "verify_md5": ("verify_md5", _boolean, "check a body against an ETag that is its MD5 (true)"),
     },
     "cache": {
         "dir": ("dir", _absolute_path, "absolute path of the cache root (tmpfs or SSD)"),

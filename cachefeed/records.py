@@ -6,15 +6,20 @@ A **record** is one sample: a dict of fields (numpy arrays, torch tensors, bytes
 Layout (all integers little-endian; every record and every array payload starts on a 64-byte boundary, so an
 array read from a page-aligned memory map is 64-byte aligned and decoded without a copy)::
 
-    segment  := SegmentHeader(64) Record* Index Trailer(64)
+    segment  := SegmentHeader(64) Record* Index Sources Trailer(64)
     Record   := RecordHeader(64) meta(msgpack) pad payload* (each payload 64-aligned)
-    Index    := offsets u64[n] lengths u64[n] key_hashes u64[n]
-    Trailer  := magic "CFSEGEND", version, count, index offset, index xxh3, file length, trailer xxh3
+    Index    := offsets u64[n] lengths u64[n] key_hashes u64[n] pad
+    Sources  := msgpack [[path, version], ...] pad    (empty when the writer named no sources)
+    Trailer  := magic "CFSEGEND", version, count, index offset, xxh3 of Index+Sources, file length, trailer xxh3
 
 ``RecordHeader``: magic ``CFRC``, format version, flags (bit 0: zlib-compressed payload area), meta length,
 body length (everything after the header), xxh3-64 of the body, xxh3-64 of the sample's key. A record verifies
 itself: its length, its checksum, and (against the index) which key it holds. A segment verifies itself through its
 trailer (magic, index checksum, file length), which is written last: a file without a valid trailer is partial.
+
+**Sources** name the remote objects whose last sample the segment holds (path and version). They let a restarted
+daemon know what its recovered cache already holds. Best effort by design: a source that does not fit the
+segment's capacity is left out (that object is fetched again after a restart), never a reason to fail a segment.
 
 Only an array's own bytes are stored: a slice of a large array stores the slice (made contiguous), never its base.
 
@@ -49,7 +54,7 @@ __all__ = [
     "key_hash",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the Sources section
 ALIGN = 64
 _SEGMENT_MAGIC = b"CFSEG\x00\x00\x01"
 _TRAILER_MAGIC = b"CFSEGEND"
@@ -213,6 +218,8 @@ class SegmentWriter:
         self._offsets: list[int] = []
         self._lengths: list[int] = []
         self._hashes: list[int] = []
+        self._sources: list[tuple[str, str | None]] = []
+        self._sources_bytes = 0  # msgpack size of self._sources
         self._position = 0
         self._write([_SEGMENT_HEADER.pack(_SEGMENT_MAGIC, FORMAT_VERSION, 0, 0)])
 
@@ -222,8 +229,12 @@ class SegmentWriter:
 
     @property
     def nbytes(self) -> int:
-        """Size the file would have if finished now."""
-        return self._position + self._index_bytes(self.count) + TRAILER_BYTES
+        """Size the file would have if finished now (exact, or a few bytes over with sources)."""
+        return self._finished_size(self.count, self._sources_bytes)
+
+    def _finished_size(self, count: int, sources_bytes: int) -> int:
+        with_sources = self._index_bytes(count) + sources_bytes
+        return self._position + with_sources + _pad(with_sources) + TRAILER_BYTES
 
     @staticmethod
     def _index_bytes(count: int) -> int:
@@ -249,8 +260,17 @@ class SegmentWriter:
         return self._encoder.encode(sample)
 
     def fits(self, record: EncodedRecord) -> bool:
-        grown = self._position + record.nbytes + self._index_bytes(self.count + 1) + TRAILER_BYTES
-        return grown <= self.capacity
+        return self._finished_size(self.count + 1, self._sources_bytes) + record.nbytes <= self.capacity
+
+    def add_source(self, path: str, version: str | None) -> bool:
+        """Name a remote object whose last sample this segment holds; False (left out) if it does not fit."""
+        entry = (path, version)
+        grown = self._sources_bytes + len(msgpack.packb(entry)) + (5 if not self._sources else 0)  # + array header
+        if self._finished_size(self.count, grown) > self.capacity:
+            return False
+        self._sources.append(entry)
+        self._sources_bytes = grown
+        return True
 
     def append(self, record: EncodedRecord) -> bool:
         """Write one encoded record if it fits (see the class contract). Returns whether it was written."""
@@ -266,12 +286,15 @@ class SegmentWriter:
         """Write index and trailer, close the file, and return its size in bytes."""
         index_offset = self._position
         index = np.array([self._offsets, self._lengths, self._hashes], dtype="<u8").reshape(-1)
-        index_bytes = index.tobytes() + bytes(_pad(index.nbytes))
-        self._write([index_bytes])
+        region = index.tobytes() + bytes(_pad(index.nbytes))
+        if self._sources:
+            region += msgpack.packb(self._sources)
+        region += bytes(_pad(len(region)))
+        self._write([region])
         file_len = self._position + TRAILER_BYTES
         body = _TRAILER.pack(
             _TRAILER_MAGIC, FORMAT_VERSION, 0, self.count, index_offset,
-            xxhash.xxh3_64_intdigest(index_bytes), file_len, 0,
+            xxhash.xxh3_64_intdigest(region), file_len, 0,
         )[:-8]
         trailer = body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
         self._write([trailer + bytes(TRAILER_BYTES - len(trailer))])
@@ -329,15 +352,31 @@ class SegmentReader:
         index_len = 24 * count + _pad(24 * count)
         if not HEADER_BYTES <= index_offset <= size - TRAILER_BYTES - index_len:
             raise CorruptRecordError(f"{self.path.name}: index out of bounds")
-        index_view = self._buffer[index_offset : index_offset + index_len]
-        if xxhash.xxh3_64_intdigest(index_view) != index_hash:
+        region = self._buffer[index_offset : size - TRAILER_BYTES]
+        if xxhash.xxh3_64_intdigest(region) != index_hash:
             raise CorruptRecordError(f"{self.path.name}: index checksum mismatch")
+        self._sources_raw = bytes(region[index_len:])  # small; a copy keeps no view of the map alive
+        region.release()
         table = np.frombuffer(self._map, dtype="<u8", count=3 * count, offset=index_offset).reshape(3, count)
         self.offsets, self.lengths, self.key_hashes = table[0], table[1], table[2]
         self.count = int(count)
 
     def __len__(self) -> int:
         return self.count
+
+    def sources(self) -> list[tuple[str, str | None]]:
+        """The ``(path, version)`` of each remote object whose last sample this segment holds (see module doc)."""
+        raw = self._sources_raw
+        if not raw.strip(b"\x00"):
+            return []
+        try:
+            unpacker = msgpack.Unpacker(use_list=True)
+            unpacker.feed(raw)  # one array, then padding
+            entries = unpacker.unpack()
+            found = [(str(path), None if version is None else str(version)) for path, version in entries]
+        except (ValueError, TypeError, msgpack.UnpackException, msgpack.OutOfData) as exc:
+            raise CorruptRecordError(f"{self.path.name}: malformed source list: {exc}") from exc
+        return found
 
     def close(self) -> None:
         """Release the map if no array still views it; otherwise it is released when they die."""
@@ -374,7 +413,7 @@ class SegmentReader:
         meta_start = HEADER_BYTES - _RECORD_HEADER.size
         try:
             meta = msgpack.unpackb(body[meta_start : meta_start + meta_len], raw=False)
-        except (ValueError, msgpack.UnpackException) as exc:
+        except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
             raise CorruptRecordError(f"{name}: record {i} has unreadable metadata") from exc
         if not isinstance(meta, dict) or key_hash(str(meta.get("k"))) != khash:
             raise CorruptRecordError(f"{name}: record {i} metadata does not match its key")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import random
@@ -309,6 +310,35 @@ def _redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
+_MD5_ETAG = re.compile(r"[0-9a-fA-F]{32}")
+_CHECKSUM_FIELDS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256")
+_MD5_INLINE_BYTES = 1 << 20  # hash smaller bodies on the event loop; larger ones in a thread (hashlib drops the GIL)
+
+
+def _etag_is_md5(response: Mapping[str, Any]) -> bool:
+    """Whether a GetObject response's ETag is the MD5 of its body and nothing stronger was verified already."""
+    if any(response.get(name) for name in _CHECKSUM_FIELDS):
+        return False  # botocore validated a flexible checksum
+    if response.get("SSECustomerAlgorithm") or response.get("ServerSideEncryption") in ("aws:kms", "aws:kms:dsse"):
+        return False  # the ETag of an SSE-C or SSE-KMS object is not its MD5
+    return bool(_MD5_ETAG.fullmatch(_strip_quotes(str(response.get("ETag", "")))))
+
+
+async def _md5_hex(body: bytes) -> str:
+    if len(body) <= _MD5_INLINE_BYTES:
+        return hashlib.md5(body, usedforsecurity=False).hexdigest()
+    return await asyncio.to_thread(lambda: hashlib.md5(body, usedforsecurity=False).hexdigest())
+
+
+def _is_utf8(name: str) -> bool:
+    """False for a name holding lone surrogates (how Python decodes file name bytes that are not UTF-8)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _strip_quotes(etag: str) -> str:
     return etag.strip().removeprefix("W/").strip('"')
 
@@ -433,8 +463,12 @@ class Remote:
                 logger.warning("listing failed (%s); retrying in %.2fs", error, delay)
                 time.sleep(delay)
         objects = []
+        unusable: list[str] = []
         for name, info in found.items():
             if info.get("type") != "file":
+                continue
+            if not _is_utf8(name):
+                unusable.append(ascii(name))  # a local file name of raw bytes: keys and messages need text
                 continue
             relative = name[len(self._root) :].lstrip("/") if name.startswith(self._root) else None
             if relative == "":
@@ -442,6 +476,11 @@ class Remote:
             if relative is None or not self._matcher.match(relative):
                 continue
             objects.append(RemoteObject(name, int(info.get("size") or 0), _version_of(info)))
+        if unusable:
+            logger.warning(
+                "skipping %d objects whose names are not valid UTF-8 (rename them to cache them), e.g. %s",
+                len(unusable), unusable[0],
+            )
         objects.sort(key=lambda obj: obj.path)
         return objects
 
@@ -524,6 +563,10 @@ class Remote:
             raise RemoteChangedError(
                 f"object changed since it was listed for {obj.path}: {length} bytes, listed {obj.size}"
             )
+        if self.config.verify_md5 and etag and _etag_is_md5(response):
+            digest = await _md5_hex(body)
+            if digest != _strip_quotes(etag).lower():
+                raise RemoteTransientError(f"body of {obj.path} does not match its ETag (MD5): corrupted in transit")
         return body
 
     def _read_sync(self, obj: RemoteObject) -> bytes:

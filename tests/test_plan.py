@@ -161,3 +161,50 @@ def test_node_partition_is_disjoint_complete_and_stable(count: int, n: int) -> N
 def test_rank_is_checked() -> None:
     with pytest.raises(ValueError, match="rank"):
         SamplingPlan(rank=2, count=2)
+
+
+def test_a_new_version_listed_while_the_old_one_is_in_flight_is_fetched_again() -> None:
+    plan = SamplingPlan()
+    plan.update_catalog(objects(3))
+    drawn = {obj.path: oid for oid, obj in plan.next(10)}
+    changed = [RemoteObject(o.path, o.size, "v2" if o.path == "b/k0001" else o.etag) for o in objects(3)]
+    plan.update_catalog(changed)  # b/k0001 changed while its old version was being fetched
+    assert plan.next(10) == []  # still in flight
+    plan.done(list(drawn.values()), 7)  # the old version's samples landed in segment 7
+    again = plan.next(10)
+    assert [(obj.path, obj.etag) for _, obj in again] == [("b/k0001", "v2")]
+    plan.done([again[0][0]], 8)
+    plan.evicted([7])  # the old version's segment goes: the new version is still cached in 8
+    assert [obj.path for _, obj in plan.next(10)] == ["b/k0000", "b/k0002"]
+
+
+def test_a_failure_of_an_old_version_does_not_hold_back_the_new_one() -> None:
+    plan = SamplingPlan()
+    plan.update_catalog(objects(1))
+    ((oid, _),) = plan.next(10)
+    plan.update_catalog([RemoteObject("b/k0000", 100, "v2")])
+    plan.failed(oid, "changed")  # the GET of the old version was refused (412)
+    assert [obj.etag for _, obj in plan.next(10)] == ["v2"]  # drawn again in the same pass
+
+
+def test_objects_held_by_recovered_segments_are_not_fetched_again() -> None:
+    plan = SamplingPlan()
+    listing = objects(4)
+    plan.adopt(3, [(listing[0].path, listing[0].etag), (listing[1].path, "an older version")])
+    plan.adopt(4, [(listing[2].path, listing[2].etag), ("b/gone", "e")])
+    plan.update_catalog(listing)
+    assert sorted(obj.path for _, obj in plan.next(10)) == ["b/k0001", "b/k0003"]
+    assert plan.cached_segments() == {3, 4}
+    plan.evicted([3])
+    plan.done([], None)
+    assert plan.cached_segments() == {4}
+
+
+def test_a_recovered_segment_evicted_before_the_first_listing_is_forgotten() -> None:
+    plan = SamplingPlan()
+    listing = objects(2)
+    plan.adopt(3, [(o.path, o.etag) for o in listing])
+    assert plan.cached_segments() == {3}
+    plan.evicted([3])
+    plan.update_catalog(listing)
+    assert len(plan.next(10)) == 2

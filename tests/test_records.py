@@ -155,3 +155,45 @@ def test_bad_samples_are_refused_with_a_clear_error(tmp_path: Path) -> None:
         writer.encode({"__key__": "k", "data": object()})
     writer.abort()
     assert not (tmp_path / "s.seg").exists()
+
+
+def test_sources_round_trip_and_are_covered_by_the_checksum(tmp_path: Path) -> None:
+    path = tmp_path / "s.seg"
+    writer = SegmentWriter(path, capacity=1 << 20)
+    assert writer.append(writer.encode({"__key__": "k", "x": np.arange(4)}))
+    sources = [("bucket/a.npy", '"etag-1"'), ("bucket/\u00e9 \u0000 odd", None), ("bucket/z", "")]
+    for source in sources:
+        assert writer.add_source(*source)
+    expected = writer.nbytes
+    assert writer.finish(fsync=False) == path.stat().st_size <= expected
+    with SegmentReader(path) as reader:
+        assert reader.sources() == sources
+        assert reader.read(0)["__key__"] == "k"
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"etag-1")
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptRecordError, match="checksum"):
+        SegmentReader(path)
+
+
+def test_a_source_that_does_not_fit_is_left_out_and_capacity_holds(tmp_path: Path) -> None:
+    path = tmp_path / "s.seg"
+    record_writer = SegmentWriter(tmp_path / "probe.seg", capacity=1 << 20)
+    record = record_writer.encode({"__key__": "k", "x": np.zeros(1000, np.uint8)})
+    record_writer.abort()
+    capacity = SegmentWriter.size_for(record.nbytes) + 200
+    writer = SegmentWriter(path, capacity=capacity)
+    assert writer.append(record)
+    added = [writer.add_source(f"bucket/object-{i:04d}", "v") for i in range(20)]
+    assert added[0] and not all(added)  # some fit, the rest are left out
+    assert writer.nbytes <= capacity
+    assert writer.finish(fsync=False) == path.stat().st_size <= capacity
+    with SegmentReader(path) as reader:
+        assert len(reader.sources()) == added.count(True)
+
+
+def test_a_segment_without_sources_has_none(tmp_path: Path) -> None:
+    write_segment(tmp_path / "s.seg", [{"__key__": "k"}])
+    with SegmentReader(tmp_path / "s.seg") as reader:
+        assert reader.sources() == []

@@ -538,3 +538,21 @@ def test_remote_refuses_pickling_bad_share_and_unknown_protocols() -> None:
     with pytest.raises(ConfigError, match=r"remote\.url") as caught:
         Remote(RemoteConfig(url="nosuchprotocol://user:pw-sentinel@host/x"))
     assert "pw-sentinel" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("response", "checked"),
+    [
+        ({"ETag": '"0123456789abcdef0123456789abcdef"'}, True),  # single-part upload: the ETag is the MD5
+        ({"ETag": '"0123456789abcdef0123456789abcdef-3"'}, False),  # multipart: an MD5 of part MD5s
+        ({"ETag": '"0123456789abcdef0123456789abcdef"', "ServerSideEncryption": "aws:kms"}, False),
+        ({"ETag": '"0123456789abcdef0123456789abcdef"', "SSECustomerAlgorithm": "AES256"}, False),
+        ({"ETag": '"0123456789abcdef0123456789abcdef"', "ChecksumCRC32": "AAAAAA=="}, False),  # botocore checked
+        ({"ETag": '"0123456789abcdef0123456789abcdef"', "ServerSideEncryption": "AES256"}, True),  # SSE-S3 keeps MD5
+        ({"ETag": "W/not-an-md5"}, False),
+    ],
+)
+def test_the_etag_is_used_as_an_md5_only_where_it_is_one(response: dict, checked: bool) -> None:
+    from cachefeed.remote import _etag_is_md5
+
+    assert _etag_is_md5(response) is checked

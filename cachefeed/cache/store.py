@@ -128,6 +128,8 @@ class CacheStore:
         self.limit_bytes = config.max_bytes - METADATA_RESERVE_BYTES
         self.counters = Counters()
         self._published: dict[int, PublishedSegment] = {}
+        # seq -> (path, version) of the remote objects each recovered segment ends; the daemon's plan takes it
+        self.recovered_sources: dict[int, list[tuple[str, str | None]]] = {}
         self._grants: dict[int, Grant] = {}
         self._pinned_only: dict[int, int] = {}
         self._pinned_published: set[int] = set()
@@ -205,6 +207,7 @@ class CacheStore:
             try:
                 with SegmentReader(path) as reader:
                     count = reader.count
+                    sources = reader.sources()
             except CorruptRecordError as exc:
                 log.warning("dropping invalid segment at recovery: %s", exc)
                 path.unlink()
@@ -212,6 +215,8 @@ class CacheStore:
                 continue
             info = os.lstat(path)
             seq = segment_seq(entry.name)
+            if sources:
+                self.recovered_sources[seq] = sources
             self._published[seq] = PublishedSegment(
                 seq, entry.name, allocated_bytes(info), count, info.st_ino, info.st_mtime
             )

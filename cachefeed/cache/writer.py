@@ -87,6 +87,13 @@ class CacheWriter:
         writer = self._open(max(self._segment_bytes, SegmentWriter.size_for(record.nbytes)))
         writer.append(record)  # the first record of a fresh segment is always accepted
 
+    def add_source(self, path: str, version: str | None) -> bool:
+        """Name the remote object whose last sample was just added (see "Sources" in ``records.py``).
+
+        Returns False if it was left out: no open segment (the object had no samples) or no room left in it.
+        """
+        return self._writer is not None and self._writer.add_source(path, version)
+
     def _open(self, nbytes: int) -> SegmentWriter:
         waited_from = time.monotonic()
         while True:

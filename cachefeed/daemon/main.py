@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     level = args.log_level or config.log.level
+    supervisor = Supervisor(config, log_level=level)
+    supervisor.preflight()  # a decoder or protocol that cannot be loaded is a config error: one line, no log
     setup_logging(level, secrets=secrets_from_options(config.remote.storage_options))
     log.info("cachefeed daemon starting with %s", config.source)
-    return Supervisor(config, log_level=level).run()
+    return supervisor.run()

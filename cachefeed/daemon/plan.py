@@ -18,7 +18,13 @@ Contract:
   is published and not yet evicted: the cache never holds the same sample twice), after a 404/403 (dropped
   until the listing shows a new version), after a decode failure (quarantined for that version: decoding the
   same bytes again would fail again), or after any other failure in the same pass (retried next pass).
+* **Versions.** An outcome (done or failed) counts for the version that was drawn. If the listing shows a new
+  version while the old one is in flight, the old outcome is recorded as such (its samples stay cached: they are
+  another sample) and the new version is queued again in the current pass; it is never mistaken for cached.
 * **Re-queues.** Objects of a dead sampler go to the front and are drawn before anything else.
+* **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
+  from each segment's source list); an object listed at the same version is skipped as cached until that
+  segment is evicted, so a restarted daemon does not download what it already holds.
 """
 
 from __future__ import annotations
@@ -88,12 +94,13 @@ class SamplingPlan:
         self._pass = 0
         self._queue: deque[int] = deque()
         self._front: deque[int] = deque()
-        self._in_flight: set[int] = set()
+        self._in_flight: dict[int, str | None] = {}  # oid -> the version (ETag) drawn
         self._failed_this_pass: set[int] = set()
         self._dropped: dict[int, str | None] = {}  # oid -> etag it was dropped at
         self._quarantined: dict[int, str | None] = {}
         self._segment_of: dict[int, int] = {}  # oid -> seq of the published segment holding its last sample
         self._objects_in: dict[int, list[int]] = {}  # seq -> oids whose last sample it holds
+        self._adopted: dict[str, tuple[str | None, int]] = {}  # path -> (version, seq), from recovered segments
         self._drawn_this_pass = 0
         self._done_this_pass = 0
         self._not_before = 0.0
@@ -130,6 +137,7 @@ class SamplingPlan:
                 oid = len(self._objects)
                 self._objects.append(obj)
                 self._by_path[obj.path] = oid
+                self._adopt_listed(oid)
                 added.append(oid)
             elif self._objects[oid] != obj:
                 # A new version is a new object: it joins the current pass, whatever happened to the old one.
@@ -144,6 +152,7 @@ class SamplingPlan:
             listed.add(oid)
         removed = len(self._listed - listed)
         self._listed = listed
+        self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
         if added:
             added.sort(key=lambda i: pass_order_key(self._objects[i].path, self.seed, self._pass))
             self._queue.extend(added)
@@ -181,7 +190,7 @@ class SamplingPlan:
                 break
             if self._is_skipped(oid):
                 continue
-            self._in_flight.add(oid)
+            self._in_flight[oid] = self._objects[oid].etag
             self._drawn_this_pass += 1
             self.counters.drawn_total += 1
             out.append((oid, self._objects[oid]))
@@ -220,25 +229,37 @@ class SamplingPlan:
         """Objects of a sampler that died before they were done: drawn again first."""
         back = [oid for oid in oids if oid in self._in_flight]
         for oid in back:
-            self._in_flight.discard(oid)
+            del self._in_flight[oid]
         self._front.extendleft(reversed(back))
         self.counters.requeued_total += len(back)
 
+    def _resolve(self, oid: int) -> bool:
+        """Take ``oid`` out of flight; False if the listing moved to another version meanwhile (queued again)."""
+        drawn = self._in_flight.pop(oid, None)
+        if drawn == self._objects[oid].etag:
+            return True
+        self._queue.append(oid)  # the new version, in this pass
+        self._is_changed = True
+        return False
+
     def done(self, oids: Sequence[int], seq: int | None) -> None:
         """Objects whose samples are all published, the last one in segment ``seq`` (None: no samples)."""
+        current = []
         for oid in oids:
-            self._in_flight.discard(oid)
             self._done_this_pass += 1
             self.counters.done_total += 1
-            if seq is not None:
+            if oid not in self._in_flight or self._resolve(oid):
+                current.append(oid)
+        if seq is not None and current:
+            for oid in current:
                 self._segment_of[oid] = seq
-        if seq is not None and oids:
-            self._objects_in.setdefault(seq, []).extend(oids)
+            self._objects_in.setdefault(seq, []).extend(current)
 
     def failed(self, oid: int, kind: str) -> None:
         """An object could not be cached; see the module docstring for what each ``kind`` implies."""
-        self._in_flight.discard(oid)
         self.counters.failed_total += 1
+        if oid in self._in_flight and not self._resolve(oid):
+            return  # the failure concerned an old version; the new one is queued
         etag = self._objects[oid].etag
         if kind in _DROP_KINDS:
             self._dropped[oid] = etag
@@ -249,9 +270,31 @@ class SamplingPlan:
         else:
             self._failed_this_pass.add(oid)
 
+    def adopt(self, seq: int, sources: Iterable[tuple[str, str | None]]) -> None:
+        """Segment ``seq``, recovered at start, holds the last sample of each ``(path, version)`` in ``sources``.
+
+        Call before the first ``update_catalog``; objects listed later at the same version count as cached.
+        """
+        for path, version in sources:
+            known = self._adopted.get(path)
+            if known is None or known[1] < seq:
+                self._adopted[path] = (version, seq)
+
+    def _adopt_listed(self, oid: int) -> None:
+        obj = self._objects[oid]
+        adopted = self._adopted.pop(obj.path, None)
+        if adopted is None or adopted[0] != obj.etag:
+            return
+        seq = adopted[1]
+        self._segment_of[oid] = seq
+        self._objects_in.setdefault(seq, []).append(oid)
+
     def evicted(self, seqs: Iterable[int]) -> None:
         """Segments left the cache: their objects may be drawn again."""
-        for seq in seqs:
+        gone = set(seqs)
+        if self._adopted:
+            self._adopted = {path: entry for path, entry in self._adopted.items() if entry[1] not in gone}
+        for seq in gone:
             for oid in self._objects_in.pop(seq, ()):
                 if self._segment_of.get(oid) == seq:
                     del self._segment_of[oid]
@@ -259,7 +302,7 @@ class SamplingPlan:
 
     def cached_segments(self) -> set[int]:
         """The segments the plan believes hold some object's last sample."""
-        return set(self._objects_in)
+        return set(self._objects_in) | {seq for _, seq in self._adopted.values()}
 
     @property
     def in_flight(self) -> int:

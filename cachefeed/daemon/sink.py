@@ -256,5 +256,6 @@ class SegmentSink:
             self._on_failed(item, "error", f"{item.path}: {exc}")
             return
         if samples:
+            writer.add_source(item.path, item.etag)  # best effort: lets a restarted daemon skip this object
             self._provider.completed.append(item.oid)
         self._on_handled(item, len(samples))

@@ -125,14 +125,24 @@ class Supervisor:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
+    def preflight(self) -> None:
+        """Load what the config names (decoder, preprocess, the URL's filesystem); ``ConfigError`` (exit 78) if any
+        cannot be. Touches neither the cache nor the remote, so it can run before logging starts."""
+        config = self.config
+        get_decoder(config.sampler.decode)
+        get_preprocess(config.sampler.preprocess)
+        if self._catalog is None:
+            self._catalog = Catalog(config.remote)
+
     def run(self) -> int:
         config = self.config
         with self._signal_handlers():
-            get_decoder(config.sampler.decode)  # ConfigError (exit 78) before anything starts
-            get_preprocess(config.sampler.preprocess)
-            self._catalog = Catalog(config.remote)
+            self.preflight()
             store = CacheStore(config.cache)  # CacheLockedError (exit 75); recovery happens here
             self._store = store
+            for seq, sources in store.recovered_sources.items():
+                self.plan.adopt(seq, sources)  # what the cache already holds is not fetched again
+            store.recovered_sources.clear()
             try:
                 self._metrics = MetricsExporter(config.status)
                 self._pool = SamplerPool(

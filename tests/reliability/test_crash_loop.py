@@ -293,12 +293,6 @@ def test_recovery_survives_a_snapshot_released_during_it(tmp_path: Path, monkeyp
     assert not crashed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug (daemon: supervisor/plan): a restarted daemon does not know which objects its recovered "
-    "segments hold, draws them again and caches duplicates (plan.py promises the cache never holds the same sample "
-    "twice), and re-downloads the whole cache after every restart",
-)
 def test_a_restarted_daemon_does_not_cache_what_it_already_holds(tmp_path: Path, s3: MotoServer) -> None:
     client = s3.client()
     client.create_bucket(Bucket=BUCKET)
@@ -311,10 +305,12 @@ def test_a_restarted_daemon_does_not_cache_what_it_already_holds(tmp_path: Path,
         cache_dir=cache_dir,
         sections={"cache": {"max_bytes": "32MiB"}, "remote": {"refresh_interval": "1s"}},
     )
+    fetched = []
     for round_ in range(2):
         proc = start_daemon(config, cache_dir, tmp_path / f"daemon-{round_}.stderr")
         try:
-            proc.wait_status(lambda d: d["plan"]["pass"] >= 2, timeout_s=60, what="two passes over the remote")
+            doc = proc.wait_status(lambda d: d["plan"]["pass"] >= 2, timeout_s=60, what="two passes over the remote")
+            fetched.append(doc["ingest"]["objects_total"])
             assert proc.stop() == 0
         finally:
             if proc.process.poll() is None:
@@ -325,8 +321,10 @@ def test_a_restarted_daemon_does_not_cache_what_it_already_holds(tmp_path: Path,
         objects=len(keys),
         cached_samples=found.samples,
         duplicates=found.duplicates,
+        fetched_per_start=fetched,
         violations=found.duplicates + len(found.problems),
     )
     assert not found.problems
     assert set(found.keys) == set(keys)
     assert found.duplicates == 0
+    assert fetched == [len(keys), 0]  # the restarted daemon downloaded nothing it already held

@@ -354,11 +354,6 @@ def test_hostile_keys_through_s3(tmp_path: Path, s3: MotoServer, bucket: Any) ->
     assert tree_listing(world, skip=[cache_dir]) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug (daemon): a local file name that is not valid UTF-8 becomes a key with lone surrogates; "
-    "msgpack cannot encode it (protocol messages, record metadata), see the report",
-)
 def test_a_file_name_that_is_not_utf8_is_skipped_not_fatal(tmp_path: Path) -> None:
     remote = tmp_path / "remote"
     remote.mkdir()
