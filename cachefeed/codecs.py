@@ -72,11 +72,25 @@ _SCALARS = (bytes, str, int, float, bool, type(None))
 
 
 def _load_npy(payload: bytes) -> np.ndarray[Any, Any]:
-    array = np.load(io.BytesIO(payload), allow_pickle=False)
-    if not isinstance(array, np.ndarray):
-        array.close()
-        raise ValueError(f"expected one .npy array, found {type(array).__name__}")
-    return array
+    """A read-only view of the array in an ``.npy`` body: the body's bytes are not copied (the segment writer
+    copies them once, into the cache). Object arrays (pickles) are refused."""
+    stream = io.BytesIO(payload)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version in ((2, 0), (3, 0)):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:
+        raise ValueError(f"unsupported .npy format version {version}")
+    if dtype.hasobject:
+        raise ValueError("an .npy of Python objects needs pickle, which is refused")
+    count = int(np.prod(shape, dtype=np.int64))
+    needed = count * dtype.itemsize
+    offset = stream.tell()
+    if len(payload) - offset < needed:
+        raise ValueError(f".npy body too short: {len(payload) - offset} bytes of data, the header says {needed}")
+    flat = np.frombuffer(payload, dtype=dtype, count=count, offset=offset) if count else np.empty(0, dtype)
+    return flat.reshape(shape, order="F" if fortran_order else "C")
 
 
 def decode_npy(key: str, body: bytes) -> list[Sample]:

@@ -533,6 +533,11 @@ class Remote:
             raise RemoteTransientError(f"short body for {obj.path}: {len(body)} of {obj.size} bytes")
         return bytes(body)
 
+    async def connect(self) -> None:
+        """Build the fetching client now (botocore loads its models: a second or more) instead of at the first
+        ``fetch``. Optional; errors surface again, translated, at the first fetch."""
+        await self._get_async_fs()
+
     async def _get_async_fs(self) -> Any:
         loop = asyncio.get_running_loop()
         if self._async_fs is None or self._async_loop is not loop:

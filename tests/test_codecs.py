@@ -55,6 +55,25 @@ def test_npy() -> None:
 
 
 @pytest.mark.parametrize(
+    "array",
+    [
+        np.asfortranarray(np.arange(24, dtype=">i4").reshape(2, 3, 4)),
+        np.zeros((0, 5), np.float64),
+        np.array(3.5),
+        np.array([(1, 2.0)], dtype=[("a", "<i2"), ("b", "<f8")]),
+    ],
+    ids=["fortran-big-endian", "empty", "scalar", "structured"],
+)
+def test_npy_layouts_round_trip_without_copying_the_body(array: np.ndarray) -> None:
+    body = npy_bytes(array)
+    (sample,) = decode("npy", body)
+    np.testing.assert_array_equal(sample["data"], array)
+    assert sample["data"].dtype == array.dtype and sample["data"].shape == array.shape
+    if array.size:
+        assert np.shares_memory(sample["data"], np.frombuffer(body, np.uint8))  # a view of the body
+
+
+@pytest.mark.parametrize(
     "body",
     [b"not an array", npy_bytes(np.arange(10))[:-8], npy_bytes(np.array([{"a": 1}], dtype=object), allow_pickle=True)],
     ids=["garbage", "truncated", "pickled-objects"],

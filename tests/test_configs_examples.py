@@ -41,7 +41,7 @@ def comments_above_keys(path: Path) -> dict[tuple[str, str], str]:
             block.append(line.lstrip("#").strip())
             continue
         header = re.fullmatch(r"\[([a-z_]+)\]", line)
-        assignment = re.match(r"([a-z_]+)\s*=", line)
+        assignment = re.match(r"([a-z_0-9]+)\s*=", line)
         if header:
             section = header.group(1)
         elif assignment:

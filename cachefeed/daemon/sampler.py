@@ -127,7 +127,7 @@ class Sampler:
         """Build the HTTP client before asking for work: loading botocore's models takes a second or more, and
         this overlaps it with the supervisor's first listing instead of delaying the first fetches."""
         try:
-            await self._remote._get_async_fs()  # no public hook yet; see the report to the remote.py owner
+            await self._remote.connect()
         except Exception as exc:  # the first fetch will meet (and report) the same problem
             log.debug("warming up the remote client failed: %s", type(exc).__name__)
 
