@@ -1,6 +1,6 @@
 """Ingest rate of the daemon next to a plain concurrent download of the same objects from the same server.
 
-    python -m benchmarks.ingest [--small N] [--large N] [--processes 2] [--concurrency 16] [--repeat 2]
+    python -m benchmarks.ingest [--small N] [--large N] [--processes 2] [--concurrency 16] [--repeat 2] [--md5-off]
 
 One moto S3 server (a subprocess, in-memory) serves both contenders in the same run, one after the other:
 
@@ -11,6 +11,9 @@ One moto S3 server (a subprocess, in-memory) serves both contenders in the same 
   pass 0 completes (every object's samples published), from the daemon's own log timestamps. The daemon is warm
   (samplers started, HTTP clients built) before the objects appear: it starts on an empty prefix, the objects
   are copied there server-side, and SIGHUP makes it list them.
+
+With ``--md5-off`` a third contender runs in the same run: the daemon with ``remote.verify_md5 = false``, which
+shows what checking each body against its MD5 ETag costs.
 
 Listing is outside both timings. Each contender runs ``--repeat`` times per object size, alternating; the best
 run of each is reported (best-of is the usual way to take scheduler noise out of a shared machine's figures).
@@ -93,6 +96,7 @@ def daemon_ingest(
     processes: int,
     concurrency: int,
     work: Path,
+    verify_md5: bool = True,
 ) -> tuple[float, dict[str, Any]]:
     """Seconds from "objects join pass 0" to "pass 0 completed", and the final status document.
 
@@ -111,7 +115,7 @@ def daemon_ingest(
             prefix=run + "/",
             cache_dir=cache_dir / "cache",
             sections={
-                "remote": {"refresh_interval": "1h"},
+                "remote": {"refresh_interval": "1h", "verify_md5": verify_md5},
                 "cache": {"max_bytes": max_bytes, "segment_bytes": segment_bytes},
                 "sampler": {"processes": processes, "concurrency": concurrency},
                 "status": {"interval": "500ms"},
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2, help="sampler processes (2)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight per sampler (16)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each contender per size (3)")
+    parser.add_argument("--md5-off", action="store_true", help="also run the daemon with remote.verify_md5 = false")
     args = parser.parse_args(argv)
     os.environ.update(DUMMY_ENV)
     in_flight = args.processes * args.concurrency
@@ -186,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             dataset = count * object_bytes
             plain: list[float] = []
             daemon: list[float] = []
+            unverified: list[float] = []
             for k in range(args.repeat):
                 seconds, n, total = asyncio.run(plain_download(server, label, in_flight))
                 if n != count or total != dataset:
@@ -197,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
                 if doc["remote"]["errors_total"]:
                     raise RuntimeError(f"the daemon saw remote errors: {doc['remote']['errors_by_kind']}")
                 daemon.append(seconds)
+                if args.md5_off:
+                    seconds, _doc = daemon_ingest(
+                        server, label, f"{label}-nomd5-{k}", count, dataset, args.processes, args.concurrency, work,
+                        verify_md5=False,
+                    )
+                    unverified.append(seconds)
             best_plain, best_daemon = min(plain), min(daemon)
-            rows.append((label, count, dataset, best_plain, best_daemon, plain, daemon))
+            rows.append((label, count, dataset, best_plain, best_daemon, plain, daemon, unverified))
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -208,13 +220,21 @@ def main(argv: list[str] | None = None) -> int:
         f"(plain: {in_flight} in flight in one process), best of {args.repeat}"
     )
     print(f"{'objects':>8} {'size':>7} | {'plain obj/s':>11} {'MiB/s':>7} | {'daemon obj/s':>12} {'MiB/s':>7} | ratio")
-    for label, count, dataset, best_plain, best_daemon, _plain, _daemon in rows:
+    for label, count, dataset, best_plain, best_daemon, _plain, _daemon, unverified in rows:
         print(
             f"{count:>8} {label:>7} | {count / best_plain:>11.0f} {dataset / best_plain / 2**20:>7.1f} | "
             f"{count / best_daemon:>12.0f} {dataset / best_daemon / 2**20:>7.1f} | {best_plain / best_daemon:5.2f}"
         )
-    for label, _count, _dataset, _bp, _bd, plain, daemon in rows:
+        if unverified:
+            best = min(unverified)
+            print(
+                f"{'':>8} {'':>7} | verify_md5 = false: {count / best:>8.0f} obj/s {dataset / best / 2**20:>7.1f} MiB/s"
+                f" | {best_plain / best:5.2f} (MD5 check costs {best_daemon / best - 1:+.0%} of the ingest time)"
+            )
+    for label, _count, _dataset, _bp, _bd, plain, daemon, unverified in rows:
         print(f"  {label}: plain runs {[f'{s:.2f}s' for s in plain]}, daemon runs {[f'{s:.2f}s' for s in daemon]}")
+        if unverified:
+            print(f"  {label}: verify_md5 = false runs {[f'{s:.2f}s' for s in unverified]}")
     return 0
 
 

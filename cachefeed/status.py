@@ -125,6 +125,10 @@ STATUS_SCHEMA: dict[str, Any] = {
         "dir": str,
         "turnover_bytes": _NUM,
         "is_backpressured": (bool, int),
+        "unread_samples": _NUM,
+        "epochs_total": _NUM,
+        "newest_age_s": _OPT_NUM,
+        "oldest_age_s": _OPT_NUM,
         "snapshots": [{"id": str, "samples": _NUM, "segments": _NUM, "owner": str, "age_s": _NUM}],
     },
     "ingest": {
@@ -134,7 +138,11 @@ STATUS_SCHEMA: dict[str, Any] = {
             *("objects_total", "samples_total", "bytes_total", "segments_total"),
         )
     },
-    "evicted": {"samples_total": _NUM, "bytes_total": _NUM, "segments_total": _NUM, "turnover_s": _OPT_NUM},
+    "evicted": {
+        **{k: _NUM for k in ("samples_total", "bytes_total", "segments_total", "unread_samples_total")},
+        "turnover_s": _OPT_NUM,
+        "epochs_per_sample": _OPT_NUM,
+    },
     "remote": {
         "url": str,
         "objects_listed": _NUM,
@@ -484,6 +492,28 @@ def render_human(report: StatusReport, *, now: float | None = None) -> str:
     return out.render()
 
 
+def _freshness(cache: Mapping[str, Any]) -> str:
+    newest, oldest = cache["newest_age_s"], cache["oldest_age_s"]
+    if newest is None or oldest is None:
+        return "nothing cached yet"
+    return f"newest segment {format_duration(newest)} old, oldest {format_duration(oldest)}"
+
+
+def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
+    """How training on "whatever is cached" plays out: epochs seen, samples no epoch read."""
+    text = (
+        f"{_plural(cache['epochs_total'], 'epoch snapshot')} seen; "
+        f"{_count(cache['unread_samples'])} cached samples not in any epoch yet"
+    )
+    per_sample = evicted["epochs_per_sample"]
+    if per_sample is not None:
+        text += (
+            f"; evicted samples were in {per_sample:.2f} epochs on average, "
+            f"{_count(evicted['unread_samples_total'])} in none"
+        )
+    return text
+
+
 def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: float) -> None:
     cache, ingest, evicted, remote = doc["cache"], doc["ingest"], doc["evicted"], doc["remote"]
     up = format_duration(max(0.0, now - doc["started_at"]))
@@ -528,6 +558,8 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
         out.add("turnover", f"a segment stays about {format_duration(turnover_s)}{room}")
     else:
         out.add("turnover", f"nothing evicted yet{room}")
+    out.add("freshness", _freshness(cache))
+    out.add("epochs", _epoch_reads(cache, evicted))
     snapshots = cache["snapshots"]
     pinned = f"{format_bytes(cache['pinned_bytes'])} by {_plural(len(snapshots), 'snapshot')}"
     if cache["pinned_only_bytes"]:

@@ -214,3 +214,30 @@ def test_release_in_a_forked_child_leaves_the_parents_pin(tmp_path: Path) -> Non
     assert store.sweep() == [], "the parent still holds its pin"
     snapshot.release()
     assert not (root / "snapshots" / "forked").exists()
+
+
+def test_evictions_report_how_many_epochs_read_each_sample(tmp_path: Path) -> None:
+    """Each snapshot is one epoch over its segments; evicted samples settle as 'read n times' or 'never read'."""
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, max_bytes=8 << 20, turnover_bytes=2 << 20))
+    fill(store, range(300))
+    for epoch in range(2):  # two epochs over the first 300 samples
+        snapshot = Snapshot.create(root, f"run-e{epoch:06d}")
+        store._rescan_pins()
+        store._rescan_pins()  # a snapshot is one epoch however often the daemon looks at it
+        snapshot.release()
+    store._rescan_pins()
+    assert store.counters.epochs_seen == 2
+    before = store.usage()
+    assert before.unread_samples == 0
+    assert before.oldest_published_at is not None and before.newest_published_at is not None
+    fill(store, range(300, 2000))  # samples no epoch pins, then eviction of the oldest
+    store.enforce()
+    counters = store.counters
+    assert counters.evicted_samples > 300
+    read_twice = counters.evicted_sample_reads // 2
+    assert 0 < read_twice <= 300  # the evicted part of the first 300 samples, each read by both epochs
+    assert counters.evicted_sample_reads == 2 * read_twice
+    assert counters.evicted_unread_samples == counters.evicted_samples - read_twice
+    assert store.usage().unread_samples == store.samples  # what is left was never pinned by an epoch
+    store.close()

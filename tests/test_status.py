@@ -73,6 +73,10 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "min_free_bytes": 1 << 30,
             "turnover_bytes": 4 << 30,
             "is_backpressured": False,
+            "unread_samples": 40_000,
+            "epochs_total": 12,
+            "newest_age_s": 1.5,
+            "oldest_age_s": 900.0,
             "snapshots": [
                 {"id": "run1-e3", "samples": 12_345, "segments": 20, "owner": "pid 555 on node7", "age_s": 180.0},
             ],
@@ -86,7 +90,14 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "bytes_total": 1 << 40,
             "segments_total": 1234,
         },
-        "evicted": {"samples_total": 6_000_000, "bytes_total": 800 << 30, "segments_total": 5000, "turnover_s": 860.0},
+        "evicted": {
+            "samples_total": 6_000_000,
+            "bytes_total": 800 << 30,
+            "segments_total": 5000,
+            "turnover_s": 860.0,
+            "unread_samples_total": 1_000,
+            "epochs_per_sample": 1.93,
+        },
         "remote": {
             "url": "s3://bucket/prefix",
             "objects_listed": 12_345,

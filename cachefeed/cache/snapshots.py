@@ -79,6 +79,7 @@ class SnapshotInfo:
     segments: int
     owner: str
     created: float
+    names: tuple[str, ...] = ()  # its segment file names
 
 
 class Snapshot:
@@ -372,6 +373,7 @@ def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
                 segments=len(segments),
                 owner=f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}",
                 created=float(manifest.get("created", 0.0)),
+                names=tuple(str(entry[0]) for entry in segments),
             )
         )
     return infos

@@ -16,6 +16,13 @@ The budget (what ``tests/test_cache_budget.py`` checks by sampling the directory
 
 Hence the bound users can rely on: **the real size of the cache directory never exceeds ``max_bytes``**.
 
+Epoch reads (what status reports as the cost of training on "whatever is cached"): every snapshot is one epoch
+over its segments, so each pin scan (at least once a second) credits one read to the published segments of each
+snapshot it had not seen before. When a segment is evicted its reads are settled into ``Counters``: samples that
+no epoch ever pinned (downloaded, never trained on) and sample-reads (so ``sample_reads / samples`` is how many
+epochs an evicted sample was in, on average). A snapshot that lives less than one scan may go uncounted; the
+counts start from zero when the daemon starts.
+
 Two rules keep the cache turning over while trainers pin it:
 
 * (A) hard: a grant is given only if the budget above still holds after it, and the filesystem keeps
@@ -41,7 +48,7 @@ from pathlib import Path
 
 from cachefeed.cache.eviction import EvictionPolicy, make_policy
 from cachefeed.cache.layout import SEGMENT_NAME, CacheLayout, allocated_bytes, segment_name, segment_seq
-from cachefeed.cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
+from cachefeed.cache.snapshots import SnapshotInfo, live_snapshots, pinned_inodes, sweep_stale
 from cachefeed.config import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed.errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
 from cachefeed.fsutil import fsync_dir, remove_tree
@@ -95,6 +102,9 @@ class Usage:
     free_bytes: int
     min_free_bytes: int
     is_backpressured: bool
+    unread_samples: int = 0  # published samples no epoch snapshot has held yet
+    oldest_published_at: float | None = None  # unix time of the oldest published segment (None: empty cache)
+    newest_published_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -112,6 +122,9 @@ class Counters:
     backpressure_events: int = 0
     first_eviction_at: float = 0.0
     evicted_published_at: list[float] = field(default_factory=list)
+    evicted_unread_samples: int = 0  # evicted before any epoch snapshot held them
+    evicted_sample_reads: int = 0  # sum over evicted segments of samples x epoch snapshots that held them
+    epochs_seen: int = 0  # snapshots the pin scans found
 
 
 class CacheStore:
@@ -133,6 +146,8 @@ class CacheStore:
         self._grants: dict[int, Grant] = {}
         self._pinned_only: dict[int, int] = {}
         self._pinned_published: set[int] = set()
+        self._epoch_reads: dict[int, int] = {}  # seq -> epoch snapshots that held it (see "Epoch reads")
+        self._snapshots_seen: frozenset[str] = frozenset()
         self._live_snapshots = 0
         self._pins_scanned_at = 0.0
         self._swept_at = 0.0
@@ -250,8 +265,21 @@ class CacheStore:
         by_inode = {segment.inode: seq for seq, segment in self._published.items()}
         self._pinned_published = {by_inode[ino] for ino in found if ino in by_inode}
         self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
-        self._live_snapshots = len(live_snapshots(self.layout))
+        live = live_snapshots(self.layout)
+        self._live_snapshots = len(live)
+        self._count_epoch_reads(live)
         self._pins_scanned_at = time.monotonic()
+
+    def _count_epoch_reads(self, live: list[SnapshotInfo]) -> None:
+        for snapshot in live:
+            if snapshot.snap_id in self._snapshots_seen:
+                continue
+            self.counters.epochs_seen += 1
+            for name in snapshot.names:
+                seq = segment_seq(name)
+                if seq in self._published:
+                    self._epoch_reads[seq] = self._epoch_reads.get(seq, 0) + 1
+        self._snapshots_seen = frozenset(snapshot.snap_id for snapshot in live)
 
     def _maybe_rescan_pins(self, *, force: bool = False) -> None:
         if force or time.monotonic() - self._pins_scanned_at > _PIN_RESCAN_S:
@@ -375,6 +403,10 @@ class CacheStore:
         counters.evicted_segments += 1
         counters.evicted_samples += segment.samples
         counters.evicted_bytes += segment.nbytes
+        reads = self._epoch_reads.pop(seq, 0)
+        counters.evicted_sample_reads += reads * segment.samples
+        if not reads:
+            counters.evicted_unread_samples += segment.samples
         counters.first_eviction_at = counters.first_eviction_at or time.time()
         counters.evicted_published_at.append(segment.published_at)
         del counters.evicted_published_at[:-64]
@@ -454,4 +486,7 @@ class CacheStore:
             free_bytes=self._free_bytes(),
             min_free_bytes=self.config.min_free_bytes,
             is_backpressured=self._is_backpressured,
+            unread_samples=sum(s.samples for seq, s in self._published.items() if seq not in self._epoch_reads),
+            oldest_published_at=min((s.published_at for s in self._published.values()), default=None),
+            newest_published_at=max((s.published_at for s in self._published.values()), default=None),
         )

@@ -87,7 +87,12 @@ def build_status(
     """The status document (see ``cachefeed.status.STATUS_SCHEMA``).
 
     ``rates``: ingest bytes, samples and objects per second. ``turnover_s``: how long the last evicted segment
-    stayed in the cache (None before the first eviction). Beyond the contract, ``remote`` also carries
+    stayed in the cache (None before the first eviction). Freshness and epoch reads (see "Epoch reads" in
+    ``cachefeed/cache/store.py``): ``cache.newest_age_s``/``oldest_age_s`` (ages of the newest and oldest published
+    segments, None when empty), ``cache.unread_samples`` (cached samples no epoch has pinned yet),
+    ``cache.epochs_total`` (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch held
+    them) and ``evicted.epochs_per_sample`` (epochs an evicted sample was in, on average; None before the first
+    eviction). Beyond the contract, ``remote`` also carries
     ``objects_failed_total`` (objects that could not be cached, any reason, counted per attempt at the object)
     and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too large), and ``plan`` (optional)
     describes the sampling plan (pass, in flight, owned objects...).
@@ -116,6 +121,10 @@ def build_status(
             "min_free_bytes": usage.min_free_bytes,
             "turnover_bytes": turnover_bytes,
             "is_backpressured": usage.is_backpressured,
+            "unread_samples": usage.unread_samples,
+            "epochs_total": counters.epochs_seen,
+            "newest_age_s": _age(now, usage.newest_published_at),
+            "oldest_age_s": _age(now, usage.oldest_published_at),
             "snapshots": [
                 {
                     "id": snap.snap_id,
@@ -141,6 +150,10 @@ def build_status(
             "bytes_total": counters.evicted_bytes,
             "segments_total": counters.evicted_segments,
             "turnover_s": turnover_s,
+            "unread_samples_total": counters.evicted_unread_samples,
+            "epochs_per_sample": (
+                counters.evicted_sample_reads / counters.evicted_samples if counters.evicted_samples else None
+            ),
         },
         "remote": {
             "url": remote.url,
@@ -160,6 +173,10 @@ def build_status(
         "samplers": [dict(sampler) for sampler in samplers],
         "plan": dict(plan or {}),
     }
+
+
+def _age(now: float, at: float | None) -> float | None:
+    return None if at is None else max(0.0, now - at)
 
 
 def write_status(path: str | os.PathLike[str], document: Mapping[str, Any]) -> None:
