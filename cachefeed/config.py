@@ -35,7 +35,7 @@ __all__ = [
     "parse_config",
 ]
 
-EVICTION_POLICIES = ("fifo", "random")
+EVICTION_POLICIES = ("fifo", "random", "most-read")
 COMPRESSIONS = ("none", "zlib")
 BUILTIN_DECODERS = ("npy", "npz", "pt", "msgpack", "raw", "tar")
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -241,3 +241,31 @@ def test_evictions_report_how_many_epochs_read_each_sample(tmp_path: Path) -> No
     assert counters.evicted_unread_samples == counters.evicted_samples - read_twice
     assert store.usage().unread_samples == store.samples  # what is left was never pinned by an epoch
     store.close()
+
+
+def test_most_read_eviction_keeps_what_no_epoch_has_read(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, max_bytes=8 << 20, turnover_bytes=2 << 20, eviction="most-read"))
+    fill(store, range(300))
+    read = {segment.seq for segment in store.segments}
+    snapshot = Snapshot.create(root, "run-e000000")  # one epoch reads the first 300 samples
+    store._rescan_pins()
+    snapshot.release()
+    fill(store, range(300, 2000))  # more than the budget holds: evictions
+    store.enforce()
+    left = {segment.seq for segment in store.segments}
+    unread_evicted = sorted(set(range(max(read) + 1, max(left) + 1)) - left)
+    assert not read & left, "every segment an epoch read went first"
+    assert unread_evicted, "then unread ones, as the budget required"
+    assert unread_evicted == list(range(max(read) + 1, max(read) + 1 + len(unread_evicted))), "oldest unread first"
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("reads", "expected"),
+    [({}, 3), ({5: 1}, 5), ({4: 2, 5: 2}, 4), ({3: 1, 4: 3, 5: 2}, 4)],
+)
+def test_most_read_policy_order(reads: dict[int, int], expected: int) -> None:
+    from cachefeed.cache.eviction import make_policy
+
+    assert make_policy("most-read").choose([3, 4, 5], reads) == expected

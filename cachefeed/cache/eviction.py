@@ -8,10 +8,12 @@ keep counting) inside the snapshots that link it, until those are released.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-__all__ = ["EvictionPolicy", "FifoEviction", "RandomEviction", "make_policy"]
+__all__ = ["EvictionPolicy", "FifoEviction", "MostReadEviction", "RandomEviction", "make_policy"]
+
+_NO_READS: Mapping[int, int] = {}
 
 
 class EvictionPolicy(Protocol):
@@ -19,8 +21,12 @@ class EvictionPolicy(Protocol):
 
     name: str
 
-    def choose(self, candidates: Sequence[int]) -> int:
-        """Return one element of the non-empty ``candidates`` (segment sequence numbers, ascending)."""
+    def choose(self, candidates: Sequence[int], reads: Mapping[int, int] = _NO_READS) -> int:
+        """Return one element of the non-empty ``candidates`` (segment sequence numbers, ascending).
+
+        ``reads``: how many epoch snapshots held each segment so far (absent: none; see "Epoch reads" in
+        ``store.py``).
+        """
         ...
 
 
@@ -29,7 +35,7 @@ class FifoEviction:
 
     name = "fifo"
 
-    def choose(self, candidates: Sequence[int]) -> int:
+    def choose(self, candidates: Sequence[int], reads: Mapping[int, int] = _NO_READS) -> int:
         return candidates[0]
 
 
@@ -41,8 +47,21 @@ class RandomEviction:
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, candidates: Sequence[int]) -> int:
+    def choose(self, candidates: Sequence[int], reads: Mapping[int, int] = _NO_READS) -> int:
         return candidates[self._rng.randrange(len(candidates))]
+
+
+class MostReadEviction:
+    """The segment the most epochs have read first, the oldest among equals; segments no epoch read go last.
+
+    For a small cache in front of a slow remote: every download is trained on before it is evicted (as long as
+    epochs keep up), and the samples that have served most make room. Without trainers it is FIFO.
+    """
+
+    name = "most-read"
+
+    def choose(self, candidates: Sequence[int], reads: Mapping[int, int] = _NO_READS) -> int:
+        return max(candidates, key=lambda seq: (reads.get(seq, 0), -seq))
 
 
 def make_policy(name: str, *, seed: int = 0) -> EvictionPolicy:
@@ -50,4 +69,6 @@ def make_policy(name: str, *, seed: int = 0) -> EvictionPolicy:
         return FifoEviction()
     if name == "random":
         return RandomEviction(seed)
-    raise ValueError(f"unknown eviction policy {name!r}: expected 'fifo' or 'random'")
+    if name == "most-read":
+        return MostReadEviction()
+    raise ValueError(f"unknown eviction policy {name!r}: expected 'fifo', 'random' or 'most-read'")

@@ -364,7 +364,7 @@ class CacheStore:
             candidates = [seq for seq in sorted(self._published) if seq not in self._pinned_published]
             if not candidates:
                 return False
-            victim = self.policy.choose(candidates)
+            victim = self.policy.choose(candidates, self._epoch_reads)
             if self._is_pinned_now(victim):
                 self._pinned_published.add(victim)  # pinned since the last scan: evicting it frees nothing
                 continue
@@ -381,7 +381,7 @@ class CacheStore:
         """Rule (B): keep the published set (plus grants) below ``max_bytes - turnover``."""
         target = self._published_target()
         while self._published and self.published_bytes + self.reserved_bytes + need > target:
-            self._evict(self.policy.choose(sorted(self._published)))
+            self._evict(self.policy.choose(sorted(self._published), self._epoch_reads))
 
     def _evict(self, seq: int) -> None:
         segment = self._published.pop(seq)
@@ -419,7 +419,7 @@ class CacheStore:
         self._evict_for_turnover(0)
         max_samples = self.config.max_samples
         while max_samples and self._published and self.samples > max_samples:
-            self._evict(self.policy.choose(sorted(self._published)))
+            self._evict(self.policy.choose(sorted(self._published), self._epoch_reads))
 
     # -- publication ----------------------------------------------------------------------------------------
 
@@ -451,7 +451,7 @@ class CacheStore:
         self.counters.published_bytes += segment.nbytes
         max_samples = self.config.max_samples
         while max_samples and self.samples > max_samples and len(self._published) > 1:
-            self._evict(self.policy.choose(sorted(self._published)))
+            self._evict(self.policy.choose(sorted(self._published), self._epoch_reads))
         return segment
 
     def abort(self, grant: Grant) -> None:
