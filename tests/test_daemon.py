@@ -81,7 +81,8 @@ def test_objects_added_mid_run_are_cached_after_the_next_refresh(bucket: Any, da
     wait_for(lambda: cached_keys() == set(uploaded), timeout_s=30, what="the 20 new objects in the cache")
     for _, sample in cache_samples(proc.cache_dir):
         np.testing.assert_array_equal(sample["data"], uploaded[sample["__key__"]])
-    assert proc.status()["remote"]["objects_listed"] == 60  # type: ignore[index]
+    # The status document is written once a second: it may still show the listing before the last one.
+    proc.wait_status(lambda d: d["remote"]["objects_listed"] == 60, timeout_s=10, what="60 objects listed")
 
 
 def test_one_get_per_object_and_no_head(bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon) -> None:

@@ -267,19 +267,35 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 def is_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie is dead)."""
+    """True while any thread of ``pid`` runs. A zombie is dead, but a zombie *leader* may still have threads in
+    their exit, and those still hold the process's open files (and so its ``flock`` locks)."""
     fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    if fields is None:
+        return False
+    if fields[0] not in ("Z", "X"):
+        return True
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        if raw[raw.rfind(")") + 2 :].split()[:1] not in (["Z"], ["X"]):
+            return True
+    return False
 
 
 def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
+    """Live processes whose process group is ``pgid`` (see ``is_alive``: a process is gone with its last thread)."""
     members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         fields = _stat_fields(int(entry))
-        if fields is not None and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+        if fields is not None and int(fields[2]) == pgid and is_alive(int(entry)):
             members.append(int(entry))
     return members
 

@@ -145,10 +145,15 @@ def test_killed_trainers_pins_are_swept_and_eviction_resumes(tmp_path: Path, buc
 
 
 TEMP_PLACES = ("/tmp/", "/dev/shm/", "/var/tmp/", "/run/")
+# torch's DataLoader passes each batch through a shared-memory file it creates and unlinks at once; a SIGKILL that
+# lands between the two leaves one behind. That window is torch's (cachefeed's own counters are memfds, which
+# cannot outlive their holders); the test counts such files apart and removes them.
+TORCH_SHM = "/dev/shm/torch_"
 
 
-def temp_files_of(pids: list[int], own: Path) -> set[str]:
-    """Files in temp places that these processes hold open or mapped, outside ``own`` (the test's directory)."""
+def temp_files_of(pids: list[int], own: Path, since: float) -> set[str]:
+    """Files in temp places that these processes hold open or mapped, outside ``own`` (the test's directory),
+    created at ``since`` (a unix time) or later: a checkout or a virtual environment under /tmp is not theirs."""
     found: set[str] = set()
     for pid in pids:
         paths = []
@@ -164,9 +169,16 @@ def temp_files_of(pids: list[int], own: Path) -> set[str]:
                     paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         for path in paths:
             path = path.removesuffix(" (deleted)")
-            if path.startswith(TEMP_PLACES) and not path.startswith(str(own)):
+            if path.startswith(TEMP_PLACES) and not path.startswith(str(own)) and _created_since(path, since):
                 found.add(path)
     return found
+
+
+def _created_since(path: str, since: float) -> bool:
+    try:
+        return os.stat(path).st_ctime >= since - 0.05  # file times come from a coarse clock: a tick of slack
+    except OSError:
+        return True  # already gone (deleted while held): it was theirs, and it is not left behind
 
 
 def test_a_killed_trainer_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -178,10 +190,11 @@ def test_a_killed_trainer_leaves_nothing_behind(tmp_path: Path) -> None:
         for i in range(200):
             writer.add(make_sample(f"k{i}-256.npy", 256))
     store.close()
+    started = time.time()
     process, _line = start_holder(root, "leak", "hold", 1, tmp_path / "leak.err")
     members = group_members(process.pid)
     assert len(members) >= 2, "the trainer and its DataLoader worker"
-    held = temp_files_of(members, tmp_path)
+    held = temp_files_of(members, tmp_path, started)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
     assert process.stdout is not None
@@ -189,12 +202,16 @@ def test_a_killed_trainer_leaves_nothing_behind(tmp_path: Path) -> None:
     wait_until(lambda: not group_members(process.pid), timeout_s=10, what="the trainer's processes gone")
     store = CacheStore(cache_config(root))  # what a daemon start (or its sweep) does with a dead trainer's pins
     store.close()
-    left = sorted(path for path in held if os.path.exists(path))
+    left = sorted(path for path in held if os.path.exists(path) and not path.startswith(TORCH_SHM))
+    torch_left = sorted(path for path in held if os.path.exists(path) and path.startswith(TORCH_SHM))
+    for path in torch_left:
+        os.unlink(path)  # torch's, not ours: see TORCH_SHM
     report(
         "trainer-killed-leftovers",
         processes_killed=len(members),
         temp_files_held=len(held),
         temp_files_left=len(left),
+        torch_shm_files_left=len(torch_left),
         left_in_snapshots=len(os.listdir(root / "snapshots")),
         violations=len(left) + len(os.listdir(root / "snapshots")),
     )
