@@ -107,3 +107,22 @@ def test_sighup_lists_the_remote_at_once(bucket: Any, daemon: StartDaemon) -> No
     upload_arrays(bucket, BUCKET, 5, 1024, start=5)
     proc.signal(signal.SIGHUP)
     proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 10, timeout_s=20, what="objects listed on SIGHUP")
+
+
+def add_one_in_place(sample: dict[str, Any]) -> dict[str, Any]:
+    """A preprocess that changes its array in place (the daemon must hand it a writable one)."""
+    sample["data"] += 1
+    sample["preprocessed"] = True
+    return sample
+
+
+def test_preprocess_runs_once_per_sample_in_the_daemon(bucket: Any, daemon: StartDaemon) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 20, 4 << 10)
+    proc = daemon(sections={"sampler": {"preprocess": "tests.test_daemon:add_one_in_place"}})
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 20, timeout_s=30, what="20 objects")
+    assert proc.stop() == 0
+    found = {sample["__key__"]: sample for _, sample in cache_samples(proc.cache_dir)}
+    assert set(found) == set(uploaded)
+    for key, sample in found.items():
+        assert sample["preprocessed"] is True
+        np.testing.assert_array_equal(sample["data"], uploaded[key] + np.uint8(1))

@@ -21,6 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from cachefeed.cache.store import Grant
 from cachefeed.cache.writer import CacheWriter, WriterStopped
 from cachefeed.codecs import Decoder, Sample
@@ -43,6 +45,15 @@ log = logging.getLogger(__name__)
 
 _REPLY_TIMEOUT_S = 60.0
 _FLUSH = "flush"
+
+
+def _writable(sample: Sample) -> Sample:
+    """The sample with writable arrays: decoders may return read-only views of the body (``.npy`` does, to save a
+    copy), and a user's preprocess may change its arrays in place."""
+    return {
+        name: value.copy() if isinstance(value, np.ndarray) and not value.flags.writeable else value
+        for name, value in sample.items()
+    }
 
 
 class GrantTooLarge(ValueError):
@@ -237,7 +248,7 @@ class SegmentSink:
         try:
             samples = list(self._decode(item.path, body))
             if self._preprocess is not None:
-                samples = [self._preprocess(sample) for sample in samples]
+                samples = [self._preprocess(_writable(sample)) for sample in samples]
         except DecodeError as exc:
             self._on_failed(item, "decode", str(exc))
             return
