@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tests.support.moto_server import s3_client, storage_options
+
 DUMMY_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -193,23 +195,11 @@ class S3Server:
             pass
 
     def client(self) -> Any:
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
+        return s3_client(self.endpoint)
 
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options that reach this server."""
         return storage_options(self.endpoint)
-
-
-def storage_options(endpoint: str) -> dict[str, Any]:
-    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
 
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import numpy as np
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.errors import CorruptRecordError
 from cachefeed.records import SegmentReader
+from tests.support.daemon_harness import wait_for
 from tests.support.samples import disk_usage, payload
 
 REPORT_PREFIX = "[reliability]"
@@ -301,15 +302,8 @@ def group_members(pgid: int) -> list[int]:
 
 
 def wait_until(predicate: Any, *, timeout_s: float, interval_s: float = 0.02, what: str = "") -> Any:
-    """Poll ``predicate`` until it returns something truthy; raise TimeoutError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what or predicate}")
-        time.sleep(interval_s)
+    """``wait_for`` (the harness's poll), polling a little faster by default."""
+    return wait_for(predicate, timeout_s=timeout_s, interval_s=interval_s, what=what)
 
 
 def tree_listing(root: Path, *, skip: Iterable[Path] = ()) -> dict[str, tuple[int, int, int]]:

@@ -25,6 +25,24 @@ DUMMY_ENV = {
 }
 
 
+def s3_client(endpoint: str) -> Any:
+    """A boto3 S3 client of the server at ``endpoint`` (dummy credentials)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
+def storage_options(endpoint: str) -> dict[str, Any]:
+    """What a config's ``remote.storage_options`` (fsspec/s3fs options) needs to reach the server at ``endpoint``."""
+    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -75,16 +93,8 @@ class MotoServer:
             self.process.wait()
 
     def client(self) -> Any:
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
+        return s3_client(self.endpoint)
 
     def storage_options(self) -> dict[str, Any]:
         """What a config's ``remote.storage_options`` needs to reach this server."""
-        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+        return storage_options(self.endpoint)
