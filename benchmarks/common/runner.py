@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.s3server import DUMMY_ENV
+from tests.support.moto_server import DUMMY_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _POLL_S = 0.1

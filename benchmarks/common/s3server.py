@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,16 +25,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tests.support.moto_server import s3_client, storage_options
+from tests.support.moto_server import DUMMY_ENV, free_port, s3_client, storage_options
 
-DUMMY_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "BOTO_CONFIG": "/dev/null",
-    "AWS_CONFIG_FILE": "/dev/null",
-    "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
-}
 _STATS_PATH = "/__bench__/stats"
 _RESET_PATH = "/__bench__/reset"
 
@@ -135,12 +126,6 @@ def main(argv: list[str] | None = None) -> None:
 
     app = DomainDispatcherApplication(create_backend_app)
     run_simple(args.host, args.port, CountingMiddleware(app), threaded=True, request_handler=MotoRequestHandler)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
