@@ -16,14 +16,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import pytest
-
 from cachefeed.status import Health, StatusReport
 from tests.support.faultproxy import FaultProxy, Rule
 from tests.support.moto_server import MotoServer, free_port
 from tests.test_status_daemon import Daemon, put_objects, write_config
-
-pytest.importorskip("cachefeed.daemon.main", reason="the daemon has not landed yet")
 
 
 def sentinel(tag: str) -> str:

@@ -27,8 +27,6 @@ from cachefeed.status import WIDTH, Health, StatusReport, read_report
 from tests.support.moto_server import MotoServer, free_port
 from tests.test_metrics import parse, value
 
-pytest.importorskip("cachefeed.daemon.main", reason="the daemon has not landed yet")
-
 REPO = Path(__file__).resolve().parents[1]
 OBJECTS = 40
 # The real CLI entry point, with only the subcommands these tests use registered (cli.py imports every

@@ -245,6 +245,7 @@ def crash_loop(tmp_path: Path, s3: MotoServer, kills: int, seed: int, workers: i
     assert counts["errors"] == 0, (tmp_path / "trainer.stderr").read_text()[-3000:]
     assert counts["verified"] > 0
     assert not cached.problems, cached.problems[:5]
+    assert cached.duplicates == 0, "a restarted daemon never caches an object it already holds"
     assert leftovers_survived == 0
     assert not list((cache_dir / "tmp").iterdir()), "a clean stop leaves no temporary file"
     assert disk.samples > 0 and disk.peak_bytes <= MAX_BYTES
