@@ -2,6 +2,8 @@
 
     python -m benchmarks.handover [--contexts fork,forkserver,spawn] [--epochs 3] [--epoch-s 8] [--workers 2]
 
+Writes ``benchmarks/results/handover.json`` (``--no-save`` to skip), from which the README's table is rendered.
+
 Three ways to run epochs over the same cache, each with ``--workers`` DataLoader workers doing real decoding
 (every sample is a zlib-compressed 64x64x3 image, decompressed, converted to float, normalised and transposed to
 CHW in the worker), and a training step of ``--step-ms`` (a sleep: the GPU's time, which leaves the CPU to the
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks.common.results import provenance_line, save
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
@@ -131,6 +134,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0, help="training step per batch (default 10 ms)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--no-save", dest="save", action="store_false", help="do not write results/handover.json")
     args = parser.parse_args()
     batches = max(4, int(args.epoch_s * 1000 / args.step_ms))
     count = batches * args.batch
@@ -155,6 +159,27 @@ def main() -> None:
                     f"  {_ms(waits)} {note}",
                     flush=True,
                 )
+        figures = {
+            "samples": count,
+            "batch_size": args.batch,
+            "batches_per_epoch": batches,
+            "step_ms": args.step_ms,
+            "workers": args.workers,
+            "epochs": args.epochs,
+            "cpus": os.cpu_count(),
+            "rows": [
+                {
+                    "context": name,
+                    "method": method,
+                    "worst_ms": round(max(waits) * 1000, 2),
+                    "median_ms": round(statistics.median(waits) * 1000, 2),
+                    "waits_ms": [round(w * 1000, 2) for w in waits],
+                }
+                for (name, method), waits in results.items()
+            ],
+        }
+        if args.save:
+            print(f"results: {save('handover', figures, work_dir=Path(args.dir))}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     for name in args.contexts.split(","):
@@ -165,6 +190,25 @@ def main() -> None:
                 f"{name}: factory worst {max(factory) * 1000:.2f} ms, {max(fresh) / max(factory):.0f}x better than "
                 f"a new DataLoader per epoch (worst {max(fresh) * 1000:.0f} ms)"
             )
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's handover table, from a committed result document."""
+    figures = doc["figures"]
+    worst = {(row["context"], row["method"]): row["worst_ms"] for row in figures["rows"]}
+    contexts = list(dict.fromkeys(row["context"] for row in figures["rows"]))
+    lines = [
+        f"Worst wait between two epochs ({figures['workers']} workers decoding, a {figures['step_ms']:g} ms step, "
+        f"{figures['batches_per_epoch']} batches an epoch, {figures['cpus']} CPUs):",
+        "",
+        "| start method | EpochLoaderFactory | a new DataLoader per epoch | one DataLoader, persistent workers |",
+        "|---|---|---|---|",
+    ]
+    for context in contexts:
+        cells = [worst.get((context, method)) for method in ("factory", "new DataLoader", "persistent")]
+        lines.append(f"| {context} | " + " | ".join("-" if v is None else f"{v:,.1f} ms" for v in cells) + " |")
+    lines += ["", "Measured with " + provenance_line(doc) + "."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
