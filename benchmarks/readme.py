@@ -21,7 +21,7 @@ from typing import Any
 from benchmarks.common.results import REPO_ROOT, load
 
 README = REPO_ROOT / "README.md"
-_BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(\n<!-- /figures:(?P=name) -->)", re.DOTALL)
+_BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.DOTALL)
 
 
 def _handover(doc: dict[str, Any]) -> str:
@@ -41,7 +41,7 @@ def render(text: str) -> tuple[str, list[str]]:
         name = match["name"]
         if name not in RENDERERS:
             raise KeyError(f"README figure block {name!r} has no renderer in benchmarks/readme.py")
-        body = RENDERERS[name](load(name))
+        body = RENDERERS[name](load(name)).rstrip("\n") + "\n"
         if body != match["body"]:
             changed.append(name)
         return match.group(1) + body + match.group(4)
