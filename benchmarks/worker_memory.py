@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks.common.results import provenance_line, save
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
@@ -86,7 +87,8 @@ def run_epoch(batches: Any, total: int, pids: list[int]) -> list[tuple[float, li
     return samples
 
 
-def report(title: str, samples: list[tuple[float, list[dict[str, float]]]]) -> None:
+def report(title: str, samples: list[tuple[float, list[dict[str, float]]]]) -> dict[str, list[float]]:
+    """Print the table; return each worker's growth of USS, PSS and dirty memory over the epoch (fractions)."""
     print(f"\n{title}")
     print(f"{'epoch':>6} {'worker':>6} {'RSS':>9} {'PSS':>9} {'USS':>9} {'dirty':>9} {'cache':>9}   (MiB)")
     for point, workers in samples:
@@ -95,9 +97,12 @@ def report(title: str, samples: list[tuple[float, list[dict[str, float]]]]) -> N
             print(f"{point:>6.0%} {index:>6} {cells}")
     base = next(workers for point, workers in samples if point >= BASELINE)
     last = samples[-1][1]
+    growths: dict[str, list[float]] = {}
     for key in ("USS", "PSS", "dirty"):
         growth = [(b[key] - a[key]) / a[key] for a, b in zip(base, last, strict=True)]
         print(f"  {key} growth from {BASELINE:.0%} to 100% of the epoch: " + ", ".join(f"{g:+.1%}" for g in growth))
+        growths[key] = [round(g, 4) for g in growth]
+    return growths
 
 
 class NaiveDataset(Dataset[Any]):
@@ -131,6 +136,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--context", default="fork")
     parser.add_argument("--no-naive", dest="naive", action="store_false")
+    parser.add_argument("--no-save", dest="save", action="store_false", help="do not write results/worker_memory.json")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="cachefeed-memory-", dir=args.dir))
     try:
@@ -155,7 +161,10 @@ def main() -> None:
             started = time.perf_counter()
             samples = run_epoch(batches, len(loader), pids)
             elapsed = time.perf_counter() - started
-        report(f"EpochLoaderFactory (numpy index), epoch of {len(loader)} batches in {elapsed:.0f}s", samples)
+        figures: dict[str, Any] = {"samples": args.samples, "workers": args.workers, "context": args.context}
+        figures["cachefeed_growth"] = report(
+            f"EpochLoaderFactory (numpy index), epoch of {len(loader)} batches in {elapsed:.0f}s", samples
+        )
         if args.naive:
             with Snapshot.create(root, "memory-naive") as snapshot:
                 dataset = NaiveDataset(snapshot)
@@ -172,9 +181,36 @@ def main() -> None:
                 samples = run_epoch(batches, len(naive), pids)
                 elapsed = time.perf_counter() - started
                 del batches
-            report(f"control: per-sample Python list index, epoch in {elapsed:.0f}s", samples)
+            figures["python_list_growth"] = report(f"control: per-sample Python list index, epoch in {elapsed:.0f}s", samples)
+        if args.save:
+            print(f"results: {save('worker_memory', figures, work_dir=Path(args.dir))}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's worker-memory line, from a committed result document."""
+    figures = doc["figures"]
+
+    def worst(growths: dict[str, list[float]], key: str) -> str:
+        return f"{max(growths[key]):+.1%}"
+
+    ours, naive = figures["cachefeed_growth"], figures.get("python_list_growth")
+    lines = [
+        f"Memory growth of each DataLoader worker over one epoch of {figures['samples']:,} samples "
+        f"({figures['workers']} {figures['context']} workers; from 5% to 100% of the epoch, the worst worker):",
+        "",
+        "| index | USS | PSS | private dirty |",
+        "|---|---|---|---|",
+        f"| cachefeed (numpy arrays) | {worst(ours, 'USS')} | {worst(ours, 'PSS')} | {worst(ours, 'dirty')} |",
+    ]
+    if naive:
+        lines.append(
+            f"| control: a per-sample Python list | {worst(naive, 'USS')} | {worst(naive, 'PSS')} "
+            f"| {worst(naive, 'dirty')} |"
+        )
+    lines += ["", "Measured with " + provenance_line(doc) + "."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
