@@ -30,7 +30,13 @@ def _handover(doc: dict[str, Any]) -> str:
     return readme_table(doc)
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"handover": _handover}
+def _worker_memory(doc: dict[str, Any]) -> str:
+    from benchmarks.worker_memory import readme_table
+
+    return readme_table(doc)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"handover": _handover, "worker_memory": _worker_memory}
 
 
 def render(text: str) -> tuple[str, list[str]]:

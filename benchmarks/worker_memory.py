@@ -181,7 +181,8 @@ def main() -> None:
                 samples = run_epoch(batches, len(naive), pids)
                 elapsed = time.perf_counter() - started
                 del batches
-            figures["python_list_growth"] = report(f"control: per-sample Python list index, epoch in {elapsed:.0f}s", samples)
+            title = f"control: per-sample Python list index, epoch in {elapsed:.0f}s"
+            figures["python_list_growth"] = report(title, samples)
         if args.save:
             print(f"results: {save('worker_memory', figures, work_dir=Path(args.dir))}")
     finally:
