@@ -70,6 +70,7 @@ class CacheConfig:
     min_free_bytes: int = 1 << 30
     segment_bytes: int = _DEFAULT_SEGMENT_BYTES
     eviction: str = "fifo"
+    evict_after_reads: int = 1
     turnover_bytes: int = 0
     compression: str = "none"
     fsync: bool = True
@@ -297,6 +298,11 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
         "min_free_bytes": ("min_free_bytes", parse_size, "free space the filesystem keeps (1GiB)"),
         "segment_bytes": ("segment_bytes", _positive_size, "target size of one segment file (64MiB)"),
         "eviction": ("eviction", _one_of(EVICTION_POLICIES), 'which segment goes first ("fifo")'),
+        "evict_after_reads": (
+            "evict_after_reads",
+            _int_at_least(0),
+            "epochs that must read a segment before it may be evicted; 0 = evict by age alone (1)",
+        ),
         "turnover": ("turnover_bytes", _turnover, 'room kept for fresh samples while pinned ("25%")'),
         "compression": ("compression", _one_of(COMPRESSIONS), 'per-record compression ("none")'),
         "fsync": ("fsync", _boolean, "fsync a segment before publishing it (true; free on tmpfs)"),

@@ -66,8 +66,18 @@ _SCALARS: tuple[tuple[str, str, str, str, str], ...] = (
     ("cache", "min_free_bytes", "cachefeed_cache_min_free_bytes", "gauge", "The free-space floor."),
     ("cache", "turnover_bytes", "cachefeed_cache_turnover_bytes", "gauge", "Room kept for fresh samples."),
     ("cache", "is_backpressured", "cachefeed_cache_backpressured", "gauge", "1 while fetching waits on pins."),
-    ("cache", "unread_samples", "cachefeed_cache_unread_samples", "gauge", "Cached samples no epoch has pinned yet."),
-    ("cache", "epochs_total", "cachefeed_cache_epochs", "counter", "Epoch snapshots seen by the daemon."),
+    ("cache", "is_paced", "cachefeed_cache_paced", "gauge", "1 while ingest waits for trainers to read (normal)."),
+    (
+        "cache",
+        "waiting_for_reads_samples",
+        "cachefeed_cache_waiting_for_reads_samples",
+        "gauge",
+        "While paced: cached samples read fewer than evict_after_reads times.",
+    ),
+    ("cache", "unread_samples", "cachefeed_cache_unread_samples", "gauge", "Cached samples no epoch has read yet."),
+    ("cache", "max_reads", "cachefeed_cache_max_reads", "gauge", "Most epochs any cached segment was read by."),
+    ("cache", "epochs_total", "cachefeed_cache_epochs", "counter", "Epoch reads reported by trainers."),
+    ("cache", "sample_reads_total", "cachefeed_cache_sample_reads", "counter", "Samples x epochs that read them."),
     ("cache", "newest_age_s", "cachefeed_cache_newest_age_seconds", "gauge", "Age of the newest published segment."),
     ("cache", "oldest_age_s", "cachefeed_cache_oldest_age_seconds", "gauge", "Age of the oldest published segment."),
     ("ingest", "objects_total", "cachefeed_ingest_objects", "counter", "Remote objects ingested."),
@@ -82,15 +92,16 @@ _SCALARS: tuple[tuple[str, str, str, str, str], ...] = (
         "unread_samples_total",
         "cachefeed_evicted_unread_samples",
         "counter",
-        "Samples evicted before any epoch snapshot held them.",
+        "Samples evicted before any epoch read them.",
     ),
     (
         "evicted",
         "epochs_per_sample",
         "cachefeed_evicted_epochs_per_sample",
         "gauge",
-        "Epoch snapshots an evicted sample was in, on average.",
+        "Epochs an evicted sample was read by, on average.",
     ),
+    ("evicted", "max_reads", "cachefeed_evicted_max_reads", "gauge", "Most epochs an evicted segment was read by."),
     (
         "evicted",
         "turnover_s",
@@ -112,6 +123,13 @@ _SCALARS: tuple[tuple[str, str, str, str, str], ...] = (
     ("remote", "retries_total", "cachefeed_remote_retries", "counter", "Requests that were retries."),
     ("remote", "quarantined_total", "cachefeed_remote_quarantined_objects", "counter", "Objects quarantined."),
     ("remote", "bytes_total", "cachefeed_remote_bytes", "counter", "Bytes downloaded."),
+    (
+        "remote",
+        "bytes_per_sample_read",
+        "cachefeed_remote_sample_read_cost_bytes",
+        "gauge",
+        "Bytes downloaded per sample read by an epoch (absent before the first read).",
+    ),
 )
 
 

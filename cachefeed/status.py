@@ -125,8 +125,13 @@ STATUS_SCHEMA: dict[str, Any] = {
         "dir": str,
         "turnover_bytes": _NUM,
         "is_backpressured": (bool, int),
+        "is_paced": (bool, int),
+        "waiting_for_reads_samples": _NUM,
+        "evict_after_reads": _NUM,
         "unread_samples": _NUM,
+        "max_reads": _NUM,
         "epochs_total": _NUM,
+        "sample_reads_total": _NUM,
         "newest_age_s": _OPT_NUM,
         "oldest_age_s": _OPT_NUM,
         "snapshots": [{"id": str, "samples": _NUM, "segments": _NUM, "owner": str, "age_s": _NUM}],
@@ -142,6 +147,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         **{k: _NUM for k in ("samples_total", "bytes_total", "segments_total", "unread_samples_total")},
         "turnover_s": _OPT_NUM,
         "epochs_per_sample": _OPT_NUM,
+        "max_reads": _NUM,
     },
     "remote": {
         "url": str,
@@ -152,6 +158,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "errors_by_kind": {str: _NUM},
         "quarantined_total": _NUM,
         "bytes_total": _NUM,
+        "bytes_per_sample_read": _OPT_NUM,
     },
     "samplers": [
         {"index": _INT, "pid": _OPT_INT, "state": str, "restarts": _NUM, "objects_total": _NUM, "last_error": _OPT_STR}
@@ -500,16 +507,16 @@ def _freshness(cache: Mapping[str, Any]) -> str:
 
 
 def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
-    """How training on "whatever is cached" plays out: epochs seen, samples no epoch read."""
+    """How training on "whatever is cached" plays out: epochs read, samples no epoch read, reads per sample."""
     text = (
-        f"{_plural(cache['epochs_total'], 'epoch snapshot')} seen; "
-        f"{_count(cache['unread_samples'])} cached samples not in any epoch yet"
+        f"{_plural(cache['epochs_total'], 'epoch')} read; "
+        f"{_count(cache['unread_samples'])} cached samples not read yet"
     )
     per_sample = evicted["epochs_per_sample"]
     if per_sample is not None:
         text += (
-            f"; evicted samples were in {per_sample:.2f} epochs on average, "
-            f"{_count(evicted['unread_samples_total'])} in none"
+            f"; evicted samples were read {per_sample:.2f} times on average (at most {evicted['max_reads']}), "
+            f"{_count(evicted['unread_samples_total'])} evicted unread"
         )
     return text
 
@@ -528,6 +535,14 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
         fill += f" ({100 * cache['bytes'] / max_bytes:.0f}%)"
     samples = _count(cache["samples"]) + (f" of {_count(cache['max_samples'])}" if cache["max_samples"] else "")
     out.add("fill", f"{fill}, {samples} samples, {_plural(cache['segments'], 'segment')}")
+    if cache["is_paced"]:
+        out.add(
+            "",
+            f"paced: waiting for trainers to read {_count(cache['waiting_for_reads_samples'])} samples "
+            f"(each segment goes after {_plural(cache['evict_after_reads'], 'epoch read')}); normal while "
+            "training reads slower than the remote delivers",
+            indent=2,
+        )
     if cache["is_backpressured"]:
         out.add("", "BACK-PRESSURE: the cache is full of pinned data, fetching waits", indent=2)
     floor_note = ": BELOW THE FLOOR" if cache["free_bytes"] < cache["min_free_bytes"] else ""
@@ -560,6 +575,9 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
         out.add("turnover", f"nothing evicted yet{room}")
     out.add("freshness", _freshness(cache))
     out.add("epochs", _epoch_reads(cache, evicted))
+    per_read = remote["bytes_per_sample_read"]
+    if per_read is not None:
+        out.add("egress", f"{format_bytes(per_read)} downloaded per sample read by an epoch")
     snapshots = cache["snapshots"]
     pinned = f"{format_bytes(cache['pinned_bytes'])} by {_plural(len(snapshots), 'snapshot')}"
     if cache["pinned_only_bytes"]:

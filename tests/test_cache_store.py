@@ -217,7 +217,8 @@ def test_release_in_a_forked_child_leaves_the_parents_pin(tmp_path: Path) -> Non
 
 
 def test_evictions_report_how_many_epochs_read_each_sample(tmp_path: Path) -> None:
-    """Each snapshot is one epoch over its segments; evicted samples settle as 'read n times' or 'never read'."""
+    """Each read receipt is one epoch over its snapshot's segments; evicted samples settle as 'read n times' or
+    'never read' (``evict_after_reads = 0`` here, so unread samples may go)."""
     root = tmp_path / "c"
     store = CacheStore(cache_config(root, max_bytes=8 << 20, turnover_bytes=2 << 20))
     fill(store, range(300))
@@ -225,6 +226,7 @@ def test_evictions_report_how_many_epochs_read_each_sample(tmp_path: Path) -> No
         snapshot = Snapshot.create(root, f"run-e{epoch:06d}")
         store._rescan_pins()
         store._rescan_pins()  # a snapshot is one epoch however often the daemon looks at it
+        snapshot.mark_read()
         snapshot.release()
     store._rescan_pins()
     assert store.counters.epochs_seen == 2
@@ -250,7 +252,9 @@ def test_most_read_eviction_keeps_what_no_epoch_has_read(tmp_path: Path) -> None
     read = {segment.seq for segment in store.segments}
     snapshot = Snapshot.create(root, "run-e000000")  # one epoch reads the first 300 samples
     store._rescan_pins()
+    snapshot.mark_read()
     snapshot.release()
+    store.collect_reads()
     fill(store, range(300, 2000))  # more than the budget holds: evictions
     store.enforce()
     left = {segment.seq for segment in store.segments}

@@ -73,8 +73,13 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "min_free_bytes": 1 << 30,
             "turnover_bytes": 4 << 30,
             "is_backpressured": False,
+            "is_paced": True,
+            "waiting_for_reads_samples": 600_000,
+            "evict_after_reads": 1,
             "unread_samples": 40_000,
+            "max_reads": 3,
             "epochs_total": 12,
+            "sample_reads_total": 14_000_000,
             "newest_age_s": 1.5,
             "oldest_age_s": 900.0,
             "snapshots": [
@@ -97,6 +102,7 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "turnover_s": 860.0,
             "unread_samples_total": 1_000,
             "epochs_per_sample": 1.93,
+            "max_reads": 4,
         },
         "remote": {
             "url": "s3://bucket/prefix",
@@ -110,6 +116,7 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "errors_by_kind": {"forbidden": 3, "transient": 53},
             "quarantined_total": 2,
             "bytes_total": 1 << 40,
+            "bytes_per_sample_read": 78_500.0,
         },
         "samplers": [
             {"index": 0, "pid": 1235, "state": "running", "restarts": 0, "objects_total": 12_345, "last_error": None},

@@ -20,7 +20,8 @@ Joining (another rank, same epoch): wait for ``MANIFEST``, open ``<id>.lock``, t
 that the path still names the inode we locked (a remover may have unlinked it between our open and our lock).
 
 Removal: whoever gets ``flock(LOCK_EX | LOCK_NB)`` on ``<id>.lock`` knows nobody else holds the snapshot: it
-removes ``<id>/`` first, then ``<id>.lock``, while holding the lock. The last releaser does this; the daemon's
+leaves the epoch's read receipt if a trainer marked it read (NOTE [ Read receipts ] in ``reads.py``), then
+removes ``<id>/``, then ``<id>.lock``, while holding the lock. The last releaser does this; the daemon's
 ``sweep_stale`` does it for holders that died. Removing the directory before the lock means a directory without a
 lock is always garbage; a ``.partial`` lock older than ``PARTIAL_GRACE_S`` whose lock is free is garbage too.
 """
@@ -42,6 +43,7 @@ from types import TracebackType
 import msgpack
 
 from cachefeed.cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
+from cachefeed.cache.reads import READ_MARK, RECEIPT_SUFFIX, write_receipt
 from cachefeed.errors import SnapshotError
 from cachefeed.fsutil import atomic_write, remove_tree
 from cachefeed.records import TRAILER_BYTES
@@ -175,7 +177,15 @@ class Snapshot:
                 )
             time.sleep(0.02)
 
-    # -- release --------------------------------------------------------------------------------------------
+    # -- reads and release ----------------------------------------------------------------------------------
+
+    def mark_read(self) -> None:
+        """Record that an epoch has read this snapshot: its segments count one more read once the snapshot is
+        released by its last holder (NOTE [ Read receipts ] in ``reads.py``). Idempotent, any rank may call it."""
+        if self._lock_fd is None:
+            raise SnapshotError(f"snapshot {self.snap_id} was released: mark it read before releasing it")
+        fd = os.open(self.directory / READ_MARK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        os.close(fd)
 
     def release(self) -> None:
         """Drop this process's pin. The last holder removes the snapshot (idempotent)."""
@@ -277,11 +287,24 @@ def _remove_if_unheld(fd: int, lock_path: Path, directory: Path) -> bool:
     except FileNotFoundError:
         return False
     try:
+        _leave_receipt(directory)
         remove_tree(directory)
         lock_path.unlink(missing_ok=True)
     except PermissionError:
         return False  # another user's snapshot in a sticky directory: the daemon's sweep removes it
     return True
+
+
+def _leave_receipt(directory: Path) -> None:
+    """If an epoch marked the snapshot in ``directory`` read, write its receipt (NOTE [ Read receipts ])."""
+    if not (directory / READ_MARK).is_file():
+        return
+    try:
+        manifest = msgpack.unpackb((directory / MANIFEST).read_bytes(), raw=False)
+        names = [str(entry[0]) for entry in manifest.get("segments", [])]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # an incomplete snapshot was never read
+    write_receipt(directory.parent, directory.name, names)
 
 
 # -- the daemon's side ------------------------------------------------------------------------------------------
@@ -331,8 +354,8 @@ def sweep_stale(layout: CacheLayout, *, now: float | None = None) -> list[str]:
             finally:
                 os.close(fd)
     for entry in entries:
-        if entry.name.endswith((".lock", ".partial")) or entry.name in locks:
-            continue
+        if entry.name.endswith((".lock", ".partial", RECEIPT_SUFFIX)) or entry.name in locks:
+            continue  # receipts are the daemon's to consume (reads.py)
         if (layout.snapshots / f"{entry.name}.lock").exists():
             continue  # its creator linked the lock after our listing: live (the lock comes before the dir)
         # a foreign entry, or a directory whose lock is gone: garbage by the protocol

@@ -16,20 +16,23 @@ The budget (what ``tests/test_cache_budget.py`` checks by sampling the directory
 
 Hence the bound users can rely on: **the real size of the cache directory never exceeds ``max_bytes``**.
 
-Epoch reads (what status reports as the cost of training on "whatever is cached"): every snapshot is one epoch
-over its segments, so each pin scan (at least once a second) credits one read to the published segments of each
-snapshot it had not seen before. When a segment is evicted its reads are settled into ``Counters``: samples that
-no epoch ever pinned (downloaded, never trained on) and sample-reads (so ``sample_reads / samples`` is how many
-epochs an evicted sample was in, on average). A snapshot that lives less than one scan may go uncounted; the
-counts start from zero when the daemon starts.
+Epoch reads (the contract with trainers: reads, not time). Trainers leave a receipt for every epoch they read
+(NOTE [ Read receipts ] in ``reads.py``); each pin scan (at least once a second, and before every decision that
+needs it) credits one read per receipt to the segments it names and persists the counts. A segment becomes
+*evictable* once ``evict_after_reads`` epochs have read it (0: at once, the old free-running behaviour). Every rule
+below evicts evictable segments only: when the published set must shrink and none may go, ingest waits for the
+trainers to read (*paced*), which is the normal state of a daemon whose trainers are slower than its remote, and
+a daemon without trainers fills its budget and then fetches nothing. When a segment is evicted its reads are
+settled into ``Counters`` (sample-reads, and samples evicted unread: 0 at ``evict_after_reads >= 1``).
 
 Two rules keep the cache turning over while trainers pin it:
 
 * (A) hard: a grant is given only if the budget above still holds after it, and the filesystem keeps
-  ``min_free_bytes`` free (for that floor alone the store evicts *unpinned* segments: evicting a pinned one frees
-  nothing). Otherwise ``reserve`` returns None and the writer waits: back-pressure, never overshoot.
-* (B) turnover: the published set is kept at most ``max_bytes - turnover_bytes`` by evicting the oldest published
-  segments, pinned or not. A snapshot therefore pins at most that much, and while an epoch reads it at least
+  ``min_free_bytes`` free (for that floor alone the store evicts *unpinned*, evictable segments: evicting a pinned
+  one frees nothing). Otherwise ``reserve`` returns None and the writer waits: back-pressure, never overshoot.
+* (B) turnover: the published set is kept at most ``max_bytes - turnover_bytes`` by evicting evictable published
+  segments (policy order), pinned or not; if too few are evictable, ``reserve`` returns None (paced). A
+  snapshot therefore pins at most that much, and while an epoch reads it at least
   ``turnover_bytes`` of fresh samples can still arrive; evicted-but-pinned bytes stay with the snapshot until it
   is released. Without this rule a snapshot of a full cache would freeze ingest for a whole epoch.
 """
@@ -48,7 +51,8 @@ from pathlib import Path
 
 from cachefeed.cache.eviction import EvictionPolicy, make_policy
 from cachefeed.cache.layout import SEGMENT_NAME, CacheLayout, allocated_bytes, segment_name, segment_seq
-from cachefeed.cache.snapshots import SnapshotInfo, live_snapshots, pinned_inodes, sweep_stale
+from cachefeed.cache.reads import ReadLedger
+from cachefeed.cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
 from cachefeed.config import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed.errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
 from cachefeed.fsutil import fsync_dir, remove_tree
@@ -102,7 +106,11 @@ class Usage:
     free_bytes: int
     min_free_bytes: int
     is_backpressured: bool
-    unread_samples: int = 0  # published samples no epoch snapshot has held yet
+    unread_samples: int = 0  # published samples no epoch has read yet
+    is_paced: bool = False  # ingest waits for trainers to read (see "Epoch reads"): the normal state, not a fault
+    waiting_for_reads_samples: int = 0  # while paced: published samples read fewer than evict_after_reads times
+    max_reads: int = 0  # the most epochs any published segment has been read by
+    sample_reads: int = 0  # sum over published segments of samples x epochs that read them
     oldest_published_at: float | None = None  # unix time of the oldest published segment (None: empty cache)
     newest_published_at: float | None = None
 
@@ -122,9 +130,10 @@ class Counters:
     backpressure_events: int = 0
     first_eviction_at: float = 0.0
     evicted_published_at: list[float] = field(default_factory=list)
-    evicted_unread_samples: int = 0  # evicted before any epoch snapshot held them
-    evicted_sample_reads: int = 0  # sum over evicted segments of samples x epoch snapshots that held them
-    epochs_seen: int = 0  # snapshots the pin scans found
+    evicted_unread_samples: int = 0  # evicted before any epoch read them
+    evicted_sample_reads: int = 0  # sum over evicted segments of samples x epochs that read them
+    evicted_max_reads: int = 0  # the most epochs an evicted segment had been read by
+    epochs_seen: int = 0  # read receipts applied (every epoch read, since the ledger began)
 
 
 class CacheStore:
@@ -146,13 +155,14 @@ class CacheStore:
         self._grants: dict[int, Grant] = {}
         self._pinned_only: dict[int, int] = {}
         self._pinned_published: set[int] = set()
-        self._epoch_reads: dict[int, int] = {}  # seq -> epoch snapshots that held it (see "Epoch reads")
-        self._snapshots_seen: frozenset[str] = frozenset()
+        self._epoch_reads: dict[int, int] = {}  # seq -> epochs that read it (see "Epoch reads")
+        self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
         self._live_snapshots = 0
         self._pins_scanned_at = 0.0
         self._swept_at = 0.0
         self._next_seq = 0
         self._is_backpressured = False
+        self._is_paced = False
         self._lock_fd = self._take_lock()
         try:
             self._recover()
@@ -239,6 +249,9 @@ class CacheStore:
         for name in self._snapshot_segment_names():
             highest = max(highest, segment_seq(name))
         self._next_seq = highest + 1
+        by_name = {segment.name: seq for seq, segment in self._published.items()}
+        self._epoch_reads = {by_name[name]: n for name, n in self._ledger.load().items() if name in by_name and n}
+        self.counters.epochs_seen = self._ledger.epochs_total
         self._rescan_pins()
         log.info(
             "cache %s recovered in %.3fs: %d segments, %d samples, %d temp files removed, %d stale snapshots",
@@ -265,25 +278,42 @@ class CacheStore:
         by_inode = {segment.inode: seq for seq, segment in self._published.items()}
         self._pinned_published = {by_inode[ino] for ino in found if ino in by_inode}
         self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
-        live = live_snapshots(self.layout)
-        self._live_snapshots = len(live)
-        self._count_epoch_reads(live)
+        self._live_snapshots = len(live_snapshots(self.layout))
+        self._collect_receipts()
         self._pins_scanned_at = time.monotonic()
 
-    def _count_epoch_reads(self, live: list[SnapshotInfo]) -> None:
-        for snapshot in live:
-            if snapshot.snap_id in self._snapshots_seen:
-                continue
-            self.counters.epochs_seen += 1
-            for name in snapshot.names:
-                seq = segment_seq(name)
-                if seq in self._published:
+    def _collect_receipts(self) -> None:
+        """Credit the epochs trainers have read since the last scan, and persist the counts (NOTE in reads.py)."""
+        receipts = self._ledger.pending()
+        if not receipts:
+            return
+        for receipt in receipts:
+            for name in receipt.segments:
+                if SEGMENT_NAME.match(name) and segment_seq(name) in self._published:
+                    seq = segment_seq(name)
                     self._epoch_reads[seq] = self._epoch_reads.get(seq, 0) + 1
-        self._snapshots_seen = frozenset(snapshot.snap_id for snapshot in live)
+        names = {seq: segment.name for seq, segment in self._published.items()}
+        self._ledger.commit(receipts, {names[seq]: n for seq, n in self._epoch_reads.items() if seq in names})
+        self.counters.epochs_seen = self._ledger.epochs_total
+
+    def _is_evictable(self, seq: int) -> bool:
+        return self._epoch_reads.get(seq, 0) >= self.config.evict_after_reads
+
+    def _evictable(self, *, unpinned: bool = False) -> list[int]:
+        """Published segments the read contract lets go (oldest first), optionally only those no snapshot pins."""
+        return [
+            seq
+            for seq in sorted(self._published)
+            if self._is_evictable(seq) and not (unpinned and seq in self._pinned_published)
+        ]
 
     def _maybe_rescan_pins(self, *, force: bool = False) -> None:
         if force or time.monotonic() - self._pins_scanned_at > _PIN_RESCAN_S:
             self._rescan_pins()
+
+    def collect_reads(self) -> None:
+        """Apply the trainers' read receipts now (``enforce`` and ``reserve`` do it at least twice a second)."""
+        self._rescan_pins()
 
     def sweep(self) -> list[str]:
         """Remove snapshots whose holders died (rate-limited to once a second). Returns removed ids."""
@@ -329,10 +359,18 @@ class CacheStore:
                 f"(turnover {self.config.turnover_bytes}): the sample is too large for this cache"
             )
         self._maybe_rescan_pins()
-        self._evict_for_turnover(need)
-        if not self._make_room(need):
+        if not (self._evict_for_turnover(need) and self._make_room(need)):
             self._maybe_rescan_pins(force=True)
-            self._evict_for_turnover(need)
+            if not self._evict_for_turnover(need):
+                if not self._is_paced:
+                    log.info(
+                        "cache full of samples trainers have not read yet: fetching waits for them "
+                        "(cache.evict_after_reads = %d)",
+                        self.config.evict_after_reads,
+                    )
+                self._is_paced = True
+                return None
+            self._is_paced = False
             if not self._make_room(need):
                 if not self._is_backpressured:
                     self.counters.backpressure_events += 1
@@ -340,6 +378,7 @@ class CacheStore:
                 self._is_backpressured = True
                 return None
         self._is_backpressured = False
+        self._is_paced = False
         seq = self._next_seq
         self._next_seq += 1
         grant = Grant(seq, self.layout.tmp / f"{seq:016x}.tmp", need)
@@ -361,7 +400,7 @@ class CacheStore:
         if self._total() + need > self.limit_bytes:
             return False
         while not self._has_free_space(need):
-            candidates = [seq for seq in sorted(self._published) if seq not in self._pinned_published]
+            candidates = self._evictable(unpinned=True)
             if not candidates:
                 return False
             victim = self.policy.choose(candidates, self._epoch_reads)
@@ -377,11 +416,16 @@ class CacheStore:
         except FileNotFoundError:
             return False
 
-    def _evict_for_turnover(self, need: int) -> None:
-        """Rule (B): keep the published set (plus grants) below ``max_bytes - turnover``."""
+    def _evict_for_turnover(self, need: int) -> bool:
+        """Rule (B): keep the published set (plus grants) below ``max_bytes - turnover``, evicting only what the
+        read contract lets go. False if that is not enough (paced: the writer waits for trainers to read)."""
         target = self._published_target()
-        while self._published and self.published_bytes + self.reserved_bytes + need > target:
-            self._evict(self.policy.choose(sorted(self._published), self._epoch_reads))
+        while self.published_bytes + self.reserved_bytes + need > target:
+            candidates = self._evictable()
+            if not candidates:
+                return False
+            self._evict(self.policy.choose(candidates, self._epoch_reads))
+        return True
 
     def _evict(self, seq: int) -> None:
         segment = self._published.pop(seq)
@@ -405,6 +449,7 @@ class CacheStore:
         counters.evicted_bytes += segment.nbytes
         reads = self._epoch_reads.pop(seq, 0)
         counters.evicted_sample_reads += reads * segment.samples
+        counters.evicted_max_reads = max(counters.evicted_max_reads, reads)
         if not reads:
             counters.evicted_unread_samples += segment.samples
         counters.first_eviction_at = counters.first_eviction_at or time.time()
@@ -417,9 +462,16 @@ class CacheStore:
         self.sweep()
         self._maybe_rescan_pins()
         self._evict_for_turnover(0)
+        self._evict_for_max_samples(keep=0)
+
+    def _evict_for_max_samples(self, *, keep: int) -> None:
+        """Apply ``max_samples`` among evictable segments, keeping at least ``keep`` published segments."""
         max_samples = self.config.max_samples
-        while max_samples and self._published and self.samples > max_samples:
-            self._evict(self.policy.choose(sorted(self._published), self._epoch_reads))
+        while max_samples and len(self._published) > keep and self.samples > max_samples:
+            candidates = self._evictable()
+            if not candidates:
+                return
+            self._evict(self.policy.choose(candidates, self._epoch_reads))
 
     # -- publication ----------------------------------------------------------------------------------------
 
@@ -449,9 +501,7 @@ class CacheStore:
         self.counters.published_segments += 1
         self.counters.published_samples += samples
         self.counters.published_bytes += segment.nbytes
-        max_samples = self.config.max_samples
-        while max_samples and self.samples > max_samples and len(self._published) > 1:
-            self._evict(self.policy.choose(sorted(self._published), self._epoch_reads))
+        self._evict_for_max_samples(keep=1)
         return segment
 
     def abort(self, grant: Grant) -> None:
@@ -487,6 +537,14 @@ class CacheStore:
             min_free_bytes=self.config.min_free_bytes,
             is_backpressured=self._is_backpressured,
             unread_samples=sum(s.samples for seq, s in self._published.items() if seq not in self._epoch_reads),
+            is_paced=self._is_paced,
+            waiting_for_reads_samples=(
+                sum(s.samples for seq, s in self._published.items() if not self._is_evictable(seq))
+                if self._is_paced
+                else 0
+            ),
+            max_reads=max(self._epoch_reads.values(), default=0),
+            sample_reads=sum(self._published[seq].samples * n for seq, n in self._epoch_reads.items()),
             oldest_published_at=min((s.published_at for s in self._published.values()), default=None),
             newest_published_at=max((s.published_at for s in self._published.values()), default=None),
         )

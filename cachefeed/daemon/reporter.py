@@ -106,6 +106,7 @@ class StatusReporter:
             turnover_bytes=self._config.cache.turnover_bytes,
             max_samples=self._config.cache.max_samples,
             snapshots=live_snapshots(store.layout),
+            evict_after_reads=self._config.cache.evict_after_reads,
             counters=counters,
             turnover_s=turnover_s,
             rates=(rates[0], rates[1], rates[2]),

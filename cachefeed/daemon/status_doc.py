@@ -75,6 +75,7 @@ def build_status(
     turnover_bytes: int,
     max_samples: int,
     snapshots: Sequence[SnapshotInfo],
+    evict_after_reads: int = 1,
     counters: Counters,
     turnover_s: float | None,
     rates: tuple[float, float, float],
@@ -92,12 +93,18 @@ def build_status(
     segments, None when empty), ``cache.unread_samples`` (cached samples no epoch has pinned yet),
     ``cache.epochs_total`` (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch held
     them) and ``evicted.epochs_per_sample`` (epochs an evicted sample was in, on average; None before the first
-    eviction). Beyond the contract, ``remote`` also carries
+    eviction). The read contract (NOTE [ Read receipts ] in ``cache/reads.py``): ``cache.is_paced`` (ingest waits
+    for trainers to read: normal, not a fault), ``cache.waiting_for_reads_samples`` (samples read fewer than
+    ``cache.evict_after_reads`` times, while paced), ``cache.max_reads``/``evicted.max_reads`` (the most epochs a
+    cached/evicted segment was read by), ``cache.sample_reads_total`` (samples x epochs that read them, evicted
+    included) and ``remote.bytes_per_sample_read`` (bytes downloaded per sample read by an epoch). Beyond the
+    contract, ``remote`` also carries
     ``objects_failed_total`` (objects that could not be cached, any reason, counted per attempt at the object)
     and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too large), and ``plan`` (optional)
     describes the sampling plan (pass, in flight, owned objects...).
     """
     now = time.time() if now is None else now
+    sample_reads = counters.evicted_sample_reads + usage.sample_reads
     return {
         "version": STATUS_VERSION,
         "state": state,
@@ -121,8 +128,13 @@ def build_status(
             "min_free_bytes": usage.min_free_bytes,
             "turnover_bytes": turnover_bytes,
             "is_backpressured": usage.is_backpressured,
+            "is_paced": usage.is_paced,
+            "waiting_for_reads_samples": usage.waiting_for_reads_samples,
+            "evict_after_reads": evict_after_reads,
             "unread_samples": usage.unread_samples,
+            "max_reads": usage.max_reads,
             "epochs_total": counters.epochs_seen,
+            "sample_reads_total": sample_reads,
             "newest_age_s": _age(now, usage.newest_published_at),
             "oldest_age_s": _age(now, usage.oldest_published_at),
             "snapshots": [
@@ -154,6 +166,7 @@ def build_status(
             "epochs_per_sample": (
                 counters.evicted_sample_reads / counters.evicted_samples if counters.evicted_samples else None
             ),
+            "max_reads": counters.evicted_max_reads,
         },
         "remote": {
             "url": remote.url,
@@ -167,6 +180,7 @@ def build_status(
             "errors_by_kind": dict(remote.errors_by_kind),
             "quarantined_total": remote.quarantined_total,
             "bytes_total": remote.bytes_total,
+            "bytes_per_sample_read": remote.bytes_total / sample_reads if sample_reads else None,
             "objects_failed_total": remote.objects_failed_total,
             "objects_dropped": remote.objects_dropped,
         },

@@ -11,6 +11,7 @@ state cannot be iterated again (its snapshot may be gone).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,8 @@ from cachefeed.trainer.dataset import SnapshotDataset
 from cachefeed.trainer.partition import EpochBatchSampler
 
 __all__ = ["EmptyBatch", "EpochLoader", "EpochState", "EpochStats", "SkipEmptyCollate"]
+
+log = logging.getLogger(__name__)
 
 
 class EmptyBatch:
@@ -193,12 +196,18 @@ class EpochState:
             inners = list(self._inners.values())
             self._inners.clear()
             self._started = None
+        was_read = self.batches_served > 0 or self.dataloader is None  # dataset() only: the caller read it
         try:
             for inner in inners:
                 shutdown_iterator(inner)
         finally:
             self._final_skipped = self.dataset.skipped
             self.dataset.close()
+            if was_read:
+                try:
+                    self.snapshot.mark_read()  # its segments count one more epoch read (NOTE in cache/reads.py)
+                except OSError as exc:
+                    log.warning("epoch %d: could not record its read of %s: %s", self.epoch, self.snapshot.snap_id, exc)
             self.snapshot.release()
             # Released states are kept for their stats only: drop what scales with the epoch (the share's index
             # array, also held by the DataLoader's batch sampler).

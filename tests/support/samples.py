@@ -31,7 +31,10 @@ def check_sample(sample: dict[str, Any]) -> None:
 
 
 def cache_config(root: Path, **overrides: Any) -> CacheConfig:
+    """A small cache for tests. ``evict_after_reads`` is 0 (evict by age, without trainers) because most store
+    tests write more than the budget with no reader; the read contract has its own tests (test_cache_reads.py)."""
     values: dict[str, Any] = {
+        "evict_after_reads": 0,
         "dir": root,
         "max_bytes": 16 << 20,
         "min_free_bytes": 0,

@@ -1,0 +1,175 @@
+"""The read contract in the store: a segment is evicted only after ``evict_after_reads`` epochs have read it, reads
+are reported by receipts (every epoch counted, once), and the counts survive a restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.reads import RECEIPT_SUFFIX, ReadLedger
+from cachefeed.cache.snapshots import Snapshot
+from cachefeed.cache.store import CacheStore
+from cachefeed.cache.writer import CacheWriter, WriterStopped
+from cachefeed.trainer import EpochLoaderFactory
+from tests.support.samples import cache_config, make_sample
+
+MAX_BYTES = 4 << 20
+SEGMENT_BYTES = 64 << 10
+
+
+def paced_store(root: Path, *, reads: int = 1) -> CacheStore:
+    return CacheStore(
+        cache_config(
+            root, max_bytes=MAX_BYTES, segment_bytes=SEGMENT_BYTES, turnover_bytes=1 << 20, evict_after_reads=reads
+        )
+    )
+
+
+def write_until_paced(store: CacheStore, start: int = 0, limit: int = 100_000) -> int:
+    """Add samples until the store refuses room (or ``limit`` are added); returns the next key number."""
+    stop = threading.Event()
+    writer = CacheWriter(
+        store, segment_bytes=SEGMENT_BYTES, fsync=False, poll_s=0.001, stop=stop, on_wait=lambda _s: stop.set()
+    )
+    n = start
+    try:
+        while n < start + limit:
+            writer.add(make_sample(f"k{n}", 1024))
+            n += 1
+        writer.flush()
+    except WriterStopped:
+        pass
+    writer.abort()
+    return n
+
+
+def receipts(root: Path) -> list[str]:
+    return sorted(p.name for p in CacheLayout(root).snapshots.iterdir() if p.name.endswith(RECEIPT_SUFFIX))
+
+
+def read_one_epoch(root: Path, snap_id: str) -> Snapshot:
+    snapshot = Snapshot.create(root, snap_id)
+    snapshot.mark_read()
+    snapshot.release()
+    return snapshot
+
+
+def test_without_readers_the_store_fills_then_waits_and_evicts_nothing(tmp_path: Path) -> None:
+    store = paced_store(tmp_path / "c")
+    write_until_paced(store)
+    usage = store.usage()
+    assert store.reserve(SEGMENT_BYTES) is None, "no trainer has read anything: no room is made"
+    assert store.counters.evicted_segments == 0
+    assert usage.is_paced and not usage.is_backpressured, "waiting for reads is pacing, not pinned back-pressure"
+    assert usage.waiting_for_reads_samples == usage.samples > 0
+
+
+def test_an_epoch_read_makes_its_segments_evictable_and_nothing_unread_is_evicted(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root)
+    n = write_until_paced(store)
+    read_one_epoch(root, "run-e000000")
+    assert len(receipts(root)) == 1, "the last holder of a read snapshot leaves one receipt"
+    n = write_until_paced(store, n)
+    assert receipts(root) == [], "the store consumed the receipt"
+    assert store.counters.epochs_seen == 1
+    assert store.counters.evicted_segments > 0
+    assert store.counters.evicted_unread_samples == 0
+    assert store.counters.evicted_sample_reads == store.counters.evicted_samples, "each evicted sample read once"
+    assert store.usage().is_paced, "the fresh samples are unread: the store waits again"
+
+
+def test_a_snapshot_released_unread_leaves_no_receipt(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root)
+    write_until_paced(store)
+    Snapshot.create(root, "built-ahead").release()  # pinned for an epoch that never ran
+    assert receipts(root) == []
+    assert store.reserve(SEGMENT_BYTES) is None
+
+
+def test_ranks_sharing_a_snapshot_leave_one_receipt(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root)
+    write_until_paced(store)
+    first = Snapshot.create(root, "run-e000001")
+    second = Snapshot.join(root, "run-e000001")
+    first.mark_read()
+    second.mark_read()
+    first.release()
+    assert receipts(root) == [], "the snapshot is still held: no receipt yet"
+    second.release()
+    assert len(receipts(root)) == 1
+
+
+@pytest.mark.parametrize("required", [2, 3])
+def test_a_segment_waits_for_the_configured_number_of_reads(tmp_path: Path, required: int) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root, reads=required)
+    write_until_paced(store)
+    for epoch in range(required - 1):
+        read_one_epoch(root, f"run-e{epoch:06d}")
+    assert store.reserve(SEGMENT_BYTES) is None, f"{required - 1} reads are not enough"
+    read_one_epoch(root, "run-last")
+    assert store.reserve(SEGMENT_BYTES) is not None
+    assert store.counters.evicted_unread_samples == 0
+
+
+def test_read_counts_survive_a_restart(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root)
+    write_until_paced(store)
+    read_one_epoch(root, "run-e000000")
+    store.collect_reads()  # the receipt is applied and the ledger written
+    store.close()
+    store = paced_store(root)
+    assert store.counters.epochs_seen == 1
+    assert store.reserve(SEGMENT_BYTES) is not None, "the restarted store still knows those segments were read"
+
+
+def test_a_restart_forgets_nothing_and_counts_nothing_twice(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root, reads=2)
+    write_until_paced(store)
+    read_one_epoch(root, "run-e000000")
+    [name] = receipts(root)
+    saved = (root / "snapshots" / name).read_bytes()
+    store.collect_reads()  # applied and removed
+    store.close()
+    (root / "snapshots" / name).write_bytes(saved)  # as if the daemon died between the ledger write and the unlink
+    store = paced_store(root, reads=2)
+    assert store.counters.epochs_seen == 1
+    assert receipts(root) == [], "an applied receipt is removed, not counted again"
+    assert store.reserve(SEGMENT_BYTES) is None, "one read is not two"
+
+
+def test_a_lost_ledger_means_unread_never_early_eviction(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root)
+    write_until_paced(store)
+    read_one_epoch(root, "run-e000000")
+    store.collect_reads()
+    store.close()
+    (root / "reads").write_bytes(b"\x00garbage")
+    store = paced_store(root)
+    assert store.reserve(SEGMENT_BYTES) is None
+    assert ReadLedger(root, root / "snapshots").load() == {}
+
+
+def test_every_epoch_is_counted_however_short(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root)
+    write_until_paced(store, limit=64)  # a few segments, one batch an epoch
+    epochs = 100
+    with EpochLoaderFactory(root, batch_size=64, run_id="short", progress=None, epochs=epochs) as factory:
+        for epoch in range(epochs):
+            assert sum(1 for _batch in factory.loader(epoch)) == 1
+    deadline = time.monotonic() + 20
+    while store.counters.epochs_seen < epochs and time.monotonic() < deadline:
+        store.collect_reads()
+        time.sleep(0.01)
+    assert store.counters.epochs_seen == epochs
