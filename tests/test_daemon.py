@@ -39,10 +39,12 @@ def directory_bytes(root: Path) -> int:
     return sum(seen.values())
 
 
-def test_fill_to_budget_then_keep_sampling_with_eviction(bucket: Any, daemon: StartDaemon) -> None:
+def test_free_running_fill_to_budget_then_keep_sampling_with_eviction(bucket: Any, daemon: StartDaemon) -> None:
+    """``evict_after_reads = 0``: without readers the daemon keeps sampling, evicting the oldest (the opt-in
+    free-running mode; the paced default is tested in test_daemon_pacing.py)."""
     uploaded = upload_arrays(bucket, BUCKET, 300, 64 << 10)
     max_bytes = 8 << 20  # about a third of the 19 MiB dataset
-    proc = daemon(sections={"cache": {"max_bytes": max_bytes}})
+    proc = daemon(sections={"cache": {"max_bytes": max_bytes, "evict_after_reads": 0}})
     sizes = []
 
     def progressed(doc: dict[str, Any]) -> bool:

@@ -191,8 +191,8 @@ def test_waiting_too_long_fails_with_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_errors_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(NoSuchCacheError, match=str(tmp_path / "missing")):
-        EpochLoaderFactory(tmp_path / "missing", batch_size=4)
+    with pytest.raises(NoSuchCacheError, match=str(tmp_path / "missing") + r".*waited 0.2s"):
+        EpochLoaderFactory(tmp_path / "missing", batch_size=4, wait_timeout_s=0.2, progress=None)
     root = build_cache(tmp_path / "c", 5)
     with pytest.raises(TypeError, match="sampler"):
         EpochLoaderFactory(root, batch_size=4, sampler=None)
@@ -225,3 +225,16 @@ def test_a_failed_background_build_is_raised_by_the_next_loader_call(tmp_path: P
                 factory.loader(1)
     finally:
         rank0.release()
+
+
+def test_a_trainer_started_with_the_daemon_waits_for_the_cache_to_appear(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    progress = io.StringIO()
+    creator = threading.Timer(0.5, build_cache, args=(root, 40))
+    creator.start()
+    try:
+        with EpochLoaderFactory(root, batch_size=10, run_id="t", progress=progress, wait_timeout_s=30) as factory:
+            assert sum(1 for _ in factory.loader(0)) == 4
+    finally:
+        creator.join()
+    assert "waiting for the cache at" in progress.getvalue()

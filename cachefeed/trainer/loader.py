@@ -60,7 +60,7 @@ from cachefeed.trainer.partition import (
     launcher_run_id,
     sanitize_run_id,
 )
-from cachefeed.trainer.wait import wait_for_samples
+from cachefeed.trainer.wait import wait_for_cache, wait_for_samples
 
 __all__ = ["EpochLoaderFactory"]
 
@@ -93,7 +93,9 @@ class EpochLoaderFactory:
         collate_fn: batches samples (default ``torch.utils.data.default_collate``).
         verify: check every record's checksum when reading (a failing record is skipped, never served).
         min_samples: the first epoch waits until this many samples are cached (a progress line on ``progress``).
-        wait_timeout_s: how long that wait may take before ``SnapshotError``.
+        wait_timeout_s: how long that wait may take before ``SnapshotError``; also how long the constructor waits
+            for the cache directory to appear (a trainer started together with the daemon) before
+            ``NoSuchCacheError``.
         join_timeout_s: how long a non-zero local rank waits for local rank 0's snapshot of an epoch.
         prepare_at: fraction of an epoch's batches after which the next epoch is prepared; None = automatic.
         epochs: the number of epochs, if known: epoch ``epochs`` is then never prepared (no workers started for
@@ -143,7 +145,7 @@ class EpochLoaderFactory:
         if reserved:
             raise TypeError(f"EpochLoaderFactory sets {', '.join(reserved)} itself; use its own arguments")
         self.layout = CacheLayout(Path(cache_dir))
-        self.layout.check()
+        wait_for_cache(self.layout, timeout_s=wait_timeout_s, progress=progress)  # a daemon may be starting
         self.ranks: RankInfo = detect_ranks(rank, world_size)
         env_run_id = launcher_run_id()
         if run_id is None and env_run_id is None and self.ranks.local_world_size > 1:

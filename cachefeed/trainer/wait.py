@@ -20,9 +20,9 @@ from watchdog.observers.api import BaseObserver
 
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.snapshots import segment_count
-from cachefeed.errors import SnapshotError
+from cachefeed.errors import NoSuchCacheError, SnapshotError
 
-__all__ = ["SampleCounter", "wait_for_samples"]
+__all__ = ["SampleCounter", "wait_for_cache", "wait_for_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,36 @@ class _Progress:
         if self._stream is not None and self._drawn:
             self._stream.write("\n")
             self._stream.flush()
+
+
+def wait_for_cache(
+    layout: CacheLayout, *, timeout_s: float, progress: TextIO | None = sys.stderr, poll_s: float = 0.1
+) -> None:
+    """Block until the daemon has created the cache at ``layout.root`` (a trainer started together with it).
+
+    Raises:
+        NoSuchCacheError: not there after ``timeout_s``, or the path is something else (a file, another dir).
+    """
+    started = time.monotonic()
+    shown = 0.0
+    while True:
+        try:
+            layout.check()
+            return
+        except NoSuchCacheError as exc:
+            waited = time.monotonic() - started
+            if layout.root.exists() and not layout.root.is_dir():
+                raise  # a file where the cache should be: waiting would not help
+            if waited > timeout_s:
+                raise NoSuchCacheError(f"{exc} (waited {timeout_s:g}s for the daemon to create it)") from None
+            if progress is not None and (not shown or waited - shown >= _PLAIN_EVERY_S):
+                progress.write(
+                    f"cachefeed: waiting for the cache at {layout.root} to appear (is the daemon starting?) "
+                    f"{waited:.0f}s\n"
+                )
+                progress.flush()
+                shown = waited or 1e-9
+            time.sleep(poll_s)
 
 
 def wait_for_samples(

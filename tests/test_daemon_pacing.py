@@ -1,0 +1,95 @@
+"""Ingest paced by what training reads (``cache.evict_after_reads``), end to end: the real daemon against moto's S3
+server behind a counting proxy, a real trainer through ``EpochLoaderFactory``.
+
+* With no trainer the daemon fills its budget and then makes no GET at all.
+* With a trainer slower than the remote, nothing is evicted unread and egress follows what epochs read.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from cachefeed.status import Health, read_report
+from cachefeed.trainer import EpochLoaderFactory
+from tests.support.daemon_harness import (
+    BUCKET,
+    StartDaemon,
+    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
+    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
+    upload_arrays,
+)
+from tests.support.faultproxy import FaultProxy
+
+OBJECTS = 300
+OBJECT_BYTES = 64 << 10  # one uint8 array per object: a 19 MiB dataset
+MAX_BYTES = 8 << 20
+IN_FLIGHT_OBJECTS = 2 * 8  # sampler processes x concurrency (the harness's config): fetched before a grant
+
+
+def quiet_after_fill(fault_proxy: FaultProxy, daemon: StartDaemon, quiet_s: float) -> None:
+    proc = daemon(endpoint=fault_proxy.endpoint, sections={"cache": {"max_bytes": MAX_BYTES}})
+    doc = proc.wait_status(lambda d: d["cache"]["is_paced"], timeout_s=60, what="the cache full and paced")
+    gets_at_fill = fault_proxy.counts().ops.get("GetObject", 0)
+    assert OBJECTS > gets_at_fill > 0, "the budget holds part of the dataset"
+    deadline = time.monotonic() + quiet_s
+    while time.monotonic() < deadline:
+        doc = proc.status()
+        assert doc is not None and doc["cache"]["is_paced"]
+        time.sleep(0.5)
+    gets = fault_proxy.counts().ops.get("GetObject", 0)
+    assert gets - gets_at_fill <= IN_FLIGHT_OBJECTS, "at most the requests already in flight at the fill"
+    time.sleep(1.0)
+    assert fault_proxy.counts().ops.get("GetObject", 0) == gets, "then no GET at all"
+    assert doc["evicted"]["segments_total"] == 0
+    assert doc["cache"]["waiting_for_reads_samples"] == doc["cache"]["samples"] > 0
+    assert read_report(proc.cache_dir).health is Health.RUNNING, "waiting for readers is normal, not a fault"
+    assert proc.stop() == 0
+
+
+def test_without_a_trainer_the_daemon_fills_its_budget_then_makes_no_request(
+    bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon
+) -> None:
+    upload_arrays(bucket, BUCKET, OBJECTS, OBJECT_BYTES)
+    fault_proxy.reset_counts()
+    quiet_after_fill(fault_proxy, daemon, quiet_s=8)
+
+
+@pytest.mark.slow
+def test_without_a_trainer_no_request_for_a_minute(bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon) -> None:
+    upload_arrays(bucket, BUCKET, OBJECTS, OBJECT_BYTES)
+    fault_proxy.reset_counts()
+    quiet_after_fill(fault_proxy, daemon, quiet_s=60)
+
+
+def test_a_slow_trainer_reads_everything_the_daemon_downloads(
+    bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon
+) -> None:
+    upload_arrays(bucket, BUCKET, OBJECTS, OBJECT_BYTES)
+    fault_proxy.reset_counts()
+    proc = daemon(endpoint=fault_proxy.endpoint, sections={"cache": {"max_bytes": MAX_BYTES}})
+    read_samples = 0
+    epochs = 6
+    with EpochLoaderFactory(
+        proc.cache_dir, batch_size=16, run_id="slow", epochs=epochs, min_samples=32, progress=None
+    ) as factory:
+        for epoch in range(epochs):
+            for batch in factory.loader(epoch):
+                assert batch["data"].shape[1:] == (OBJECT_BYTES,)
+                time.sleep(0.01)  # a training step: slower than the remote here
+            read_samples += factory.stats(epoch).samples
+    doc = proc.wait_status(
+        lambda d: d["cache"]["epochs_total"] >= epochs, timeout_s=30, what="every epoch's read receipt applied"
+    )
+    assert doc["cache"]["epochs_total"] == epochs, "every epoch is counted, once"
+    assert doc["evicted"]["segments_total"] > 0, "the cache turned over"
+    assert doc["evicted"]["unread_samples_total"] == 0, "nothing downloaded was evicted unread"
+    assert doc["evicted"]["epochs_per_sample"] >= 1.0
+    downloaded = doc["remote"]["bytes_total"]
+    read_bytes = read_samples * OBJECT_BYTES
+    allowance = MAX_BYTES + IN_FLIGHT_OBJECTS * (OBJECT_BYTES + 4096)
+    assert downloaded <= read_bytes + allowance, (downloaded, read_bytes)
+    assert doc["remote"]["bytes_per_sample_read"] is not None
+    assert proc.stop() == 0
