@@ -238,3 +238,54 @@ def test_a_trainer_started_with_the_daemon_waits_for_the_cache_to_appear(tmp_pat
     finally:
         creator.join()
     assert "waiting for the cache at" in progress.getvalue()
+
+
+def test_epochs_of_a_set_size_are_known_before_training_and_never_repeat_a_sample(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 300)
+    with EpochLoaderFactory(root, batch_size=16, run_id="t", samples_per_epoch=200, progress=None) as factory:
+        assert factory.batches_per_epoch == 13, "200 samples in batches of 16, known before the first epoch"
+        for epoch in range(3):
+            loader = factory.loader(epoch)
+            assert len(loader) == 13
+            keys = [key for batch in loader for key in check_batch(batch)]
+            assert len(keys) == 200 and len(set(keys)) == 200, "no sample twice while the snapshot holds enough"
+
+
+def test_a_small_cache_is_reused_to_fill_an_epoch_of_a_set_size(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 50)
+    with EpochLoaderFactory(
+        root, batch_size=10, run_id="t", samples_per_epoch=120, min_samples=50, progress=None
+    ) as factory:
+        keys = [key for batch in factory.loader(0) for key in check_batch(batch)]
+    assert len(keys) == 120
+    assert set(keys) == {f"k{i}" for i in range(50)}, "every cached sample is used before any is reused"
+
+
+def test_an_epoch_of_a_set_size_reads_the_least_read_samples_first(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, segment_bytes=16 << 10))
+    with CacheWriter(store, segment_bytes=16 << 10, fsync=False) as writer:
+        for i in range(200):
+            writer.add(make_sample(f"old{i}", 256))
+    read = Snapshot.create(root, "earlier-epoch")  # an earlier epoch read all of these
+    read.mark_read()
+    read.release()
+    store.collect_reads()
+    with CacheWriter(store, segment_bytes=16 << 10, fsync=False) as writer:
+        for i in range(100):
+            writer.add(make_sample(f"new{i}", 256))
+    store.close()
+    with EpochLoaderFactory(root, batch_size=20, run_id="t", samples_per_epoch=100, progress=None) as factory:
+        keys = {key for batch in factory.loader(0) for key in check_batch(batch)}
+    assert keys == {f"new{i}" for i in range(100)}, "the unread samples go first"
+
+
+def test_ranks_split_an_epoch_of_a_set_size_equally_and_disjointly() -> None:
+    from cachefeed.trainer.partition import fixed_size_order
+
+    order = fixed_size_order((40, 40, 20), (1, 0, 0), 60, seed=3, epoch=2, shuffle=True)
+    rank0, rank1 = order[:30], order[30:]
+    assert len(set(rank0.tolist()) | set(rank1.tolist())) == 60, "disjoint shares of distinct samples"
+    assert set(order.tolist()) == set(range(40, 100)), "the never-read segments first"
+    again = fixed_size_order((40, 40, 20), (1, 0, 0), 60, seed=3, epoch=2, shuffle=True)
+    assert (order == again).all(), "every rank computes the same order"

@@ -38,7 +38,7 @@ import msgpack
 
 from cachefeed.fsutil import atomic_write
 
-__all__ = ["LEDGER_NAME", "READ_MARK", "RECEIPT_SUFFIX", "ReadLedger", "Receipt", "write_receipt"]
+__all__ = ["LEDGER_NAME", "READ_MARK", "RECEIPT_SUFFIX", "ReadLedger", "Receipt", "read_counts", "write_receipt"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,15 @@ def write_receipt(snapshots: Path, snap_id: str, segments: Iterable[str], *, mod
     document = {"snapshot": snap_id, "segments": list(segments), "at": time.time()}
     name = f"{snap_id}.{secrets.token_hex(6)}{RECEIPT_SUFFIX}"
     atomic_write(snapshots / name, msgpack.packb(document), mode=mode)
+
+
+def read_counts(root: Path) -> dict[str, int]:
+    """The ledger's counts per segment name, for readers (trainers): empty if there is none or it is unreadable."""
+    try:
+        document = msgpack.unpackb((root / LEDGER_NAME).read_bytes(), raw=False)
+        return {str(name): int(n) for name, n in document["counts"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 class ReadLedger:

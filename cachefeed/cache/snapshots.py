@@ -43,7 +43,7 @@ from types import TracebackType
 import msgpack
 
 from cachefeed.cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
-from cachefeed.cache.reads import READ_MARK, RECEIPT_SUFFIX, write_receipt
+from cachefeed.cache.reads import READ_MARK, RECEIPT_SUFFIX, read_counts, write_receipt
 from cachefeed.errors import SnapshotError
 from cachefeed.fsutil import atomic_write, remove_tree
 from cachefeed.records import TRAILER_BYTES
@@ -92,6 +92,8 @@ class Snapshot:
         directory: ``snapshots/<id>/``; segment ``names[i]`` is ``directory / names[i]``.
         names: segment file names, oldest first.
         counts: samples in each segment.
+        reads: epochs that had read each segment when the snapshot was made (from the daemon's ledger; 0 if
+            unknown), so that every rank sharing the snapshot draws the same least-read-first order.
     """
 
     def __init__(self, layout: CacheLayout, snap_id: str, lock_fd: int, manifest: dict[str, object]) -> None:
@@ -105,6 +107,7 @@ class Snapshot:
             raise SnapshotError(f"snapshot {snap_id}: malformed MANIFEST")
         self.names: tuple[str, ...] = tuple(str(entry[0]) for entry in entries)
         self.counts: tuple[int, ...] = tuple(int(entry[1]) for entry in entries)
+        self.reads: tuple[int, ...] = tuple(int(entry[2]) if len(entry) > 2 else 0 for entry in entries)
         self.created = float(manifest.get("created", 0.0))  # type: ignore[arg-type]
 
     @property
@@ -139,6 +142,7 @@ class Snapshot:
             remove_tree(directory)  # a directory without its lock is garbage (see the NOTE)
             directory.mkdir(mode=0o750)
             entries = []
+            reads = read_counts(layout.root)
             for name, _info in layout.list_segments():
                 try:
                     os.link(layout.segments / name, directory / name, follow_symlinks=False)
@@ -146,7 +150,7 @@ class Snapshot:
                     continue  # evicted between the listing and the link
                 count = segment_count(directory / name)
                 if count > 0:
-                    entries.append([name, count])
+                    entries.append([name, count, reads.get(name, 0)])
                 else:
                     os.unlink(directory / name)
             manifest = {"id": snap_id, "created": time.time(), "segments": entries}

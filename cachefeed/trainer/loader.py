@@ -57,6 +57,7 @@ from cachefeed.trainer.partition import (
     RankInfo,
     detect_ranks,
     epoch_share,
+    fixed_size_order,
     launcher_run_id,
     sanitize_run_id,
 )
@@ -92,7 +93,12 @@ class EpochLoaderFactory:
         transform: per-sample function run in the workers (picklable for spawn/forkserver).
         collate_fn: batches samples (default ``torch.utils.data.default_collate``).
         verify: check every record's checksum when reading (a failing record is skipped, never served).
-        min_samples: the first epoch waits until this many samples are cached (a progress line on ``progress``).
+        samples_per_epoch: every epoch is exactly this many samples of the node's snapshot (split equally among
+            the node's ranks), least-read first, reusing samples when fewer are cached: ``len(loader)`` and the
+            number of steps are known before training starts (``batches_per_epoch``). None: each epoch is one pass
+            over its snapshot.
+        min_samples: the first epoch waits until this many samples are cached (a progress line on ``progress``);
+            default ``samples_per_epoch`` if set, else 1.
         wait_timeout_s: how long that wait may take before ``SnapshotError``; also how long the constructor waits
             for the cache directory to appear (a trainer started together with the daemon) before
             ``NoSuchCacheError``.
@@ -120,7 +126,8 @@ class EpochLoaderFactory:
         transform: Transform | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         verify: bool = True,
-        min_samples: int = 1,
+        samples_per_epoch: int | None = None,
+        min_samples: int | None = None,
         wait_timeout_s: float = 600.0,
         join_timeout_s: float = 300.0,
         prepare_at: float | None = None,
@@ -135,6 +142,10 @@ class EpochLoaderFactory:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if samples_per_epoch is not None and samples_per_epoch < 1:
+            raise ValueError(f"samples_per_epoch must be >= 1 (or None), got {samples_per_epoch}")
+        if min_samples is None:
+            min_samples = samples_per_epoch or 1
         if min_samples < 0 or wait_timeout_s <= 0 or join_timeout_s <= 0:
             raise ValueError("min_samples must be >= 0 and the timeouts > 0")
         if epochs is not None and epochs < 0:
@@ -162,6 +173,7 @@ class EpochLoaderFactory:
         self.transform = transform
         self.collate_fn = collate_fn or default_collate
         self.verify = verify
+        self.samples_per_epoch = samples_per_epoch
         self.min_samples = min_samples
         self.wait_timeout_s = wait_timeout_s
         self.join_timeout_s = join_timeout_s
@@ -274,6 +286,39 @@ class EpochLoaderFactory:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self._agree_group)
         return int(tensor.item())
 
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """This rank's batches in every epoch with ``samples_per_epoch`` (None without: it depends on the cache)."""
+        if self.samples_per_epoch is None:
+            return None
+        per_rank = self.samples_per_epoch // self.ranks.local_world_size
+        return len(EpochBatchSampler(np.empty(per_rank, np.int64), self.batch_size, drop_last=self.drop_last))
+
+    def _share(self, snapshot: Snapshot, epoch: int) -> npt.NDArray[np.int64]:
+        """This rank's indices into ``snapshot`` for ``epoch`` (see partition.py)."""
+        ranks = self.ranks
+        if self.samples_per_epoch is not None:
+            per_rank = self.samples_per_epoch // ranks.local_world_size
+            order = fixed_size_order(
+                snapshot.counts,
+                snapshot.reads,
+                per_rank * ranks.local_world_size,
+                seed=self.seed,
+                epoch=epoch,
+                shuffle=self.shuffle,
+            )
+            return order[ranks.local_rank * per_rank : (ranks.local_rank + 1) * per_rank]
+        per_rank = self._agree_min(snapshot.samples // ranks.local_world_size)
+        return epoch_share(
+            snapshot.samples,
+            seed=self.seed,
+            epoch=epoch,
+            shuffle=self.shuffle,
+            local_rank=ranks.local_rank,
+            local_world_size=ranks.local_world_size,
+            per_rank=per_rank,
+        )
+
     def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
         """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
         started = time.perf_counter()
@@ -294,16 +339,7 @@ class EpochLoaderFactory:
         dataset: SnapshotDataset | None = None
         pid = os.getpid()
         try:
-            per_rank = self._agree_min(snapshot.samples // self.ranks.local_world_size)
-            indices = epoch_share(
-                snapshot.samples,
-                seed=self.seed,
-                epoch=epoch,
-                shuffle=self.shuffle,
-                local_rank=self.ranks.local_rank,
-                local_world_size=self.ranks.local_world_size,
-                per_rank=per_rank,
-            )
+            indices = self._share(snapshot, epoch)
             dataset = SnapshotDataset.from_snapshot(snapshot, transform=self.transform, verify=self.verify)
             with self._lock:
                 previous, self._last_names = self._last_names, frozenset(snapshot.names)

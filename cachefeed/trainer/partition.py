@@ -11,6 +11,13 @@ Equal shares: each local rank gets ``samples // local_world_size`` samples from 
 ``(seed, epoch)``; the remainder (fewer than ``local_world_size`` samples) is **dropped** for this epoch rather than
 padded with repeats, so no sample is delivered twice in an epoch. The permutation differs each epoch, so a dropped
 sample is not dropped the next time.
+
+Epochs of a set size (``samples_per_epoch = N``, see ``fixed_size_order``): the node's epoch is exactly N samples
+of its snapshot, the least-read segments' samples first (ties in a seeded random order), without replacement while
+the snapshot holds N or more; with fewer, every sample is used and the rest is filled by further seeded passes over
+the snapshot (reuse), never the same sample twice in a row of passes. The N are then shuffled and split equally
+among the local ranks (``N // local_world_size`` each), so ``len(loader)`` is known before training starts and is
+the same on every node.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ __all__ = [
     "detect_ranks",
     "epoch_order",
     "epoch_share",
+    "fixed_size_order",
     "launcher_run_id",
     "sanitize_run_id",
 ]
@@ -146,6 +154,30 @@ def epoch_share(
         raise ValueError(f"{local_world_size} shares of {per_rank} do not fit in {samples} samples")
     order = epoch_order(samples, seed=seed, epoch=epoch, shuffle=shuffle)
     return order[local_rank * per_rank : (local_rank + 1) * per_rank]
+
+
+def fixed_size_order(
+    counts: tuple[int, ...], reads: tuple[int, ...], n: int, *, seed: int, epoch: int, shuffle: bool
+) -> npt.NDArray[np.int64]:
+    """The node's ``n`` sample indices for one epoch of a set size (module docstring): least-read first, then
+    reuse in seeded passes when the snapshot holds fewer than ``n``; shuffled by ``(seed, epoch)``."""
+    samples = int(sum(counts))
+    if samples == 0:
+        raise ValueError("the snapshot is empty: no epoch of a set size can be drawn from it")
+    rng = np.random.default_rng([seed, epoch, 1])
+    per_sample_reads = np.repeat(np.asarray(reads, dtype=np.int64), np.asarray(counts, dtype=np.int64))
+    tiebreak = rng.permutation(samples)
+    chosen = np.lexsort((tiebreak, per_sample_reads))[: min(n, samples)].astype(np.int64)
+    passes = [chosen]
+    have = len(chosen)
+    while have < n:  # fewer samples than the epoch: reuse, a seeded pass at a time
+        extra = rng.permutation(samples)[: n - have].astype(np.int64)
+        passes.append(extra)
+        have += len(extra)
+    order = np.concatenate(passes)
+    if shuffle:
+        order = order[np.random.default_rng([seed, epoch]).permutation(n)]
+    return order
 
 
 class EpochBatchSampler(Sampler[npt.NDArray[np.int64]]):
