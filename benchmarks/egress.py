@@ -1,0 +1,161 @@
+"""Egress per trained sample: what the daemon downloads for what training reads, paced against free-running.
+
+    python -m benchmarks.egress [--objects 300] [--object-kib 64] [--budget-mib 8] [--seconds 15]
+
+One moto S3 server behind a counting proxy (GETs counted at the server side of the daemon), one dataset of
+``--objects`` .npy objects, a cache budget of about a third of it. Three trainers, each for ``--seconds``:
+
+* ``no trainer``: nothing reads;
+* ``slow trainer``: a step of 20 ms per batch of 16 (training slower than the remote);
+* ``fast trainer``: no step, the remote capped at 2 MiB/s with ``remote.max_bytes_per_s`` (training faster);
+
+each with ``cache.evict_after_reads = 1`` (paced, the default) and ``0`` (free-running, the old behaviour).
+Printed per run: remote bytes and GETs per sample that an epoch read ("trained"), samples evicted unread, and the
+reads per evicted sample. Writes ``benchmarks/results/egress.json`` (``--no-save`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common.results import provenance_line, save
+from cachefeed.trainer import EpochLoaderFactory
+from tests.support.daemon_harness import BUCKET, start_daemon, upload_arrays, write_config
+from tests.support.faultproxy import FaultProxy
+from tests.support.moto_server import DUMMY_ENV, MotoServer
+
+TRAINERS = ("no trainer", "slow trainer", "fast trainer")
+
+
+def run(server: MotoServer, work: Path, trainer: str, reads: int, args: argparse.Namespace) -> dict[str, Any]:
+    cache_dir = work / f"cache-{trainer.replace(' ', '-')}-{reads}"
+    sections: dict[str, dict[str, Any]] = {
+        "cache": {"max_bytes": args.budget_mib << 20, "evict_after_reads": reads},
+        "status": {"interval": "200ms"},
+    }
+    if trainer == "fast trainer":
+        sections["remote"] = {"max_bytes_per_s": 2 << 20}
+    with FaultProxy(server.endpoint) as proxy:
+        config = write_config(
+            work / f"{cache_dir.name}.toml",
+            endpoint=proxy.endpoint,
+            bucket=BUCKET,
+            cache_dir=cache_dir,
+            sections=sections,
+        )
+        proc = start_daemon(config, cache_dir, work / f"{cache_dir.name}.stderr")
+        trained = epochs = 0
+        try:
+            deadline = time.monotonic() + args.seconds
+            if trainer == "no trainer":
+                time.sleep(args.seconds)
+            else:
+                step_s = 0.02 if trainer == "slow trainer" else 0.0
+                with EpochLoaderFactory(
+                    cache_dir, batch_size=16, run_id="egress", min_samples=16, progress=None
+                ) as factory:
+                    while time.monotonic() < deadline:
+                        for _batch in factory.loader(epochs):
+                            time.sleep(step_s)
+                        trained += factory.stats(epochs).samples
+                        epochs += 1
+            doc = proc.wait_status(
+                lambda d: d["cache"]["epochs_total"] >= (epochs if reads else 0), timeout_s=30, what="receipts"
+            )
+        finally:
+            proc.stop()
+        gets = proxy.counts().ops.get("GetObject", 0)
+    downloaded = doc["remote"]["bytes_total"]
+    return {
+        "trainer": trainer,
+        "evict_after_reads": reads,
+        "seconds": args.seconds,
+        "epochs": epochs,
+        "samples_trained": trained,
+        "gets": gets,
+        "bytes_downloaded": downloaded,
+        "bytes_per_trained_sample": downloaded / trained if trained else None,
+        "gets_per_trained_sample": gets / trained if trained else None,
+        "evicted_samples": doc["evicted"]["samples_total"],
+        "evicted_unread_samples": doc["evicted"]["unread_samples_total"],
+        "reads_per_evicted_sample": doc["evicted"]["epochs_per_sample"],
+    }
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| trainer | evict_after_reads | samples trained | GETs | MiB downloaded | bytes / trained sample "
+        "| GETs / trained sample | evicted unread | reads per evicted sample |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['trainer']} | {row['evict_after_reads']} | {row['samples_trained']:,} | {row['gets']:,} "
+            f"| {row['bytes_downloaded'] / (1 << 20):,.1f} | {_fmt(row['bytes_per_trained_sample'], ',.0f')} "
+            f"| {_fmt(row['gets_per_trained_sample'], '.2f')} | {row['evicted_unread_samples']:,} "
+            f"| {_fmt(row['reads_per_evicted_sample'], '.2f')} |"
+        )
+    return lines
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's egress table, from a committed result document."""
+    figures = doc["figures"]
+    lines = [
+        f"{figures['objects']} objects of {figures['object_kib']} KiB, a {figures['budget_mib']} MiB cache, "
+        f"{figures['seconds']:g} s per run:",
+        "",
+        *table(figures["rows"]),
+        "",
+        "Measured with " + provenance_line(doc) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--objects", type=int, default=300)
+    parser.add_argument("--object-kib", type=int, default=64)
+    parser.add_argument("--budget-mib", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--no-save", dest="save", action="store_false")
+    args = parser.parse_args(argv)
+    os.environ.update(DUMMY_ENV)
+    server = MotoServer.start()
+    rows = []
+    try:
+        client = server.client()
+        client.create_bucket(Bucket=BUCKET)
+        upload_arrays(client, BUCKET, args.objects, args.object_kib << 10)
+        with tempfile.TemporaryDirectory(prefix="cachefeed-egress-", dir="/dev/shm") as tmp:
+            for trainer in TRAINERS:
+                for reads in (1, 0):
+                    row = run(server, Path(tmp), trainer, reads, args)
+                    rows.append(row)
+                    print(table([row])[-1], flush=True)
+            figures = {
+                "objects": args.objects,
+                "object_kib": args.object_kib,
+                "budget_mib": args.budget_mib,
+                "seconds": args.seconds,
+                "rows": rows,
+            }
+            print("\n".join(table(rows)))
+            if args.save:
+                print(f"results: {save('egress', figures, work_dir=Path(tmp))}")
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
