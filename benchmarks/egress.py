@@ -6,7 +6,7 @@ One moto S3 server behind a counting proxy (GETs counted at the server side of t
 ``--objects`` .npy objects, a cache budget of about a third of it. Three trainers, each for ``--seconds``:
 
 * ``no trainer``: nothing reads;
-* ``slow trainer``: a step of 20 ms per batch of 16 (training slower than the remote);
+* ``slow trainer``: a step of 100 ms per batch of 16, 160 samples/s (training slower than the remote);
 * ``fast trainer``: no step, the remote capped at 2 MiB/s with ``remote.max_bytes_per_s`` (training faster);
 
 each with ``cache.evict_after_reads = 1`` (paced, the default) and ``0`` (free-running, the old behaviour).
@@ -55,7 +55,7 @@ def run(server: MotoServer, work: Path, trainer: str, reads: int, args: argparse
             if trainer == "no trainer":
                 time.sleep(args.seconds)
             else:
-                step_s = 0.02 if trainer == "slow trainer" else 0.0
+                step_s = 0.1 if trainer == "slow trainer" else 0.0
                 with EpochLoaderFactory(
                     cache_dir, batch_size=16, run_id="egress", min_samples=16, progress=None
                 ) as factory:

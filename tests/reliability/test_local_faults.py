@@ -48,7 +48,8 @@ def daemon_on(
         endpoint=s3.endpoint,
         bucket=BUCKET,
         cache_dir=cache_dir,
-        sections={"cache": cache, "sampler": sampler, "remote": {"refresh_interval": "1s"}},
+        # free-running (evict_after_reads = 0): these faults strike while the cache fills and evicts, no trainer
+        sections={"cache": {"evict_after_reads": 0, **cache}, "sampler": sampler, "remote": {"refresh_interval": "1s"}},
     )
     return start_daemon(config, cache_dir, tmp_path / f"{name}.stderr")
 

@@ -69,7 +69,8 @@ def test_killed_trainers_pins_are_swept_and_eviction_resumes(tmp_path: Path, buc
     upload_sv(bucket, BUCKET, 90, 16 << 10)  # a little more than the cache holds
     proc = daemon(
         sections={
-            "cache": {"max_bytes": "2MiB", "segment_bytes": "64KiB", "turnover": 0},
+            # free-running (evict_after_reads = 0): only the dying trainers' pins may stop eviction here
+            "cache": {"max_bytes": "2MiB", "segment_bytes": "64KiB", "turnover": 0, "evict_after_reads": 0},
             "remote": {"refresh_interval": "1s", "max_requests_per_s": 40},  # no need to churn faster
         }
     )
