@@ -71,6 +71,7 @@ class CacheConfig:
     segment_bytes: int = _DEFAULT_SEGMENT_BYTES
     eviction: str = "fifo"
     evict_after_reads: int = 1
+    snapshot_grace_s: float = 300.0
     turnover_bytes: int = 0
     compression: str = "none"
     fsync: bool = True
@@ -189,6 +190,13 @@ def _positive_duration(value: object) -> float:
     return seconds
 
 
+def _duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError("expected a duration >= 0 such as 5m")
+    return seconds
+
+
 def _one_of(choices: tuple[str, ...]) -> Callable[[object], str]:
     def parse(value: object) -> str:
         if not isinstance(value, str) or value not in choices:
@@ -302,6 +310,11 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
             "evict_after_reads",
             _int_at_least(0),
             "epochs that must read a segment before it may be evicted; 0 = evict by age alone (1)",
+        ),
+        "snapshot_grace": (
+            "snapshot_grace_s",
+            _duration,
+            "how long a dead trainer's snapshot is kept so its job can resume the epoch (5m)",
         ),
         "turnover": ("turnover_bytes", _turnover, 'room kept for fresh samples while pinned ("25%")'),
         "compression": ("compression", _one_of(COMPRESSIONS), 'per-record compression ("none")'),

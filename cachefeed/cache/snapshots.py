@@ -36,6 +36,7 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -279,11 +280,17 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
     return fd, manifest
 
 
-def _remove_if_unheld(fd: int, lock_path: Path, directory: Path) -> bool:
-    """If nobody else holds the lock on ``fd``, remove the snapshot (directory first, then lock)."""
+def _remove_if_unheld(
+    fd: int, lock_path: Path, directory: Path, *, keep: Callable[[str], bool] | None = None, snap_id: str = ""
+) -> bool:
+    """If nobody else holds the lock on ``fd`` (and ``keep`` does not keep it), remove the snapshot (directory
+    first, then lock)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        return False
+    if keep is not None and keep(snap_id):
+        fcntl.flock(fd, fcntl.LOCK_UN)
         return False
     try:
         if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
@@ -314,10 +321,14 @@ def _leave_receipt(directory: Path) -> None:
 # -- the daemon's side ------------------------------------------------------------------------------------------
 
 
-def sweep_stale(layout: CacheLayout, *, now: float | None = None) -> list[str]:
+def sweep_stale(
+    layout: CacheLayout, *, now: float | None = None, keep: Callable[[str], bool] | None = None
+) -> list[str]:
     """Remove snapshots whose holders are all gone, orphan directories and stale partial locks.
 
-    Safe to run at any time, concurrently with trainers (see the NOTE). Returns the removed snapshot ids.
+    ``keep(snap_id)`` is asked about each snapshot nobody holds; True leaves it for now (a dead trainer's epoch,
+    kept for its job to resume). Safe to run at any time, concurrently with trainers (see the NOTE). Returns the
+    removed snapshot ids.
     """
     removed: list[str] = []
     now = time.time() if now is None else now
@@ -339,7 +350,7 @@ def sweep_stale(layout: CacheLayout, *, now: float | None = None) -> list[str]:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):  # a planted FIFO or device: never a lock of ours
                     Path(entry.path).unlink(missing_ok=True)
                     continue
-                if _remove_if_unheld(fd, Path(entry.path), layout.snapshots / snap_id):
+                if _remove_if_unheld(fd, Path(entry.path), layout.snapshots / snap_id, keep=keep, snap_id=snap_id):
                     removed.append(snap_id)
             finally:
                 os.close(fd)

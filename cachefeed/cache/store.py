@@ -158,6 +158,8 @@ class CacheStore:
         self._epoch_reads: dict[int, int] = {}  # seq -> epochs that read it (see "Epoch reads")
         self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
         self._live_snapshots = 0
+        self._free_since: dict[str, float] = {}  # snap_id -> when a sweep first found nobody holding it
+        self._free_seen_now: set[str] = set()
         self._pins_scanned_at = 0.0
         self._swept_at = 0.0
         self._next_seq = 0
@@ -220,7 +222,7 @@ class CacheStore:
         for entry in os.scandir(self.layout.tmp):
             remove_tree(entry.path)
             self.counters.removed_temp += 1
-        self.counters.stale_snapshots += len(sweep_stale(self.layout))
+        self.counters.stale_snapshots += len(sweep_stale(self.layout, keep=self._keep_for_resume))
         highest = -1
         for entry in os.scandir(self.layout.segments):
             path = Path(entry.path)
@@ -311,6 +313,19 @@ class CacheStore:
         if force or time.monotonic() - self._pins_scanned_at > _PIN_RESCAN_S:
             self._rescan_pins()
 
+    def _keep_for_resume(self, snap_id: str) -> bool:
+        """Keep a snapshot nobody holds for ``snapshot_grace_s`` after the sweep first found it so (its trainer
+        died; a restarted job may resume the epoch on it, see ``EpochLoaderFactory.load_state_dict``)."""
+        now = time.monotonic()
+        first = self._free_since.setdefault(snap_id, now)
+        self._free_seen_now.add(snap_id)
+        return now - first < self.config.snapshot_grace_s
+
+    @property
+    def orphaned_snapshots(self) -> list[str]:
+        """Snapshots kept for resume whose trainers are gone (they still count against the budget)."""
+        return sorted(self._free_since)
+
     def collect_reads(self) -> None:
         """Apply the trainers' read receipts now (``enforce`` and ``reserve`` do it at least twice a second)."""
         self._rescan_pins()
@@ -320,7 +335,11 @@ class CacheStore:
         if time.monotonic() - self._swept_at < _SWEEP_INTERVAL_S:
             return []
         self._swept_at = time.monotonic()
-        removed = sweep_stale(self.layout)
+        seen_free = set(self._free_since)
+        self._free_seen_now = set()
+        removed = sweep_stale(self.layout, keep=self._keep_for_resume)
+        for snap_id in seen_free - self._free_seen_now:  # held again (a job resumed it) or gone: forget
+            self._free_since.pop(snap_id, None)
         if removed:
             self.counters.stale_snapshots += len(removed)
             log.info("released %d stale snapshots: %s", len(removed), ", ".join(removed))

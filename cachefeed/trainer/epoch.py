@@ -121,6 +121,7 @@ class EpochState:
         self.dataloader: DataLoader[Any] | None = None
         self.batches = 0
         self.batches_served = 0
+        self.batches_consumed = 0  # batches taken from the sampler by the training loop (empty ones included)
         self.first_batch_wait_s: float | None = None
         self.is_first_epoch = False
         self._started: tuple[Iterator[Any], list[Any]] | None = None  # iterator + its fetched first item

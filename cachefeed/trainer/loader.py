@@ -36,8 +36,9 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, cast
@@ -49,6 +50,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.snapshots import Snapshot
+from cachefeed.errors import SnapshotError
 from cachefeed.trainer.background import SerialWorker
 from cachefeed.trainer.dataset import SnapshotDataset, Transform
 from cachefeed.trainer.epoch import EpochLoader, EpochState, EpochStats, SkipEmptyCollate, shutdown_iterator
@@ -66,6 +68,15 @@ from cachefeed.trainer.wait import wait_for_cache, wait_for_samples
 __all__ = ["EpochLoaderFactory"]
 
 log = logging.getLogger(__name__)
+
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    """Where a checkpointed run stopped (``load_state_dict``)."""
+
+    epoch: int
+    snapshot_id: str
+    batches_consumed: int
+
 
 _RESERVED_OPTIONS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "num_workers")
 _LEAD_FACTOR = 2.0
@@ -174,6 +185,8 @@ class EpochLoaderFactory:
         self.collate_fn = collate_fn or default_collate
         self.verify = verify
         self.samples_per_epoch = samples_per_epoch
+        self._resume: _Resume | None = None
+        self._current: EpochState | None = None
         self.min_samples = min_samples
         self.wait_timeout_s = wait_timeout_s
         self.join_timeout_s = join_timeout_s
@@ -286,6 +299,54 @@ class EpochLoaderFactory:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self._agree_group)
         return int(tensor.item())
 
+    # -- checkpoints --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loop is: a plain dict to store in a checkpoint (``load_state_dict`` resumes it).
+
+        Holds the epoch, the batches of it the loop has taken, the seed and the snapshot the epoch reads. Save it
+        together with the model, after the step on the last batch taken.
+        """
+        state = self._current
+        if state is None:
+            return {"version": 1, "epoch": 0, "batches_consumed": 0, "seed": self.seed, "snapshot_id": None}
+        return {
+            "version": 1,
+            "epoch": state.epoch,
+            "batches_consumed": state.batches_consumed,
+            "seed": self.seed,
+            "snapshot_id": state.snapshot.snap_id,
+            "batch_size": self.batch_size,
+            "samples_per_epoch": self.samples_per_epoch,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> int:
+        """Resume from ``state_dict()``: returns the epoch to continue with (call ``loader(epoch)`` for it).
+
+        That epoch reads exactly the samples it had not handed out yet, from the same snapshot, if the snapshot is
+        still there (the daemon keeps a dead trainer's snapshot for ``cache.snapshot_grace``). Otherwise it runs on
+        a fresh snapshot, skipping as many batches as were consumed (so step counts stay right), and one log line
+        says so. Call before the first ``loader()``; the factory's ``seed`` and ``batch_size`` must match.
+        """
+        for key in ("version", "epoch", "batches_consumed", "seed", "snapshot_id"):
+            if key not in state:
+                raise ValueError(f"load_state_dict: {key!r} is missing: pass what state_dict() returned")
+        if state["version"] != 1:
+            raise ValueError(f"load_state_dict: version {state['version']!r}, this cachefeed reads version 1")
+        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size)):
+            if key in state and state[key] != mine:
+                raise ValueError(
+                    f"load_state_dict: the checkpoint's {key} is {state[key]!r}, this factory's {mine!r}: "
+                    "build the factory with the same settings to resume exactly"
+                )
+        with self._lock:
+            if self._has_built:
+                raise RuntimeError("load_state_dict must be called before the first loader()")
+        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
+        if state["snapshot_id"] is not None:
+            self._resume = _Resume(epoch, str(state["snapshot_id"]), consumed)
+        return epoch
+
     @property
     def batches_per_epoch(self) -> int | None:
         """This rank's batches in every epoch with ``samples_per_epoch`` (None without: it depends on the cache)."""
@@ -319,6 +380,24 @@ class EpochLoaderFactory:
             per_rank=per_rank,
         )
 
+    def _resumed_snapshot(self, resume: _Resume) -> Snapshot | None:
+        """The interrupted epoch's snapshot, if the daemon still keeps it; else None (and the log line)."""
+        try:
+            snapshot = Snapshot.join(self.layout.root, resume.snapshot_id, timeout_s=0.5)
+        except SnapshotError:
+            log.warning(
+                "resuming epoch %d on a fresh snapshot: %s is gone (a dead trainer's snapshot is kept for "
+                "cache.snapshot_grace); the epoch skips its first %d batches but reads other samples than before",
+                resume.epoch,
+                resume.snapshot_id,
+                resume.batches_consumed,
+            )
+            return None
+        log.info(
+            "resuming epoch %d on snapshot %s after %d batches", resume.epoch, snapshot.snap_id, resume.batches_consumed
+        )
+        return snapshot
+
     def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
         """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
         started = time.perf_counter()
@@ -332,14 +411,19 @@ class EpochLoaderFactory:
         elif is_first:
             join_timeout += self.wait_timeout_s
         snap_id = f"{self.run_id}-e{epoch:06d}"
-        if self.ranks.is_creator:
+        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
+        skip_batches = resume.batches_consumed if resume is not None else 0
+        snapshot = self._resumed_snapshot(resume) if resume is not None else None
+        if snapshot is not None:
+            snap_id = snapshot.snap_id
+        elif self.ranks.is_creator:
             snapshot = Snapshot.create(self.layout.root, snap_id)
         else:
             snapshot = Snapshot.join(self.layout.root, snap_id, timeout_s=join_timeout)
         dataset: SnapshotDataset | None = None
         pid = os.getpid()
         try:
-            indices = self._share(snapshot, epoch)
+            indices = self._share(snapshot, epoch)[skip_batches * self.batch_size :]
             dataset = SnapshotDataset.from_snapshot(snapshot, transform=self.transform, verify=self.verify)
             with self._lock:
                 previous, self._last_names = self._last_names, frozenset(snapshot.names)
@@ -435,6 +519,8 @@ class EpochLoaderFactory:
                 interval if self._pace_s is None else (1 - _PACE_WEIGHT) * self._pace_s + (_PACE_WEIGHT * interval)
             )
         self._last_batch_at = now
+        state.batches_consumed = consumed
+        self._current = state
         if self._is_due(state, consumed):
             self._prepare(state.epoch + 1)
 

@@ -103,6 +103,7 @@ def write_config(
             "min_free_bytes": 0,
             "segment_bytes": "256KiB",
             "fsync": False,
+            "snapshot_grace": "0s",  # dead trainers' snapshots go at once; the resume grace has its own tests
         },
         "sampler": {"processes": 2, "concurrency": 8, "restart_backoff": "200ms", "restart_backoff_max": "2s"},
         "status": {"interval": "200ms"},

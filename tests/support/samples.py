@@ -32,9 +32,11 @@ def check_sample(sample: dict[str, Any]) -> None:
 
 def cache_config(root: Path, **overrides: Any) -> CacheConfig:
     """A small cache for tests. ``evict_after_reads`` is 0 (evict by age, without trainers) because most store
-    tests write more than the budget with no reader; the read contract has its own tests (test_cache_reads.py)."""
+    tests write more than the budget with no reader; the read contract has its own tests (test_cache_reads.py).
+    ``snapshot_grace_s`` is 0 (a dead trainer's snapshot goes at the next sweep): the resume grace has its own."""
     values: dict[str, Any] = {
         "evict_after_reads": 0,
+        "snapshot_grace_s": 0.0,
         "dir": root,
         "max_bytes": 16 << 20,
         "min_free_bytes": 0,

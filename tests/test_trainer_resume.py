@@ -1,0 +1,102 @@
+"""Resume mid-epoch: a trainer SIGKILLed in the middle of an epoch and restarted from its last ``state_dict()``
+gets exactly the samples of that epoch it had not received, from the same snapshot, while the daemon keeps the dead
+trainer's snapshot (``cache.snapshot_grace``); after the grace, the documented fallback and its log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cachefeed.cache.store import CacheStore
+from cachefeed.trainer import EpochLoaderFactory
+from tests.support.samples import cache_config
+from tests.test_trainer_loader import build_cache, check_batch
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = 300
+BATCH = 10
+
+
+def trainer_main(root: str, progress: str) -> None:
+    """Train epoch 0 slowly; after every batch, save the keys received and the factory's state together."""
+    from cachefeed.fsutil import atomic_write
+
+    received: list[str] = []
+    with EpochLoaderFactory(root, batch_size=BATCH, run_id="job", progress=None, epochs=1) as factory:
+        for batch in factory.loader(0):
+            received += check_batch(batch)
+            atomic_write(progress, json.dumps({"keys": received, "state": factory.state_dict()}).encode())
+            time.sleep(0.05)  # a training step
+
+
+def start_trainer(root: Path, progress: Path) -> subprocess.Popen[bytes]:
+    code = f"from tests.test_trainer_resume import trainer_main; trainer_main({str(root)!r}, {str(progress)!r})"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def kill_mid_epoch(root: Path, tmp_path: Path) -> dict:
+    progress = tmp_path / "progress.json"
+    trainer = start_trainer(root, progress)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if progress.exists() and len(json.loads(progress.read_text())["keys"]) >= 10 * BATCH:
+            break
+        time.sleep(0.01)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    saved: dict = json.loads(progress.read_text())
+    assert 10 * BATCH <= len(saved["keys"]) < SAMPLES, "killed in the middle of the epoch"
+    return saved
+
+
+def resume(root: Path, saved: dict) -> list[str]:
+    with EpochLoaderFactory(root, batch_size=BATCH, run_id="job-restarted", progress=None, epochs=1) as factory:
+        epoch = factory.load_state_dict(saved["state"])
+        assert epoch == 0
+        loader = factory.loader(epoch)
+        assert len(loader) == (SAMPLES - len(saved["keys"])) // BATCH
+        return [key for batch in loader for key in check_batch(batch)]
+
+
+def test_a_killed_trainer_resumes_exactly_the_rest_of_its_epoch_within_the_grace(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", SAMPLES)
+    saved = kill_mid_epoch(root, tmp_path)
+    daemon = CacheStore(cache_config(root, snapshot_grace_s=60.0))  # the daemon's sweep, within the grace
+    daemon.sweep()
+    assert (root / "snapshots" / "job-e000000.lock").exists(), "the dead trainer's snapshot is kept"
+    rest = resume(root, saved)
+    daemon.close()
+    assert not set(rest) & set(saved["keys"]), "no sample twice"
+    assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES)), "the whole epoch, exactly"
+
+
+def test_after_the_grace_the_epoch_resumes_on_a_fresh_snapshot_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = build_cache(tmp_path / "c", SAMPLES)
+    saved = kill_mid_epoch(root, tmp_path)
+    daemon = CacheStore(cache_config(root, snapshot_grace_s=0.0))  # the grace is over
+    daemon.close()
+    assert not (root / "snapshots" / "job-e000000.lock").exists()
+    with caplog.at_level(logging.WARNING, logger="cachefeed.trainer.loader"):
+        rest = resume(root, saved)
+    assert len(rest) == SAMPLES - len(saved["keys"]), "the step count stays right"
+    assert any("resuming epoch 0 on a fresh snapshot" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_from_other_settings_is_refused(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 50)
+    state = {"version": 1, "epoch": 2, "batches_consumed": 3, "seed": 7, "snapshot_id": "x", "batch_size": BATCH}
+    with EpochLoaderFactory(root, batch_size=BATCH, progress=None) as factory:
+        with pytest.raises(ValueError, match="seed is 7, this factory's 0"):
+            factory.load_state_dict(state)
+        with pytest.raises(ValueError, match="'epoch' is missing"):
+            factory.load_state_dict({"version": 1})
