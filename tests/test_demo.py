@@ -33,7 +33,7 @@ def test_demo_trains_over_a_rolling_cache_and_cleans_up(tmp_path: Path) -> None:
     assert int(epochs[0]["new"]) == int(epochs[0]["cached"]), "everything is new in the first epoch"
     assert epochs[0]["handover"] == "-" and all(e["handover"].endswith("ms") for e in epochs[1:])
     assert "health    RUNNING" in result.stdout or "health" in result.stdout
-    seen = re.search(r"^epochs\s+(\d+) epoch snapshots? seen", result.stdout, re.M)
+    seen = re.search(r"^epochs\s+(\d+) epochs? read", result.stdout, re.M)
     assert seen and int(seen.group(1)) >= 1, "the daemon counted the epochs that read its cache"
     assert "uploading" in result.stderr and "starting the cache daemon" in result.stderr, "progress is shown"
     assert "Traceback" not in result.stderr
