@@ -36,7 +36,17 @@ def _worker_memory(doc: dict[str, Any]) -> str:
     return readme_table(doc)
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"handover": _handover, "worker_memory": _worker_memory}
+def _egress(doc: dict[str, Any]) -> str:
+    from benchmarks.egress import readme_table
+
+    return readme_table(doc)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "egress": _egress,
+    "handover": _handover,
+    "worker_memory": _worker_memory,
+}
 
 
 def render(text: str) -> tuple[str, list[str]]:
