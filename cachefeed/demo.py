@@ -352,7 +352,7 @@ def _train(args: argparse.Namespace, cache_dir: Path) -> None:
                     model = torch.nn.Linear(features.shape[1], CLASSES)
                     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
                 assert optimizer is not None
-                loss = torch.nn.functional.cross_entropy(model(features), batch["y"].long().reshape(-1))
+                loss = torch.nn.functional.cross_entropy(model(features), batch["y"].long())
                 optimizer.zero_grad()
                 loss.backward()  # type: ignore[no-untyped-call]
                 optimizer.step()

@@ -155,7 +155,7 @@ def _to_payload(value: Any) -> tuple[str, memoryview, Any]:
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise TypeError("object arrays cannot be cached; convert them to a numeric dtype")
-        array = np.ascontiguousarray(value)
+        array = np.ascontiguousarray(value).reshape(value.shape)  # ascontiguousarray makes a 0-d array 1-d
         view = memoryview(array.reshape(-1).view(np.uint8).data) if array.size else memoryview(b"")
         return "nd", view, [array.dtype.str, list(array.shape)]
     if _is_tensor(value):

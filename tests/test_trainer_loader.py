@@ -289,3 +289,29 @@ def test_ranks_split_an_epoch_of_a_set_size_equally_and_disjointly() -> None:
     assert set(order.tolist()) == set(range(40, 100)), "the never-read segments first"
     again = fixed_size_order((40, 40, 20), (1, 0, 0), 60, seed=3, epoch=2, shuffle=True)
     assert (order == again).all(), "every rank computes the same order"
+
+
+def test_a_0d_label_from_npz_batches_as_one_label_per_sample(tmp_path: Path) -> None:
+    import io as _io
+
+    import numpy as np
+    import torch
+
+    from cachefeed.codecs import get_decoder
+
+    decode = get_decoder("npz")
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, segment_bytes=16 << 10))
+    with CacheWriter(store, segment_bytes=16 << 10, fsync=False) as writer:
+        for i in range(40):
+            body = _io.BytesIO()
+            np.savez(body, x=np.full(8, i, dtype=np.float32), y=np.int64(i % 3))
+            for sample in decode(f"s{i}.npz", body.getvalue()):
+                assert sample["y"].shape == (), "the decoder keeps the 0-d label"
+                writer.add(sample)
+    store.close()
+    with EpochLoaderFactory(root, batch_size=8, run_id="t", progress=None) as factory:
+        for batch in factory.loader(0):
+            assert batch["y"].shape == (8,), "labels batch as [B], not [B, 1]"
+            loss = torch.nn.functional.cross_entropy(torch.zeros(8, 3), batch["y"])
+            assert torch.isfinite(loss)
