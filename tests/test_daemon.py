@@ -128,3 +128,13 @@ def test_preprocess_runs_once_per_sample_in_the_daemon(bucket: Any, daemon: Star
     for key, sample in found.items():
         assert sample["preprocessed"] is True
         np.testing.assert_array_equal(sample["data"], uploaded[key] + np.uint8(1))
+
+
+def test_sigterm_to_the_whole_group_is_a_clean_stop_not_a_death(bucket: Any, daemon: StartDaemon) -> None:
+    upload_arrays(bucket, BUCKET, 20, 8 << 10)
+    proc = daemon()
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 20, timeout_s=30, what="the objects cached")
+    os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C or `kill -TERM -PGID` does: samplers get it too
+    assert proc.process.wait(timeout=30) == 0
+    stderr = proc.stderr()
+    assert "died" not in stderr, stderr[-2000:]

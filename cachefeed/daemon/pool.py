@@ -205,7 +205,11 @@ class SamplerPool:
             handle.stats = {}
         handle.base_objects_total += handle.objects_total
         handle.objects_total = 0
-        if not handle.is_drained:
+        if code == 0 and not handle.is_drained:
+            # A sampler exits 0 only when asked to (a drain, SIGTERM to the whole group, its supervisor gone):
+            # not a death. If the supervisor still runs, it starts it again like any exited sampler.
+            log.info("sampler %d (pid %d) exited (status 0)", handle.index, process.pid)
+        elif not handle.is_drained:
             reason = f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
             handle.last_error = handle.last_error or reason
             log.warning("sampler %d (pid %d) died: %s", handle.index, process.pid, reason)
