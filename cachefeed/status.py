@@ -493,7 +493,9 @@ def render_human(report: StatusReport, *, now: float | None = None) -> str:
     for reason in report.reasons:
         out.add("", f"- {_clean(reason)}")
     if report.document is not None:
-        _render_document(out, report.document, report.heartbeat_age_s or 0.0, now)
+        _render_document(
+            out, report.document, report.heartbeat_age_s or 0.0, now, is_gone=report.health == Health.NOT_RUNNING
+        )
     elif report.directory is not None:
         _render_directory(out, report.directory)
     return out.render()
@@ -521,14 +523,22 @@ def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
     return text
 
 
-def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: float) -> None:
+def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: float, *, is_gone: bool) -> None:
+    """The document's figures. ``is_gone``: the daemon that wrote it is not running (the figures are its last)."""
     cache, ingest, evicted, remote = doc["cache"], doc["ingest"], doc["evicted"], doc["remote"]
     up = format_duration(max(0.0, now - doc["started_at"]))
-    out.add(
-        "daemon",
-        f"{_clean(doc['state'])}, pid {doc['pid']} on {_clean(doc['host'], 40)}, up {up}, "
-        f"heartbeat {format_duration(age_s)} ago",
-    )
+    if is_gone:
+        out.add(
+            "daemon",
+            f"gone (pid {doc['pid']} on {_clean(doc['host'], 40)}, last said {_clean(doc['state'])} "
+            f"{format_duration(age_s)} ago); the figures below are its last",
+        )
+    else:
+        out.add(
+            "daemon",
+            f"{_clean(doc['state'])}, pid {doc['pid']} on {_clean(doc['host'], 40)}, up {up}, "
+            f"heartbeat {format_duration(age_s)} ago",
+        )
     max_bytes = cache["max_bytes"]
     fill = f"{format_bytes(cache['bytes'])} of {format_bytes(max_bytes)}"
     if max_bytes > 0:

@@ -235,6 +235,8 @@ def test_status_of_a_sigkilled_daemon(tmp_path: Path, s3: MotoServer, daemons: l
         zombie = daemon.cli("--cache-dir", str(daemon.cache_dir))
         assert zombie.returncode == 3, zombie.stdout + zombie.stderr
         assert f"the daemon (pid {daemon.process.pid}) is gone" in zombie.stdout
+        assert "daemon    running" not in zombie.stdout, "NOT RUNNING is never followed by 'running'"
+        assert "last said running" in zombie.stdout
         assert "Traceback" not in zombie.stderr
     finally:
         daemon.process.wait()
