@@ -11,8 +11,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from cachefeed.errors import CachefeedError
+from cachefeed.errors import EX_USAGE, CachefeedError
 
 __all__ = ["main"]
 
@@ -24,10 +25,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on ``EX_USAGE`` (64) instead of 2, which ``cachefeed status`` means "degraded"."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EX_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser. Only the module of the subcommand named in ``argv`` is imported (the CLI starts fast, and one
     subcommand's heavy imports, torch or moto, never slow down or break another)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cachefeed",
         description="A rolling local sample cache for PyTorch training on object storage.",
     )

@@ -15,12 +15,15 @@ The tree::
     │   └── RemoteChangedError          the object changed during the read (ETag or length mismatch)
     └── DecodeError                     a remote object could not be decoded into samples (quarantined)
 
-Every error carries ``exit_code`` so the CLI maps it to a status without a table of its own.
+Every error carries ``exit_code`` so the CLI maps it to a status without a table of its own. A command line the
+CLI cannot parse exits ``EX_USAGE`` (64), so that no usage mistake reads as a status (``cachefeed status`` uses 2
+for "degraded").
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "EX_USAGE",
     "CacheLockedError",
     "CachefeedError",
     "ConfigError",
@@ -34,6 +37,9 @@ __all__ = [
     "RemoteTransientError",
     "SnapshotError",
 ]
+
+
+EX_USAGE = 64  # sysexits.h: the command was used incorrectly
 
 
 class CachefeedError(Exception):

@@ -18,6 +18,7 @@ Exit statuses (one invocation, without ``--watch``):
       state "stopped", a stale heartbeat, or the daemon's pid is gone (same host only)
 4     status unreadable: status.json is corrupt, half-written, of another version or shape, or not readable
 5     not ready: alive, but "starting" (not ready yet) or "stopping"
+64    usage error: the command line could not be parsed (e.g. neither ``--cache-dir`` nor ``--config``)
 66    no such cache: the directory does not exist or is not a cachefeed cache
 78    bad ``--config`` file
 1     any other error
@@ -683,7 +684,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refresh every SECONDS (default 1) until Ctrl-C",
     )
     parser.epilog = "exit status: 0 running, 2 degraded, 3 not running, 4 status unreadable, 5 starting/stopping, "
-    parser.epilog += "66 no such cache, 78 bad config"
+    parser.epilog += "64 usage error, 66 no such cache, 78 bad config"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -549,3 +549,10 @@ def test_render_shows_backpressure_and_low_free_space(tmp_path: Path) -> None:
     assert "BELOW THE FLOOR" in out
     assert "nothing evicted yet" in out
     assert "not listed yet" in out
+
+
+def test_a_usage_error_has_its_own_exit_status_apart_from_degraded(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["status"])  # neither --cache-dir nor --config
+    assert exited.value.code == 64 != int(Health.DEGRADED)
+    assert "one of the arguments --config --cache-dir is required" in capsys.readouterr().err
