@@ -99,6 +99,19 @@ def test_bad_config_exits_78_with_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("key", ["decode", "preprocess"])
+def test_a_callable_that_cannot_be_loaded_is_named_with_its_file_and_key(tmp_path: Path, key: str) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        f'[remote]\nurl = "file://{tmp_path}"\n[cache]\ndir = "{tmp_path / "c"}"\nmax_bytes = "64MiB"\n'
+        f'segment_bytes = "1MiB"\n[sampler]\n{key} = "no.such.module:fn"\n'
+    )
+    result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 78
+    [line] = result.stderr.strip().splitlines()
+    assert f"{config}: sampler.{key} = 'no.such.module:fn': cannot import 'no.such.module'" in line
+
+
 def test_second_daemon_on_the_same_cache_exits_75_naming_the_first(bucket: Any, daemon: StartDaemon) -> None:
     first = daemon()
     first.wait_status(lambda d: d["state"] == "running", timeout_s=20, what="first daemon ready")

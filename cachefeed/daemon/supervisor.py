@@ -55,7 +55,7 @@ from cachefeed.daemon.protocol import (
     WorkItem,
 )
 from cachefeed.daemon.reporter import StatusReporter
-from cachefeed.errors import CorruptRecordError
+from cachefeed.errors import ConfigError, CorruptRecordError
 from cachefeed.metrics import MetricsExporter
 
 __all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
@@ -129,8 +129,15 @@ class Supervisor:
         """Load what the config names (decoder, preprocess, the URL's filesystem); ``ConfigError`` (exit 78) if any
         cannot be. Touches neither the cache nor the remote, so it can run before logging starts."""
         config = self.config
-        get_decoder(config.sampler.decode)
-        get_preprocess(config.sampler.preprocess)
+        for key, value, load in (
+            ("sampler.decode", config.sampler.decode, get_decoder),
+            ("sampler.preprocess", config.sampler.preprocess, get_preprocess),
+        ):
+            try:
+                load(value)
+            except ConfigError as exc:  # name the file and the key, as every other config error does
+                reason = str(exc).removeprefix(f"{value!r}: ")
+                raise ConfigError(f"{config.source}: {key} = {value!r}: {reason}") from None
         if self._catalog is None:
             self._catalog = Catalog(config.remote)
 
