@@ -64,7 +64,15 @@ from cachefeed.errors import (
     RemoteTransientError,
 )
 
-__all__ = ["Remote", "RemoteObject", "RemoteStats", "backoff_delay", "translate_error"]
+__all__ = [
+    "Remote",
+    "RemoteObject",
+    "RemoteStats",
+    "backoff_delay",
+    "compile_pattern",
+    "expand_braces",
+    "translate_error",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +80,34 @@ _BURST_S = 0.1  # a rate cap's bucket holds this many seconds' worth of tokens (
 _S3_NO_RETRIES = {"total_max_attempts": 1, "mode": "standard"}
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "connection_string", "username")
 
+
+def expand_braces(pattern: str) -> list[str]:
+    """``"**/*.{jpg,png}"`` -> ``["**/*.jpg", "**/*.png"]`` (nested lists too); fsspec's glob has no braces."""
+    start = pattern.find("{")
+    if start < 0:
+        return [pattern]
+    depth = 0
+    for end in range(start, len(pattern)):
+        depth += {"{": 1, "}": -1}.get(pattern[end], 0)
+        if depth == 0:
+            break
+    else:
+        return [pattern]  # an unbalanced brace is taken literally
+    inner, parts, depth, begin = pattern[start + 1 : end], [], 0, 0
+    for i, char in enumerate(inner):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(inner[begin:i])
+            begin = i + 1
+    parts.append(inner[begin:])
+    return [
+        expanded for part in parts for expanded in expand_braces(pattern[:start] + part + pattern[end + 1 :])
+    ]
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """The matcher of ``remote.pattern``: fsspec glob syntax (``*``, ``**``, ``?``, ``[...]``) plus brace lists."""
+    return re.compile("|".join(f"(?:{glob_translate(p)})" for p in expand_braces(pattern)))
 
 @dataclass(frozen=True, slots=True)
 class RemoteObject:
@@ -382,7 +418,7 @@ class Remote:
         root = self._fs_class._strip_protocol(config.url)
         self._root = root.rstrip("/") or root
         self._where = _redact_url(config.url)
-        self._matcher = re.compile(glob_translate(config.pattern))
+        self._matcher = compile_pattern(config.pattern)
         self._budget = _RetryBudget(config.retry_budget, retry_budget_burst)
         self._requests = self._bucket(config.max_requests_per_s * share, minimum=1.0)
         self._bytes = self._bucket(config.max_bytes_per_s * share, minimum=1.0)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from cachefeed.status import load_document
 from tests.support.daemon_harness import (
@@ -138,3 +139,37 @@ def test_sigterm_to_the_whole_group_is_a_clean_stop_not_a_death(bucket: Any, dae
     assert proc.process.wait(timeout=30) == 0
     stderr = proc.stderr()
     assert "died" not in stderr, stderr[-2000:]
+
+
+@pytest.mark.parametrize("url_suffix", ["no/such/dir", ""])
+def test_a_remote_that_lists_nothing_makes_the_daemon_degraded_naming_url_and_pattern(
+    tmp_path: Path, url_suffix: str
+) -> None:
+    from cachefeed.status import Health, read_report
+    from tests.support.daemon_harness import start_daemon
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.gif").write_bytes(b"GIF89a")
+    url = (data / url_suffix).as_uri() if url_suffix else data.as_uri()
+    config = tmp_path / "d.toml"
+    cache_dir = tmp_path / "cache"
+    config.write_text(
+        f'[remote]\nurl = "{url}"\npattern = "**/*.{{jpg,png}}"\n[cache]\ndir = "{cache_dir}"\n'
+        'max_bytes = "64MiB"\nsegment_bytes = "1MiB"\nmin_free_bytes = 0\n[status]\ninterval = "200ms"\n'
+    )
+    proc = start_daemon(config, cache_dir, tmp_path / "d.stderr")
+    try:
+        doc = proc.wait_status(lambda d: d["degraded_reasons"], timeout_s=30, what="a degraded reason")
+        [reason] = doc["degraded_reasons"]
+        assert "lists 0 objects" in reason and "'**/*.{jpg,png}'" in reason and "file://" in reason
+        assert read_report(cache_dir).health is Health.DEGRADED
+    finally:
+        assert proc.stop() == 0
+
+
+def test_brace_lists_in_the_pattern_select_each_alternative(tmp_path: Path) -> None:
+    from cachefeed.remote import compile_pattern
+
+    matcher = compile_pattern("**/*.{jpg,png}")
+    assert [name for name in ("a.jpg", "x/b.png", "c.gif", "d.jpeg") if matcher.match(name)] == ["a.jpg", "x/b.png"]

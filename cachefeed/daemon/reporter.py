@@ -168,6 +168,12 @@ class StatusReporter:
         catalog = self._catalog.state()
         if catalog.is_failing:
             reasons.append(f"listing the remote fails: {catalog.last_error}")
+        elif catalog.last_listed_at and catalog.objects_listed == 0:
+            source = self._config.remote
+            reasons.append(
+                f"the remote lists 0 objects under {safe_url(source.url)} matching {source.pattern!r}: "
+                "check remote.url and remote.pattern"
+            )
         requests_per_s, errors_per_s = self._remote_window.add(
             time.monotonic(), (remote.requests_total, sum(remote.errors_by_kind.values()))
         )
