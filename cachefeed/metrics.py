@@ -204,6 +204,16 @@ class StatusCollector:
         if rest > 0:
             errors.add_metric(["other"], rest)
         yield errors
+        not_cached = GaugeMetricFamily(
+            "cachefeed_remote_objects_not_cached",
+            "Listed objects not cached for a reason, by reason.",
+            labels=["reason"],
+        )
+        reasons = remote.get("not_cached")
+        if isinstance(reasons, Mapping):
+            for reason, count in sorted(reasons.items()):
+                not_cached.add_metric([str(reason)], _number(count))
+        yield not_cached
 
     @staticmethod
     def _samplers(samplers: object) -> Iterator[Metric]:

@@ -158,6 +158,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "errors_total": _NUM,
         "errors_by_kind": {str: _NUM},
         "quarantined_total": _NUM,
+        "not_cached": {str: _NUM},
         "bytes_total": _NUM,
         "bytes_per_sample_read": _OPT_NUM,
     },
@@ -611,7 +612,11 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     )
     kinds = ", ".join(f"{_clean(kind, 24)} {_count(n)}" for kind, n in sorted(remote["errors_by_kind"].items()))
     errors = _count(remote["errors_total"]) + (f" ({kinds})" if kinds else "")
-    out.add("errors", f"{errors}; {_count(remote['quarantined_total'])} objects quarantined")
+    out.add("errors", errors)
+    not_cached = remote["not_cached"]
+    reasons = ", ".join(f"{_clean(reason, 24)} {_count(n)}" for reason, n in sorted(not_cached.items()))
+    total = _count(sum(not_cached.values()))
+    out.add("uncached", f"{total} listed objects not cached" + (f" ({reasons})" if reasons else ""))
 
 
 def _render_snapshots(out: _Text, snapshots: list[dict[str, Any]]) -> None:

@@ -173,3 +173,22 @@ def test_brace_lists_in_the_pattern_select_each_alternative(tmp_path: Path) -> N
 
     matcher = compile_pattern("**/*.{jpg,png}")
     assert [name for name in ("a.jpg", "x/b.png", "c.gif", "d.jpeg") if matcher.match(name)] == ["a.jpg", "x/b.png"]
+
+
+def test_an_object_too_large_for_the_cache_is_counted_in_status_json_and_metrics(
+    bucket: Any, daemon: StartDaemon
+) -> None:
+    from cachefeed.metrics import render_metrics
+    from cachefeed.status import read_report, render_human
+
+    upload_arrays(bucket, BUCKET, 5, 8 << 10)
+    upload_arrays(bucket, BUCKET, 1, 3 << 20, start=5)  # larger than the cache's room for segments
+    proc = daemon(sections={"cache": {"max_bytes": "4MiB", "segment_bytes": "256KiB"}})
+    doc = proc.wait_status(
+        lambda d: d["remote"]["not_cached"].get("too_large") == 1, timeout_s=30, what="the large object counted"
+    )
+    assert doc["ingest"]["objects_total"] >= 5
+    human = render_human(read_report(proc.cache_dir))
+    assert "1 listed objects not cached (too_large 1)" in human
+    assert 'cachefeed_remote_objects_not_cached{reason="too_large"} 1.0' in render_metrics(doc).decode()
+    assert proc.stop() == 0

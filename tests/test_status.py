@@ -115,6 +115,7 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "errors_total": 56,
             "errors_by_kind": {"forbidden": 3, "transient": 53},
             "quarantined_total": 2,
+            "not_cached": {"decode": 2, "too_large": 1},
             "bytes_total": 1 << 40,
             "bytes_per_sample_read": 78_500.0,
         },
@@ -177,7 +178,8 @@ def test_running_daemon_human_output_fits_80_columns(tmp_path: Path, capsys: pyt
         "s3://bucket/prefix",
         "12,345 objects, listed 1m20s ago, 3 passes done, 1 failed",
         "123,456 requests, 1,234 retries",
-        "56 (forbidden 3, transient 53); 2 objects quarantined",
+        "56 (forbidden 3, transient 53)",
+        "3 listed objects not cached (decode 2, too_large 1)",
         "up 2h01m",
     ):
         assert expected in " ".join(out.split()), (expected, out)

@@ -98,6 +98,7 @@ class SamplingPlan:
         self._failed_this_pass: set[int] = set()
         self._dropped: dict[int, str | None] = {}  # oid -> etag it was dropped at
         self._quarantined: dict[int, str | None] = {}
+        self._reason: dict[int, str] = {}  # oid -> why it is dropped or quarantined (the failure kind)
         self._segment_of: dict[int, int] = {}  # oid -> seq of the published segment holding its last sample
         self._objects_in: dict[int, list[int]] = {}  # seq -> oids whose last sample it holds
         self._adopted: dict[str, tuple[str | None, int]] = {}  # path -> (version, seq), from recovered segments
@@ -261,6 +262,8 @@ class SamplingPlan:
         if oid in self._in_flight and not self._resolve(oid):
             return  # the failure concerned an old version; the new one is queued
         etag = self._objects[oid].etag
+        if kind in _DROP_KINDS or kind == "decode":
+            self._reason[oid] = kind
         if kind in _DROP_KINDS:
             self._dropped[oid] = etag
             self.counters.dropped_total += 1
@@ -311,3 +314,12 @@ class SamplingPlan:
     @property
     def dropped(self) -> int:
         return len(self._dropped)
+
+    @property
+    def not_cached(self) -> dict[str, int]:
+        """Objects listed now that are not cached for a reason (dropped or quarantined), by reason."""
+        counts: dict[str, int] = {}
+        for oid in (*self._dropped, *self._quarantined):
+            reason = self._reason.get(oid, "other")
+            counts[reason] = counts.get(reason, 0) + 1
+        return counts

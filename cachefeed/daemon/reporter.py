@@ -157,6 +157,7 @@ class StatusReporter:
             bytes_total=sum(int(entry.get("bytes_total", 0)) for entry in stats),
             objects_failed_total=self._plan.counters.failed_total,
             objects_dropped=self._plan.dropped,
+            not_cached=self._plan.not_cached,
         )
 
     def _degraded_reasons(self, remote: RemoteTotals) -> list[str]:

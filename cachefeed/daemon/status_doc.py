@@ -13,7 +13,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cachefeed.cache.snapshots import SnapshotInfo
@@ -62,6 +62,7 @@ class RemoteTotals:
     bytes_total: int
     objects_failed_total: int = 0
     objects_dropped: int = 0
+    not_cached: Mapping[str, int] = field(default_factory=dict)
 
 
 def build_status(
@@ -100,7 +101,9 @@ def build_status(
     included) and ``remote.bytes_per_sample_read`` (bytes downloaded per sample read by an epoch). Beyond the
     contract, ``remote`` also carries
     ``objects_failed_total`` (objects that could not be cached, any reason, counted per attempt at the object)
-    and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too large), and ``plan`` (optional)
+    and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too large); ``remote.not_cached`` (in
+    the contract) counts the listed objects not cached for a reason, by reason (``not_found``, ``forbidden``,
+    ``too_large``, ``decode``), and ``plan`` (optional)
     describes the sampling plan (pass, in flight, owned objects...).
     """
     now = time.time() if now is None else now
@@ -183,6 +186,7 @@ def build_status(
             "bytes_per_sample_read": remote.bytes_total / sample_reads if sample_reads else None,
             "objects_failed_total": remote.objects_failed_total,
             "objects_dropped": remote.objects_dropped,
+            "not_cached": dict(remote.not_cached),
         },
         "samplers": [dict(sampler) for sampler in samplers],
         "plan": dict(plan or {}),
