@@ -6,6 +6,7 @@ The tree::
     ├── ConfigError                     a bad config file or value; exit 78 (EX_CONFIG: systemd must not restart)
     ├── CacheLockedError                another daemon holds the cache dir; exit 75 (EX_TEMPFAIL)
     ├── NoSuchCacheError                the cache dir does not exist or is not a cache; exit 66 (EX_NOINPUT)
+    ├── CacheUnusableError              the daemon cannot create or write its cache dir; exit 73 (EX_CANTCREAT)
     ├── CorruptRecordError              a record or segment failed verification (never served)
     ├── SnapshotError                   an epoch snapshot could not be created, joined or read
     ├── RemoteError                     the remote failed for one object (translated in remote.py only)
@@ -25,6 +26,7 @@ from __future__ import annotations
 __all__ = [
     "EX_USAGE",
     "CacheLockedError",
+    "CacheUnusableError",
     "CachefeedError",
     "ConfigError",
     "CorruptRecordError",
@@ -58,6 +60,13 @@ class CacheLockedError(CachefeedError):
     """The cache directory's writer lock is held by another live process."""
 
     exit_code = 75
+
+
+class CacheUnusableError(CachefeedError):
+    """The daemon cannot create or write its cache directory (read-only filesystem, a file in the way, no
+    permission). Fixing it needs a person, so systemd must not restart the daemon (``RestartPreventExitStatus``)."""
+
+    exit_code = 73
 
 
 class NoSuchCacheError(CachefeedError):

@@ -112,6 +112,21 @@ def test_a_callable_that_cannot_be_loaded_is_named_with_its_file_and_key(tmp_pat
     assert f"{config}: sampler.{key} = 'no.such.module:fn': cannot import 'no.such.module'" in line
 
 
+def test_a_cache_dir_that_cannot_be_created_exits_73_with_the_path_and_cause(tmp_path: Path) -> None:
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a directory")
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        f'[remote]\nurl = "file://{tmp_path}"\n[cache]\ndir = "{in_the_way / "cache"}"\nmax_bytes = "64MiB"\n'
+        'segment_bytes = "1MiB"\nmin_free_bytes = 0\n'
+    )
+    result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 73, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"cache.dir {in_the_way / 'cache'}: cannot create or write" in result.stderr
+    assert "Not a directory" in result.stderr
+
+
 def test_second_daemon_on_the_same_cache_exits_75_naming_the_first(bucket: Any, daemon: StartDaemon) -> None:
     first = daemon()
     first.wait_status(lambda d: d["state"] == "running", timeout_s=20, what="first daemon ready")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.errors import ConfigError
+from cachefeed.errors import CacheUnusableError, ConfigError
 
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 TEMPLATE = "cachefeed@.service"
@@ -80,7 +80,10 @@ def test_service_contract() -> None:
     }
     assert settings["Type"] == "notify"
     assert settings["NotifyAccess"] == "main"
-    assert settings["RestartPreventExitStatus"] == str(ConfigError.exit_code)  # 78, EX_CONFIG
+    assert settings["RestartPreventExitStatus"].split() == [
+        str(CacheUnusableError.exit_code),  # 73, EX_CANTCREAT
+        str(ConfigError.exit_code),  # 78, EX_CONFIG
+    ]
     assert settings["KillMode"] == "mixed"
     assert settings["Restart"] == "on-failure"
     assert settings["WatchdogSec"] == "30s"

@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachefeed.errors import NoSuchCacheError
+from cachefeed.errors import CacheUnusableError, NoSuchCacheError
 
 __all__ = ["SEGMENT_NAME", "SNAPSHOT_ID", "CacheLayout", "segment_name", "segment_seq"]
 
@@ -77,7 +77,20 @@ class CacheLayout:
         return self.root / "CACHEDIR.TAG"
 
     def create(self, *, dir_mode: int = 0o750, file_mode: int = 0o640) -> None:
-        """Create the directories with explicit modes. Refuses a root or subdirectory that is a symlink."""
+        """Create the directories with explicit modes. Refuses a root or subdirectory that is a symlink.
+
+        Raises:
+            CacheUnusableError: the directory cannot be created or written (the message names path and cause).
+        """
+        try:
+            self._create(dir_mode, file_mode)
+        except OSError as exc:
+            raise CacheUnusableError(
+                f"cache.dir {self.root}: cannot create or write {exc.filename or self.root} "
+                f"({exc.strerror or exc}): fix the path or its permissions"
+            ) from None
+
+    def _create(self, dir_mode: int, file_mode: int) -> None:
         self.root.mkdir(mode=dir_mode, parents=True, exist_ok=True)
         for directory in (self.root, self.segments, self.tmp, self.snapshots):
             try:
