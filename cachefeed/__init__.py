@@ -13,6 +13,7 @@ from cachefeed.config import Config, load_config
 from cachefeed.errors import (
     CachefeedError,
     CacheLockedError,
+    CacheUnusableError,
     ConfigError,
     CorruptRecordError,
     NoSuchCacheError,
@@ -20,10 +21,12 @@ from cachefeed.errors import (
 )
 
 if TYPE_CHECKING:
+    from cachefeed.codecs import msgpack_default
     from cachefeed.trainer import DevicePrefetcher, EpochLoaderFactory, EpochStats, SnapshotDataset
 
 __all__ = [
     "CacheLockedError",
+    "CacheUnusableError",
     "CachefeedError",
     "Config",
     "ConfigError",
@@ -35,6 +38,7 @@ __all__ = [
     "SnapshotDataset",
     "SnapshotError",
     "load_config",
+    "msgpack_default",
 ]
 __version__ = "0.1.0"
 
@@ -44,4 +48,6 @@ _LAZY = {"DevicePrefetcher", "EpochLoaderFactory", "EpochStats", "SnapshotDatase
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module("cachefeed.trainer"), name)
+    if name == "msgpack_default":  # the writer's side of the msgpack array encoding the daemon decodes
+        return importlib.import_module("cachefeed.codecs").msgpack_default
     raise AttributeError(f"module 'cachefeed' has no attribute {name!r}")

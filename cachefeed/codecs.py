@@ -102,14 +102,25 @@ def decode_npz(key: str, body: bytes) -> list[Sample]:
     if not isinstance(archive, np.lib.npyio.NpzFile):
         raise ValueError(f"expected an .npz archive, found {type(archive).__name__}")
     with archive:
-        sample: Sample = {name: archive[name] for name in archive.files}
+        sample: Sample = {name: _collatable(archive[name]) for name in archive.files}
     return [{**sample, "__key__": key}]
+
+
+def _collatable(array: np.ndarray[Any, Any]) -> Any:
+    """A text array (``<U5``) as ``str`` (0-d) or a list of ``str``, which default_collate batches; arrays of any
+    other dtype as they are."""
+    if array.dtype.kind == "U":
+        return array.item() if array.ndim == 0 else array.tolist()
+    return array
 
 
 def decode_pt(key: str, body: bytes) -> list[Sample]:
     import torch
 
     value = torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
+    if isinstance(value, tuple) and not all(isinstance(item, dict) for item in value):
+        # torch.save((image, label)): one sample, fields named by position ("0", "1", ...)
+        return [{**{str(i): item for i, item in enumerate(value)}, "__key__": key}]
     items = value if isinstance(value, list | tuple) else [value]
     samples = []
     for index, item in enumerate(items):
@@ -161,7 +172,23 @@ def _object_hook(mapping: dict[Any, Any]) -> Any:
 
 
 def decode_msgpack(key: str, body: bytes) -> list[Sample]:
-    value = msgpack.unpackb(body, raw=False, ext_hook=_ext_hook, object_hook=_object_hook, strict_map_key=False)
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        ext_hook=_ext_hook,
+        object_hook=_object_hook,
+        strict_map_key=False,
+        max_buffer_size=max(1, len(body)),
+    )
+    unpacker.feed(body)
+    values = list(unpacker)
+    if not values or unpacker.tell() != len(body):
+        raise ValueError("truncated msgpack data")
+    if len(values) > 1:  # a stream of concatenated records: one sample per record
+        return [
+            {**(_str_keys(item) if isinstance(item, dict) else {"data": item}), "__key__": f"{key}#{index}"}
+            for index, item in enumerate(values)
+        ]
+    value = values[0]
     if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
         return [{**_str_keys(item), "__key__": f"{key}#{index}"} for index, item in enumerate(value)]
     if isinstance(value, dict):

@@ -364,3 +364,31 @@ def test_tar_cut_anywhere_fails_or_is_complete(mode: str) -> None:
         except DecodeError:
             continue
         assert [sorted(sample) for sample in samples] == complete, f"silently partial at {cut} of {len(body)}"
+
+
+def test_npz_text_arrays_come_out_as_str_that_default_collate_batches() -> None:
+    from torch.utils.data import default_collate
+
+    buffer = io.BytesIO()
+    np.savez(buffer, name=np.array("tabby"), tags=np.array(["cat", "pet"]), x=np.ones(2, np.float32))
+    (sample,) = decode("npz", buffer.getvalue())
+    assert sample["name"] == "tabby" and sample["tags"] == ["cat", "pet"]
+    batch = default_collate([{"name": sample["name"]}, {"name": "rex"}])
+    assert batch["name"] == ["tabby", "rex"]
+
+
+def test_pt_a_saved_tuple_is_one_sample_with_positional_fields() -> None:
+    (sample,) = decode("pt", pt_bytes((torch.zeros(3, 4, 4), 7)))
+    assert torch.equal(sample["0"], torch.zeros(3, 4, 4)) and sample["1"] == 7 and sample["__key__"] == KEY
+    several = decode("pt", pt_bytes([{"x": torch.zeros(1)}, {"x": torch.ones(1)}]))
+    assert len(several) == 2, "a list of samples is still many"
+
+
+def test_msgpack_a_stream_of_records_is_one_sample_per_record() -> None:
+    from cachefeed import msgpack_default
+
+    body = b"".join(msgpack.packb({"x": np.arange(3), "label": i}, default=msgpack_default) for i in range(4))
+    samples = decode("msgpack", body)
+    assert [s["label"] for s in samples] == [0, 1, 2, 3]
+    assert [s["__key__"] for s in samples] == [f"{KEY}#{i}" for i in range(4)]
+    assert all(np.array_equal(s["x"], np.arange(3)) for s in samples)
