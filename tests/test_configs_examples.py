@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cachefeed.config import SCHEMA, load_config, parse_config
+from cachefeed.errors import ConfigError
 from cachefeed.units import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,3 +133,20 @@ def test_tmpfs_example_fits_the_mount_unit() -> None:
     options = dict(item.partition("=")[::2] for item in _unit_setting(MOUNT, "Options").split(",") if "=" in item)
     size = parse_size(options["size"])  # tmpfs takes k/m/g suffixes as powers of 1024, like parse_size
     assert config.cache.max_bytes + config.cache.min_free_bytes <= size
+
+
+def test_the_reference_states_the_budget_floor_that_the_check_applies() -> None:
+    comment = comments_above_keys(REFERENCE)[("cache", "max_bytes")]
+    assert "max(4, 2 x sampler.processes) x segment_bytes + 1 MiB" in comment
+    document = tomllib.loads(REFERENCE.read_text())
+    processes = document["sampler"]["processes"]
+    segment_bytes = 64 << 20
+    floor = max(4, 2 * processes) * segment_bytes + (1 << 20)
+    for max_bytes, is_accepted in ((floor, True), (floor - 1, False)):
+        cache = {**document["cache"], "max_bytes": max_bytes, "segment_bytes": segment_bytes, "turnover": 0}
+        candidate = {**document, "cache": cache}
+        if is_accepted:
+            parse_config(candidate, env={})
+        else:
+            with pytest.raises(ConfigError, match="cache.max_bytes"):
+                parse_config(candidate, env={})
