@@ -148,5 +148,5 @@ def test_the_reference_states_the_budget_floor_that_the_check_applies() -> None:
         if is_accepted:
             parse_config(candidate, env={})
         else:
-            with pytest.raises(ConfigError, match="cache.max_bytes"):
+            with pytest.raises(ConfigError, match=r"cache\.max_bytes"):
                 parse_config(candidate, env={})
