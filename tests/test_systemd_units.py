@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefeed.config import load_config
 from cachefeed.errors import CacheUnusableError, ConfigError
 
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
@@ -129,3 +130,101 @@ def test_sysusers_and_tmpfiles_create_the_owned_roots(tmp_path: Path) -> None:
     for sub in ("var/cache/cachefeed", "dev/shm/cachefeed"):
         info = (root / sub).stat()
         assert (info.st_uid, info.st_mode & 0o7777) == (uid, 0o750), sub
+
+
+README = SYSTEMD_DIR.parent / "README.md"
+# The absolute paths of a host that the README's deployment snippet writes or reads, moved into a scratch root.
+_HOST_PATH = re.compile(r"(?<=[\s=])/(etc|usr|opt|var|mnt|dev)/")
+# Stand-ins for what a scratch root cannot do. `python3 -m venv DIR` makes a DIR/bin whose pip does nothing and
+# whose cachefeed is this environment's (installing torch again would take minutes); systemctl checks that what it
+# is about to start is in place (the units, the user the mount's uid= names, the instance's config, the executable
+# ExecStart runs) and records its arguments; journalctl does nothing.
+_SHIMS = r"""
+set -euo pipefail
+sudo() { "$@"; }
+python3() {
+    [ "$1 $2" = "-m venv" ] || { echo "unexpected python3 $*" >&2; return 1; }
+    mkdir -p "$3/bin"
+    printf '#!/bin/sh\nexit 0\n' > "$3/bin/pip" && chmod 0755 "$3/bin/pip"
+    ln -s "$CACHEFEED_SCRIPT" "$3/bin/cachefeed"
+}
+systemd-sysusers() { command systemd-sysusers --root="$ROOT" "$@"; }
+systemd-tmpfiles() { command systemd-tmpfiles --root="$ROOT" "$@"; }
+systemctl() {
+    if [ "$1" = enable ]; then
+        for unit in mnt-cachefeed.mount cachefeed@.service; do
+            test -f "$ROOT/etc/systemd/system/$unit" || { echo "systemctl: no $unit" >&2; return 1; }
+        done
+        grep -q '^cachefeed:' "$ROOT/etc/passwd" || { echo "systemctl: no cachefeed user yet" >&2; return 1; }
+        test -f "$ROOT/etc/cachefeed/train.toml" || { echo "systemctl: no /etc/cachefeed/train.toml" >&2; return 1; }
+        test -x "$ROOT/usr/local/bin/cachefeed" || { echo "systemctl: no /usr/local/bin/cachefeed" >&2; return 1; }
+    fi
+    echo "$*" >> "$ROOT/systemctl.log"
+}
+journalctl() { :; }
+"""
+
+
+def _deployment_snippet() -> str:
+    """The bash block of the README's "Deploying with systemd" section, as a user would paste it."""
+    section = README.read_text().split("## Deploying with systemd", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert match, "no bash block in README's 'Deploying with systemd'"
+    return match.group(1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="systemd-sysusers --root needs root to write the passwd copy")
+def test_readme_deployment_snippet_works_on_a_fresh_host(tmp_path: Path) -> None:
+    # A fresh systemd host has these (and no /etc/cachefeed, /etc/sysusers.d/cachefeed.conf, cachefeed user...).
+    root = tmp_path / "root"
+    for sub in ("etc/systemd/system", "usr/local/bin", "opt", "var/cache", "dev/shm", "mnt"):
+        (root / sub).mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    script = Path(sys.executable).parent / "cachefeed"
+    if not os.access(script, os.X_OK):
+        script = tmp_path / "cachefeed"
+        script.write_text("#!/bin/sh\nexit 0\n")
+        script.chmod(0o755)
+    commands = _HOST_PATH.sub(lambda m: f"$ROOT/{m.group(1)}/", _deployment_snippet())
+    done = subprocess.run(
+        ["bash", "-c", _SHIMS + commands],
+        cwd=SYSTEMD_DIR.parent,  # "from a clone of this repository"
+        env={**os.environ, "ROOT": str(root), "CACHEFEED_SCRIPT": str(script)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"snippet failed:\n{commands}\nstderr: {done.stderr}"
+
+    # Every file where systemd and the unit look for it.
+    units = root / "etc" / "systemd" / "system"
+    assert (units / TEMPLATE).read_bytes() == (SYSTEMD_DIR / TEMPLATE).read_bytes()
+    assert (units / MOUNT).read_bytes() == (SYSTEMD_DIR / MOUNT).read_bytes()
+    assert (root / "etc/sysusers.d/cachefeed.conf").is_file()
+    assert (root / "etc/tmpfiles.d/cachefeed.conf").is_file()
+    assert not (units / "cachefeed.sysusers").exists()  # systemd ignores it there; the old snippet put it there
+    # The user, and the SSD cache root owned by it.
+    entry = next(line for line in (root / "etc/passwd").read_text().splitlines() if line.startswith("cachefeed:"))
+    info = (root / "var/cache/cachefeed").stat()
+    assert (info.st_uid, info.st_mode & 0o7777) == (int(entry.split(":")[2]), 0o750)
+    # ExecStart's executable, and the instance's config, which loads and keeps its cache where the unit may write.
+    assert INSTALLED_EXEC.lstrip("/") == "usr/local/bin/cachefeed"
+    assert os.access(root / INSTALLED_EXEC.lstrip("/"), os.X_OK)
+    config = load_config(root / "etc/cachefeed/train.toml")
+    writable = re.search(r"^ReadWritePaths=(.*)$", (units / TEMPLATE).read_text(), re.M)
+    assert writable
+    roots = [path.lstrip("-") for path in writable.group(1).split()]
+    assert any(str(config.cache.dir).startswith(prefix + "/") for prefix in roots), (config.cache.dir, roots)
+    assert (root / "systemctl.log").read_text().splitlines() == [
+        "daemon-reload",
+        "enable --now mnt-cachefeed.mount cachefeed@train.service",
+    ]
+    # And systemd accepts the installed instance, ExecStart pointing into the scratch root.
+    template = units / TEMPLATE
+    template.write_text(
+        template.read_text().replace(f"ExecStart={INSTALLED_EXEC} ", f"ExecStart={root}{INSTALLED_EXEC} ")
+    )
+    verified = _analyze("verify", "--recursive-errors=no", "--man=no", str(units / "cachefeed@train.service"))
+    assert (verified.returncode, verified.stderr) == (0, "")
