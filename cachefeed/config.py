@@ -66,7 +66,6 @@ class RemoteConfig:
 class CacheConfig:
     dir: Path
     max_bytes: int
-    max_samples: int = 0
     min_free_bytes: int = 1 << 30
     segment_bytes: int = _DEFAULT_SEGMENT_BYTES
     eviction: str = "fifo"
@@ -302,7 +301,6 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
     "cache": {
         "dir": ("dir", _absolute_path, "absolute path of the cache root (tmpfs or SSD)"),
         "max_bytes": ("max_bytes", _positive_size, "hard bound on everything under dir"),
-        "max_samples": ("max_samples", _int_at_least(0), "bound on cached samples, 0 = none (0)"),
         "min_free_bytes": ("min_free_bytes", parse_size, "free space the filesystem keeps (1GiB)"),
         "segment_bytes": ("segment_bytes", _positive_size, "target size of one segment file (64MiB)"),
         "eviction": ("eviction", _one_of(EVICTION_POLICIES), 'which segment goes first ("fifo")'),
@@ -355,6 +353,12 @@ _SECTION_TYPES: dict[str, type] = {
 }
 _SECRET_KEYS = {("remote", "url"), ("remote", "storage_options")}  # never echoed in errors
 _REQUIRED = {("remote", "url"), ("cache", "dir"), ("cache", "max_bytes")}
+_REMOVED = {  # keys earlier versions took: what to do instead
+    ("cache", "max_samples"): (
+        "removed: a sample count could not be a hard bound (a segment's samples are known only once written, and "
+        "snapshots keep evicted ones); bound the cache with cache.max_bytes and delete this line"
+    ),
+}
 
 
 def _unknown(kind: str, name: str, known: list[str]) -> str:
@@ -391,6 +395,8 @@ def parse_config(
             raise ConfigError(f"{source}: [{section_name}] must be a table of keys")
         keys = SCHEMA[section_name]
         for key, raw in body.items():
+            if (section_name, key) in _REMOVED:
+                raise ConfigError(f"{source}: {section_name}.{key} = {raw!r}: {_REMOVED[section_name, key]}")
             if key not in keys:
                 raise ConfigError(f"{source}: " + _unknown("key", f"{section_name}.{key}", list(keys)))
             field_name, parser, _doc = keys[key]

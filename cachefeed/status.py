@@ -121,7 +121,7 @@ STATUS_SCHEMA: dict[str, Any] = {
     "updated_at": _NUM,
     "degraded_reasons": [str],
     "cache": {
-        **{k: _NUM for k in ("bytes", "max_bytes", "samples", "max_samples", "segments", "pinned_bytes")},
+        **{k: _NUM for k in ("bytes", "max_bytes", "samples", "segments", "pinned_bytes")},
         **{k: _NUM for k in ("pinned_only_bytes", "reserved_bytes", "free_bytes", "min_free_bytes")},
         "dir": str,
         "turnover_bytes": _NUM,
@@ -545,7 +545,7 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     fill = f"{format_bytes(cache['bytes'])} of {format_bytes(max_bytes)}"
     if max_bytes > 0:
         fill += f" ({100 * cache['bytes'] / max_bytes:.0f}%)"
-    samples = _count(cache["samples"]) + (f" of {_count(cache['max_samples'])}" if cache["max_samples"] else "")
+    samples = _count(cache["samples"])
     out.add("fill", f"{fill}, {samples} samples, {_plural(cache['segments'], 'segment')}")
     if cache["is_paced"]:
         out.add(

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support.samples import disk_usage
+from tests.support.samples import tree_bytes
 
 MAX_BYTES = 6 << 20
 SEGMENT_BYTES = 128 << 10
@@ -70,7 +70,7 @@ def test_real_directory_size_never_exceeds_the_budget(tmp_path: Path) -> None:
     def sample_size() -> None:
         nonlocal peak, samples
         while not stop_sampling.is_set():
-            peak = max(peak, disk_usage(root))
+            peak = max(peak, tree_bytes(root))
             samples += 1
             stop_sampling.wait(0.05)
 

@@ -341,6 +341,14 @@ def test_did_you_mean_for_a_short_key() -> None:
     assert "did you mean 'dir'?" in rejected({"cache.dri": "/x"})
 
 
+def test_the_removed_max_samples_is_refused_saying_what_to_use_instead() -> None:
+    """cache.max_samples was a bound it could not keep (253 cached with a limit of 100): it is gone, and a config
+    that still sets it is told so rather than silently ignored."""
+    message = rejected({"cache": {"max_samples": 100}})
+    assert_one_line(message)
+    assert "cache.max_samples = 100" in message and "removed" in message and "cache.max_bytes" in message
+
+
 def test_port_above_65535_is_rejected() -> None:
     assert "status.metrics_port = 70000" in rejected({"status.metrics_port": 70000})
 

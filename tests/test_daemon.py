@@ -25,19 +25,7 @@ from tests.support.daemon_harness import (
     wait_for,
 )
 from tests.support.faultproxy import FaultProxy
-
-
-def directory_bytes(root: Path) -> int:
-    """Allocated bytes under ``root``, each inode once (snapshots hard-link segments)."""
-    seen: dict[tuple[int, int], int] = {}
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            try:
-                info = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            seen[(info.st_dev, info.st_ino)] = info.st_blocks * 512
-    return sum(seen.values())
+from tests.support.samples import tree_bytes
 
 
 def test_free_running_fill_to_budget_then_keep_sampling_with_eviction(bucket: Any, daemon: StartDaemon) -> None:
@@ -49,7 +37,7 @@ def test_free_running_fill_to_budget_then_keep_sampling_with_eviction(bucket: An
     sizes = []
 
     def progressed(doc: dict[str, Any]) -> bool:
-        sizes.append(directory_bytes(proc.cache_dir))
+        sizes.append(tree_bytes(proc.cache_dir))
         return doc["remote"]["passes_completed"] >= 2 and doc["evicted"]["segments_total"] > 0
 
     doc = proc.wait_status(progressed, timeout_s=40, what="two passes with eviction")

@@ -20,7 +20,7 @@ from tests.support.daemon_harness import (
     upload_arrays,
 )
 from tests.support.faultproxy import FaultProxy, Rule
-from tests.test_daemon import directory_bytes
+from tests.support.samples import tree_bytes
 
 
 def test_a_cache_full_of_pinned_data_pauses_fetching_until_released(
@@ -60,7 +60,7 @@ def test_a_cache_full_of_pinned_data_pauses_fetching_until_released(
         paused = later["ingest"]["objects_total"]
         assert later["cache"]["is_backpressured"]  # nothing published for a second: fetching waits
         assert later["cache"]["bytes"] <= max_bytes
-        assert directory_bytes(proc.cache_dir) <= max_bytes
+        assert tree_bytes(proc.cache_dir) <= max_bytes
         assert later["cache"]["pinned_bytes"] > 0
     finally:
         for snapshot in snapshots:

@@ -64,7 +64,6 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "bytes": 12 << 30,
             "max_bytes": 16 << 30,
             "samples": 1_234_567,
-            "max_samples": 0,
             "segments": 183,
             "pinned_bytes": 3 << 30,
             "pinned_only_bytes": 1 << 30,

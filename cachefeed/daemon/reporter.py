@@ -104,7 +104,6 @@ class StatusReporter:
             cache_dir=str(self._config.cache.dir),
             usage=store.usage(),
             turnover_bytes=self._config.cache.turnover_bytes,
-            max_samples=self._config.cache.max_samples,
             snapshots=live_snapshots(store.layout),
             evict_after_reads=self._config.cache.evict_after_reads,
             counters=counters,

@@ -33,7 +33,7 @@ from cachefeed.cache.layout import CacheLayout
 from cachefeed.errors import CorruptRecordError
 from cachefeed.records import SegmentReader
 from tests.support.daemon_harness import wait_for
-from tests.support.samples import disk_usage, payload
+from tests.support.samples import payload, tree_bytes
 
 REPORT_PREFIX = "[reliability]"
 _SIZED = re.compile(r"-(\d+)\.npy$")
@@ -204,7 +204,7 @@ class DiskWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.root.exists():
-                self.peak_bytes = max(self.peak_bytes, disk_usage(self.root))
+                self.peak_bytes = max(self.peak_bytes, tree_bytes(self.root))
                 with contextlib.suppress(OSError):
                     stats = os.statvfs(self.root)
                     free = stats.f_bavail * stats.f_frsize

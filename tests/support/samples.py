@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from cachefeed.cache.store import CacheStore
+from cachefeed.cache.writer import CacheWriter
 from cachefeed.config import CacheConfig
 
 
@@ -48,22 +50,60 @@ def cache_config(root: Path, **overrides: Any) -> CacheConfig:
     return CacheConfig(**values)
 
 
-def disk_usage(root: Path) -> int:
-    """Real allocated bytes under root, hard links counted once, like `du -s --block-size=1`."""
-    total = 0
-    seen: set[int] = set()
+def tree_bytes(root: Path) -> int:
+    """The real size of a cache directory as the budget promises it: allocated bytes of every inode under
+    ``root`` (``root`` itself, directories, files, lock files, manifests), each inode once however many hard
+    links name it; what ``du -s --block-size=1`` prints. The one helper every test of the size bound uses."""
+    seen: dict[tuple[int, int], int] = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        for name in filenames + dirnames:
+        for path in [dirpath, *(os.path.join(dirpath, name) for name in filenames)]:
             try:
-                info = os.lstat(os.path.join(dirpath, name))
+                info = os.lstat(path)
             except FileNotFoundError:
-                continue
-            if info.st_ino not in seen:
-                seen.add(info.st_ino)
-                total += info.st_blocks * 512
-    return total
+                continue  # removed while we walked
+            seen[(info.st_dev, info.st_ino)] = info.st_blocks * 512
+        del dirnames  # os.walk lists each directory again as a dirpath: counted there
+    return sum(seen.values())
 
 
 def du(root: Path) -> int:
     out = subprocess.run(["du", "-s", "--block-size=1", str(root)], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[0])
+
+
+class _Full(Exception):
+    """The store asked the writer to wait: the scenario's "writers wait"."""
+
+
+class _UntilFull:
+    """A grant provider that turns the store's "wait" into an exception, so a test can write until it."""
+
+    def __init__(self, store: CacheStore) -> None:
+        self.store = store
+
+    def reserve(self, nbytes: int) -> object:
+        grant = self.store.reserve(nbytes)
+        if grant is None:
+            raise _Full
+        return grant
+
+    def publish(self, grant: object) -> object:
+        return self.store.publish(grant)  # type: ignore[arg-type]
+
+    def abort(self, grant: object) -> None:
+        self.store.abort(grant)  # type: ignore[arg-type]
+
+
+def write_until_full(store: CacheStore, first_key: int, limit: int = 40_000, nbytes: int = 2000) -> int:
+    """Write one-sample segments (keys ``k<first_key>``...) until the store refuses a grant; returns the next key."""
+    writer = CacheWriter(_UntilFull(store), segment_bytes=store.config.segment_bytes, fsync=False)  # type: ignore[arg-type]
+    key = first_key
+    try:
+        while key < first_key + limit:
+            writer.add(make_sample(f"k{key}", nbytes))
+            writer.flush()
+            key += 1
+    except _Full:
+        writer.abort()
+        return key
+    raise AssertionError(f"the store never made writers wait in {limit} segments")
