@@ -103,22 +103,75 @@ def rank_main(root: str, port: int, rank: int, context: str, out: str, epochs: i
     del np
 
 
-def node_rank_main(root: str, port: int, rank: int, out: str) -> None:
-    """One of 4 ranks on 2 simulated nodes (LOCAL_RANK/LOCAL_WORLD_SIZE set by the test), each node its own cache."""
+def node_rank_main(
+    root: str, port: int, rank: int, out: str, world: int = 4, samples_per_epoch: int = 0, min_samples: int = 0
+) -> None:
+    """One of ``world`` ranks (LOCAL_RANK/LOCAL_WORLD_SIZE set by the test: several simulated nodes, each its own
+    cache, or one); records each epoch's ``len(loader)`` before its first batch and every key served, verified."""
     import torch.distributed as dist
 
     from cachefeed.trainer import EpochLoaderFactory
+    from tests.support.samples import check_sample
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     epochs = []
-    with EpochLoaderFactory(root, batch_size=10, run_id="nodes", epochs=2, progress=None) as factory:
+    with EpochLoaderFactory(
+        root,
+        batch_size=10,
+        run_id="nodes",
+        epochs=2,
+        progress=None,
+        samples_per_epoch=samples_per_epoch or None,
+        min_samples=min_samples or None,
+    ) as factory:
         for epoch in range(2):
             loader = factory.loader(epoch)
-            keys = [key for batch in loader for key in batch["__key__"]]
-            epochs.append({"keys": keys, "batches": len(loader), "samples": factory.stats(epoch).samples})
+            planned = len(loader)
+            keys = []
+            for batch in loader:
+                for row, key in enumerate(batch["__key__"]):
+                    check_sample({"__key__": key, "data": batch["data"][row], "n": batch["n"][row]})
+                keys += batch["__key__"]
+            epochs.append(
+                {
+                    "keys": keys,
+                    "batches": planned,
+                    "samples": factory.stats(epoch).samples,
+                    "known_before": factory.batches_per_epoch,
+                }
+            )
             dist.barrier()
     Path(out).write_text(json.dumps(epochs))
     dist.destroy_process_group()
+
+
+def run_ranks(tmp_path: Path, roots: list[Path], world: int, local_world: int, samples_per_epoch: int = 0) -> list:
+    """Start ``world`` ranks of ``node_rank_main`` (rank r on node r // local_world) and return their reports."""
+    port = free_port()
+    outs = [tmp_path / f"rank{r}.json" for r in range(world)]
+    sizes = f"{samples_per_epoch}, {min(samples_per_epoch, 100)}"  # samples_per_epoch, min_samples (0: defaults)
+    ranks = [
+        python(
+            f"from tests.test_trainer_distributed import node_rank_main; node_rank_main("
+            f"{str(roots[r // local_world])!r}, {port}, {r}, {str(outs[r])!r}, {world}, {sizes})",
+            extra_env={
+                "LOCAL_RANK": str(r % local_world),
+                "LOCAL_WORLD_SIZE": str(local_world),
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+            },
+        )
+        for r in range(world)
+    ]
+    try:
+        for proc in ranks:
+            assert proc.wait(timeout=150) == 0, "a rank failed (its traceback is above)"
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def free_port() -> int:
@@ -202,25 +255,7 @@ def test_nodes_with_different_caches_agree_on_equal_shares(tmp_path: Path) -> No
     from tests.test_trainer_loader import build_cache
 
     caches = [build_cache(tmp_path / "nodeA", 300), build_cache(tmp_path / "nodeB", 250)]
-    port = free_port()
-    outs = [tmp_path / f"rank{r}.json" for r in range(4)]
-    ranks = [
-        python(
-            f"from tests.test_trainer_distributed import node_rank_main; "
-            f"node_rank_main({str(caches[r // 2])!r}, {port}, {r}, {str(outs[r])!r})",
-            extra_env={"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2", "RANK": str(r), "WORLD_SIZE": "4"},
-        )
-        for r in range(4)
-    ]
-    try:
-        for proc in ranks:
-            assert proc.wait(timeout=150) == 0
-    finally:
-        for proc in ranks:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    reports = [json.loads(out.read_text()) for out in outs]
+    reports = run_ranks(tmp_path, caches, world=4, local_world=2)
     for epoch in range(2):
         shares = [report[epoch] for report in reports]
         assert [share["samples"] for share in shares] == [300, 300, 250, 250]
@@ -229,3 +264,28 @@ def test_nodes_with_different_caches_agree_on_equal_shares(tmp_path: Path) -> No
         for node in (0, 2):
             both = shares[node]["keys"] + shares[node + 1]["keys"]
             assert len(set(both)) == 250, "the two ranks of a node read disjoint parts of its snapshot"
+
+
+@pytest.mark.parametrize(("cached", "per_epoch"), [(300, 200), (150, 400)])
+def test_two_ranks_get_epochs_of_the_set_size_known_before_training(
+    tmp_path: Path, cached: int, per_epoch: int
+) -> None:
+    """``samples_per_epoch`` on two ranks of a node: ``len(loader)`` is per_epoch / 2 / batch for every epoch, the
+    first included, and known before it; the ranks never share a sample within an epoch while the snapshot holds
+    ``per_epoch`` samples, and reuse it evenly when it holds fewer."""
+    from tests.test_trainer_loader import build_cache
+
+    reports = run_ranks(
+        tmp_path, [build_cache(tmp_path / "node", cached)], world=2, local_world=1 * 2, samples_per_epoch=per_epoch
+    )
+    for epoch in range(2):
+        shares = [report[epoch] for report in reports]
+        assert [share["batches"] for share in shares] == [per_epoch // 2 // 10] * 2
+        assert [share["known_before"] for share in shares] == [per_epoch // 2 // 10] * 2
+        assert [len(share["keys"]) for share in shares] == [per_epoch // 2] * 2
+        served = shares[0]["keys"] + shares[1]["keys"]
+        if cached >= per_epoch:
+            assert len(set(served)) == per_epoch, f"epoch {epoch}: a sample served twice"
+        else:
+            assert set(served) == {f"k{i}" for i in range(cached)}, "a small snapshot is reused whole"
+            assert max(served.count(key) for key in set(served)) <= -(-per_epoch // cached)
