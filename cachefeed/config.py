@@ -98,6 +98,7 @@ class NodeConfig:
 @dataclass(frozen=True, slots=True)
 class StatusConfig:
     interval_s: float = 1.0
+    stuck_after_s: float = 600.0
     metrics_port: int = 0
     metrics_textfile: str = ""
 
@@ -335,6 +336,11 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
     },
     "status": {
         "interval": ("interval_s", _positive_duration, "status publication interval (1s)"),
+        "stuck_after": (
+            "stuck_after_s",
+            _positive_duration,
+            "a pinned snapshot nobody has read from for this long while fetching waits: degraded (10m)",
+        ),
         "metrics_port": ("metrics_port", _port, "Prometheus HTTP port on 127.0.0.1, 0 = off (0)"),
         "metrics_textfile": ("metrics_textfile", _string, "node-exporter textfile path, empty = off"),
     },

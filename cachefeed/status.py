@@ -135,7 +135,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "sample_reads_total": _NUM,
         "newest_age_s": _OPT_NUM,
         "oldest_age_s": _OPT_NUM,
-        "snapshots": [{"id": str, "samples": _NUM, "segments": _NUM, "owner": str, "age_s": _NUM}],
+        "snapshots": [{"id": str, "samples": _NUM, "segments": _NUM, "owner": str, "age_s": _NUM, "idle_s": _NUM}],
     },
     "ingest": {
         k: _NUM
@@ -280,7 +280,7 @@ class DirectorySummary:
             free = 0
         snapshots = [
             {"id": s.snap_id, "samples": s.samples, "segments": s.segments, "owner": s.owner,
-             "age_s": max(0.0, now - s.created)}
+             "age_s": max(0.0, now - s.created), "idle_s": max(0.0, now - max(s.created, s.active_at))}
             for s in live_snapshots(layout)
         ]  # fmt: skip
         return cls(
@@ -513,8 +513,7 @@ def _freshness(cache: Mapping[str, Any]) -> str:
 def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
     """How training on "whatever is cached" plays out: epochs read, samples no epoch read, reads per sample."""
     text = (
-        f"{_plural(cache['epochs_total'], 'epoch')} read; "
-        f"{_count(cache['unread_samples'])} cached samples not read yet"
+        f"{_plural(cache['epochs_total'], 'epoch')} read; {_count(cache['unread_samples'])} cached samples not read yet"
     )
     per_sample = evicted["epochs_per_sample"]
     if per_sample is not None:
@@ -623,8 +622,8 @@ def _render_snapshots(out: _Text, snapshots: list[dict[str, Any]]) -> None:
     for snap in snapshots[:_MAX_LISTED]:
         out.add(
             "",
-            f"{_clean(snap['id'], 40)}: {_count(snap['samples'])} samples, {_plural(snap['segments'], 'segment')}, "
-            f"{_clean(snap['owner'], 40)}, {format_duration(snap['age_s'])} old",
+            f"{_clean(snap['id'], 40)}: {_count(snap['samples'])} samples, {_clean(snap['owner'], 40)}, "
+            f"{format_duration(snap['age_s'])} old, idle {format_duration(snap['idle_s'])}",
             indent=2,
         )
     if len(snapshots) > _MAX_LISTED:

@@ -3,15 +3,19 @@ server behind a counting proxy, a real trainer through ``EpochLoaderFactory``.
 
 * With no trainer the daemon fills its budget and then makes no GET at all.
 * With a trainer slower than the remote, nothing is evicted unread and egress follows what epochs read.
+* With a trainer faster than the remote, epochs re-read what is cached and ingest runs at its cap.
+* A trainer that holds a pin and stops reading is reported as a fault; paced waiting is not.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import pytest
 
+from cachefeed.cache.snapshots import Snapshot
 from cachefeed.status import Health, read_report
 from cachefeed.trainer import EpochLoaderFactory
 from tests.support.daemon_harness import (
@@ -127,4 +131,25 @@ def test_a_trainer_faster_than_the_remote_rereads_and_never_waits_while_ingest_r
     assert doc["cache"]["sample_reads_total"] > doc["ingest"]["samples_total"], "reads per sample above 1"
     assert rate >= 0.6 * cap, f"ingest ran at {rate / cap:.2f} of its cap while the trainer was ahead of it"
     assert not doc["cache"]["is_paced"], "a trainer ahead of ingest never paces it"
+    assert proc.stop() == 0
+
+
+def test_a_trainer_that_stops_reading_is_a_fault_and_one_that_reads_is_not(bucket: Any, daemon: StartDaemon) -> None:
+    """Paced waiting is normal; a pin held with no progress while fetching waits on it makes the daemon degraded,
+    naming the snapshot and its owner, and progress (``Snapshot.touch``, which trainers call as batches flow)
+    clears it."""
+    upload_arrays(bucket, BUCKET, OBJECTS, OBJECT_BYTES)
+    proc = daemon(sections={"cache": {"max_bytes": MAX_BYTES}, "status": {"stuck_after": "2s"}})
+    proc.wait_status(lambda d: d["cache"]["is_paced"], timeout_s=60, what="the cache full and paced")
+    with Snapshot.create(proc.cache_dir, "stuck-e000000") as snapshot:
+        doc = proc.wait_status(lambda d: d["state"] == "degraded", timeout_s=20, what="the stuck reader reported")
+        (reason,) = doc["degraded_reasons"]
+        assert "stuck trainer" in reason and "stuck-e000000" in reason and f"pid {os.getpid()}" in reason
+        assert read_report(proc.cache_dir).health is Health.DEGRADED
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:  # now it reads: progress every half second
+            snapshot.touch()
+            time.sleep(0.5)
+        doc = proc.wait_status(lambda d: d["state"] == "running", timeout_s=10, what="progress clears it")
+        assert doc["cache"]["snapshots"][0]["idle_s"] < 2
     assert proc.stop() == 0

@@ -82,7 +82,14 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "newest_age_s": 1.5,
             "oldest_age_s": 900.0,
             "snapshots": [
-                {"id": "run1-e3", "samples": 12_345, "segments": 20, "owner": "pid 555 on node7", "age_s": 180.0},
+                {
+                    "id": "run1-e3",
+                    "samples": 12_345,
+                    "segments": 20,
+                    "owner": "pid 555 on node7",
+                    "age_s": 180.0,
+                    "idle_s": 2.0,
+                },
             ],
         },
         "ingest": {

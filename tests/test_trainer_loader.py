@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import os
 import threading
 import time
 from pathlib import Path
@@ -315,3 +316,18 @@ def test_a_0d_label_from_npz_batches_as_one_label_per_sample(tmp_path: Path) -> 
             assert batch["y"].shape == (8,), "labels batch as [B], not [B, 1]"
             loss = torch.nn.functional.cross_entropy(torch.zeros(8, 3), batch["y"])
             assert torch.isfinite(loss)
+
+
+def test_reading_an_epoch_shows_progress_on_its_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What tells the daemon a slow trainer from a stuck one: batches flowing touch the snapshot's lock file."""
+    import cachefeed.trainer.loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_TOUCH_EVERY_S", 0.0)
+    root = build_cache(tmp_path / "c", 100)
+    with EpochLoaderFactory(root, batch_size=10, run_id="t", epochs=1, progress=None) as factory:
+        lock = root / "snapshots" / "t-e000000.lock"
+        batches = iter(factory.loader(0))
+        next(batches)
+        os.utime(lock, (1.0, 1.0))  # as if nobody had read for decades
+        next(batches)
+        assert lock.stat().st_mtime > time.time() - 60

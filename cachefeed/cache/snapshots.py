@@ -83,6 +83,7 @@ class SnapshotInfo:
     owner: str
     created: float
     names: tuple[str, ...] = ()  # its segment file names
+    active_at: float = 0.0  # when a holder last showed progress (``Snapshot.touch``: the lock file's mtime)
 
 
 class Snapshot:
@@ -183,6 +184,17 @@ class Snapshot:
             time.sleep(0.02)
 
     # -- reads and release ----------------------------------------------------------------------------------
+
+    def touch(self) -> None:
+        """Show that an epoch is reading this snapshot: sets its lock file's mtime to now, which the daemon reads
+        to tell a trainer that is slow but reading (paced: normal) from one that stopped (a stuck reader, a
+        fault). Trainers call it every few seconds while batches flow; best effort (a rank that may not write the
+        creator's lock file is silently skipped: another rank's touch counts for the snapshot)."""
+        if self._lock_fd is not None:
+            try:
+                os.utime(self._lock_fd)
+            except OSError:
+                pass
 
     def mark_read(self) -> None:
         """Record that an epoch has read this snapshot: its segments count one more read once the snapshot is
@@ -401,6 +413,7 @@ def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
         try:
             manifest = msgpack.unpackb((layout.snapshots / snap_id / MANIFEST).read_bytes(), raw=False)
             owner = json.loads((layout.snapshots / lock_name).read_text() or "{}")
+            active_at = os.stat(layout.snapshots / lock_name).st_mtime
         except (OSError, ValueError):
             continue
         segments = manifest.get("segments", [])
@@ -412,6 +425,7 @@ def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
                 owner=f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}",
                 created=float(manifest.get("created", 0.0)),
                 names=tuple(str(entry[0]) for entry in segments),
+                active_at=active_at,
             )
         )
     return infos

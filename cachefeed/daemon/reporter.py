@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from cachefeed.cache.snapshots import live_snapshots
+from cachefeed.cache.snapshots import SnapshotInfo, live_snapshots
 from cachefeed.cache.store import CacheStore
 from cachefeed.config import Config
 from cachefeed.daemon.catalog import Catalog, safe_url
@@ -80,7 +80,8 @@ class StatusReporter:
         store, plan = self._store, self._plan
         counters = store.counters
         remote = self._remote_totals()
-        reasons = self._degraded_reasons(remote)
+        snapshots = live_snapshots(store.layout)
+        reasons = self._degraded_reasons(remote) + self._stuck_readers(snapshots)
         if state in ("running", "degraded"):
             state = "degraded" if reasons else "running"
         objects_total = plan.counters.done_total
@@ -104,7 +105,7 @@ class StatusReporter:
             cache_dir=str(self._config.cache.dir),
             usage=store.usage(),
             turnover_bytes=self._config.cache.turnover_bytes,
-            snapshots=live_snapshots(store.layout),
+            snapshots=snapshots,
             evict_after_reads=self._config.cache.evict_after_reads,
             counters=counters,
             turnover_s=turnover_s,
@@ -158,6 +159,25 @@ class StatusReporter:
             objects_dropped=self._plan.dropped,
             not_cached=self._plan.not_cached,
         )
+
+    def _stuck_readers(self, snapshots: list[SnapshotInfo]) -> list[str]:
+        """A trainer that holds a pin but stopped reading while fetching waits on it is a fault; one that reads
+        slowly is the normal paced state. Progress is the snapshot's last ``touch`` (every few seconds while an
+        epoch reads it); snapshots of dead trainers kept for resume (``cache.snapshot_grace``) are not stuck."""
+        usage = self._store.usage()
+        if not (usage.is_paced or usage.is_backpressured):
+            return []
+        now, limit = time.time(), self._config.status.stuck_after_s
+        orphaned = set(self._store.orphaned_snapshots)
+        reasons = []
+        for snap in snapshots:
+            idle = now - max(snap.created, snap.active_at)
+            if snap.snap_id not in orphaned and idle > limit:
+                reasons.append(
+                    f"stuck trainer: {snap.owner} has read nothing from snapshot {snap.snap_id} for {idle:.0f}s "
+                    f"(status.stuck_after = {limit:g}s) while fetching waits for it: check that trainer"
+                )
+        return reasons
 
     def _degraded_reasons(self, remote: RemoteTotals) -> list[str]:
         reasons = [

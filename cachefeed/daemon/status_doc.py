@@ -145,6 +145,7 @@ def build_status(
                     "segments": snap.segments,
                     "owner": snap.owner,
                     "age_s": max(0.0, now - snap.created) if snap.created else 0.0,
+                    "idle_s": max(0.0, now - max(snap.created, snap.active_at)),
                 }
                 for snap in snapshots
             ],

@@ -122,6 +122,7 @@ class EpochState:
         self.batches = 0
         self.batches_served = 0
         self.batches_consumed = 0  # batches taken from the sampler by the training loop (empty ones included)
+        self.touched_at = 0.0  # perf_counter of the last ``snapshot.touch()`` (progress the daemon sees)
         self.first_batch_wait_s: float | None = None
         self.is_first_epoch = False
         self._started: tuple[Iterator[Any], list[Any]] | None = None  # iterator + its fetched first item

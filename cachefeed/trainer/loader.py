@@ -82,6 +82,7 @@ _RESERVED_OPTIONS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampl
 _LEAD_FACTOR = 2.0
 _LEAD_MARGIN_S = 0.5
 _PACE_WEIGHT = 0.2
+_TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
 
 
 class EpochLoaderFactory:
@@ -521,6 +522,9 @@ class EpochLoaderFactory:
         self._last_batch_at = now
         state.batches_consumed = consumed
         self._current = state
+        if now - state.touched_at >= _TOUCH_EVERY_S:
+            state.touched_at = now
+            state.snapshot.touch()  # progress the daemon sees: a reading trainer is not a stuck one
         if self._is_due(state, consumed):
             self._prepare(state.epoch + 1)
 
