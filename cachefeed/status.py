@@ -121,7 +121,7 @@ STATUS_SCHEMA: dict[str, Any] = {
     "updated_at": _NUM,
     "degraded_reasons": [str],
     "cache": {
-        **{k: _NUM for k in ("bytes", "max_bytes", "samples", "segments", "pinned_bytes")},
+        **{k: _NUM for k in ("bytes", "max_bytes", "samples", "segments", "pinned_bytes", "fill")},
         **{k: _NUM for k in ("pinned_only_bytes", "reserved_bytes", "free_bytes", "min_free_bytes")},
         "dir": str,
         "turnover_bytes": _NUM,

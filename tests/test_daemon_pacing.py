@@ -9,8 +9,10 @@ server behind a counting proxy, a real trainer through ``EpochLoaderFactory``.
 
 from __future__ import annotations
 
+import io
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -153,3 +155,28 @@ def test_a_trainer_that_stops_reading_is_a_fault_and_one_that_reads_is_not(bucke
         doc = proc.wait_status(lambda d: d["state"] == "running", timeout_s=10, what="progress clears it")
         assert doc["cache"]["snapshots"][0]["idle_s"] < 2
     assert proc.stop() == 0
+
+
+def test_the_first_epoch_waits_for_a_fill_level_by_default(bucket: Any, daemon: StartDaemon) -> None:
+    """No one-batch first epoch: by default the trainer starts when the daemon reports its cache 75% full (of what
+    it keeps: the budget less turnover and metadata), here with a remote slow enough to watch it fill."""
+    upload_arrays(bucket, BUCKET, OBJECTS, OBJECT_BYTES)
+    proc = daemon(sections={"cache": {"max_bytes": MAX_BYTES}, "remote": {"max_bytes_per_s": 2 << 20}})
+    progress = io.StringIO()
+    with EpochLoaderFactory(proc.cache_dir, batch_size=16, run_id="fill", progress=progress, epochs=1) as factory:
+        loader = factory.loader(0)
+        doc = proc.status()
+        keep = MAX_BYTES - MAX_BYTES // 4 - (1 << 20)  # less turnover (25%) and the metadata reserve
+        assert factory.stats(0).samples * OBJECT_BYTES >= 0.7 * keep, factory.stats(0)
+        assert doc is not None and doc["cache"]["fill"] >= 0.75
+        assert factory.stats(0).wait_for_samples_s > 1.0, "it did wait for the slow remote"
+        assert "to fill" in progress.getvalue() and "of 75%" in progress.getvalue()
+        assert sum(1 for _ in loader) == len(loader) > 1
+    assert proc.stop() == 0
+
+
+def test_a_fill_level_is_checked_when_the_factory_is_made(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    for bad in ("75", "0%", "150%", "most"):
+        with pytest.raises(ValueError, match="min_samples"):
+            EpochLoaderFactory(tmp_path / "c", batch_size=4, min_samples=bad, wait_timeout_s=0.1, progress=None)

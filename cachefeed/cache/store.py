@@ -134,6 +134,7 @@ class Usage:
     sample_reads: int = 0  # sum over published segments of samples x epochs that read them
     oldest_published_at: float | None = None  # unix time of the oldest published segment (None: empty cache)
     newest_published_at: float | None = None
+    fill: float = 0.0  # published bytes / what the daemon fills to without readers (max - turnover - metadata)
 
 
 @dataclass(slots=True)
@@ -600,4 +601,5 @@ class CacheStore:
             sample_reads=sum(self._published[seq].samples * n for seq, n in self._epoch_reads.items()),
             oldest_published_at=min((s.published_at for s in self._published.values()), default=None),
             newest_published_at=max((s.published_at for s in self._published.values()), default=None),
+            fill=min(1.0, self.published_bytes / max(1, self._published_target())),
         )

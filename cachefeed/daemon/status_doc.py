@@ -91,7 +91,9 @@ def build_status(
     stayed in the cache (None before the first eviction). Freshness and epoch reads (see "Epoch reads" in
     ``cachefeed/cache/store.py``): ``cache.newest_age_s``/``oldest_age_s`` (ages of the newest and oldest published
     segments, None when empty), ``cache.unread_samples`` (cached samples no epoch has pinned yet),
-    ``cache.epochs_total`` (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch held
+    ``cache.fill`` (published bytes as a fraction of what the daemon fills to without readers:
+    ``max_bytes`` less turnover and metadata; trainers' ``min_samples="75%"`` waits on it), ``cache.epochs_total``
+    (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch held
     them) and ``evicted.epochs_per_sample`` (epochs an evicted sample was in, on average; None before the first
     eviction). The read contract (NOTE [ Read receipts ] in ``cache/reads.py``): ``cache.is_paced`` (ingest waits
     for trainers to read: normal, not a fault), ``cache.waiting_for_reads_samples`` (samples read fewer than
@@ -121,6 +123,7 @@ def build_status(
             "bytes": usage.bytes,
             "max_bytes": usage.max_bytes,
             "samples": usage.samples,
+            "fill": usage.fill,
             "segments": usage.segments,
             "pinned_bytes": usage.pinned_bytes,
             "pinned_only_bytes": usage.pinned_only_bytes,

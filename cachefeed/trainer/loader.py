@@ -63,7 +63,7 @@ from cachefeed.trainer.partition import (
     launcher_run_id,
     sanitize_run_id,
 )
-from cachefeed.trainer.wait import wait_for_cache, wait_for_samples
+from cachefeed.trainer.wait import parse_fill, wait_for_cache, wait_for_fill, wait_for_samples
 
 __all__ = ["EpochLoaderFactory"]
 
@@ -79,6 +79,7 @@ class _Resume:
 
 
 _RESERVED_OPTIONS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "num_workers")
+DEFAULT_MIN_FILL = "75%"  # what the first epoch waits for by default (see min_samples)
 _LEAD_FACTOR = 2.0
 _LEAD_MARGIN_S = 0.5
 _PACE_WEIGHT = 0.2
@@ -109,8 +110,12 @@ class EpochLoaderFactory:
             the node's ranks), least-read first, reusing samples when fewer are cached: ``len(loader)`` and the
             number of steps are known before training starts (``batches_per_epoch``). None: each epoch is one pass
             over its snapshot.
-        min_samples: the first epoch waits until this many samples are cached (a progress line on ``progress``);
-            default ``samples_per_epoch`` if set, else 1.
+        min_samples: what the first epoch waits for (a progress line on ``progress``): a number of cached samples,
+            or a fill level such as ``"75%"`` of what the daemon keeps (its budget less turnover room and
+            metadata: no segment arithmetic), reached also when the daemon cannot fill further (it waits for
+            trainers, or holds everything the remote lists) or when no daemon runs (a static cache). Default
+            ``samples_per_epoch`` if set, else ``"75%"``: an epoch over a near-empty cache (one batch, as a
+            default of 1 sample gave) would spend an epoch of an LR schedule on nothing.
         wait_timeout_s: how long that wait may take before ``SnapshotError``; also how long the constructor waits
             for the cache directory to appear (a trainer started together with the daemon) before
             ``NoSuchCacheError``.
@@ -139,7 +144,7 @@ class EpochLoaderFactory:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         verify: bool = True,
         samples_per_epoch: int | None = None,
-        min_samples: int | None = None,
+        min_samples: int | str | None = None,
         wait_timeout_s: float = 600.0,
         join_timeout_s: float = 300.0,
         prepare_at: float | None = None,
@@ -157,9 +162,12 @@ class EpochLoaderFactory:
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch must be >= 1 (or None), got {samples_per_epoch}")
         if min_samples is None:
-            min_samples = samples_per_epoch or 1
-        if min_samples < 0 or wait_timeout_s <= 0 or join_timeout_s <= 0:
-            raise ValueError("min_samples must be >= 0 and the timeouts > 0")
+            min_samples = samples_per_epoch or DEFAULT_MIN_FILL
+        self.min_fill = parse_fill(min_samples) if isinstance(min_samples, str) else None
+        if isinstance(min_samples, int) and min_samples < 0:
+            raise ValueError(f"min_samples must be >= 0 or a fill level such as '75%', got {min_samples}")
+        if wait_timeout_s <= 0 or join_timeout_s <= 0:
+            raise ValueError("the timeouts must be > 0")
         if epochs is not None and epochs < 0:
             raise ValueError(f"epochs must be >= 0 (or None), got {epochs}")
         if prepare_at is not None and not 0.0 <= prepare_at <= 1.0:
@@ -406,8 +414,11 @@ class EpochLoaderFactory:
             is_first, self._has_built = not self._has_built, True
         waited = 0.0
         join_timeout = self.join_timeout_s
-        if is_first and self.ranks.is_creator:
-            wait_for_samples(self.layout, self.min_samples, timeout_s=self.wait_timeout_s, progress=self.progress)
+        if is_first and self.ranks.is_creator and self.min_fill is not None:
+            wait_for_fill(self.layout, self.min_fill, timeout_s=self.wait_timeout_s, progress=self.progress)
+            waited = time.perf_counter() - started
+        elif is_first and self.ranks.is_creator:
+            wait_for_samples(self.layout, int(self.min_samples), timeout_s=self.wait_timeout_s, progress=self.progress)
             waited = time.perf_counter() - started
         elif is_first:
             join_timeout += self.wait_timeout_s

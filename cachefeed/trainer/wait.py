@@ -1,4 +1,5 @@
-"""Waiting for the first samples: train while the cache fills, starting once ``min_samples`` are cached.
+"""Waiting for the first samples: train while the cache fills, starting once ``min_samples`` are cached, or once
+the cache is filled to a level (``min_samples="75%"``, see ``wait_for_fill``).
 
 New segments appear in ``segments/`` by an atomic rename. ``watchdog`` (inotify on Linux) wakes the wait on
 every change there, so the first epoch starts within milliseconds of the segment that completes ``min_samples``;
@@ -22,7 +23,7 @@ from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.snapshots import segment_count
 from cachefeed.errors import NoSuchCacheError, SnapshotError
 
-__all__ = ["SampleCounter", "wait_for_cache", "wait_for_samples"]
+__all__ = ["SampleCounter", "parse_fill", "wait_for_cache", "wait_for_fill", "wait_for_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class _Wake(FileSystemEventHandler):
 class _Progress:
     """One line on a terminal (redrawn), or a line every ``_PLAIN_EVERY_S`` in a log file."""
 
-    def __init__(self, stream: TextIO | None, root: str, target: int) -> None:
+    def __init__(self, stream: TextIO | None, root: str, target: int, *, is_fill: bool = False) -> None:
+        self._is_fill = is_fill  # have/target are percents of the daemon's fill level, not samples
         self._stream = stream
         self._root = root
         self._target = target
@@ -69,10 +71,12 @@ class _Progress:
             return
         fraction = min(1.0, have / self._target) if self._target else 1.0
         filled = int(fraction * _BAR_WIDTH)
-        line = (
-            f"cachefeed: waiting for samples in {self._root} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] "
-            f"{have}/{self._target} ({fraction:.0%}) {waited_s:.0f}s"
-        )
+        bar = f"[{'#' * filled}{'.' * (_BAR_WIDTH - filled)}]"
+        if self._is_fill:
+            line = f"cachefeed: waiting for the cache in {self._root} to fill {bar} {have}% of {self._target}%"
+        else:
+            line = f"cachefeed: waiting for samples in {self._root} {bar} {have}/{self._target} ({fraction:.0%})"
+        line += f" {waited_s:.0f}s"
         now = time.monotonic()
         if self._is_tty:
             self._stream.write("\r" + line)
@@ -168,6 +172,89 @@ def wait_for_samples(
             observer.join()
     log.info("%d samples cached in %s after %.1fs", have, layout.root, time.monotonic() - started)
     return have
+
+
+def parse_fill(value: str) -> float:
+    """``"75%"`` -> 0.75. Raises ValueError naming the value and the form expected."""
+    text = value.strip()
+    try:
+        if not text.endswith("%"):
+            raise ValueError
+        fraction = float(text[:-1]) / 100
+    except ValueError:
+        raise ValueError(f"min_samples = {value!r}: expected a count (int) or a fill level such as '75%'") from None
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"min_samples = {value!r}: a fill level is between 0% (excluded) and 100%")
+    return fraction
+
+
+def _fill_reached(layout: CacheLayout, fraction: float, have: int) -> tuple[bool, float, str]:
+    """(start now?, the fill level, why) from the daemon's status document.
+
+    The cache is full enough when the daemon reports ``cache.fill >= fraction``, or when it cannot fill further:
+    it waits for trainers to read (paced) or for pins to go (back-pressure), or it has fetched everything the
+    remote lists (a dataset smaller than the cache). Without a running daemon (a static cache) what is cached is
+    all there will be.
+    """
+    from cachefeed.status import Health, read_report  # the reader of the daemon's document
+
+    report = read_report(layout.root)
+    document = report.document
+    if report.health in (Health.NOT_RUNNING, Health.UNREADABLE) or document is None:
+        return have > 0, 0.0, "no daemon is running: starting on what is cached"
+    cache = document["cache"]
+    fill = float(cache.get("fill", 0.0))
+    if report.health is Health.NOT_READY or have == 0:
+        return False, fill, ""
+    if fill >= fraction:
+        return True, fill, f"cache {fill:.0%} full"
+    if cache["is_paced"] or cache["is_backpressured"]:
+        return True, fill, f"cache {fill:.0%} full and waiting for trainers: starting"
+    if document["remote"]["passes_completed"] >= 1:
+        return True, fill, f"cache {fill:.0%} full with everything the remote lists: starting"
+    return False, fill, ""
+
+
+def wait_for_fill(
+    layout: CacheLayout,
+    fraction: float,
+    *,
+    timeout_s: float,
+    progress: TextIO | None = sys.stderr,
+    poll_s: float = 0.5,
+) -> int:
+    """Block until the daemon has filled the cache to ``fraction`` of what it keeps (see ``_fill_reached``);
+    return the samples cached. The user states a level; segment sizes and metadata are the daemon's business.
+
+    Raises:
+        NoSuchCacheError: the cache directory is missing.
+        SnapshotError: ``timeout_s`` passed first (the message says how far the cache got and what to check).
+    """
+    layout.check()
+    counter = SampleCounter(layout)
+    started = time.monotonic()
+    bar = _Progress(progress, str(layout.root), round(fraction * 100), is_fill=True)
+    try:
+        while True:
+            have = counter.count()
+            ready, fill, why = _fill_reached(layout, fraction, have)
+            waited = time.monotonic() - started
+            if ready:
+                if waited > 0.1:
+                    bar.show(round(fill * 100), waited, force=True)
+                log.info("%s (%d samples) after %.1fs", why, have, waited)
+                return have
+            if waited > timeout_s:
+                raise SnapshotError(
+                    f"the cache in {layout.root} was {fill:.0%} full ({have} samples) after {timeout_s:g}s, "
+                    f"short of min_samples = '{fraction:.0%}': check that the daemon runs and fetches "
+                    "(cachefeed status), or lower min_samples / raise wait_timeout_s"
+                )
+            bar.show(round(fill * 100), waited)
+            time.sleep(poll_s)
+            layout.check()
+    finally:
+        bar.done()
 
 
 class _DropStopRace(logging.Filter):
