@@ -51,6 +51,7 @@ _SCALARS: tuple[tuple[str, str, str, str, str], ...] = (
     ("cache", "bytes", "cachefeed_cache_bytes", "gauge", "Bytes counted against the budget (all of the cache dir)."),
     ("cache", "max_bytes", "cachefeed_cache_max_bytes", "gauge", "The cache's byte budget."),
     ("cache", "samples", "cachefeed_cache_samples", "gauge", "Samples in published segments."),
+    ("cache", "fill", "cachefeed_cache_fill_ratio", "gauge", "Published bytes / what the daemon fills to unread."),
     ("cache", "segments", "cachefeed_cache_segments", "gauge", "Published segments."),
     ("cache", "pinned_bytes", "cachefeed_cache_pinned_bytes", "gauge", "Bytes held by live snapshots."),
     (

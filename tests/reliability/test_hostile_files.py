@@ -181,6 +181,7 @@ def test_planted_symlinks_fifos_and_foreign_files_are_never_followed_or_served(
 def test_a_fifo_named_like_a_snapshot_lock_does_not_hang_the_daemon(tmp_path: Path) -> None:
     remote = tmp_path / "remote"
     remote.mkdir()
+    (remote / "one.bin").write_bytes(b"x" * 64)  # an empty remote is degraded ("lists 0 objects"), never running
     cache_dir = tmp_path / "cache"
     (cache_dir / "snapshots").mkdir(parents=True)
     os.mkfifo(cache_dir / "snapshots" / "trap.lock")
@@ -234,6 +235,7 @@ def test_hostile_entries_where_the_daemon_keeps_its_own_files(tmp_path: Path, ca
     before = tree_listing(tmp_path / "outside")
     remote = tmp_path / "remote"
     remote.mkdir()
+    (remote / "one.bin").write_bytes(b"x" * 64)  # an empty remote is degraded ("lists 0 objects"), never running
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
     make_root_case(case, cache_dir, world)
@@ -248,7 +250,7 @@ def test_hostile_entries_where_the_daemon_keeps_its_own_files(tmp_path: Path, ca
     try:
         wait_until(
             lambda: proc.process.poll() is not None or (read_status(cache_dir) or {}).get("state") == "running",
-            timeout_s=60,  # a loaded 2-core CI machine starts a daemon in seconds, not 20
+            timeout_s=20,
             what=f"{case}: running or refused",
         )
         runs = proc.process.poll() is None
