@@ -205,7 +205,14 @@ def main(argv: list[str] | None = None) -> int:
                 daemon.append(seconds)
                 if args.md5_off:
                     seconds, _doc = daemon_ingest(
-                        server, label, f"{label}-nomd5-{k}", count, dataset, args.processes, args.concurrency, work,
+                        server,
+                        label,
+                        f"{label}-nomd5-{k}",
+                        count,
+                        dataset,
+                        args.processes,
+                        args.concurrency,
+                        work,
                         verify_md5=False,
                     )
                     unverified.append(seconds)

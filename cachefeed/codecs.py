@@ -263,14 +263,15 @@ def _check_end_of_archive(archive: tarfile.TarFile) -> None:
         raise ValueError("truncated tar archive: no end-of-archive block after the last member")
 
 
-_BUILTINS: dict[str, Callable[[str, bytes], list[Sample]]] = {
-    "msgpack": decode_msgpack,
+_BUILTINS: dict[str, Callable[[str, bytes], list[Sample]]] = {  # the registry: config validates names against it
     "npy": decode_npy,
     "npz": decode_npz,
     "pt": decode_pt,
+    "msgpack": decode_msgpack,
     "raw": decode_raw,
     "tar": decode_tar,
 }
+BUILTIN_DECODERS = tuple(_BUILTINS)
 
 
 # ------------------------------------------------------------------------------------------------ the contract

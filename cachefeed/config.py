@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachefeed.cache.eviction import POLICIES
+from cachefeed.codecs import BUILTIN_DECODERS
 from cachefeed.errors import ConfigError
+from cachefeed.records import COMPRESSIONS
 from cachefeed.units import parse_duration, parse_size
 
 __all__ = [
@@ -35,9 +38,7 @@ __all__ = [
     "parse_config",
 ]
 
-EVICTION_POLICIES = ("fifo", "random", "most-read")
-COMPRESSIONS = ("none", "zlib")
-BUILTIN_DECODERS = ("npy", "npz", "pt", "msgpack", "raw", "tar")
+EVICTION_POLICIES = tuple(POLICIES)  # names come from the registries that define them
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MIN_SEGMENTS_IN_BUDGET = 4
 METADATA_RESERVE_BYTES = 1 << 20  # lock, tag, status.json, snapshot dirs: part of max_bytes (see cache/store.py)
@@ -220,9 +221,7 @@ def _decoder(value: object) -> str:
     try:
         return _callable_path(text) if text else _one_of(BUILTIN_DECODERS)(text)
     except ValueError:
-        raise ValueError(
-            "expected one of " + ", ".join(BUILTIN_DECODERS) + ' or "package.module:function"'
-        ) from None
+        raise ValueError("expected one of " + ", ".join(BUILTIN_DECODERS) + ' or "package.module:function"') from None
 
 
 def _absolute_path(value: object) -> Path:
@@ -244,7 +243,7 @@ def _url(value: object) -> str:
 
 def _table(value: object) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ValueError("expected a table such as { endpoint_url = \"http://127.0.0.1:9000\" }")
+        raise ValueError('expected a table such as { endpoint_url = "http://127.0.0.1:9000" }')
     return dict(value)
 
 
@@ -460,13 +459,10 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
         cap_s = values.get(SCHEMA[section][cap][0])
         if base_s is not None and cap_s is not None and float(base_s) > float(cap_s):  # type: ignore[arg-type]
             raise ConfigError(
-                f"{source}: {section}.{base} = {base_s}s is above {section}.{cap} = {cap_s}s: "
-                f"expected {base} <= {cap}"
+                f"{source}: {section}.{base} = {base_s}s is above {section}.{cap} = {cap_s}s: expected {base} <= {cap}"
             )
     if int(node["rank"]) >= int(node["count"]):  # type: ignore[call-overload]
-        raise ConfigError(
-            f"{source}: node.rank = {node['rank']} must be below node.count = {node['count']}"
-        )
+        raise ConfigError(f"{source}: node.rank = {node['rank']} must be below node.count = {node['count']}")
 
 
 def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None) -> Config:

@@ -56,9 +56,7 @@ DUMMY_CREDENTIALS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=5, help="epochs to train (default 5)")
     parser.add_argument("--objects", type=int, default=2000, help="generated dataset size in samples (2000)")
-    parser.add_argument(
-        "--budget", type=float, default=0.35, help="cache budget as a fraction of the dataset (0.35)"
-    )
+    parser.add_argument("--budget", type=float, default=0.35, help="cache budget as a fraction of the dataset (0.35)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (2)")
     parser.add_argument("--remote", metavar="URL", help="train on this remote instead (s3://..., file:///...)")
@@ -138,7 +136,9 @@ class _MotoServer:
         import boto3
 
         client = boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id="demo",
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="demo",
             aws_secret_access_key="demo",  # noqa: S106 (the local server's dummy credentials)
             region_name="us-east-1",
         )
@@ -283,10 +283,21 @@ def run(args: argparse.Namespace) -> int:
         _write_config(
             config_path,
             {
-                "remote": {"url": url, "pattern": args.pattern, "storage_options": storage_options,
-                           "refresh_interval": "30s", "read_timeout": "10s"},
-                "cache": {"dir": str(cache_dir), "max_bytes": max_bytes, "min_free_bytes": "0",
-                          "segment_bytes": segment_bytes, "turnover": "30%", "fsync": False},
+                "remote": {
+                    "url": url,
+                    "pattern": args.pattern,
+                    "storage_options": storage_options,
+                    "refresh_interval": "30s",
+                    "read_timeout": "10s",
+                },
+                "cache": {
+                    "dir": str(cache_dir),
+                    "max_bytes": max_bytes,
+                    "min_free_bytes": "0",
+                    "segment_bytes": segment_bytes,
+                    "turnover": "30%",
+                    "fsync": False,
+                },
                 "sampler": {"processes": 1, "concurrency": 16, "decode": decode},
                 "status": {"interval": "500ms"},
             },
@@ -295,7 +306,9 @@ def run(args: argparse.Namespace) -> int:
         with _step(f"starting the cache daemon (budget {max_bytes} bytes, log {log_path})"), log_path.open("wb") as log:
             daemon = subprocess.Popen(
                 [sys.executable, "-m", "cachefeed", "daemon", "--config", str(config_path)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             _wait_running(daemon, cache_dir, log_path)
         _train(args, cache_dir)
@@ -334,8 +347,13 @@ def _train(args: argparse.Namespace, cache_dir: Path) -> None:
     evicted_before = 0
     header = f"{'epoch':>5} {'cached':>7} {'new':>6} {'evicted':>8} {'handover':>9} {'samples/s':>10} {'loss':>7}"
     with EpochLoaderFactory(
-        cache_dir, batch_size=args.batch_size, num_workers=args.workers, min_samples=min_samples,
-        wait_timeout_s=300, epochs=args.epochs, run_id="demo",
+        cache_dir,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        min_samples=min_samples,
+        wait_timeout_s=300,
+        epochs=args.epochs,
+        run_id="demo",
     ) as factory:
         for epoch in range(args.epochs):
             loader = factory.loader(epoch)

@@ -14,7 +14,11 @@ The tree::
     │   ├── RemoteForbiddenError        401/403: counted, never retried
     │   ├── RemoteTransientError        5xx, throttling, resets, timeouts: retried with backoff
     │   └── RemoteChangedError          the object changed during the read (ETag or length mismatch)
-    └── DecodeError                     a remote object could not be decoded into samples (quarantined)
+    ├── DecodeError                     a remote object could not be decoded into samples (quarantined)
+    ├── StatusUnreadable                status.json exists but cannot be used; exit 4 (``cachefeed status``)
+    ├── WriterStopped                   a writer was told to stop while it waited for room (a clean stop)
+    ├── GrantTooLarge (ValueError)      the supervisor says a segment of this size can never fit the cache
+    └── ChannelClosed (ConnectionError) the other end of a daemon socket is gone (EOF or a reset)
 
 Every error carries ``exit_code`` so the CLI maps it to a status without a table of its own. A command line the
 CLI cannot parse exits ``EX_USAGE`` (64), so that no usage mistake reads as a status (``cachefeed status`` uses 2
@@ -28,9 +32,11 @@ __all__ = [
     "CacheLockedError",
     "CacheUnusableError",
     "CachefeedError",
+    "ChannelClosed",
     "ConfigError",
     "CorruptRecordError",
     "DecodeError",
+    "GrantTooLarge",
     "NoSuchCacheError",
     "RemoteChangedError",
     "RemoteError",
@@ -38,6 +44,8 @@ __all__ = [
     "RemoteNotFoundError",
     "RemoteTransientError",
     "SnapshotError",
+    "StatusUnreadable",
+    "WriterStopped",
 ]
 
 
@@ -109,3 +117,21 @@ class RemoteChangedError(RemoteError):
 
 class DecodeError(CachefeedError):
     """A remote object's bytes could not be turned into samples."""
+
+
+class StatusUnreadable(CachefeedError):
+    """status.json exists but cannot be used: unreadable, not JSON, or not the documented shape."""
+
+    exit_code = 4  # cachefeed.status.Health.UNREADABLE
+
+
+class WriterStopped(CachefeedError):
+    """Raised by ``CacheWriter.add`` when it was told to stop while waiting for room in the cache."""
+
+
+class GrantTooLarge(CachefeedError, ValueError):
+    """The supervisor says a segment of this size can never fit the cache."""
+
+
+class ChannelClosed(CachefeedError, ConnectionError):
+    """The other end of a daemon socket channel is gone (EOF or a reset)."""

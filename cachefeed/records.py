@@ -47,11 +47,13 @@ import xxhash
 from cachefeed.errors import CorruptRecordError
 
 __all__ = [
+    "COMPRESSIONS",
     "FORMAT_VERSION",
     "RecordEncoder",
     "SegmentReader",
     "SegmentWriter",
     "key_hash",
+    "segment_count",
 ]
 
 FORMAT_VERSION = 2  # 2: the Sources section
@@ -63,6 +65,7 @@ _SEGMENT_HEADER = struct.Struct("<8sHH4xQ40x")  # magic, version, flags, created
 _TRAILER = struct.Struct("<8sHH4xQQQQQ")  # magic, version, flags, count, index_off, index_hash, file_len, own_hash
 _RECORD_HEADER = struct.Struct("<4sHHIQQQ")  # magic, version, flags, meta_len, body_len, body_hash, key_hash
 _FLAG_ZLIB = 1
+COMPRESSIONS = ("none", "zlib")  # per-record payload compression; the registry config validates against
 _INLINE_LIMIT = 256  # str/bytes up to this size live in the metadata; larger ones get a payload
 TRAILER_BYTES = 64
 HEADER_BYTES = 64
@@ -93,8 +96,8 @@ class RecordEncoder:
     """Turns a sample dict into an ``EncodedRecord``. Stateless apart from the compression choice."""
 
     def __init__(self, *, compression: str = "none") -> None:
-        if compression not in ("none", "zlib"):
-            raise ValueError(f"compression must be 'none' or 'zlib', not {compression!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, not {compression!r}")
         self._compress = compression == "zlib"
 
     def encode(self, sample: Mapping[str, Any]) -> EncodedRecord:
@@ -293,8 +296,14 @@ class SegmentWriter:
         self._write([region])
         file_len = self._position + TRAILER_BYTES
         body = _TRAILER.pack(
-            _TRAILER_MAGIC, FORMAT_VERSION, 0, self.count, index_offset,
-            xxhash.xxh3_64_intdigest(region), file_len, 0,
+            _TRAILER_MAGIC,
+            FORMAT_VERSION,
+            0,
+            self.count,
+            index_offset,
+            xxhash.xxh3_64_intdigest(region),
+            file_len,
+            0,
         )[:-8]
         trailer = body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
         self._write([trailer + bytes(TRAILER_BYTES - len(trailer))])
@@ -312,6 +321,27 @@ class SegmentWriter:
             self.path.unlink()
         except FileNotFoundError:
             pass
+
+
+def segment_count(path: str | os.PathLike[str]) -> int:
+    """Number of records in a segment, from its trailer alone (one small read). -1 if the trailer is invalid.
+
+    Cheaper than ``SegmentReader`` (no map, no index checksum): for counting what a directory holds, never for
+    trusting a segment's contents.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return -1
+    try:
+        size = os.fstat(fd).st_size
+        if size < TRAILER_BYTES:
+            return -1
+        raw = os.pread(fd, _TRAILER.size, size - TRAILER_BYTES)
+    finally:
+        os.close(fd)
+    magic, version, _flags, count, *_rest = _TRAILER.unpack(raw)
+    return int(count) if magic == _TRAILER_MAGIC and version == FORMAT_VERSION else -1
 
 
 class SegmentReader:
@@ -400,9 +430,7 @@ class SegmentReader:
         name = self.path.name
         if offset + length > self.size - TRAILER_BYTES or length < HEADER_BYTES:
             raise CorruptRecordError(f"{name}: record {i} out of bounds")
-        magic, version, flags, meta_len, body_len, body_hash, khash = _RECORD_HEADER.unpack_from(
-            self._buffer, offset
-        )
+        magic, version, flags, meta_len, body_len, body_hash, khash = _RECORD_HEADER.unpack_from(self._buffer, offset)
         if magic != _RECORD_MAGIC or version != FORMAT_VERSION or _RECORD_HEADER.size + body_len != length:
             raise CorruptRecordError(f"{name}: record {i} has a bad header")
         if khash != int(self.key_hashes[i]):

@@ -100,14 +100,13 @@ def expand_braces(pattern: str) -> list[str]:
             parts.append(inner[begin:i])
             begin = i + 1
     parts.append(inner[begin:])
-    return [
-        expanded for part in parts for expanded in expand_braces(pattern[:start] + part + pattern[end + 1 :])
-    ]
+    return [expanded for part in parts for expanded in expand_braces(pattern[:start] + part + pattern[end + 1 :])]
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
     """The matcher of ``remote.pattern``: fsspec glob syntax (``*``, ``**``, ``?``, ``[...]``) plus brace lists."""
     return re.compile("|".join(f"(?:{glob_translate(p)})" for p in expand_braces(pattern)))
+
 
 @dataclass(frozen=True, slots=True)
 class RemoteObject:
@@ -515,7 +514,8 @@ class Remote:
         if unusable:
             logger.warning(
                 "skipping %d objects whose names are not valid UTF-8 (rename them to cache them), e.g. %s",
-                len(unusable), unusable[0],
+                len(unusable),
+                unusable[0],
             )
         objects.sort(key=lambda obj: obj.path)
         return objects

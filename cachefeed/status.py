@@ -54,9 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from cachefeed.cache.layout import CacheLayout, allocated_bytes
-from cachefeed.cache.snapshots import live_snapshots, pinned_inodes, segment_count
+from cachefeed.cache.snapshots import live_snapshots, pinned_inodes
 from cachefeed.config import load_config
-from cachefeed.errors import CachefeedError
+from cachefeed.errors import CachefeedError, StatusUnreadable
+from cachefeed.records import segment_count
 from cachefeed.units import format_bytes, format_duration
 
 __all__ = [
@@ -196,12 +197,6 @@ def _shape_error(value: object, spec: object, where: str) -> str | None:
                 return problem
         return None
     raise TypeError(f"bad schema entry {spec!r}")  # pragma: no cover - a programming error
-
-
-class StatusUnreadable(CachefeedError):
-    """status.json exists but cannot be used: unreadable, not JSON, or not the documented shape."""
-
-    exit_code = int(Health.UNREADABLE)
 
 
 def load_document(path: Path) -> dict[str, Any] | None:

@@ -20,8 +20,16 @@ from tests.support.samples import cache_config, check_sample
 
 def start_writer(root: Path, start_key: int) -> subprocess.Popen[str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.writer_proc", str(root), str(6 << 20), str(128 << 10), "3000",
-         str(start_key)],
+        [
+            sys.executable,
+            "-m",
+            "tests.support.writer_proc",
+            str(root),
+            str(6 << 20),
+            str(128 << 10),
+            "3000",
+            str(start_key),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )

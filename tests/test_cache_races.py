@@ -17,8 +17,15 @@ SEGMENT_BYTES = 128 << 10
 
 def start_writer(root: Path, sample_bytes: int) -> subprocess.Popen[str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.writer_proc", str(root), str(MAX_BYTES), str(SEGMENT_BYTES),
-         str(sample_bytes)],
+        [
+            sys.executable,
+            "-m",
+            "tests.support.writer_proc",
+            str(root),
+            str(MAX_BYTES),
+            str(SEGMENT_BYTES),
+            str(sample_bytes),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -53,8 +60,10 @@ def test_eviction_racing_readers_never_serves_a_wrong_or_short_record(tmp_path: 
     finally:
         stop(writer)
     reads = sum(int(r["reads"]) for r in results)
-    print(f"\n{reads} record reads by 3 readers racing eviction: "
-          f"{sum(int(r['wrong']) for r in results)} wrong, {sum(int(r['errors']) for r in results)} errors")
+    print(
+        f"\n{reads} record reads by 3 readers racing eviction: "
+        f"{sum(int(r['wrong']) for r in results)} wrong, {sum(int(r['errors']) for r in results)} errors"
+    )
     assert reads >= 100_000
     assert all(r["wrong"] == "0" and r["errors"] == "0" for r in results)
 

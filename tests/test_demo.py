@@ -20,7 +20,10 @@ def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     return subprocess.run(
         [sys.executable, "-m", "cachefeed", "demo", "--objects", "600", "--epochs", "3", "--workers", "1", *args],
-        capture_output=True, text=True, timeout=240, env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
 
 
@@ -49,8 +52,11 @@ def test_demo_on_a_local_directory_needs_no_s3_server(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--epochs", "0"], "--epochs = 0"), (["--budget", "3"], "--budget = 3.0"),
-     (["--storage-option", "novalue"], "KEY=VALUE")],
+    [
+        (["--epochs", "0"], "--epochs = 0"),
+        (["--budget", "3"], "--budget = 3.0"),
+        (["--storage-option", "novalue"], "KEY=VALUE"),
+    ],
 )
 def test_demo_rejects_bad_options_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     result = run_demo(tmp_path, *args)

@@ -8,10 +8,10 @@ keep counting) inside the snapshots that link it, until those are released.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-__all__ = ["EvictionPolicy", "FifoEviction", "MostReadEviction", "RandomEviction", "make_policy"]
+__all__ = ["POLICIES", "EvictionPolicy", "FifoEviction", "MostReadEviction", "RandomEviction", "make_policy"]
 
 _NO_READS: Mapping[int, int] = {}
 
@@ -64,11 +64,15 @@ class MostReadEviction:
         return max(candidates, key=lambda seq: (reads.get(seq, 0), -seq))
 
 
+POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {  # the registry: config validates names against it
+    FifoEviction.name: lambda seed: FifoEviction(),
+    RandomEviction.name: RandomEviction,
+    MostReadEviction.name: lambda seed: MostReadEviction(),
+}
+
+
 def make_policy(name: str, *, seed: int = 0) -> EvictionPolicy:
-    if name == "fifo":
-        return FifoEviction()
-    if name == "random":
-        return RandomEviction(seed)
-    if name == "most-read":
-        return MostReadEviction()
-    raise ValueError(f"unknown eviction policy {name!r}: expected 'fifo', 'random' or 'most-read'")
+    try:
+        return POLICIES[name](seed)
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}: expected one of {', '.join(POLICIES)}") from None

@@ -34,7 +34,6 @@ import os
 import secrets
 import socket
 import stat
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,30 +46,12 @@ from cachefeed.cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, alloc
 from cachefeed.cache.reads import READ_MARK, RECEIPT_SUFFIX, read_counts, write_receipt
 from cachefeed.errors import SnapshotError
 from cachefeed.fsutil import atomic_write, remove_tree
-from cachefeed.records import TRAILER_BYTES
+from cachefeed.records import segment_count
 
-__all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "segment_count", "sweep_stale"]
+__all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale"]
 
 MANIFEST = "MANIFEST"
 PARTIAL_GRACE_S = 60.0
-_TRAILER_COUNT = struct.Struct("<8sHH4xQ")
-
-
-def segment_count(path: str | os.PathLike[str]) -> int:
-    """Number of records in a segment, from its trailer alone (one small read). -1 if the trailer is invalid."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return -1
-    try:
-        size = os.fstat(fd).st_size
-        if size < TRAILER_BYTES:
-            return -1
-        raw = os.pread(fd, _TRAILER_COUNT.size, size - TRAILER_BYTES)
-    finally:
-        os.close(fd)
-    magic, _version, _flags, count = _TRAILER_COUNT.unpack(raw)
-    return int(count) if magic == b"CFSEGEND" else -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,8 +282,11 @@ class CacheStore:
         self._rescan_pins()
         log.info(
             "cache %s recovered in %.3fs: %d segments, %d samples, %d temp files removed, %d stale snapshots",
-            self.layout.root, time.monotonic() - started, len(self._published),
-            sum(s.samples for s in self._published.values()), self.counters.removed_temp,
+            self.layout.root,
+            time.monotonic() - started,
+            len(self._published),
+            sum(s.samples for s in self._published.values()),
+            self.counters.removed_temp,
             self.counters.stale_snapshots,
         )
 

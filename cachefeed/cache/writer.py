@@ -13,13 +13,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from cachefeed.cache.store import Grant
+from cachefeed.errors import WriterStopped
 from cachefeed.records import RecordEncoder, SegmentWriter
 
 __all__ = ["CacheWriter", "GrantProvider", "WriterStopped"]
-
-
-class WriterStopped(Exception):
-    """Raised by ``CacheWriter.add`` when it was told to stop while waiting for room."""
 
 
 class GrantProvider(Protocol):

@@ -63,6 +63,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from cachefeed.errors import ChannelClosed
+
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "Abort",
@@ -89,10 +91,6 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 512 << 10
 _BUFFER_BYTES = 1 << 20
-
-
-class ChannelClosed(ConnectionError):
-    """The other end of the channel is gone (EOF or a reset)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from cachefeed.daemon.protocol import (
     Reserve,
     WorkItem,
 )
-from cachefeed.errors import CorruptRecordError, DecodeError
+from cachefeed.errors import CorruptRecordError, DecodeError, GrantTooLarge
 
 __all__ = ["RpcGrantProvider", "SegmentSink", "SinkSettings"]
 
@@ -54,10 +54,6 @@ def _writable(sample: Sample) -> Sample:
         name: value.copy() if isinstance(value, np.ndarray) and not value.flags.writeable else value
         for name, value in sample.items()
     }
-
-
-class GrantTooLarge(ValueError):
-    """The supervisor says a segment of this size can never fit the cache."""
 
 
 class RpcGrantProvider:

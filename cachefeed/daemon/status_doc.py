@@ -19,10 +19,10 @@ from typing import Any
 from cachefeed.cache.snapshots import SnapshotInfo
 from cachefeed.cache.store import Counters, Usage
 from cachefeed.fsutil import atomic_write
+from cachefeed.status import STATUS_VERSION  # the schema's owner
 
 __all__ = ["STATUS_VERSION", "RateMeter", "RemoteTotals", "build_status", "write_status"]
 
-STATUS_VERSION = 1
 STATUS_MODE = 0o640
 _RATE_WINDOW_S = 10.0
 

@@ -69,6 +69,7 @@ __all__ = ["EpochLoaderFactory"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class _Resume:
     """Where a checkpointed run stopped (``load_state_dict``)."""

@@ -358,9 +358,7 @@ def corruption_in_transit(s3: MotoServer, fault_proxy: FaultProxy, *, with_check
         etag_is_md5=f"{etag_is_md5}/{objects}",
     )
     assert counts.fault("corrupt") == objects
-    assert served_wrong == 0, (
-        f"{served_wrong} of {objects} bodies corrupted in transit were returned as good"
-    )
+    assert served_wrong == 0, f"{served_wrong} of {objects} bodies corrupted in transit were returned as good"
     assert detected == objects
 
 
