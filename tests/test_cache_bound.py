@@ -56,6 +56,7 @@ def test_two_live_snapshots_of_thousands_of_segments_stay_within_max_bytes(tmp_p
     assert real <= max_bytes, f"real size {real:,} is {real - max_bytes:,} bytes over, {segments} segments"
 
 
+@pytest.mark.slow
 def test_the_bound_holds_with_pacing_on(tmp_path: Path) -> None:
     """The default read contract (segments wait for an epoch's read) changes when writers wait, not the bound."""
     max_bytes = 32 << 20

@@ -117,7 +117,7 @@ def test_a_trainer_faster_than_the_remote_rereads_and_never_waits_while_ingest_r
         proc.cache_dir, batch_size=16, samples_per_epoch=64, run_id="fast", progress=None, num_workers=1
     ) as factory:
         epoch = 0
-        while time.monotonic() - t0 < 8.0:
+        while time.monotonic() - t0 < 5.0:
             assert len(factory.loader(epoch)) == 4, "the epoch's size is set, however little is cached"
             for batch in factory.loader(epoch):
                 assert batch["data"].shape == (16, OBJECT_BYTES)
@@ -127,7 +127,7 @@ def test_a_trainer_faster_than_the_remote_rereads_and_never_waits_while_ingest_r
     doc = proc.wait_status(lambda d: d["cache"]["epochs_total"] >= epoch, timeout_s=30, what="every receipt")
     elapsed = time.monotonic() - t0
     rate = (doc["remote"]["bytes_total"] - bytes_at_start) / elapsed
-    assert epoch >= 20, "the trainer ran many epochs in the time the remote delivered a few hundred samples"
+    assert epoch >= 12, "the trainer ran many epochs in the time the remote delivered a few hundred samples"
     assert max(w for w in handover_waits if w is not None) < 0.5, handover_waits
     assert doc["cache"]["max_reads"] > 1 or doc["evicted"]["max_reads"] > 1, "samples were read more than once"
     assert doc["cache"]["sample_reads_total"] > doc["ingest"]["samples_total"], "reads per sample above 1"
