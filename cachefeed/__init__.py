@@ -21,8 +21,9 @@ from cachefeed.errors import (
 )
 
 if TYPE_CHECKING:
+    from cachefeed.cache.snapshots import Snapshot
     from cachefeed.codecs import msgpack_default
-    from cachefeed.trainer import DevicePrefetcher, EpochLoaderFactory, EpochStats, SnapshotDataset
+    from cachefeed.trainer import DevicePrefetcher, EpochLoader, EpochLoaderFactory, EpochStats, SnapshotDataset
 
 __all__ = [
     "CacheLockedError",
@@ -32,9 +33,11 @@ __all__ = [
     "ConfigError",
     "CorruptRecordError",
     "DevicePrefetcher",
+    "EpochLoader",
     "EpochLoaderFactory",
     "EpochStats",
     "NoSuchCacheError",
+    "Snapshot",
     "SnapshotDataset",
     "SnapshotError",
     "load_config",
@@ -42,12 +45,14 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"DevicePrefetcher", "EpochLoaderFactory", "EpochStats", "SnapshotDataset"}
+_LAZY = {"DevicePrefetcher", "EpochLoader", "EpochLoaderFactory", "EpochStats", "SnapshotDataset"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module("cachefeed.trainer"), name)
+    if name == "Snapshot":  # an epoch pin, for loaders of your own (see cachefeed/cache/snapshots.py)
+        return importlib.import_module("cachefeed.cache.snapshots").Snapshot
     if name == "msgpack_default":  # the writer's side of the msgpack array encoding the daemon decodes
         return importlib.import_module("cachefeed.codecs").msgpack_default
     raise AttributeError(f"module 'cachefeed' has no attribute {name!r}")

@@ -14,6 +14,22 @@ def test_all_is_sorted_and_every_name_resolves() -> None:
         assert getattr(cachefeed, name) is not None
 
 
+def test_the_public_names_are_exactly_these() -> None:
+    """Growing or shrinking the public surface is a decision: change this list with it (and the README)."""
+    assert set(cachefeed.__all__) == {
+        "CacheLockedError", "CacheUnusableError", "CachefeedError", "Config", "ConfigError", "CorruptRecordError",
+        "DevicePrefetcher", "EpochLoader", "EpochLoaderFactory", "EpochStats", "NoSuchCacheError", "Snapshot",
+        "SnapshotDataset", "SnapshotError", "load_config", "msgpack_default",
+    }  # fmt: skip
+
+
+def test_the_factory_does_not_expose_its_handover_hooks() -> None:
+    from cachefeed.trainer import EpochLoaderFactory
+
+    public = {name for name in vars(EpochLoaderFactory) if not name.startswith("_")}
+    assert not {"on_progress", "on_wait", "on_exhausted"} & public
+
+
 def test_the_status_command_does_not_import_torch() -> None:
     code = "import sys, cachefeed.cli; cachefeed.cli.build_parser(['status']); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -4,7 +4,7 @@ NOTE [ Epoch handover ]
 -----------------------
 Threads: the *training thread* (the caller's loop), one *build thread* and one *teardown thread* per factory.
 
-* While epoch ``e`` runs, the training thread reports progress after each batch (``on_progress``). When the time
+* While epoch ``e`` runs, the training thread reports progress after each batch (``_on_progress``). When the time
   left in ``e`` (remaining batches x the recent batch interval) falls under twice the longest build seen so far
   plus 0.5 s, or fewer than two prefetch windows (``num_workers x prefetch_factor`` batches) are left, or at the
   fraction ``prepare_at`` if given, the build thread starts on ``e + 1``: pin its snapshot (local rank 0 creates,
@@ -236,8 +236,8 @@ class EpochLoaderFactory:
         """
         started = time.perf_counter()
         state = self._activate(epoch, with_loader=True)
-        self.on_wait(time.perf_counter() - started, first_batch=None)
-        return EpochLoader(state, self, lambda: self.stats(epoch))
+        self._on_wait(time.perf_counter() - started, first_batch=None)
+        return EpochLoader(state, _Hooks(self), lambda: self.stats(epoch))
 
     def dataset(self, epoch: int) -> SnapshotDataset:
         """The snapshot dataset of ``epoch``, for your own DataLoader. Pinned until the factory moves on or closes.
@@ -523,7 +523,7 @@ class EpochLoaderFactory:
 
     # -- hooks called by the epoch iterator (training thread) ----------------------------------------------
 
-    def on_progress(self, state: EpochState, consumed: int) -> None:
+    def _on_progress(self, state: EpochState, consumed: int) -> None:
         """After ``consumed`` batches of ``state``'s epoch: learn the pace, start the next epoch when due."""
         now = time.perf_counter()
         if consumed > 1:
@@ -565,18 +565,37 @@ class EpochLoaderFactory:
         if discarded is not None:  # outside the lock: a done future runs the callback right here
             discarded[1].add_done_callback(self._retire_future)
 
-    def on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
+    def _on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
         """Account the training thread's time in cachefeed at a handover (NOTE above)."""
         self._waited_s += seconds
         if first_batch is not None:
             first_batch.first_batch_wait_s, self._waited_s = self._waited_s, 0.0
 
-    def on_exhausted(self, inner: Iterator[Any]) -> None:
+    def _on_exhausted(self, inner: Iterator[Any]) -> None:
         with self._lock:
             if not self._closed:
                 self._teardown.submit(_logged, shutdown_iterator, "stopping DataLoader workers", inner)
                 return
         shutdown_iterator(inner)
+
+
+class _Hooks:
+    """The factory's side of NOTE [ Epoch handover ], as the ``EpochHooks`` an ``EpochLoader`` calls on the training
+    thread. A separate object so that the factory's public surface is only what users call."""
+
+    __slots__ = ("_factory",)
+
+    def __init__(self, factory: EpochLoaderFactory) -> None:
+        self._factory = factory
+
+    def on_progress(self, state: EpochState, consumed: int) -> None:
+        self._factory._on_progress(state, consumed)
+
+    def on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
+        self._factory._on_wait(seconds, first_batch=first_batch)
+
+    def on_exhausted(self, inner: Iterator[Any]) -> None:
+        self._factory._on_exhausted(inner)
 
 
 def _logged(fn: Callable[..., object], what: str, *args: object) -> None:
