@@ -56,7 +56,9 @@ def decode(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_cache(root: Path, count: int) -> None:
-    config = CacheConfig(dir=root, max_bytes=4 << 30, min_free_bytes=0, segment_bytes=16 << 20, fsync=False)
+    config = CacheConfig(
+        dir=root, max_bytes=4 << 30, min_free_bytes=0, segment_bytes=16 << 20, fsync=False, turnover_bytes=0
+    )
     store = CacheStore(config)
     rng = np.random.default_rng(0)
     ramp = np.add.outer(np.arange(SIDE), np.arange(SIDE)).astype(np.uint8)[:, :, None]

@@ -46,7 +46,12 @@ def build_cache(root: Path, sample_bytes: int, total_bytes: int) -> int:
     """A cache of ``total_bytes // sample_bytes`` random samples; returns the count."""
     count = max(1, total_bytes // sample_bytes)
     config = CacheConfig(
-        dir=root, max_bytes=total_bytes * 2 + (64 << 20), min_free_bytes=0, segment_bytes=SEGMENT_BYTES, fsync=False
+        dir=root,
+        max_bytes=total_bytes * 2 + (64 << 20),
+        min_free_bytes=0,
+        segment_bytes=SEGMENT_BYTES,
+        fsync=False,
+        turnover_bytes=0,  # a static cache: nothing arrives, nothing needs room
     )
     store = CacheStore(config)
     rng = np.random.default_rng(0)

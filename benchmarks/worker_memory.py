@@ -48,7 +48,9 @@ BASELINE = 0.05
 
 
 def build_cache(root: Path, count: int) -> float:
-    config = CacheConfig(dir=root, max_bytes=8 << 30, min_free_bytes=0, segment_bytes=16 << 20, fsync=False)
+    config = CacheConfig(
+        dir=root, max_bytes=8 << 30, min_free_bytes=0, segment_bytes=16 << 20, fsync=False, turnover_bytes=0
+    )
     store = CacheStore(config)
     data = np.arange(16, dtype=np.uint8)
     started = time.perf_counter()

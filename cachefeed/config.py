@@ -38,6 +38,7 @@ __all__ = [
     "parse_config",
 ]
 
+DEFAULT_TURNOVER_PERCENT = 25  # cache.turnover's default: room kept for fresh samples while epochs pin the rest
 EVICTION_POLICIES = tuple(POLICIES)  # names come from the registries that define them
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MIN_SEGMENTS_IN_BUDGET = 4
@@ -72,11 +73,15 @@ class CacheConfig:
     eviction: str = "fifo"
     evict_after_reads: int = 1
     snapshot_grace_s: float = 300.0
-    turnover_bytes: int = 0
+    turnover_bytes: int = -1  # -1: DEFAULT_TURNOVER_PERCENT of max_bytes, as in a config file
     compression: str = "none"
     fsync: bool = True
     file_mode: int = 0o640
     dir_mode: int = 0o750
+
+    def __post_init__(self) -> None:
+        if self.turnover_bytes < 0:  # the one default, whether the config comes from TOML or from code
+            object.__setattr__(self, "turnover_bytes", self.max_bytes * DEFAULT_TURNOVER_PERCENT // 100)
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,7 +445,7 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
             f"(max({MIN_SEGMENTS_IN_BUDGET}, 2 x sampler.processes) x cache.segment_bytes + 1 MiB metadata): "
             "raise max_bytes or lower segment_bytes"
         )
-    turnover = cache.get("turnover_bytes", ("percent", 25.0))
+    turnover = cache.get("turnover_bytes", ("percent", float(DEFAULT_TURNOVER_PERCENT)))
     if isinstance(turnover, tuple):
         turnover = int(max_bytes * float(turnover[1]) / 100)
     turnover_bytes = int(turnover)  # type: ignore[call-overload]
