@@ -45,6 +45,7 @@ __all__ = [
     "RedactingFilter",
     "add_secrets",
     "redact",
+    "safe_url",
     "secrets_from_env",
     "secrets_from_options",
     "setup_logging",
@@ -111,14 +112,27 @@ def secrets_from_env(env: Mapping[str, str] | None = None) -> list[str]:
 
 
 def secrets_from_options(options: Mapping[str, Any]) -> list[str]:
-    """Credential values in fsspec ``storage_options`` (nested tables included), by key name."""
+    """Credential values in fsspec ``storage_options`` (nested tables included), by key name; longest first, so
+    that a scrubber replacing them in order replaces a secret that contains another whole. The one list both the
+    log filter and the remote's error messages scrub."""
     found: list[str] = []
     for name, value in options.items():
         if isinstance(value, Mapping):
             found += secrets_from_options(value)
         elif isinstance(value, str) and any(word in str(name).lower() for word in _OPTION_SECRET_WORDS):
             found.append(value)
-    return [value for value in found if len(value) >= MIN_SECRET_CHARS]
+    return sorted({value for value in found if len(value) >= MIN_SECRET_CHARS}, key=len, reverse=True)
+
+
+def safe_url(url: str) -> str:
+    """The URL with any ``user:password@`` part replaced by ``***@``, for logs, status and error messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = REDACTED + "@" + authority.rpartition("@")[2]
+    return f"{scheme}://{authority}{slash}{path}"
 
 
 def add_secrets(values: Iterable[str]) -> None:

@@ -49,7 +49,6 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 from fsspec.utils import get_protocol, glob_translate
@@ -63,6 +62,7 @@ from cachefeed.errors import (
     RemoteNotFoundError,
     RemoteTransientError,
 )
+from cachefeed.logs import safe_url, secrets_from_options
 
 __all__ = [
     "Remote",
@@ -78,7 +78,6 @@ logger = logging.getLogger(__name__)
 
 _BURST_S = 0.1  # a rate cap's bucket holds this many seconds' worth of tokens (at least one request)
 _S3_NO_RETRIES = {"total_max_attempts": 1, "mode": "standard"}
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "connection_string", "username")
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -313,16 +312,6 @@ def _describe(kind: type[RemoteError]) -> str:
     }.get(kind, "remote failure")
 
 
-def _secrets(options: Mapping[str, Any]) -> list[str]:
-    found: list[str] = []
-    for name, value in options.items():
-        if isinstance(value, Mapping):
-            found += _secrets(value)
-        elif isinstance(value, str) and len(value) >= 4 and any(w in name.lower() for w in _SECRET_WORDS):
-            found.append(value)
-    return sorted(set(found), key=len, reverse=True)
-
-
 def _version_of(info: Mapping[str, Any]) -> str | None:
     """A version string from a listing entry: its ETag where the backend has one, else mtime and size."""
     for name in ("ETag", "etag", "md5Hash", "generation"):
@@ -335,14 +324,6 @@ def _version_of(info: Mapping[str, Any]) -> str | None:
         if stamp is not None:
             return f"{stamp}-{info.get('size')}"
     return None
-
-
-def _redact_url(url: str) -> str:
-    """The URL without a ``user:password@`` part, for messages."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 _MD5_ETAG = re.compile(r"[0-9a-fA-F]{32}")
@@ -406,17 +387,17 @@ class Remote:
         self.config = config
         self.stats = RemoteStats()
         self._rng = rng or random.Random()
-        self._secrets = _secrets(config.storage_options)
+        self._secrets = secrets_from_options(config.storage_options)
         try:
             self._fs_class: type[Any] = fsspec.get_filesystem_class(get_protocol(config.url))
         except (ValueError, ImportError) as exc:
-            raise ConfigError(self._scrub(f"remote.url = {_redact_url(config.url)!r}: {exc}")) from None
+            raise ConfigError(self._scrub(f"remote.url = {safe_url(config.url)!r}: {exc}")) from None
         self._is_s3 = any(c.__name__ == "S3FileSystem" for c in self._fs_class.__mro__)
         self._is_local = any(c.__name__ == "LocalFileSystem" for c in self._fs_class.__mro__)
         self._options = self._fs_options(max_connections)
         root = self._fs_class._strip_protocol(config.url)
         self._root = root.rstrip("/") or root
-        self._where = _redact_url(config.url)
+        self._where = safe_url(config.url)
         self._matcher = compile_pattern(config.pattern)
         self._budget = _RetryBudget(config.retry_budget, retry_budget_burst)
         self._requests = self._bucket(config.max_requests_per_s * share, minimum=1.0)

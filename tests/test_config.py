@@ -377,7 +377,7 @@ def test_minimal_config_takes_every_default() -> None:
     config = parse_config(document(), env={})
     assert config.source == "<memory>"
     assert config.remote == RemoteConfig(url="s3://bucket/prefix")
-    assert config.cache == CacheConfig(dir=Path("/var/cache/cachefeed/test"), max_bytes=GiB), "one default, TOML or code"
+    assert config.cache == CacheConfig(dir=Path("/var/cache/cachefeed/test"), max_bytes=GiB), "one default"
     assert config.cache.turnover_bytes == GiB // 4
     assert config.sampler == SamplerConfig()
     assert config.node == NodeConfig(rank=0, count=1)

@@ -218,3 +218,12 @@ def test_real_botocore_debug_run_leaks_nothing(s3: MotoServer) -> None:
     for value in (key_id, secret, token):
         assert value not in runs["cachefeed"]
     assert all(line.count("cachefeed.test[") <= 1 for line in runs["cachefeed"].splitlines())
+
+
+def test_one_scrubber_for_urls_in_logs_status_and_errors() -> None:
+    """The daemon's logs, its status document and the remote's error messages share one URL scrubber."""
+    from cachefeed.logs import safe_url
+
+    assert safe_url("s3://AKIDEXAMPLE:s3cr3t@bucket/prefix") == "s3://***@bucket/prefix"
+    assert safe_url("https://user:pw@host:9000/a/b") == "https://***@host:9000/a/b"
+    assert safe_url("file:///data") == "file:///data" and safe_url("no-scheme") == "no-scheme"

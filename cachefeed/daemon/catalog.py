@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from cachefeed.config import RemoteConfig
 from cachefeed.errors import CachefeedError
+from cachefeed.logs import safe_url
 from cachefeed.remote import Remote, RemoteObject
 
 __all__ = ["Catalog", "CatalogState"]
@@ -119,12 +120,3 @@ class Catalog:
 
     def _safe_url(self) -> str:
         return safe_url(self._config.url)
-
-
-def safe_url(url: str) -> str:
-    """The URL without any ``user:password@`` part, for logs and status."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    authority, slash, path = rest.partition("/")
-    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"

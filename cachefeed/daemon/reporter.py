@@ -20,10 +20,11 @@ from typing import Any
 from cachefeed.cache.snapshots import SnapshotInfo, live_snapshots
 from cachefeed.cache.store import CacheStore
 from cachefeed.config import Config
-from cachefeed.daemon.catalog import Catalog, safe_url
+from cachefeed.daemon.catalog import Catalog
 from cachefeed.daemon.plan import SamplingPlan
 from cachefeed.daemon.pool import SamplerPool, SamplerState
 from cachefeed.daemon.status_doc import RateMeter, RemoteTotals, build_status, write_status
+from cachefeed.logs import safe_url
 from cachefeed.metrics import MetricsExporter
 from cachefeed.units import format_bytes
 

@@ -33,7 +33,7 @@ from types import FrameType
 from cachefeed.cache.store import CacheStore
 from cachefeed.codecs import get_decoder, get_preprocess
 from cachefeed.config import Config
-from cachefeed.daemon.catalog import Catalog, safe_url
+from cachefeed.daemon.catalog import Catalog
 from cachefeed.daemon.notify import SystemdNotifier
 from cachefeed.daemon.plan import SamplingPlan
 from cachefeed.daemon.pool import SamplerHandle, SamplerPool, SamplerState
@@ -56,6 +56,7 @@ from cachefeed.daemon.protocol import (
 )
 from cachefeed.daemon.reporter import StatusReporter
 from cachefeed.errors import ConfigError, CorruptRecordError
+from cachefeed.logs import safe_url
 from cachefeed.metrics import MetricsExporter
 
 __all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
