@@ -34,3 +34,9 @@ def test_the_status_command_does_not_import_torch() -> None:
     code = "import sys, cachefeed.cli; cachefeed.cli.build_parser(['status']); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_a_sampler_imports_the_grant_contract_not_the_store() -> None:
+    code = "import sys, cachefeed.daemon.sampler; print('cachefeed.cache.store' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

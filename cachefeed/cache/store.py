@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachefeed.cache.eviction import EvictionPolicy, make_policy
+from cachefeed.cache.grant import Grant
 from cachefeed.cache.layout import (
     SEGMENT_NAME,
     SNAPSHOT_ENTRY_BYTES,
@@ -79,7 +80,7 @@ from cachefeed.errors import CacheLockedError, CorruptRecordError, NoSuchCacheEr
 from cachefeed.fsutil import fsync_dir, remove_tree
 from cachefeed.records import SegmentReader
 
-__all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "Grant", "PublishedSegment", "Usage"]
+__all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "PublishedSegment", "Usage"]
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +91,6 @@ _SWEEP_INTERVAL_S = 1.0
 
 def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
     return -(-n // unit) * unit
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """Permission to write one segment of at most ``nbytes`` (file size) at ``path``."""
-
-    seq: int
-    path: Path
-    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,29 +10,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
-from cachefeed.cache.store import Grant
+from cachefeed.cache.grant import Grant, GrantProvider
 from cachefeed.errors import WriterStopped
 from cachefeed.records import RecordEncoder, SegmentWriter
 
 __all__ = ["CacheWriter", "GrantProvider", "WriterStopped"]
-
-
-class GrantProvider(Protocol):
-    """Hands out room for segments and publishes them. ``CacheStore`` is one."""
-
-    def reserve(self, nbytes: int) -> Grant | None:
-        """A grant for a segment of up to ``nbytes``, or None if the cache is full right now (try again)."""
-        ...
-
-    def publish(self, grant: Grant) -> object:
-        """Publish the finished segment written under ``grant``."""
-        ...
-
-    def abort(self, grant: Grant) -> None:
-        """Give ``grant`` back; its file is deleted."""
-        ...
 
 
 class CacheWriter:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachefeed.cache.store import Grant
+from cachefeed.cache.grant import Grant
 from cachefeed.daemon.notify import child_env
 from cachefeed.daemon.protocol import Channel, ChannelClosed, Init, Message, socket_pair
 

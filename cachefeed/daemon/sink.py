@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachefeed.cache.store import Grant
+from cachefeed.cache.grant import Grant
 from cachefeed.cache.writer import CacheWriter, WriterStopped
 from cachefeed.codecs import Decoder, Sample
 from cachefeed.daemon.protocol import (
