@@ -41,6 +41,7 @@ import numpy as np
 
 from benchmarks.common.adapter import DataLocation, LoaderSettings
 from benchmarks.common.samples import Workload, collate
+from cachefeed.config import toml_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Rough per-sample overhead of a segment record (header, key, alignment); only used to size an unbounded cache.
@@ -148,7 +149,7 @@ class CachefeedAdapter:
             "log": {"level": "info"},
         }
         config_path = work_dir / "daemon.toml"
-        config_path.write_text(_toml(config))
+        config_path.write_text(toml_text(config))
         stderr_path = work_dir / "daemon.stderr"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         with stderr_path.open("wb") as stderr:
@@ -301,21 +302,3 @@ def _unexclude(pid: int) -> None:
     from benchmarks.common import samplers
 
     samplers.EXCLUDED_PIDS.discard(pid)
-
-
-def _toml(document: dict[str, dict[str, Any]]) -> str:
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, int | float):
-            return repr(v)
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
-        return json.dumps(str(v))
-
-    lines: list[str] = []
-    for section, body in document.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in body.items()]
-        lines.append("")
-    return "\n".join(lines)

@@ -12,8 +12,10 @@ time; ``node.rank``/``node.count`` default from the usual launcher variables whe
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ __all__ = [
     "StatusConfig",
     "load_config",
     "parse_config",
+    "toml_text",
 ]
 
 DEFAULT_TURNOVER_PERCENT = 25  # cache.turnover's default: room kept for fresh samples while epochs pin the rest
@@ -487,3 +490,41 @@ def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None =
     except UnicodeDecodeError:
         raise ConfigError(f"{source}: not valid UTF-8 text") from None
     return parse_config(document, source=source, env=env)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing a config: for configs that programs generate (the demo, the tests, the benchmarks).
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def toml_text(document: Mapping[str, Mapping[str, Any]]) -> str:
+    """``{section: {key: value}}`` as TOML text that ``load_config`` reads back to the same values.
+
+    Values: bool, int, float, str (or a path), and tables of those (``storage_options``). Strings are TOML basic
+    strings with JSON escapes, which TOML shares; a key that is not a bare key is quoted the same way.
+    """
+    lines: list[str] = []
+    for section, body in document.items():
+        lines.append(f"[{_toml_key(section)}]")
+        lines += [f"{_toml_key(key)} = {_toml_value(value)}" for key, value in body.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else json.dumps(key)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"cannot write {value!r} as a config value")
+        return repr(value)
+    if isinstance(value, str | os.PathLike):
+        return json.dumps(os.fspath(value))
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as a config value")

@@ -38,6 +38,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from cachefeed.config import toml_text
 from cachefeed.errors import CachefeedError, ConfigError
 
 __all__ = ["add_arguments", "run"]
@@ -182,23 +183,8 @@ def _write_local(directory: Path, items: Iterator[tuple[str, bytes]]) -> int:
     return total
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def _write_config(path: Path, sections: dict[str, dict[str, Any]]) -> None:
-    lines = []
-    for section, values in sections.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
-        lines.append("")
-    path.write_text("\n".join(lines))
+    path.write_text(toml_text(sections))
 
 
 def _status_document(cache_dir: Path) -> dict[str, Any] | None:

@@ -526,3 +526,18 @@ def test_schema_matches_the_dataclasses() -> None:
     for section, keys in SCHEMA.items():
         field_names = {f.name for f in dataclasses.fields(types[section])}
         assert {entry[0] for entry in keys.values()} == field_names, section
+
+
+def test_generated_configs_read_back_to_the_same_values(tmp_path: Path) -> None:
+    """The one TOML writer (demo, tests, benchmarks): quotes, backslashes, non-ASCII and tables survive."""
+    from cachefeed.config import toml_text
+
+    odd = 'C:\\data "quoted" ünïcode'
+    document = {
+        "remote": {"url": "s3://bucket/prefix", "pattern": odd, "storage_options": {"key": odd, "anon": False}},
+        "cache": {"dir": tmp_path / "c", "max_bytes": "1GiB", "fsync": False},
+    }
+    path = write(tmp_path, toml_text(document))
+    config = load_config(path, env={})
+    assert config.remote.pattern == odd and config.remote.storage_options == {"key": odd, "anon": False}
+    assert config.cache.dir == tmp_path / "c" and config.cache.fsync is False

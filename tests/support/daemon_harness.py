@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cachefeed.config import toml_text
 from cachefeed.records import SegmentReader
 from tests.support.moto_server import MotoServer
 
@@ -56,27 +57,6 @@ def wait_for(predicate: Callable[[], Any], *, timeout_s: float, interval_s: floa
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what or predicate}")
         time.sleep(interval_s)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str | Path):
-        return json.dumps(str(value))
-    if isinstance(value, Mapping):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
-def toml_text(document: Mapping[str, Mapping[str, Any]]) -> str:
-    lines = []
-    for section, body in document.items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in body.items()]
-        lines.append("")
-    return "\n".join(lines)
 
 
 def write_config(
