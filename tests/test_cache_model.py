@@ -23,7 +23,7 @@ from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter, WriterStopped
 from cachefeed.records import SegmentReader
-from tests.support.samples import cache_config, check_sample, make_sample
+from tests.support.samples import cache_config, check_sample, make_sample, tree_bytes
 
 
 def read_keys(paths: list[Path]) -> list[str]:
@@ -121,6 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
         if keys:
             assert self.published[-len(keys) :] == keys, "FIFO: the cached samples are the newest published"
         assert self.store.usage().bytes <= self.store.limit_bytes
+        assert tree_bytes(self.config.dir) <= self.config.max_bytes, "the real size never exceeds max_bytes"
 
     def teardown(self) -> None:
         for snapshot in getattr(self, "_held", {}).values():

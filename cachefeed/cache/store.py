@@ -388,8 +388,13 @@ class CacheStore:
         """What the budget charges for everything but segment data: measured, plus one more snapshot."""
         return self._metadata_bytes + SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published)
 
+    def _used(self) -> int:
+        """What the cache directory holds by the store's accounting (measured metadata, no room charged ahead)."""
+        return self.published_bytes + sum(self._pinned_only.values()) + self.reserved_bytes + self._metadata_bytes
+
     def _total(self) -> int:
-        return self.published_bytes + sum(self._pinned_only.values()) + self.reserved_bytes + self.metadata_bytes
+        """What decisions charge: ``_used`` plus the room of the next snapshot (see the budget above)."""
+        return self._used() + SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published)
 
     def _free_bytes(self) -> int:
         stats = os.statvfs(self.layout.root)
@@ -573,7 +578,7 @@ class CacheStore:
         pinned_only = sum(self._pinned_only.values())
         pinned_published = sum(self._published[s].nbytes for s in self._pinned_published if s in self._published)
         return Usage(
-            bytes=self._total(),
+            bytes=self._used(),
             max_bytes=self.config.max_bytes,
             published_bytes=self.published_bytes,
             pinned_only_bytes=pinned_only,
