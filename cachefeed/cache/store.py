@@ -23,8 +23,11 @@ segments and two live snapshots)::
   a receipt, ``segments/`` growing by a block.
 
 Hence the bound users can rely on: **the real size of the cache directory never exceeds ``max_bytes``**, as long as
-trainers create at most one snapshot between two of the daemon's scans (a job's handover does; several jobs on
-one node pinning within the same half second can each add one snapshot's metadata, 128 B per segment, on top).
+trainers create at most one snapshot between two of the daemon's scans (a job's handover does). Snapshots beyond
+that (several jobs on one node pinning within the same half second, or while writers already wait) each add their
+metadata (32 KiB + 128 B per segment at most) on top of what was charged, inside the 1 MiB reserve: a few such
+snapshots of a few thousand segments fit it; ``tests/test_cache_model.py`` pins at random and checks the real
+size at every step.
 With small segments the metadata is a visible share of the budget (4 KiB segments: about 3% per live snapshot);
 with the default 64 MiB segments it is negligible.
 
