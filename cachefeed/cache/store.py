@@ -388,16 +388,19 @@ class CacheStore:
 
     @property
     def metadata_bytes(self) -> int:
-        """What the budget charges for everything but segment data: measured, plus one more snapshot."""
+        """What the budget charges for everything but segment data: measured, plus the next snapshot's room."""
         return self._metadata_bytes + SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published)
+
+    def _data_bytes(self) -> int:
+        return self.published_bytes + sum(self._pinned_only.values()) + self.reserved_bytes
 
     def _used(self) -> int:
         """What the cache directory holds by the store's accounting (measured metadata, no room charged ahead)."""
-        return self.published_bytes + sum(self._pinned_only.values()) + self.reserved_bytes + self._metadata_bytes
+        return self._data_bytes() + self._metadata_bytes
 
     def _total(self) -> int:
         """What decisions charge: ``_used`` plus the room of the next snapshot (see the budget above)."""
-        return self._used() + SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published)
+        return self._data_bytes() + self.metadata_bytes
 
     def _free_bytes(self) -> int:
         stats = os.statvfs(self.layout.root)
