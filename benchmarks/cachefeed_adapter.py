@@ -89,11 +89,11 @@ class CachefeedAdapter:
         return {
             "version": getattr(cachefeed, "__version__", "0.1.0"),
             "format": "cachefeed segments (records stored raw, 64-byte aligned, xxh3-verified on read)",
-            "loader": "cachefeed.trainer.EpochLoaderFactory (a DataLoader per epoch, built ahead in the background)",
+            "loader": "cachefeed.trainer.EpochLoaderFactory (one worker pool for every epoch, each epoch queued ahead)",
             "daemon": "python -m cachefeed daemon: 2 sampler processes x 16 requests in flight, fsync off",
             "segment_bytes": "1/20 of a 30% budget, at most the peers' shard size (segment_bytes_for)",
             "convert": "none: reads the reference per-sample objects as they are (conversion time 0)",
-            "persistent_workers": "passed to each epoch's DataLoader; the factory builds one DataLoader per epoch",
+            "persistent_workers": "no effect: the factory's workers always live across epochs (trainer/pool.py)",
             "first_epoch_waits_for": "the whole dataset without a budget; with one, half of (75% of it - 1 MiB)",
         }
 

@@ -13,7 +13,8 @@ payload bytes per second (the same numerator everywhere):
 * ``DataLoader``: ``EpochLoaderFactory`` with ``--workers`` fork workers, batches consumed by the main process,
   timed from the first batch to the last (steady state; the handover is ``benchmarks/handover.py``'s subject).
 
-Each figure is the median of ``--repeats`` runs; ratios are against the raw read.
+Each figure is the median of ``--repeats`` runs; ratios are against the raw read. Writes
+``benchmarks/results/read_throughput.json`` (``--no-save`` to skip), which the README's table is rendered from.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from benchmarks.common.results import provenance_line, save
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
@@ -124,12 +127,14 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256, help="payload per sample size, MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/read_throughput.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"cpus={os.cpu_count()} torch={torch.__version__} dir={args.dir} payload={args.mib} MiB per size")
     header = f"{'sample':>8} {'samples':>8} {'raw read':>10} {'dataset':>16} {'dataset+collate':>16} {'DataLoader':>16}"
     print(header)
     buffer = bytearray(8 << 20)
+    rows: list[dict[str, Any]] = []
     for name, sample_bytes, batch in SIZES:
         base = Path(tempfile.mkdtemp(prefix="cachefeed-read-", dir=args.dir))
         try:
@@ -151,8 +156,44 @@ def main() -> None:
             print(
                 f"{name:>8} {count:>8} {raw / 1e9:6.2f} GB/s {cell(plain):>16} {cell(stacked):>16} {cell(loader):>16}"
             )
+            rows.append(
+                {
+                    "sample": name,
+                    "samples": count,
+                    "batch": batch,
+                    "raw_read_bytes_per_s": round(raw),
+                    "dataset_bytes_per_s": round(plain),
+                    "dataset_collate_bytes_per_s": round(stacked),
+                    "loader_bytes_per_s": round(loader),
+                }
+            )
         finally:
             shutil.rmtree(base, ignore_errors=True)
+    if not args.no_save:
+        figures = {"workers": args.workers, "mib": args.mib, "repeats": args.repeats, "rows": rows}
+        print(f"wrote {save('read_throughput', figures, work_dir=Path(args.dir))}")
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's read-throughput table, from a committed result document."""
+    figures = doc["figures"]
+    lines = [
+        f"Payload bytes per second from a warm tmpfs cache, next to a sequential read of the same segment files "
+        f"({figures['mib']} MiB per sample size, median of {figures['repeats']}; the loader: "
+        f"`EpochLoaderFactory` with {figures['workers']} workers, every record verified):",
+        "",
+        "| sample size | raw read | dataset (zero-copy views) | dataset + collate | EpochLoaderFactory |",
+        "|---|---|---|---|---|",
+    ]
+    for row in figures["rows"]:
+        raw = row["raw_read_bytes_per_s"]
+        cells = [
+            f"{row[key] / 1e9:.2f} GB/s ({row[key] / raw:.2f}x)"
+            for key in ("dataset_bytes_per_s", "dataset_collate_bytes_per_s", "loader_bytes_per_s")
+        ]
+        lines.append(f"| {row['sample']} | {raw / 1e9:.2f} GB/s | " + " | ".join(cells) + " |")
+    lines += ["", "Measured with " + provenance_line(doc) + "."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ result without rendering the README again.
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 from collections.abc import Callable
@@ -24,28 +25,19 @@ README = REPO_ROOT / "README.md"
 _BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.DOTALL)
 
 
-def _handover(doc: dict[str, Any]) -> str:
-    from benchmarks.handover import readme_table
+def _renderer(name: str) -> Callable[[dict[str, Any]], str]:
+    """``benchmarks/<name>.py``'s ``readme_table``, imported when a block is rendered (benchmarks import torch)."""
 
-    return readme_table(doc)
+    def render_block(doc: dict[str, Any]) -> str:
+        table: Callable[[dict[str, Any]], str] = importlib.import_module(f"benchmarks.{name}").readme_table
+        return table(doc)
 
-
-def _worker_memory(doc: dict[str, Any]) -> str:
-    from benchmarks.worker_memory import readme_table
-
-    return readme_table(doc)
+    return render_block
 
 
-def _egress(doc: dict[str, Any]) -> str:
-    from benchmarks.egress import readme_table
-
-    return readme_table(doc)
-
-
+# Each benchmark whose figures the README quotes, with its block; its module defines readme_table(doc).
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "egress": _egress,
-    "handover": _handover,
-    "worker_memory": _worker_memory,
+    name: _renderer(name) for name in ("egress", "feed", "handover", "read_throughput", "worker_memory")
 }
 
 

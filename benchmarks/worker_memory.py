@@ -159,7 +159,8 @@ def main() -> None:
         ) as factory:
             loader = factory.loader(0)
             batches = iter(loader)
-            pids = [worker.pid for worker in batches._inner._workers]  # type: ignore[attr-defined]
+            assert factory._pool is not None  # the factory's worker pool (trainer/pool.py), started by loader(0)
+            pids = [worker.process.pid for worker in factory._pool._workers]
             started = time.perf_counter()
             samples = run_epoch(batches, len(loader), pids)
             elapsed = time.perf_counter() - started

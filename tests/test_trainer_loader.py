@@ -119,7 +119,8 @@ def test_dataset_and_share_serve_people_who_build_their_own_loader(tmp_path: Pat
     assert live_snapshot_locks(root) == []
 
 
-def test_a_batch_of_corrupt_records_only_is_dropped_and_counted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_of_corrupt_records_only_is_dropped_and_counted(tmp_path: Path, workers: int) -> None:
     root = build_cache(tmp_path / "c", 40)
     first = CacheLayout(root).segments / CacheLayout(root).list_segments()[0][0]
     with SegmentReader(first) as reader:
@@ -128,7 +129,7 @@ def test_a_batch_of_corrupt_records_only_is_dropped_and_counted(tmp_path: Path) 
     with open(first, "r+b") as handle:
         handle.seek(offset)
         handle.write(b"\xff\xfe")
-    with EpochLoaderFactory(root, batch_size=1, run_id="t", epochs=1) as factory:
+    with EpochLoaderFactory(root, batch_size=1, num_workers=workers, run_id="t", epochs=1) as factory:
         loader = factory.loader(0)
         keys = [k for batch in loader for k in check_batch(batch)]
         assert len(loader) == 40 and len(keys) == 39 and bad_key not in keys

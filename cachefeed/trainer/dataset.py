@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,55 @@ COUNTER_SLOTS = 257
 
 Sample = dict[str, Any]
 Transform = Callable[[Sample], Any]
+
+
+class _OpenSegments:
+    """The segment readers open in this process, shared by every dataset that reads the same segment file.
+
+    Consecutive snapshots hold mostly the same segments (hard links to one inode). A worker that lives across epochs
+    reads each epoch through a new dataset; sharing readers by inode keeps the segment mapped, and its pages
+    faulted in, from one epoch to the next instead of mapping it again every epoch. A reader closes when the last
+    dataset using it closes, so a released snapshot's segments are unmapped as soon as no later snapshot holds them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._readers: dict[tuple[int, int], tuple[SegmentReader, int]] = {}  # (dev, inode) -> (reader, users)
+        self._inodes: dict[int, tuple[int, int]] = {}  # id(reader) -> (dev, inode)
+
+    def acquire(self, path: Path) -> SegmentReader:
+        """A reader of ``path`` (FileNotFoundError if it is gone); pair with ``release``."""
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's readers are not ours to share or close
+                self._readers, self._inodes, self._pid = {}, {}, os.getpid()
+            stat = os.stat(path)
+            inode = (stat.st_dev, stat.st_ino)
+            held = self._readers.get(inode)
+            if held is not None:
+                self._readers[inode] = (held[0], held[1] + 1)
+                return held[0]
+            reader = SegmentReader(path)
+            self._readers[inode] = (reader, 1)
+            self._inodes[id(reader)] = inode
+            return reader
+
+    def release(self, reader: SegmentReader) -> None:
+        with self._lock:
+            inode = self._inodes.get(id(reader))
+            held = self._readers.get(inode) if inode is not None else None
+            if inode is None or held is None or held[0] is not reader:
+                reader.close()  # not shared (opened before a fork): ours alone
+                return
+            if held[1] > 1:
+                self._readers[inode] = (reader, held[1] - 1)
+                return
+            del self._readers[inode]
+            del self._inodes[id(reader)]
+        reader.close()
+
+
+_OPEN = _OpenSegments()
 
 
 class SnapshotDataset(Dataset[Any]):
@@ -146,7 +196,7 @@ class SnapshotDataset(Dataset[Any]):
         if reader is None:
             name = self._names[segment].decode()
             try:
-                reader = SegmentReader(Path(self.directory) / name)
+                reader = _OPEN.acquire(Path(self.directory) / name)
             except FileNotFoundError:
                 raise SnapshotError(
                     f"segment {name} of snapshot {self.snap_id or self.directory} is gone: the snapshot was "
@@ -195,6 +245,7 @@ class SnapshotDataset(Dataset[Any]):
     def close(self) -> None:
         """Close this process's readers (arrays still alive keep their maps) and remove the counter file."""
         readers, self._readers = self._readers, {}
-        for reader in readers.values():
-            reader.close()
+        if self._pid == os.getpid():
+            for reader in readers.values():
+                _OPEN.release(reader)
         self.skip_counter.close()

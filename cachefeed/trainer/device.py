@@ -8,7 +8,10 @@ How the streams are kept honest (the copy runs on a side stream, the training st
 2. before batch ``i + 1`` is handed out, the current stream waits for the side stream (``wait_stream``), so the
    step never reads a half-copied tensor;
 3. every tensor handed out is marked ``record_stream(current)``: its memory was allocated on the side stream, and
-   without this the allocator could give it to another side-stream copy while the step still reads it.
+   without this the allocator could give it to another side-stream copy while the step still reads it;
+4. the *host* batch is kept alive until its copy's event has completed: an asynchronous copy reads the host memory
+   after ``to()`` returns, and the workers' shared memory (``pool.py``) is handed back for reuse as soon as nothing
+   references it.
 
 Copies are ``non_blocking``; they only overlap when the source is in pinned memory (build the loader with
 ``pin_memory=True``). A pageable source still works, the copy is then synchronous with the host.
@@ -19,6 +22,7 @@ loader makes them, nothing is copied.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -97,15 +101,22 @@ class DevicePrefetcher:
     def _cuda_batches(self) -> Iterator[Any]:
         side = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         batches = iter(self.loader)
+        copying: deque[tuple[Any, Any]] = deque()  # (event, host batch) of copies that may still read the host
 
         def issue() -> Any:
+            while copying and copying[0][0].query():  # (4): copies done, their host batches may go
+                copying.popleft()
             try:
                 host = next(batches)
             except StopIteration:
                 return _DONE
             side.wait_stream(torch.cuda.current_stream(self.device))  # (1) in the module docstring
             with torch.cuda.stream(side):
-                return move_to(host, self.device, non_blocking=self.non_blocking)
+                moved = move_to(host, self.device, non_blocking=self.non_blocking)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(side)
+            copying.append((event, host))
+            return moved
 
         ahead = issue()
         while ahead is not _DONE:

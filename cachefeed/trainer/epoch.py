@@ -2,8 +2,9 @@
 
 Lifecycle of an ``EpochState`` (see NOTE [ Epoch handover ] in ``loader.py`` for who calls what, on which thread)::
 
-    built (snapshot pinned, dataset)  ->  loaded (DataLoader, iterator started, first batch fetched)
-        ->  running (iterated by the training loop)  ->  released (iterators shut down, dataset closed, pin dropped)
+    built (snapshot pinned, dataset)  ->  fed (a pass queued on the factory's worker pool, its first batches dealt;
+        or, without workers, a DataLoader with its first batch fetched)  ->  running (iterated by the training loop)
+        ->  released (passes closed, the workers' readers closed, dataset closed, pin dropped)
 
 ``release`` is idempotent and runs on the factory's teardown thread, never on the training thread. A released
 state cannot be iterated again (its snapshot may be gone).
@@ -26,16 +27,11 @@ from cachefeed.cache.snapshots import Snapshot
 from cachefeed.errors import SnapshotError
 from cachefeed.trainer.dataset import SnapshotDataset
 from cachefeed.trainer.partition import EpochBatchSampler
+from cachefeed.trainer.pool import EmptyBatch, Pass, WorkerPool
 
 __all__ = ["EmptyBatch", "EpochLoader", "EpochState", "EpochStats", "SkipEmptyCollate"]
 
 log = logging.getLogger(__name__)
-
-
-class EmptyBatch:
-    """What a worker returns for a batch whose every record was corrupt; the epoch iterator drops it."""
-
-    __slots__ = ()
 
 
 class SkipEmptyCollate:
@@ -118,7 +114,11 @@ class EpochState:
         self.wait_for_samples_s = wait_for_samples_s
         self.build_s = 0.0
         self.prepared_in_background = False
-        self.dataloader: DataLoader[Any] | None = None
+        self.dataloader: DataLoader[Any] | None = None  # without workers (num_workers=0) only
+        self.pool: WorkerPool | None = None  # with workers: the factory's pool, and this epoch's key in it
+        self.pool_key = -1
+        self._batch_list: list[npt.NDArray[np.int64]] = []
+        self.fed = False  # a loader (pool pass or DataLoader) was set up: the factory reads it, not the caller
         self.batches = 0
         self.batches_served = 0
         self.batches_consumed = 0  # batches taken from the sampler by the training loop (empty ones included)
@@ -135,17 +135,30 @@ class EpochState:
     def start_loader(
         self, make: Callable[[SnapshotDataset, EpochBatchSampler], DataLoader[Any]], batch_size: int, drop_last: bool
     ) -> None:
-        """Build the DataLoader, start its iterator (workers, prefetch) and fetch the first item."""
+        """Without workers: build the DataLoader, start its iterator and fetch the first item."""
         sampler = EpochBatchSampler(self.indices, batch_size, drop_last=drop_last)
         loader = make(self.dataset, sampler)
         self.dataloader = loader
         self.batches = len(sampler)
+        self.fed = True
         inner = iter(loader)
         first: list[Any] = []
         if self.batches:
             first.append(next(inner))
         with self._lock:
             self._started = (inner, first)
+            self._inners[id(inner)] = inner
+
+    def start_pass(self, pool: WorkerPool, batch_size: int, drop_last: bool) -> None:
+        """With workers: queue this epoch's batches on the pool (its workers start on them once dealt)."""
+        self.pool = pool
+        self.pool_key = pool.new_key()
+        self._batch_list = list(EpochBatchSampler(self.indices, batch_size, drop_last=drop_last))
+        self.batches = len(self._batch_list)
+        self.fed = True
+        inner = pool.open_pass(self.pool_key, self.dataset, self._batch_list)
+        with self._lock:
+            self._started = (inner, [])
             self._inners[id(inner)] = inner
 
     def take_iterator(self) -> tuple[Iterator[Any], list[Any]]:
@@ -159,9 +172,13 @@ class EpochState:
             if self._started is not None:
                 started, self._started = self._started, None
                 return started
-            if self.dataloader is None:
-                raise SnapshotError(f"epoch {self.epoch} has no DataLoader (it was built with dataset() only)")
-            inner = iter(self.dataloader)
+            inner: Iterator[Any]
+            if self.pool is not None:
+                inner = self.pool.open_pass(self.pool_key, self.dataset, self._batch_list)
+            elif self.dataloader is not None:
+                inner = iter(self.dataloader)
+            else:
+                raise SnapshotError(f"epoch {self.epoch} has no loader (it was built with dataset() only)")
             self._inners[id(inner)] = inner
             return inner, []
 
@@ -198,10 +215,12 @@ class EpochState:
             inners = list(self._inners.values())
             self._inners.clear()
             self._started = None
-        was_read = self.batches_served > 0 or self.dataloader is None  # dataset() only: the caller read it
+        was_read = self.batches_served > 0 or not self.fed  # dataset() only: the caller read it
         try:
             for inner in inners:
                 shutdown_iterator(inner)
+            if self.pool is not None:
+                self.pool.forget(self.pool_key)  # the workers unmap its segments before the pin goes
         finally:
             self._final_skipped = self.dataset.skipped
             self.dataset.close()
@@ -214,11 +233,15 @@ class EpochState:
             # Released states are kept for their stats only: drop what scales with the epoch (the share's index
             # array, also held by the DataLoader's batch sampler).
             self.indices = self.indices[:0]
+            self._batch_list = []
             self.dataloader = None
 
 
 def shutdown_iterator(inner: Iterator[Any]) -> None:
-    """Stop a DataLoader iterator's workers now (what its destructor would do, at a time we choose)."""
+    """Stop a pool pass (deal no more) or a DataLoader iterator's workers (what its destructor would do, now)."""
+    if isinstance(inner, Pass):
+        inner.close()
+        return
     shutdown = getattr(inner, "_shutdown_workers", None)
     if callable(shutdown):
         shutdown()
@@ -234,7 +257,8 @@ class EpochLoader:
     Attributes:
         epoch: the epoch number.
         dataset: the ``SnapshotDataset`` (all samples of the snapshot; this rank reads its share).
-        dataloader: the underlying ``torch.utils.data.DataLoader``.
+        dataloader: the underlying ``torch.utils.data.DataLoader`` without workers; None with workers, whose
+            batches come from the factory's worker pool (``pool.py``).
     """
 
     def __init__(self, state: EpochState, hooks: EpochHooks, stats: Callable[[], EpochStats]) -> None:
@@ -243,9 +267,9 @@ class EpochLoader:
         self._stats = stats
         self.epoch = state.epoch
         self.dataset = state.dataset
-        if state.dataloader is None:
-            raise SnapshotError(f"epoch {state.epoch} has no DataLoader")
-        self.dataloader: DataLoader[Any] = state.dataloader
+        if not state.fed:
+            raise SnapshotError(f"epoch {state.epoch} has no loader")
+        self.dataloader: DataLoader[Any] | None = state.dataloader
 
     def __len__(self) -> int:
         return self._state.batches

@@ -1,23 +1,29 @@
-"""``EpochLoaderFactory``: a DataLoader per epoch over a pinned snapshot, ready before the previous epoch ends.
+"""``EpochLoaderFactory``: each epoch's loader over a pinned snapshot, ready before the previous epoch ends.
 
 NOTE [ Epoch handover ]
 -----------------------
 Threads: the *training thread* (the caller's loop), one *build thread* and one *teardown thread* per factory.
+Processes: with ``num_workers > 0``, one worker pool for the factory's whole life (``pool.py``): workers are
+started once, with the first epoch, and every epoch's batches are queued on them; without workers, each epoch reads
+in-process through a DataLoader of its own.
 
 * While epoch ``e`` runs, the training thread reports progress after each batch (``_on_progress``). When the time
   left in ``e`` (remaining batches x the recent batch interval) falls under twice the longest build seen so far
-  plus 0.5 s, or fewer than two prefetch windows (``num_workers x prefetch_factor`` batches) are left, or at the
+  plus 0.1 s, or fewer than two prefetch windows (``num_workers x prefetch_factor`` batches) are left, or at the
   fraction ``prepare_at`` if given, the build thread starts on ``e + 1``: pin its snapshot (local rank 0 creates,
-  the node's other ranks join), compute this rank's share, build the dataset and the DataLoader, start its
-  iterator (workers start, the prefetch queue fills) and fetch the first batch. Pinning late keeps the snapshot
-  fresh (it holds what was cached a few seconds before the boundary); starting early enough keeps the boundary
-  free of waits.
-* ``_EpochIterator`` stops after exactly ``len(loader)`` batches without asking the DataLoader iterator again
-  (whose own end would join its workers on the training thread); the exhausted iterator goes to the teardown
-  thread, which shuts its workers down.
+  the node's other ranks join), compute this rank's share, build the dataset and queue its pass on the pool
+  (without workers: build its DataLoader and fetch the first batch). The pool deals ``e + 1``'s batches to the
+  workers as soon as ``e``'s are all dealt, so its first batches are read while ``e``'s last ones are consumed.
+  Pinning late keeps the snapshot fresh (it holds what was cached a moment before the boundary) and keeps two
+  snapshots from sharing the turnover room for long (epochs only a little longer than the lead are fine); starting
+  early enough keeps the boundary free of waits. No process is forked at a boundary, so the lead is small.
+* ``_EpochIterator`` stops after exactly ``len(loader)`` batches without asking the inner iterator again (a
+  DataLoader's own end would join its workers on the training thread); the exhausted iterator goes to the teardown
+  thread, which closes it.
 * ``loader(e + 1)`` takes the prepared epoch (waiting for the build only if it is late) and retires every other
-  epoch: the teardown thread shuts down its iterators, closes its dataset and releases its pin. The training
-  thread never joins a process or unlinks a file at the boundary.
+  epoch: the teardown thread closes its passes, waits until every worker has closed its readers of the epoch's
+  segments, closes its dataset and releases its pin. The training thread never joins a process or unlinks a file
+  at the boundary.
 * The handover wait (``EpochStats.handover_wait_s``) is the time the training thread spends inside cachefeed
   between the last batch of ``e`` and the first of ``e + 1``: the ``next()`` that ends ``e``, ``loader(e + 1)``,
   ``iter()`` and the first ``next()``. The training step itself is not counted.
@@ -63,6 +69,7 @@ from cachefeed.trainer.partition import (
     launcher_run_id,
     sanitize_run_id,
 )
+from cachefeed.trainer.pool import WorkerPool
 from cachefeed.trainer.wait import parse_fill, wait_for_cache, wait_for_fill, wait_for_samples
 
 __all__ = ["EpochLoaderFactory"]
@@ -82,7 +89,7 @@ class _Resume:
 _RESERVED_OPTIONS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "num_workers")
 DEFAULT_MIN_FILL = "75%"  # what the first epoch waits for by default (see min_samples)
 _LEAD_FACTOR = 2.0
-_LEAD_MARGIN_S = 0.5
+_LEAD_MARGIN_S = 0.1
 _PACE_WEIGHT = 0.2
 _TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
 
@@ -212,6 +219,7 @@ class EpochLoaderFactory:
             **self.loader_options,
         )
         self._window = max(1, num_workers) * int(loader_options.get("prefetch_factor") or 2)
+        self._pool = self._new_pool(None if collate_fn is default_collate else collate_fn) if num_workers else None
         self._agree_group = self._new_agree_group()
         self._lock = threading.Lock()
         self._builder = SerialWorker("cachefeed-build")  # not a ThreadPoolExecutor: see background.py
@@ -277,6 +285,8 @@ class EpochLoaderFactory:
         self._builder.shutdown(wait=True)
         for state in states:
             state.release()
+        if self._pool is not None:
+            self._pool.close()
 
     def __enter__(self) -> EpochLoaderFactory:
         return self
@@ -287,6 +297,36 @@ class EpochLoaderFactory:
         self.close()
 
     # -- building ------------------------------------------------------------------------------------------
+
+    def _new_pool(self, collate_fn: Callable[[list[Any]], Any] | None) -> WorkerPool:
+        """The worker processes every epoch shares (started with the first epoch; see pool.py).
+
+        DataLoader options map onto it: ``prefetch_factor``, ``multiprocessing_context``, ``worker_init_fn`` (run
+        once per worker: workers persist, as with ``persistent_workers=True``), ``timeout``, ``generator`` (draws
+        the workers' base seed) and ``pin_memory`` (the workers' shared memory is registered with CUDA).
+        ``persistent_workers`` and ``in_order`` change nothing: workers always persist, batches always come in
+        order.
+        """
+        options = self.loader_options
+        generator = options.get("generator")
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+        return WorkerPool(
+            self.num_workers,
+            collate_fn=collate_fn,
+            context=options.get("multiprocessing_context"),
+            prefetch_factor=int(options.get("prefetch_factor") or 2),
+            worker_init_fn=options.get("worker_init_fn"),
+            timeout_s=float(options.get("timeout") or 0.0),
+            seed=seed,
+            pin_memory=bool(options.get("pin_memory")),
+        )
+
+    def _feed(self, state: EpochState) -> None:
+        """Give ``state`` its loader: a pass on the worker pool, or without workers a DataLoader."""
+        if self._pool is not None:
+            state.start_pass(self._pool, self.batch_size, self.drop_last)
+        else:
+            state.start_loader(self._make_loader, self.batch_size, self.drop_last)
 
     def _make_loader(self, dataset: SnapshotDataset, sampler: EpochBatchSampler) -> DataLoader[Any]:
         return DataLoader(
@@ -457,7 +497,7 @@ class EpochLoaderFactory:
             state.is_first_epoch = is_first
             state.prepared_in_background = background
             if with_loader:
-                state.start_loader(self._make_loader, self.batch_size, self.drop_last)
+                self._feed(state)
         except BaseException:
             if os.getpid() != pid:  # unwinding in a forked worker that failed to start: the pin is the parent's
                 raise
@@ -495,9 +535,9 @@ class EpochLoaderFactory:
                 if prepared is not None:
                     prepared[1].add_done_callback(self._retire_future)
                 state = self._build(epoch, with_loader=with_loader, background=False)
-        elif with_loader and state.dataloader is None:
+        elif with_loader and not state.fed:
             started = time.perf_counter()
-            state.start_loader(self._make_loader, self.batch_size, self.drop_last)
+            self._feed(state)
             state.build_s += time.perf_counter() - started
         with self._lock:
             self._states[epoch] = state

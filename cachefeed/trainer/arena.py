@@ -1,0 +1,260 @@
+"""Batches in shared memory: a worker's arena, the regions it cuts from it, and a batch's layout inside a region.
+
+Each worker of the pool (``pool.py``) collates its batches straight into its own *arena*: one anonymous memory file
+(``memfd_create``: on no filesystem, so nothing outlives the processes that map it, whatever kills them) that the
+training process maps once, when the pool starts. What crosses the pipe for a batch is then only its *layout*: the
+batch's structure (dicts, lists, tuples, strings, numbers) with every tensor replaced by a ``Slot`` (offset, size,
+dtype, shape inside the region) and every container that holds one by a ``Nest``. The training process turns a
+layout back into tensors with a few views over its map (``place``: microseconds, no copy, no file descriptor
+passed, no page faults: the pages are reused).
+
+Regions are cut first-fit from the arena by the worker (``Allocator``) and given back by the training process once
+every tensor over them is gone (``weakref.finalize`` on the region's array, which each tensor's storage holds): a
+batch is never overwritten while anyone can read it, however long the caller keeps it. When the arena is full (a
+caller that keeps hundreds of batches), the worker sends the batch itself through the pipe instead: slower, never
+wrong.
+
+Layout of the arena: the first ``HEADER_BYTES`` are the worker's control words (``ACK_WORD``: the last ``forget``
+ticket the worker has handled, NOTE [ Feed protocol ] in ``pool.py``); regions follow, ``ALIGN``-aligned.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import reduction
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import default_collate
+
+__all__ = ["ALIGN", "Allocator", "Arena", "Nest", "Slot", "collate_into", "place"]
+
+ALIGN = 64  # every tensor in a region starts on a cache line (and on any dtype's alignment)
+HEADER_BYTES = 64
+ACK_WORD = 0
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Arena:
+    """One worker's shared memory: ``size`` bytes of a memfd, mapped ``MAP_SHARED`` by its creator.
+
+    Created by the training process before the worker starts. A forked worker inherits the map; for spawn and
+    forkserver the descriptor travels with the process arguments (``multiprocessing.reduction.DupFd``). The file
+    is sparse: pages cost memory only once a batch was written to them.
+    """
+
+    def __init__(self, size: int, *, fd: int | None = None) -> None:
+        self.size = size
+        if fd is None:
+            fd = os.memfd_create("cachefeed-batches", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        self.fd = fd
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        self.words: npt.NDArray[np.int64] = np.frombuffer(self.map, dtype=np.int64, count=HEADER_BYTES // 8)
+
+    def __reduce__(self) -> tuple[Callable[..., Arena], tuple[Any, ...]]:
+        return _attach, (reduction.DupFd(self.fd), self.size)
+
+    def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        """``nbytes`` of the arena from ``offset`` as a writable uint8 array (a view: no copy)."""
+        return np.frombuffer(self.map, dtype=np.uint8, count=nbytes, offset=offset)
+
+    def close(self) -> None:
+        """Drop this process's descriptor (the map lives while arrays over it do)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _attach(dup: Any, size: int) -> Arena:
+    return Arena(size, fd=dup.detach())
+
+
+class Allocator:
+    """First-fit regions of ``[start, size)``, ``ALIGN``-aligned; ``release`` merges neighbours back."""
+
+    def __init__(self, start: int, size: int) -> None:
+        self._free: list[tuple[int, int]] = [(start, size - start)]  # (offset, length), sorted by offset
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a free region of ``nbytes`` (rounded up to ``ALIGN``), or None when none is large enough."""
+        need = _aligned(max(nbytes, 1))
+        for i, (offset, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + need, length - need)
+                return offset
+        return None
+
+    def release(self, offset: int, nbytes: int) -> None:
+        length = _aligned(max(nbytes, 1))
+        free = self._free
+        lo, hi = 0, len(free)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if free[mid][0] < offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        free.insert(lo, (offset, length))
+        if lo + 1 < len(free) and free[lo][0] + free[lo][1] == free[lo + 1][0]:
+            free[lo] = (offset, length + free[lo + 1][1])
+            del free[lo + 1]
+        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == free[lo][0]:
+            free[lo - 1] = (free[lo - 1][0], free[lo - 1][1] + free[lo][1])
+            del free[lo]
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(length for _offset, length in self._free)
+
+
+class Slot(NamedTuple):
+    """Where one tensor of a batch lies in its region (a tuple: it unpickles fast)."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class Nest(NamedTuple):
+    """A container of the batch that holds tensors: rebuilt around their views. Containers without tensors travel
+    as they are and are handed out untouched (a list of 256 keys costs nothing to place)."""
+
+    kind: Any  # dict, list, tuple or a named tuple class
+    keys: tuple[Any, ...] | None  # a dict's keys, in order
+    items: tuple[Any, ...]
+
+
+class _Stack:
+    """A batch field to be stacked from equal-shaped tensors straight into the region (one copy)."""
+
+    __slots__ = ("dtype", "shape", "values")
+
+    def __init__(self, values: list[torch.Tensor]) -> None:
+        self.values = values
+        self.dtype = values[0].dtype
+        self.shape = (len(values), *values[0].shape)
+
+
+def _plan(values: list[Any]) -> Any:
+    """``default_collate(values)``, except that equal-shaped tensors become a ``_Stack`` (stacked later, in place)."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.layout == torch.strided and all(
+            isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype and v.is_contiguous()
+            for v in values
+        ):
+            return _Stack(values)
+    elif isinstance(first, Mapping) and type(first) is dict:
+        return {key: _plan([value[key] for value in values]) for key in first}
+    elif isinstance(first, str | bytes):
+        return list(values)
+    elif isinstance(first, list | tuple) and not hasattr(first, "_fields") and type(first) in (list, tuple):
+        size = len(first)
+        if all(isinstance(v, list | tuple) and len(v) == size for v in values):
+            transposed = [_plan(list(column)) for column in zip(*values, strict=True)]
+            return transposed if type(first) is list else tuple(transposed)
+    return default_collate(values)
+
+
+def _sizes(tree: Any, out: list[int]) -> None:
+    if isinstance(tree, _Stack):
+        out.append(_aligned(int(np.prod(tree.shape)) * tree.dtype.itemsize))
+    elif isinstance(tree, torch.Tensor):
+        out.append(_aligned(tree.numel() * tree.element_size()))
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            _sizes(value, out)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            _sizes(value, out)
+
+
+def _tensor_view(
+    region: npt.NDArray[np.uint8], offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    count = int(np.prod(shape)) * dtype.itemsize
+    return torch.from_numpy(region[offset : offset + count]).view(dtype).view(shape)
+
+
+def _fill(tree: Any, region: npt.NDArray[np.uint8], cursor: list[int]) -> Any:
+    """Write ``tree``'s tensors into ``region`` in ``_sizes`` order; return the layout (tensors replaced by Slots)."""
+    if isinstance(tree, _Stack | torch.Tensor):
+        offset = cursor[0]
+        shape = tuple(tree.shape)
+        target = _tensor_view(region, offset, tree.dtype, shape)
+        if isinstance(tree, _Stack):
+            torch.stack(tree.values, out=target)
+        else:
+            target.copy_(tree)
+        nbytes = target.numel() * tree.dtype.itemsize
+        cursor[0] += _aligned(nbytes)
+        return Slot(offset, nbytes, tree.dtype, shape)
+    if isinstance(tree, dict | list | tuple):
+        keys = tuple(tree) if isinstance(tree, dict) else None
+        values = tree.values() if isinstance(tree, dict) else tree
+        items = tuple(_fill(value, region, cursor) for value in values)
+        if not any(isinstance(item, Slot | Nest) for item in items):
+            return tree  # no tensor inside: handed out as it is
+        kind = dict if isinstance(tree, dict) else type(tree)
+        return Nest(kind, keys, items)
+    return tree
+
+
+def collate_into(
+    samples: Sequence[Any], collate: Callable[[list[Any]], Any] | None, allocate: Callable[[int], tuple[int, Any]]
+) -> tuple[int, int, Any]:
+    """Collate ``samples`` into a region: ``(offset, nbytes, layout)``; ``(-1, 0, batch)`` when there was no room.
+
+    ``collate`` None means ``default_collate``, done in place: equal-shaped tensors are stacked straight into the
+    region (one copy). With a collate function of the caller's, its batch is copied into the region (two copies).
+    ``allocate(nbytes)`` returns ``(offset, region array)`` or ``(-1, None)``.
+    """
+    tree = _plan(list(samples)) if collate is None else collate(list(samples))
+    sizes: list[int] = []
+    _sizes(tree, sizes)
+    nbytes = sum(sizes)
+    offset, region = allocate(nbytes)
+    if region is None:
+        return -1, 0, _materialize(tree)
+    return offset, nbytes, _fill(tree, region, [0])
+
+
+def _materialize(tree: Any) -> Any:
+    """The batch a plan stands for, in ordinary memory (when the arena has no room)."""
+    if isinstance(tree, _Stack):
+        return torch.stack(tree.values)
+    if isinstance(tree, dict):
+        return {key: _materialize(value) for key, value in tree.items()}
+    if type(tree) is list:
+        return [_materialize(value) for value in tree]
+    if type(tree) is tuple:
+        return tuple(_materialize(value) for value in tree)
+    return tree
+
+
+def place(layout: Any, region: torch.Tensor) -> Any:
+    """The batch a layout describes, its tensors views of ``region`` (a uint8 tensor over the region's bytes)."""
+    if type(layout) is Slot:
+        return region[layout.offset : layout.offset + layout.nbytes].view(layout.dtype).view(layout.shape)
+    if type(layout) is Nest:
+        items = [place(item, region) for item in layout.items]
+        if layout.kind is dict:
+            return dict(zip(layout.keys or (), items, strict=True))
+        if layout.kind is list:
+            return items
+        if layout.kind is tuple:
+            return tuple(items)
+        return layout.kind(*items)  # a named tuple
+    return layout

@@ -1,0 +1,213 @@
+"""The worker pool that feeds every epoch (cachefeed/trainer/pool.py, arena.py): what it promises the training loop.
+
+Workers live as long as the factory; batches are collated into shared memory the training process mapped once
+and are never overwritten while the caller can read them; a worker that dies or fails is reported, not waited for;
+an epoch's segments are unmapped by every worker before its pin is dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cachefeed.trainer import EpochLoaderFactory
+from cachefeed.trainer.arena import Allocator, Nest, Slot, collate_into, place
+from cachefeed.trainer.dataset import SnapshotDataset
+from cachefeed.trainer.pool import WorkerPool
+from tests.support.samples import check_sample
+from tests.test_trainer_loader import build_cache, check_batch, wait_until
+
+Pair = namedtuple("Pair", ["image", "label"])
+
+
+def with_pid(sample: dict[str, Any]) -> dict[str, Any]:
+    sample["pid"] = os.getpid()
+    return sample
+
+
+def fail_on_k7(sample: dict[str, Any]) -> dict[str, Any]:
+    if sample["__key__"] == "k7":
+        raise ValueError("the user's transform failed on k7")
+    return sample
+
+
+def test_workers_live_across_epochs_and_serve_every_sample_once(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 300)
+    with EpochLoaderFactory(root, batch_size=16, num_workers=2, transform=with_pid, run_id="t", progress=None) as f:
+        pids: set[int] = set()
+        for epoch in range(4):
+            keys: list[str] = []
+            for batch in f.loader(epoch):
+                keys += check_batch(batch)
+                pids.update(batch["pid"].tolist())
+            assert sorted(keys) == sorted(f"k{i}" for i in range(300)), f"epoch {epoch}: every sample once"
+            assert f.stats(epoch).handover_wait_s is None or f.stats(epoch).handover_wait_s < 0.5
+        assert len(pids) == 2, f"two workers served all four epochs, not new ones per epoch: {pids}"
+        assert os.getpid() not in pids
+
+
+def test_batch_memory_is_reused_in_steady_state_and_never_while_the_caller_holds_it(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 400, nbytes=4096)
+    with EpochLoaderFactory(root, batch_size=8, num_workers=2, run_id="t", progress=None) as f:
+        addresses: set[int] = set()
+        for epoch in range(3):
+            for batch in f.loader(epoch):
+                check_batch(batch)
+                addresses.add(batch["data"].data_ptr())
+        # 150 batches through a handful of regions: the pages are reused, not allocated (and faulted) per batch
+        assert len(addresses) <= 16, len(addresses)
+        held = []
+        for batch in f.loader(3):  # the caller keeps every batch of an epoch: none may be overwritten
+            held.append(batch)
+        for epoch in (4, 5):
+            for batch in f.loader(epoch):
+                check_batch(batch)
+        keys = [key for batch in held for key in check_batch(batch)]
+        assert sorted(keys) == sorted(f"k{i}" for i in range(400))
+
+
+def test_a_failing_transform_raises_in_the_training_loop_with_the_workers_traceback(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 40)
+    with EpochLoaderFactory(
+        root, batch_size=4, num_workers=2, transform=fail_on_k7, shuffle=False, run_id="t", progress=None
+    ) as f:
+        with pytest.raises(ValueError, match="the user's transform failed on k7") as raised:
+            for _batch in f.loader(0):
+                pass
+        assert "in cachefeed worker" in str(raised.value)
+
+
+def test_a_worker_that_dies_is_reported_not_waited_for(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 200)
+    with EpochLoaderFactory(root, batch_size=4, num_workers=2, run_id="t", progress=None) as f:
+        loader = iter(f.loader(0))
+        next(loader)
+        assert f._pool is not None
+        victim = f._pool._workers[1].process
+        os.kill(victim.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"pid {victim.pid}\) exited unexpectedly with exit code -9"):
+            for _batch in loader:
+                pass
+        assert time.monotonic() - started < 5
+
+
+def test_a_released_epoch_is_unmapped_by_every_worker_before_its_pin_goes(tmp_path: Path) -> None:
+    """Workers keep a segment mapped from one epoch to the next while both snapshots hold it, but a segment that only
+    the released epoch held (evicted meanwhile) is unmapped by every worker before that epoch's pin goes."""
+    root = build_cache(tmp_path / "c", 200)
+    with EpochLoaderFactory(root, batch_size=10, num_workers=2, run_id="t", progress=None) as f:
+        loader = f.loader(0)  # epoch 0 pinned: every segment
+        evicted = sorted((root / "segments").iterdir())[0]
+        inode = evicted.stat().st_ino
+        evicted.unlink()  # what eviction does: epoch 0's pin keeps it readable, epoch 1 will not have it
+        for _batch in loader:
+            pass
+        assert f._pool is not None
+        workers = [w.process.pid for w in f._pool._workers]
+        assert any(inode in mapped_inodes(pid) for pid in workers), "the workers read the evicted segment"
+        for _batch in f.loader(1):
+            pass
+        wait_until(lambda: not (root / "snapshots" / "t-e000000").exists(), what="epoch 0's pin released")
+        for pid in workers:
+            assert inode not in mapped_inodes(pid), f"worker {pid} still maps the evicted segment"
+        live = {p.stat().st_ino for p in (root / "snapshots" / "t-e000001").iterdir()}
+        assert any(mapped_inodes(pid) & live for pid in workers), "shared segments stay mapped across epochs"
+
+
+def mapped_inodes(pid: int) -> set[int]:
+    return {int(line.split()[4]) for line in maps(pid) if line.endswith((".seg", ".seg (deleted)"))}
+
+
+def maps(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/maps").read_text().splitlines()
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_other_start_methods_feed_the_same_batches(tmp_path: Path, context: str) -> None:
+    root = build_cache(tmp_path / "c", 120)
+    with EpochLoaderFactory(
+        root, batch_size=10, num_workers=2, multiprocessing_context=context, run_id="t", progress=None, epochs=2
+    ) as f:
+        for epoch in range(2):
+            keys = [key for batch in f.loader(epoch) for key in check_batch(batch)]
+            assert sorted(keys) == sorted(f"k{i}" for i in range(120))
+
+
+def test_a_collate_function_of_the_callers_gets_the_samples_and_its_batch_arrives_whole(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 60)
+
+    with EpochLoaderFactory(
+        root, batch_size=6, num_workers=2, collate_fn=pairs, shuffle=False, run_id="t", progress=None
+    ) as f:
+        batches = list(f.loader(0))
+    assert all(isinstance(b, Pair) and b.image.shape == (6, 256) for b in batches)
+    assert sorted(int(n) for b in batches for n in b.label) == list(range(60))
+
+
+def pairs(samples: list[dict[str, Any]]) -> Pair:
+    return Pair(torch.stack([s["data"] for s in samples]), torch.tensor([int(s["__key__"][1:]) for s in samples]))
+
+
+def test_a_pool_whose_memory_is_full_sends_batches_whole_instead(tmp_path: Path) -> None:
+    """A caller that keeps more batches than the workers' shared memory holds still gets every one, intact."""
+    root = build_cache(tmp_path / "c", 64, nbytes=4096)
+    from cachefeed.cache.snapshots import Snapshot
+
+    with Snapshot.create(root, "s") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        pool = WorkerPool(1, collate_fn=None, arena_bytes=64 << 10)  # room for about two batches of 8 x 4 KiB
+        try:
+            batches = [np.arange(i, i + 8) for i in range(0, 64, 8)]
+            held = list(pool.open_pass(pool.new_key(), dataset, batches))
+            assert len(held) == 8
+            for batch in held:
+                for row, key in enumerate(batch["__key__"]):
+                    check_sample({"__key__": key, "data": batch["data"][row], "n": batch["n"][row]})
+        finally:
+            pool.close()
+            dataset.close()
+
+
+def test_default_collation_in_place_matches_default_collate() -> None:
+    from torch.utils.data import default_collate
+
+    samples = [
+        {"x": torch.full((3, 2), i, dtype=torch.float32), "y": i, "k": f"s{i}", "t": (torch.tensor(i), 2.5 * i)}
+        for i in range(4)
+    ]
+    arena = np.zeros(1 << 16, dtype=np.uint8)
+    allocator = Allocator(0, len(arena))
+
+    def allocate(nbytes: int) -> tuple[int, Any]:
+        offset = allocator.allocate(nbytes)
+        assert offset is not None
+        return offset, arena[offset : offset + nbytes]
+
+    offset, nbytes, layout = collate_into(samples, None, allocate)
+    assert isinstance(layout, Nest) and layout.keys == ("x", "y", "k", "t")
+    assert isinstance(layout.items[0], Slot) and layout.items[2] == [f"s{i}" for i in range(4)], "keys travel as is"
+    batch = place(layout, torch.from_numpy(arena[offset : offset + nbytes]))
+    expected = default_collate(samples)
+    assert batch["k"] == expected["k"]
+    for name in ("x", "y"):
+        assert torch.equal(batch[name], expected[name]) and batch[name].dtype == expected[name].dtype
+    assert all(torch.equal(a, b) for a, b in zip(batch["t"], expected["t"], strict=True))
+
+
+def test_regions_go_back_and_merge() -> None:
+    allocator = Allocator(64, 64 + 4 * 128)
+    regions = [allocator.allocate(100) for _ in range(4)]
+    assert regions == [64, 192, 320, 448] and allocator.allocate(1) is None
+    allocator.release(192, 100)
+    allocator.release(448, 100)
+    allocator.release(320, 100)
+    assert allocator.allocate(300) == 192, "three neighbours merged into one region"
