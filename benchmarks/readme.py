@@ -37,7 +37,7 @@ def _renderer(name: str) -> Callable[[dict[str, Any]], str]:
 
 # Each benchmark whose figures the README quotes, with its block; its module defines readme_table(doc).
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    name: _renderer(name) for name in ("egress", "feed", "handover", "read_throughput", "worker_memory")
+    name: _renderer(name) for name in ("decode", "egress", "feed", "handover", "read_throughput", "worker_memory")
 }
 
 

@@ -23,6 +23,7 @@ from cachefeed.errors import (
 if TYPE_CHECKING:
     from cachefeed.cache.snapshots import Snapshot
     from cachefeed.codecs import msgpack_default
+    from cachefeed.images import DecodeImages
     from cachefeed.trainer import DevicePrefetcher, EpochLoader, EpochLoaderFactory, EpochStats, SnapshotDataset
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CorruptRecordError",
+    "DecodeImages",
     "DevicePrefetcher",
     "EpochLoader",
     "EpochLoaderFactory",
@@ -53,6 +55,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("cachefeed.trainer"), name)
     if name == "Snapshot":  # an epoch pin, for loaders of your own (see cachefeed/cache/snapshots.py)
         return importlib.import_module("cachefeed.cache.snapshots").Snapshot
+    if name == "DecodeImages":  # a transform that decodes image bytes in the DataLoader workers (Pillow)
+        return importlib.import_module("cachefeed.images").DecodeImages
     if name == "msgpack_default":  # the writer's side of the msgpack array encoding the daemon decodes
         return importlib.import_module("cachefeed.codecs").msgpack_default
     raise AttributeError(f"module 'cachefeed' has no attribute {name!r}")

@@ -14,11 +14,14 @@ Built-in formats (``get_decoder(name)``):
   array ``[dtype.str, shape, raw C-order bytes]`` (``msgpack.packb(obj, default=msgpack_default)`` writes it), or
   as msgpack-numpy's map ``{"nd": true, "type": dtype.str, "shape": [...], "data": bytes}`` (read only). An ext
   type is unambiguous, unlike a map with ``dtype``/``shape``/``data`` keys, which could be a user's own fields.
-- ``raw``: ``{"data": body}`` (bytes), e.g. encoded images.
+- ``raw``: ``{"data": body}`` (bytes), e.g. encoded images to decode in the workers (``images.DecodeImages``).
+- ``image``: ``{"image": uint8 array (3, H, W)}``, decoded once in the daemon (``images.py``: Pillow; resized and
+  centre-cropped to ``sampler.image_size`` if set).
 - ``tar``: webdataset layout. Regular members are grouped by directory + basename (the file name up to its first
   dot); one sample per group, in order of first appearance; the field name is the rest of the file name
   (``"jpg"``, ``"seg.png"``). Fields whose last extension is ``npy`` become arrays, ``cls`` an int, ``txt`` a
-  str, ``json`` the parsed value; others stay bytes. ``__key__`` is ``f"{key}/{dir/basename}"``. Members with
+  str, ``json`` the parsed value; images (``jpg``, ``png``, ...) become uint8 ``(3, H, W)`` arrays with
+  ``sampler.decode_images``; others stay bytes. ``__key__`` is ``f"{key}/{dir/basename}"``. Members with
   absolute or ``..`` names, non-regular members (links, devices, directories) and names without an extension
   are skipped; nothing is ever extracted to disk. Compressed tars (gz, bz2, xz) are read transparently. An
   archive cut short (no end-of-archive zero block after the last member) is a ``DecodeError``, not fewer samples.
@@ -34,6 +37,7 @@ Every failure raises ``DecodeError`` naming the key and the reason; the caller q
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import json
@@ -41,12 +45,15 @@ import math
 import posixpath
 import tarfile
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from cachefeed.errors import ConfigError, DecodeError
+from cachefeed.images import IMAGE_EXTENSIONS, decode_image
+from cachefeed.images import image_size as image_size_of
 
 __all__ = [
     "MAX_NESTING",
@@ -207,8 +214,14 @@ def decode_raw(key: str, body: bytes) -> list[Sample]:
     return [{"data": bytes(body), "__key__": key}]
 
 
-def _tar_field(extension: str, payload: bytes) -> Any:
+def decode_image_object(key: str, body: bytes, *, size: tuple[int, int] | None = None) -> list[Sample]:
+    return [{"image": decode_image(body, key, size=size), "__key__": key}]
+
+
+def _tar_field(extension: str, payload: bytes, images: _Images | None = None, key: str = "") -> Any:
     last = extension.rsplit(".", 1)[-1].lower()
+    if images is not None and last in IMAGE_EXTENSIONS:
+        return decode_image(payload, f"{key} member {extension}", size=images.size)
     if last == "npy":
         return _load_npy(payload)
     if last == "cls":
@@ -231,7 +244,14 @@ def _tar_group(name: str) -> tuple[str, str] | None:
     return posixpath.join(directory, basename), extension
 
 
-def decode_tar(key: str, body: bytes) -> list[Sample]:
+@dataclass(frozen=True, slots=True)
+class _Images:
+    """Decode tar members that are images (``sampler.decode_images``), to ``size`` if given."""
+
+    size: tuple[int, int] | None
+
+
+def decode_tar(key: str, body: bytes, *, images: _Images | None = None) -> list[Sample]:
     groups: dict[str, Sample] = {}
     with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as archive:
         for member in archive:
@@ -248,7 +268,7 @@ def decode_tar(key: str, body: bytes) -> list[Sample]:
             if handle is None:
                 continue
             try:
-                sample[extension] = _tar_field(extension, handle.read())
+                sample[extension] = _tar_field(extension, handle.read(), images, f"{key}/{group}")
             except ValueError as exc:
                 raise ValueError(f"member {member.name!r}: {exc}") from exc
         _check_end_of_archive(archive)
@@ -270,6 +290,7 @@ _BUILTINS: dict[str, Callable[[str, bytes], list[Sample]]] = {  # the registry: 
     "msgpack": decode_msgpack,
     "raw": decode_raw,
     "tar": decode_tar,
+    "image": decode_image_object,
 }
 BUILTIN_DECODERS = tuple(_BUILTINS)
 
@@ -343,8 +364,17 @@ def _checked(name: str, decode: Callable[[str, bytes], Iterable[Any]]) -> Decode
     return checked_decoder
 
 
-def get_decoder(name: str) -> Decoder:
-    """The decoder for a built-in format name or a ``"package.module:function"`` spec (wrapped and checked)."""
+def get_decoder(name: str, *, decode_images: bool = False, image_size: Any = None) -> Decoder:
+    """The decoder for a built-in format name or a ``"package.module:function"`` spec (wrapped and checked).
+
+    ``image`` decodes each object as an image (``images.py``); ``decode_images`` does the same for the image members
+    of ``tar`` shards; both resize and crop to ``image_size`` (``images.image_size`` forms) when given.
+    """
+    size = image_size_of(image_size)
+    if name == "image":
+        return _checked(name, functools.partial(decode_image_object, size=size))
+    if name == "tar" and decode_images:
+        return _checked(name, functools.partial(decode_tar, images=_Images(size)))
     builtin = _BUILTINS.get(name)
     if builtin is not None:
         return _checked(name, builtin)

@@ -25,6 +25,8 @@ from typing import Any
 from cachefeed.cache.eviction import POLICIES
 from cachefeed.codecs import BUILTIN_DECODERS
 from cachefeed.errors import ConfigError
+from cachefeed.images import image_size, require_pillow
+from cachefeed.labels import LABEL_RULES
 from cachefeed.records import COMPRESSIONS
 from cachefeed.units import parse_duration, parse_size
 
@@ -92,6 +94,9 @@ class SamplerConfig:
     processes: int = _DEFAULT_PROCESSES
     concurrency: int = 32
     decode: str = "npy"
+    decode_images: bool = False
+    image_size: tuple[int, int] | None = None
+    label: str = ""
     preprocess: str = ""
     seed: int = 0
     restart_backoff_s: float = 1.0
@@ -232,6 +237,15 @@ def _decoder(value: object) -> str:
         raise ValueError("expected one of " + ", ".join(BUILTIN_DECODERS) + ' or "package.module:function"') from None
 
 
+def _image_size(value: object) -> tuple[int, int] | None:
+    return image_size(value)  # type: ignore[arg-type]  # it checks the type itself
+
+
+def _label_rule(value: object) -> str:
+    text = _string(value)
+    return text if not text else _one_of(LABEL_RULES)(text)
+
+
 def _absolute_path(value: object) -> Path:
     text = _nonempty_string(value)
     path = Path(text)
@@ -331,7 +345,18 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
     "sampler": {
         "processes": ("processes", _int_at_least(1), "sampler subprocesses (2)"),
         "concurrency": ("concurrency", _int_at_least(1), "requests in flight per process (32)"),
-        "decode": ("decode", _decoder, 'npy, npz, pt, msgpack, raw, tar or "pkg.mod:fn" ("npy")'),
+        "decode": ("decode", _decoder, 'npy, npz, pt, msgpack, raw, tar, image or "pkg.mod:fn" ("npy")'),
+        "decode_images": (
+            "decode_images",
+            _boolean,
+            "decode the image members of tar shards to uint8 (3, H, W) arrays in the daemon (false)",
+        ),
+        "image_size": (
+            "image_size",
+            _image_size,
+            "resize (shorter side) and centre-crop decoded images to N or [height, width]; 0 keeps sizes (0)",
+        ),
+        "label": ("label", _label_rule, 'an int "label" field per sample: "parent" = its directory\'s class ("")'),
         "preprocess": ("preprocess", _callable_path, 'deterministic "pkg.mod:fn" run once per sample ("")'),
         "seed": ("seed", _int_at_least(0), "seed of the sampling permutations (0)"),
         "restart_backoff": ("restart_backoff_s", _positive_duration, "first restart delay of a sampler (1s)"),
@@ -458,6 +483,18 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
             "cached set: lower turnover or raise max_bytes"
         )
     cache["turnover_bytes"] = turnover_bytes
+    decodes_images = sampler.get("decode") == "image" or sampler.get("decode_images") is True
+    if decodes_images:
+        try:
+            require_pillow()
+        except ConfigError as exc:
+            key = "sampler.decode" if sampler.get("decode") == "image" else "sampler.decode_images"
+            raise ConfigError(f"{source}: {key}: {exc}") from None
+    if sampler.get("decode_images") is True and sampler.get("decode") != "tar":
+        raise ConfigError(
+            f"{source}: sampler.decode_images = true decodes the image members of tar shards, but sampler.decode "
+            f'is {sampler.get("decode", "npy")!r}: use decode = "tar", or decode = "image" for one image per object'
+        )
     for section, base, cap in (
         ("remote", "backoff_base", "backoff_max"),
         ("sampler", "restart_backoff", "restart_backoff_max"),
@@ -527,4 +564,6 @@ def _toml_value(value: object) -> str:
         return json.dumps(os.fspath(value))
     if isinstance(value, Mapping):
         return "{ " + ", ".join(f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} {value!r} as a config value")

@@ -540,7 +540,8 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     if max_bytes > 0:
         fill += f" ({100 * cache['bytes'] / max_bytes:.0f}%)"
     samples = _count(cache["samples"])
-    out.add("fill", f"{fill}, {samples} samples, {_plural(cache['segments'], 'segment')}")
+    per_sample = f" of {format_bytes(cache['bytes'] // cache['samples'])}" if cache["samples"] else ""
+    out.add("fill", f"{fill}, {samples} samples{per_sample}, {_plural(cache['segments'], 'segment')}")
     if cache["is_paced"]:
         out.add(
             "",

@@ -171,7 +171,7 @@ def test_running_daemon_human_output_fits_80_columns(tmp_path: Path, capsys: pyt
     assert max(len(line) for line in out.splitlines()) <= WIDTH
     for expected in (
         "health RUNNING",
-        "12.0 GiB of 16.0 GiB (75%), 1,234,567 samples, 183 segments",
+        "12.0 GiB of 16.0 GiB (75%), 1,234,567 samples of 10.2 KiB, 183 segments",
         "40.0 GiB on the filesystem, floor 1.0 GiB",
         "120.3 MiB/s",
         "812 samples/s",

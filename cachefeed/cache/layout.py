@@ -93,6 +93,11 @@ class CacheLayout:
     def tag_file(self) -> Path:
         return self.root / "CACHEDIR.TAG"
 
+    @property
+    def classes_file(self) -> Path:
+        """The class index of ``sampler.label`` (``cachefeed/labels.py``)."""
+        return self.root / "classes.json"
+
     def create(self, *, dir_mode: int = 0o750, file_mode: int = 0o640) -> None:
         """Create the directories with explicit modes. Refuses a root or subdirectory that is a symlink.
 

@@ -95,12 +95,13 @@ _BUFFER_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
-    """One object to fetch: its plan id and its listing entry."""
+    """One object to fetch: its plan id, its listing entry and, with ``sampler.label``, its class index."""
 
     oid: int
     path: str
     size: int
     etag: str | None
+    label: int | None = None
 
 
 # -- supervisor -> sampler -------------------------------------------------------------------------------------

@@ -91,7 +91,11 @@ class Sampler:
         self._sink = SegmentSink(
             self._provider,
             SinkSettings(**init.segment),
-            decode=get_decoder(str(init.sampler["decode"])),
+            decode=get_decoder(
+                str(init.sampler["decode"]),
+                decode_images=bool(init.sampler["decode_images"]),
+                image_size=init.sampler["image_size"],
+            ),
             preprocess=get_preprocess(str(init.sampler["preprocess"])),
             on_handled=self._handled_threadsafe,
             on_failed=self._failed_threadsafe,

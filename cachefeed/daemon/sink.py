@@ -243,6 +243,9 @@ class SegmentSink:
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
         try:
             samples = list(self._decode(item.path, body))
+            if item.label is not None:  # sampler.label: the class index of the object's path (labels.py)
+                for sample in samples:
+                    sample["label"] = item.label
             if self._preprocess is not None:
                 samples = [self._preprocess(_writable(sample)) for sample in samples]
         except DecodeError as exc:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.store import CacheStore
 from cachefeed.codecs import get_decoder, get_preprocess
 from cachefeed.config import Config
@@ -56,6 +57,7 @@ from cachefeed.daemon.protocol import (
 )
 from cachefeed.daemon.reporter import StatusReporter
 from cachefeed.errors import ConfigError, CorruptRecordError
+from cachefeed.labels import ClassIndex
 from cachefeed.logs import safe_url
 from cachefeed.metrics import MetricsExporter
 
@@ -99,6 +101,7 @@ class Supervisor:
         self._turnover_s: float | None = None
         self._reporter: StatusReporter | None = None
         self._next_handle = 0
+        self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
 
     # -- signals: handlers only set flags (and the wakeup fd wakes the loop) -----------------------------------
 
@@ -151,6 +154,9 @@ class Supervisor:
             for seq, sources in store.recovered_sources.items():
                 self.plan.adopt(seq, sources)  # what the cache already holds is not fetched again
             store.recovered_sources.clear()
+            if config.sampler.label:  # continues the index a previous run kept in the cache (labels.py)
+                layout = CacheLayout(config.cache.dir)
+                self._classes = ClassIndex(layout.classes_file, config.sampler.label, file_mode=config.cache.file_mode)
             try:
                 self._metrics = MetricsExporter(config.status)
                 self._pool = SamplerPool(
@@ -271,6 +277,8 @@ class Supervisor:
             catalog.refresh_now()
         listing = catalog.take()
         if listing is not None:
+            if self._classes is not None:  # before any of the listing's objects is handed out with a label
+                self._classes.update(obj.path for obj in listing)
             added = self.plan.update_catalog(listing)
             if added:
                 log.info("%d new objects join pass %d", added, self.plan.pass_index)
@@ -288,7 +296,12 @@ class Supervisor:
                 return
             handle.credits -= len(drawn)
             handle.assigned.update(oid for oid, _ in drawn)
-            pool.send(handle, Work([WorkItem(oid, obj.path, obj.size, obj.etag) for oid, obj in drawn]))
+            classes = self._classes
+            items = [
+                WorkItem(oid, obj.path, obj.size, obj.etag, classes.label(obj.path) if classes is not None else None)
+                for oid, obj in drawn
+            ]
+            pool.send(handle, Work(items))
 
     def _upkeep(self) -> None:
         store = self._require_store()

@@ -57,6 +57,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.errors import SnapshotError
+from cachefeed.labels import read_classes
 from cachefeed.trainer.background import SerialWorker
 from cachefeed.trainer.dataset import SnapshotDataset, Transform
 from cachefeed.trainer.epoch import EpochLoader, EpochState, EpochStats, SkipEmptyCollate, shutdown_iterator
@@ -396,6 +397,14 @@ class EpochLoaderFactory:
         if state["snapshot_id"] is not None:
             self._resume = _Resume(epoch, str(state["snapshot_id"]), consumed)
         return epoch
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names of a daemon that labels samples by their directory (``sampler.label = "parent"``):
+        sample field ``label`` = i means ``classes[i]``. Built by the daemon from the whole remote listing, so it is
+        complete however little is cached; read from the cache each time (classes that appear later are appended,
+        indices never change). ``[]`` when the daemon does not label."""
+        return read_classes(self.layout.classes_file)
 
     @property
     def batches_per_epoch(self) -> int | None:
