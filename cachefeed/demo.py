@@ -4,7 +4,8 @@ What it does, in order (each long wait shows progress on stderr):
 
 1. starts a local S3 endpoint on 127.0.0.1 (moto's server, from the ``demo`` extra) — or uses ``--remote``;
 2. uploads a generated dataset: ``--objects`` samples of a 4-class problem (``x``: float32 features, ``y``: the
-   class), one ``.npz`` object each;
+   class), one ``.npz`` object each; or with ``--images``, JPEGs of mixed sizes in one directory per class
+   (``train/<class>/<n>.jpg``), which the daemon decodes, resizes to 32 x 32 and labels by directory;
 3. starts ``cachefeed daemon`` with a cache budget of ``--budget`` (a fraction of the dataset), so eviction and
    turnover happen while training runs;
 4. trains a small linear classifier for ``--epochs`` epochs through ``EpochLoaderFactory``, one line per epoch:
@@ -70,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", metavar="DIR", help="cache directory (default: a temporary one)")
     parser.add_argument("--max-bytes", metavar="SIZE", help='cache budget for --remote, e.g. "2GiB"')
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (cache, logs)")
+    parser.add_argument(
+        "--images",
+        action="store_true",
+        help="a folder of JPEGs in class directories instead, decoded and labelled by the daemon (needs Pillow)",
+    )
 
 
 def _say(text: str, *, out: TextIO = sys.stderr, end: str = "\n") -> None:
@@ -95,6 +101,26 @@ def _make_dataset(count: int, seed: int = 0) -> Iterator[tuple[str, bytes]]:
         buffer = io.BytesIO()
         np.savez(buffer, x=features, y=np.int64(label))
         yield f"train/{i // 1000:03d}/{i:06d}.npz", buffer.getvalue()
+
+
+IMAGE_SIZE = 32
+IMAGE_CLASSES = ("circle", "cross", "square", "stripes")
+
+
+def _make_images(count: int, seed: int = 0) -> Iterator[tuple[str, bytes]]:
+    """(key, JPEG bytes) pairs: ``train/<class>/<n>.jpg``, sizes from 40 to 96 pixels, a class-coloured tint plus
+    noise, so that a linear model on the decoded pixels learns the class."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    tints = np.array([(200, 60, 60), (60, 200, 60), (60, 60, 200), (200, 200, 60)], dtype=np.float32)
+    for i in range(count):
+        label = int(rng.integers(len(IMAGE_CLASSES)))
+        height, width = (int(n) for n in rng.integers(40, 97, size=2))
+        pixels = np.clip(tints[label] + rng.normal(0, 40, size=(height, width, 3)), 0, 255).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=85)
+        yield f"train/{IMAGE_CLASSES[label]}/{i:06d}.jpg", buffer.getvalue()
 
 
 class _MotoServer:
@@ -244,21 +270,29 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         storage_options: dict[str, Any] = _parse_options(args.storage_option)
+        make_dataset = _make_images if args.images else _make_dataset
+        generated_decode = "image" if args.images else "npz"
+        if args.images:
+            from cachefeed.images import require_pillow
+
+            require_pillow()
         if args.remote:
             url, decode = args.remote, args.decode
             dataset_bytes = 0
         elif args.local_dir:
             local = Path(args.local_dir).resolve()
             with _step(f"writing {args.objects} samples to {local}"):
-                dataset_bytes = _write_local(local, _make_dataset(args.objects))
-            url, decode = local.as_uri(), "npz"
+                dataset_bytes = _write_local(local, make_dataset(args.objects))
+            url, decode = local.as_uri(), generated_decode
         else:
             with _step("starting a local S3 server (moto) on 127.0.0.1"):
                 server = _MotoServer(workdir)
-            dataset_bytes = server.upload(_make_dataset(args.objects), args.objects)
-            url, decode = f"s3://{BUCKET}/train", "npz"
+            dataset_bytes = server.upload(make_dataset(args.objects), args.objects)
+            url, decode = f"s3://{BUCKET}/train", generated_decode
             storage_options = {"endpoint_url": server.endpoint, "key": "demo", "secret": "demo"}
         segment_bytes = 256 << 10
+        if args.images:  # the cache holds decoded pixels: size the budget by them, not by the JPEGs
+            dataset_bytes = args.objects * (3 * IMAGE_SIZE * IMAGE_SIZE + 200)
         if args.max_bytes:
             max_bytes: int | str = args.max_bytes
         else:
@@ -284,7 +318,12 @@ def run(args: argparse.Namespace) -> int:
                     "turnover": "30%",
                     "fsync": False,
                 },
-                "sampler": {"processes": 1, "concurrency": 16, "decode": decode},
+                "sampler": {
+                    "processes": 1,
+                    "concurrency": 16,
+                    "decode": decode,
+                    **({"image_size": IMAGE_SIZE, "label": "parent"} if args.images and not args.remote else {}),
+                },
                 "status": {"interval": "500ms"},
             },
         )
@@ -321,6 +360,15 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _features_and_labels(batch: dict[str, Any]) -> tuple[Any, Any]:
+    """The generated datasets' inputs and targets: ``x``/``y`` (npz) or ``image``/``label`` (``--images``)."""
+    if "x" in batch and "y" in batch:
+        return batch["x"].reshape(len(batch["x"]), -1).float(), batch["y"]
+    if "image" in batch and "label" in batch:
+        return batch["image"].reshape(len(batch["image"]), -1).float() / 255, batch["label"]
+    return None, None
+
+
 def _train(args: argparse.Namespace, cache_dir: Path) -> None:
     import torch
 
@@ -347,16 +395,18 @@ def _train(args: argparse.Namespace, cache_dir: Path) -> None:
                 _say(header, out=sys.stdout)
             seen, loss_sum, batches = 0, 0.0, 0
             epoch_started = time.monotonic()
+            if epoch == 0 and factory.classes:
+                _say(f"classes (from the whole listing): {', '.join(factory.classes)}", out=sys.stdout)
             for batch in loader:
-                features = batch["x"].reshape(len(batch["x"]), -1).float() if "x" in batch else None
-                if features is None:
+                features, labels = _features_and_labels(batch)
+                if features is None or labels is None:
                     seen += len(batch["__key__"])
                     continue
                 if model is None:
-                    model = torch.nn.Linear(features.shape[1], CLASSES)
+                    model = torch.nn.Linear(features.shape[1], max(CLASSES, len(factory.classes)))
                     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
                 assert optimizer is not None
-                loss = torch.nn.functional.cross_entropy(model(features), batch["y"].long())
+                loss = torch.nn.functional.cross_entropy(model(features), labels.long())
                 optimizer.zero_grad()
                 loss.backward()  # type: ignore[no-untyped-call]
                 optimizer.step()

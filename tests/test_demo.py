@@ -50,6 +50,16 @@ def test_demo_on_a_local_directory_needs_no_s3_server(tmp_path: Path) -> None:
     assert len([line for line in result.stdout.splitlines() if EPOCH_LINE.match(line)]) == 3
 
 
+def test_demo_on_images_decodes_and_labels_them_in_the_daemon(tmp_path: Path) -> None:
+    result = run_demo(tmp_path, "--images", "--local-dir", str(tmp_path / "images"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "classes (from the whole listing): circle, cross, square, stripes" in result.stdout
+    epochs = [m.groupdict() for m in map(EPOCH_LINE.match, result.stdout.splitlines()) if m]
+    assert [int(e["epoch"]) for e in epochs] == [0, 1, 2], result.stdout
+    assert float(epochs[-1]["loss"]) < float(epochs[0]["loss"]), "the labels match the pixels: the model learns"
+    assert re.search(r"samples of 3\.\d KiB", result.stdout), "status shows the decoded pixels' cost per sample"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
