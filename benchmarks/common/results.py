@@ -11,8 +11,8 @@ committed documents disagree. A document::
       "figures": {...}                                 # the benchmark's own figures
     }
 
-``dirty`` is true when the working tree had uncommitted changes to tracked files: such a result was not measured on
-the commit it names, and the README says so.
+``dirty`` is true when the working tree had uncommitted changes to tracked files (other than the results
+themselves): such a result was not measured on the commit it names, and the README says so.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _git(*args: str) -> str | None:
 
 def provenance(work_dir: Path) -> dict[str, Any]:
     """The commit (and whether tracked files differ from it), the date, the machine and the package versions."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # Results already written by an earlier benchmark of the same run do not make the code dirty.
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     return {
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(status) if status is not None else None,
