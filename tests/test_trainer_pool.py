@@ -85,7 +85,7 @@ def test_a_failing_transform_raises_in_the_training_loop_with_the_workers_traceb
         assert "in cachefeed worker" in str(raised.value)
 
 
-def test_a_worker_that_dies_is_reported_not_waited_for(tmp_path: Path) -> None:
+def test_a_worker_that_dies_is_reported_not_waited_for_and_replaced_for_the_next_epoch(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 200)
     with EpochLoaderFactory(root, batch_size=4, num_workers=2, run_id="t", progress=None) as f:
         loader = iter(f.loader(0))
@@ -98,6 +98,9 @@ def test_a_worker_that_dies_is_reported_not_waited_for(tmp_path: Path) -> None:
             for _batch in loader:
                 pass
         assert time.monotonic() - started < 5
+        keys = [key for batch in f.loader(1) for key in check_batch(batch)]  # a new worker takes its place
+        assert sorted(keys) == sorted(f"k{i}" for i in range(200))
+        assert f._pool._workers[1].process.pid != victim.pid
 
 
 def test_a_released_epoch_is_unmapped_by_every_worker_before_its_pin_goes(tmp_path: Path) -> None:

@@ -39,8 +39,8 @@ Death: a worker exits on ``None``, when its parent changes (the trainer died: ch
 when a pipe breaks. A thread of each worker reads its task pipe as fast as tasks come, so the training process
 never blocks on a send (a pipe holds 64 KiB; an epoch's index for thousands of segments is more). The training
 thread waits on the result pipe *and* the worker's sentinel, so a worker that dies raises ``RuntimeError`` naming
-its pid and exit code instead of hanging. Arenas are memfds: nothing is left on any
-filesystem, whoever is killed.
+its pid and exit code instead of hanging; the next pass (the next epoch) starts a new worker in its place. Arenas
+are memfds: nothing is left on any filesystem, whoever is killed.
 """
 
 from __future__ import annotations
@@ -326,31 +326,48 @@ class WorkerPool:
 
     def _start(self) -> None:
         """Start the workers (under the lock, on the first pass)."""
-        parent = os.getpid()
-        for index in range(self.num_workers):
-            arena = Arena(self._arena_bytes)
-            task_recv, task_send = self._context.Pipe(duplex=False)
-            result_recv, result_send = self._context.Pipe(duplex=False)
-            spec = _WorkerSpec(index, self.num_workers, self._collate, self._worker_init_fn, self._seed + index, parent)
-            process = self._context.Process(
-                target=_worker_main,
-                args=(
-                    spec,
-                    task_recv,
-                    result_send,
-                    arena,
-                ),
-                name=f"cachefeed-worker-{index}",
-                daemon=True,
-            )
-            process.start()
-            task_recv.close()  # the worker's ends: closed here, so a dead worker's pipe reads as closed
-            result_send.close()
-            arena.close()  # the map stays; the descriptor is not needed once the worker has its own
-            if self._pin:
-                _register_pinned(arena)
-            self._workers.append(_Worker(index, process, task_send, result_recv, arena))
+        self._workers = [self._spawn(index) for index in range(self.num_workers)]
         log.debug("started %d cachefeed workers (%s)", self.num_workers, self._context.get_start_method())
+
+    def _spawn(self, index: int) -> _Worker:
+        """Start worker ``index`` with a new arena and new pipes (under the lock)."""
+        arena = Arena(self._arena_bytes)
+        task_recv, task_send = self._context.Pipe(duplex=False)
+        result_recv, result_send = self._context.Pipe(duplex=False)
+        seed = self._seed + index
+        spec = _WorkerSpec(index, self.num_workers, self._collate, self._worker_init_fn, seed, os.getpid())
+        process = self._context.Process(
+            target=_worker_main,
+            args=(spec, task_recv, result_send, arena),
+            name=f"cachefeed-worker-{index}",
+            daemon=True,
+        )
+        process.start()
+        task_recv.close()  # the worker's ends: closed here, so a dead worker's pipe reads as closed
+        result_send.close()
+        arena.close()  # the map stays; the descriptor is not needed once the worker has its own
+        if self._pin:
+            _register_pinned(arena)
+        return _Worker(index, process, task_send, result_recv, arena)
+
+    def _replace_dead(self) -> None:
+        """Start a new worker in place of each one that died (under the lock, when a pass opens).
+
+        The pass that was reading when a worker died has raised already; what that worker still owed is dropped
+        from the batches in flight, so the next pass reads from the new worker's pipe only."""
+        for index, worker in enumerate(self._workers):
+            if worker.process.is_alive():
+                continue
+            log.warning(
+                "cachefeed worker %d (pid %s) is gone (exit code %s): starting a new one",
+                index,
+                worker.process.pid,
+                worker.process.exitcode,
+            )
+            self._inflight = deque(entry for entry in self._inflight if entry[2] is not worker)
+            worker.tasks.close()
+            worker.results.close()
+            self._workers[index] = self._spawn(index)
 
     def close(self) -> None:
         """Stop the workers (they finish their current batch). Idempotent."""
@@ -388,6 +405,7 @@ class WorkerPool:
                 raise RuntimeError("the cachefeed worker pool is closed")
             if not self._workers:
                 self._start()
+            self._replace_dead()
             new = Pass(self, next(self._orders), key, dataset, list(batches))
             self._passes.append(new)
             self._deal()
