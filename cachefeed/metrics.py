@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from cachefeed.config import StatusConfig
 from cachefeed.errors import ConfigError
 from cachefeed.fsutil import atomic_write
+from cachefeed.status_schema import metric_scalars
 
 __all__ = ["STATES", "MetricsExporter", "StatusCollector", "render_metrics"]
 
@@ -44,92 +45,9 @@ STATES = ("starting", "running", "degraded", "stopping", "stopped")
 SAMPLER_STATES = ("starting", "running", "restarting", "stopped")
 TEXTFILE_MODE = 0o644  # node-exporter runs as its own user
 
-# (section, key, metric name, kind, help). kind: "gauge" or "counter" (the client adds "_total").
-_SCALARS: tuple[tuple[str, str, str, str, str], ...] = (
-    ("", "started_at", "cachefeed_start_timestamp_seconds", "gauge", "When the daemon started (unix time)."),
-    ("", "updated_at", "cachefeed_status_updated_timestamp_seconds", "gauge", "When the status was last written."),
-    ("cache", "bytes", "cachefeed_cache_bytes", "gauge", "Bytes counted against the budget (all of the cache dir)."),
-    ("cache", "max_bytes", "cachefeed_cache_max_bytes", "gauge", "The cache's byte budget."),
-    ("cache", "samples", "cachefeed_cache_samples", "gauge", "Samples in published segments."),
-    ("cache", "fill", "cachefeed_cache_fill_ratio", "gauge", "Published bytes / what the daemon fills to unread."),
-    ("cache", "segments", "cachefeed_cache_segments", "gauge", "Published segments."),
-    ("cache", "pinned_bytes", "cachefeed_cache_pinned_bytes", "gauge", "Bytes held by live snapshots."),
-    (
-        "cache",
-        "pinned_only_bytes",
-        "cachefeed_cache_pinned_only_bytes",
-        "gauge",
-        "Bytes of evicted segments kept only by snapshots.",
-    ),
-    ("cache", "reserved_bytes", "cachefeed_cache_reserved_bytes", "gauge", "Bytes reserved for segments in writing."),
-    ("cache", "free_bytes", "cachefeed_cache_free_bytes", "gauge", "Free bytes on the cache's filesystem."),
-    ("cache", "min_free_bytes", "cachefeed_cache_min_free_bytes", "gauge", "The free-space floor."),
-    ("cache", "turnover_bytes", "cachefeed_cache_turnover_bytes", "gauge", "Room kept for fresh samples."),
-    ("cache", "is_backpressured", "cachefeed_cache_backpressured", "gauge", "1 while fetching waits on pins."),
-    ("cache", "is_paced", "cachefeed_cache_paced", "gauge", "1 while ingest waits for trainers to read (normal)."),
-    (
-        "cache",
-        "waiting_for_reads_samples",
-        "cachefeed_cache_waiting_for_reads_samples",
-        "gauge",
-        "While paced: cached samples read fewer than evict_after_reads times.",
-    ),
-    ("cache", "unread_samples", "cachefeed_cache_unread_samples", "gauge", "Cached samples no epoch has read yet."),
-    ("cache", "max_reads", "cachefeed_cache_max_reads", "gauge", "Most epochs any cached segment was read by."),
-    ("cache", "epochs_total", "cachefeed_cache_epochs", "counter", "Epoch reads reported by trainers."),
-    ("cache", "sample_reads_total", "cachefeed_cache_sample_reads", "counter", "Samples x epochs that read them."),
-    ("cache", "newest_age_s", "cachefeed_cache_newest_age_seconds", "gauge", "Age of the newest published segment."),
-    ("cache", "oldest_age_s", "cachefeed_cache_oldest_age_seconds", "gauge", "Age of the oldest published segment."),
-    ("ingest", "objects_total", "cachefeed_ingest_objects", "counter", "Remote objects ingested."),
-    ("ingest", "samples_total", "cachefeed_ingest_samples", "counter", "Samples written to the cache."),
-    ("ingest", "bytes_total", "cachefeed_ingest_bytes", "counter", "Segment bytes published."),
-    ("ingest", "segments_total", "cachefeed_ingest_segments", "counter", "Segments published."),
-    ("evicted", "samples_total", "cachefeed_evicted_samples", "counter", "Samples evicted."),
-    ("evicted", "bytes_total", "cachefeed_evicted_bytes", "counter", "Bytes evicted."),
-    ("evicted", "segments_total", "cachefeed_evicted_segments", "counter", "Segments evicted."),
-    (
-        "evicted",
-        "unread_samples_total",
-        "cachefeed_evicted_unread_samples",
-        "counter",
-        "Samples evicted before any epoch read them.",
-    ),
-    (
-        "evicted",
-        "epochs_per_sample",
-        "cachefeed_evicted_epochs_per_sample",
-        "gauge",
-        "Epochs an evicted sample was read by, on average.",
-    ),
-    ("evicted", "max_reads", "cachefeed_evicted_max_reads", "gauge", "Most epochs an evicted segment was read by."),
-    (
-        "evicted",
-        "turnover_s",
-        "cachefeed_cache_turnover_seconds",
-        "gauge",
-        "How long the last evicted segment stayed in the cache.",
-    ),
-    ("remote", "objects_listed", "cachefeed_remote_objects_listed", "gauge", "Objects in the last listing."),
-    (
-        "remote",
-        "last_listed_at",
-        "cachefeed_remote_last_listed_timestamp_seconds",
-        "gauge",
-        "When the remote was last listed (absent before the first listing).",
-    ),
-    ("remote", "list_errors_total", "cachefeed_remote_list_errors", "counter", "Failed listings."),
-    ("remote", "passes_completed", "cachefeed_remote_passes_completed", "counter", "Passes over the catalog."),
-    ("remote", "requests_total", "cachefeed_remote_requests", "counter", "Requests sent to the remote."),
-    ("remote", "retries_total", "cachefeed_remote_retries", "counter", "Requests that were retries."),
-    ("remote", "quarantined_total", "cachefeed_remote_quarantined_objects", "counter", "Objects quarantined."),
-    ("remote", "bytes_total", "cachefeed_remote_bytes", "counter", "Bytes downloaded."),
-    (
-        "remote",
-        "bytes_per_sample_read",
-        "cachefeed_remote_sample_read_cost_bytes",
-        "gauge",
-        "Bytes downloaded per sample read by an epoch (absent before the first read).",
-    ),
+# (section, key, metric name, kind, help): declared with the document's fields in status_schema.py.
+_SCALARS: tuple[tuple[str, str, str, str, str], ...] = tuple(
+    (section, key, metric.name, metric.kind, metric.help) for section, key, metric in metric_scalars()
 )
 
 

@@ -1,7 +1,8 @@
 """``cachefeed status``: read the daemon's status document, judge the daemon's health, show it.
 
 The daemon writes ``<cache>/status.json`` atomically at least once per ``status.interval`` (the contract and its
-keys: ``STATUS_SCHEMA`` below). This module only reads it; it never writes into the cache and never takes a lock.
+keys: ``STATUS_SCHEMA`` in ``status_schema.py``). This module only reads it; it never writes into the cache and
+never takes a lock.
 
 Usage::
 
@@ -58,6 +59,7 @@ from cachefeed.cache.snapshots import live_snapshots, pinned_inodes
 from cachefeed.config import load_config
 from cachefeed.errors import CachefeedError, StatusUnreadable
 from cachefeed.records import segment_count
+from cachefeed.status_schema import STATUS_SCHEMA, STATUS_VERSION, shape_error
 from cachefeed.units import format_bytes, format_duration
 
 __all__ = [
@@ -77,7 +79,6 @@ __all__ = [
     "to_json",
 ]
 
-STATUS_VERSION = 1
 MAX_STATUS_BYTES = 16 << 20
 DEFAULT_INTERVAL_S = 1.0
 
@@ -90,113 +91,6 @@ class Health(enum.IntEnum):
     NOT_RUNNING = 3
     UNREADABLE = 4
     NOT_READY = 5
-
-
-# -- the document's shape ----------------------------------------------------------------------------------------
-
-
-class _Number:
-    """A JSON number (bool excluded); ``optional`` also admits null."""
-
-    def __init__(self, *, optional: bool = False, integer: bool = False) -> None:
-        self.optional = optional
-        self.integer = integer
-
-    def check(self, value: object) -> bool:
-        if value is None:
-            return self.optional
-        kinds: tuple[type, ...] = (int,) if self.integer else (int, float)
-        return isinstance(value, kinds) and not isinstance(value, bool)
-
-
-_NUM, _OPT_NUM = _Number(), _Number(optional=True)
-_INT, _OPT_INT = _Number(integer=True), _Number(integer=True, optional=True)
-_OPT_STR = (str, type(None))
-
-STATUS_SCHEMA: dict[str, Any] = {
-    "version": _INT,
-    "state": str,
-    "pid": _INT,
-    "host": str,
-    "started_at": _NUM,
-    "updated_at": _NUM,
-    "degraded_reasons": [str],
-    "cache": {
-        **{k: _NUM for k in ("bytes", "max_bytes", "samples", "segments", "pinned_bytes", "fill")},
-        **{k: _NUM for k in ("pinned_only_bytes", "reserved_bytes", "free_bytes", "min_free_bytes")},
-        "dir": str,
-        "turnover_bytes": _NUM,
-        "is_backpressured": (bool, int),
-        "is_paced": (bool, int),
-        "waiting_for_reads_samples": _NUM,
-        "evict_after_reads": _NUM,
-        "unread_samples": _NUM,
-        "max_reads": _NUM,
-        "epochs_total": _NUM,
-        "sample_reads_total": _NUM,
-        "newest_age_s": _OPT_NUM,
-        "oldest_age_s": _OPT_NUM,
-        "snapshots": [{"id": str, "samples": _NUM, "segments": _NUM, "owner": str, "age_s": _NUM, "idle_s": _NUM}],
-    },
-    "ingest": {
-        k: _NUM
-        for k in (
-            *("bytes_per_s", "samples_per_s", "objects_per_s"),
-            *("objects_total", "samples_total", "bytes_total", "segments_total"),
-        )
-    },
-    "evicted": {
-        **{k: _NUM for k in ("samples_total", "bytes_total", "segments_total", "unread_samples_total")},
-        "turnover_s": _OPT_NUM,
-        "epochs_per_sample": _OPT_NUM,
-        "max_reads": _NUM,
-    },
-    "remote": {
-        "url": str,
-        "objects_listed": _NUM,
-        "last_listed_at": _OPT_NUM,
-        **{k: _NUM for k in ("list_errors_total", "passes_completed", "requests_total", "retries_total")},
-        "errors_total": _NUM,
-        "errors_by_kind": {str: _NUM},
-        "quarantined_total": _NUM,
-        "not_cached": {str: _NUM},
-        "bytes_total": _NUM,
-        "bytes_per_sample_read": _OPT_NUM,
-    },
-    "samplers": [
-        {"index": _INT, "pid": _OPT_INT, "state": str, "restarts": _NUM, "objects_total": _NUM, "last_error": _OPT_STR}
-    ],
-}
-
-
-def _shape_error(value: object, spec: object, where: str) -> str | None:
-    """None if ``value`` matches ``spec``, else a short description of the first mismatch."""
-    if isinstance(spec, _Number):
-        return None if spec.check(value) else f"{where}: expected a number, got {type(value).__name__}"
-    if isinstance(spec, type | tuple):
-        return None if isinstance(value, spec) else f"{where}: unexpected {type(value).__name__}"
-    if isinstance(spec, list):
-        if not isinstance(value, list):
-            return f"{where}: expected a list"
-        for i, item in enumerate(value):
-            if problem := _shape_error(item, spec[0], f"{where}[{i}]"):
-                return problem
-        return None
-    if isinstance(spec, dict):
-        if not isinstance(value, dict):
-            return f"{where}: expected an object"
-        if str in spec:  # a map with free keys
-            for key, item in value.items():
-                if problem := _shape_error(item, spec[str], f"{where}.{key}"):
-                    return problem
-            return None
-        for key, item_spec in spec.items():
-            if key not in value:
-                return f"{where}.{key} is missing".lstrip(".")
-            if problem := _shape_error(value[key], item_spec, f"{where}.{key}".lstrip(".")):
-                return problem
-        return None
-    raise TypeError(f"bad schema entry {spec!r}")  # pragma: no cover - a programming error
 
 
 def load_document(path: Path) -> dict[str, Any] | None:
@@ -232,7 +126,7 @@ def load_document(path: Path) -> dict[str, Any] | None:
             f"{path}: status version {version!r}, this cachefeed reads version {STATUS_VERSION}: "
             "use the cachefeed that runs the daemon"
         )
-    if problem := _shape_error(document, STATUS_SCHEMA, ""):
+    if problem := shape_error(document, STATUS_SCHEMA):
         raise StatusUnreadable(f"{path}: {problem} (not the documented status shape)")
     return document
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachefeed.config import StatusConfig
 from cachefeed.errors import ConfigError
 from cachefeed.metrics import _SCALARS, MetricsExporter, render_metrics
-from cachefeed.status import STATUS_SCHEMA
+from cachefeed.status_schema import STATUS_SCHEMA
 from tests.support.moto_server import free_port
 from tests.test_status import make_document
 
