@@ -3,14 +3,15 @@
 The daemon writes ``<cache>/status.json`` (built in ``daemon/status_doc.py``); ``cachefeed status`` validates and
 renders it (``status.py``), trainers read their fill level from it (``trainer/wait.py``), and the Prometheus
 exporter turns it into metric families (``metrics.py``). All of them read this declaration: a key is added here,
-with its metric if it should be one, and the builder fills it (``tests/test_status.py`` builds a real document and
-checks it against ``STATUS_SCHEMA``, extra keys included).
+with its metric if it should be one, and the builder fills it (``tests/test_daemon.py`` checks a real daemon's
+document against ``STATUS_SCHEMA``: every declared key present with its shape, no undeclared key).
 
 Shapes: ``NUM`` any JSON number (bool excluded), ``INT`` an integer, ``OPT_*`` also null, a Python type or tuple
 of types for ``isinstance``, ``[shape]`` a list of that shape, ``{str: shape}`` a map with free keys, a dict a
 JSON object with exactly those keys (extra keys are tolerated by readers, for forward compatibility within a
-version). ``Scalar(shape, metric)`` is a number that is also exported as a Prometheus metric (name, ``gauge`` or
-``counter``: the client adds ``_total``, help); a null value is not exported (not known yet: absent, not 0).
+version). ``Omittable(shape)`` is written by the daemon but not required by readers. ``Scalar(shape, metric)`` is
+a number that is also exported as a Prometheus metric (name, ``gauge`` or ``counter``: the client adds ``_total``,
+help); a null value is not exported (not known yet: absent, not 0).
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ __all__ = [
     "STATUS_SCHEMA",
     "STATUS_VERSION",
     "Metric",
+    "Omittable",
     "Scalar",
     "metric_scalars",
     "shape_error",
+    "undeclared_keys",
 ]
 
 STATUS_VERSION = 1
@@ -72,6 +75,13 @@ class Scalar:
     metric: Metric
 
 
+@dataclass(frozen=True, slots=True)
+class Omittable:
+    """A field the daemon writes but readers do not require (documents from before it was added lack it)."""
+
+    shape: Any
+
+
 def _gauge(shape: Any, name: str, help_text: str) -> Scalar:
     return Scalar(shape, Metric(name, "gauge", help_text))
 
@@ -90,6 +100,7 @@ STATUS_SCHEMA: dict[str, Any] = {
     "started_at": _gauge(NUM, "cachefeed_start_timestamp_seconds", "When the daemon started (unix time)."),
     "updated_at": _gauge(NUM, "cachefeed_status_updated_timestamp_seconds", "When the status was last written."),
     "degraded_reasons": [str],
+    "interval_s": Omittable(NUM),  # the daemon's status.interval: readers judge staleness by it
     "cache": {
         "bytes": _gauge(NUM, "cachefeed_cache_bytes", "Bytes counted against the budget (all of the cache dir)."),
         "max_bytes": _gauge(NUM, "cachefeed_cache_max_bytes", "The cache's byte budget."),
@@ -159,6 +170,8 @@ STATUS_SCHEMA: dict[str, Any] = {
         "errors_by_kind": {str: NUM},
         "quarantined_total": _counter("cachefeed_remote_quarantined_objects", "Objects quarantined."),
         "not_cached": {str: NUM},
+        "objects_failed_total": Omittable(NUM),  # objects that failed once or more (retried in later passes)
+        "objects_dropped": Omittable(NUM),  # dropped from the plan now: 404, 403, too large
         "bytes_total": _counter("cachefeed_remote_bytes", "Bytes downloaded."),
         "bytes_per_sample_read": _gauge(
             OPT_NUM,
@@ -169,6 +182,17 @@ STATUS_SCHEMA: dict[str, Any] = {
     "samplers": [
         {"index": INT, "pid": OPT_INT, "state": str, "restarts": NUM, "objects_total": NUM, "last_error": OPT_STR}
     ],
+    "plan": Omittable(  # the sampling plan: its pass over the remote, this node's share
+        {
+            "pass": INT,
+            "owned": NUM,
+            "in_flight": NUM,
+            "requeued_total": NUM,
+            "skipped_cached_total": NUM,
+            "node_rank": INT,
+            "node_count": INT,
+        }
+    ),
 }
 
 
@@ -183,9 +207,31 @@ def metric_scalars() -> Iterator[tuple[str, str, Metric]]:
                     yield key, inner, inner_spec.metric
 
 
+def undeclared_keys(value: object, spec: object = None, where: str = "") -> list[str]:
+    """Keys of ``value`` (a document) that ``spec`` (default ``STATUS_SCHEMA``) does not declare, as dotted paths.
+
+    Readers tolerate them; the daemon's builder must not produce them (a test holds it to that)."""
+    spec = STATUS_SCHEMA if spec is None else spec
+    if isinstance(spec, Scalar | Omittable):
+        spec = spec.shape
+    found: list[str] = []
+    if isinstance(spec, list) and isinstance(value, list):
+        for i, item in enumerate(value):
+            found += undeclared_keys(item, spec[0], f"{where}[{i}]")
+    elif isinstance(spec, dict) and isinstance(value, dict):
+        for key, item in value.items():
+            if str in spec:
+                found += undeclared_keys(item, spec[str], f"{where}.{key}")
+            elif key not in spec:
+                found.append(f"{where}.{key}".lstrip("."))
+            else:
+                found += undeclared_keys(item, spec[key], f"{where}.{key}")
+    return found
+
+
 def shape_error(value: object, spec: object, where: str = "") -> str | None:
     """None if ``value`` matches ``spec``, else a short description of the first mismatch."""
-    if isinstance(spec, Scalar):
+    if isinstance(spec, Scalar | Omittable):
         spec = spec.shape
     if isinstance(spec, _Number):
         return None if spec.check(value) else f"{where}: expected a number, got {type(value).__name__}"
@@ -208,6 +254,8 @@ def shape_error(value: object, spec: object, where: str = "") -> str | None:
             return None
         for key, item_spec in spec.items():
             if key not in value:
+                if isinstance(item_spec, Omittable):
+                    continue
                 return f"{where}.{key} is missing".lstrip(".")
             if problem := shape_error(value[key], item_spec, f"{where}.{key}".lstrip(".")):
                 return problem

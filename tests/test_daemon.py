@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from cachefeed.status import load_document
+from cachefeed.status_schema import undeclared_keys
 from tests.support.daemon_harness import (
     BUCKET,
     StartDaemon,
@@ -46,6 +47,7 @@ def test_free_running_fill_to_budget_then_keep_sampling_with_eviction(bucket: An
     assert doc["ingest"]["objects_total"] > 300  # more than one pass' worth was ingested
     assert doc["remote"]["errors_total"] == 0
     assert load_document(proc.cache_dir / "status.json") is not None  # the documented shape
+    assert undeclared_keys(doc) == [], "every key the daemon writes is declared in status_schema.py"
 
     assert proc.stop() == 0
     final = load_document(proc.cache_dir / "status.json")
