@@ -54,6 +54,18 @@ def test_workers_live_across_epochs_and_serve_every_sample_once(tmp_path: Path) 
         assert os.getpid() not in pids
 
 
+def test_an_epoch_left_early_does_not_leak_its_batches_into_the_next(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 300)
+    with EpochLoaderFactory(root, batch_size=10, num_workers=2, run_id="t", progress=None) as f:
+        for epoch in range(3):
+            loader = iter(f.loader(epoch))
+            for _ in range(3):  # leave each epoch after three batches: its in-flight batches are dropped
+                check_batch(next(loader))
+        second = iter(f.loader(3))
+        keys = [key for batch in second for key in check_batch(batch)]
+        assert sorted(keys) == sorted(f"k{i}" for i in range(300)), "after abandoned epochs: each sample once"
+
+
 def test_batch_memory_is_reused_in_steady_state_and_never_while_the_caller_holds_it(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 400, nbytes=4096)
     with EpochLoaderFactory(root, batch_size=8, num_workers=2, run_id="t", progress=None) as f:
