@@ -1,12 +1,13 @@
 """Egress per trained sample: what the daemon downloads for what training reads, paced against free-running.
 
-    python -m benchmarks.egress [--objects 300] [--object-kib 64] [--budget-mib 8] [--seconds 15]
+    python -m benchmarks.egress [--objects 300] [--object-kib 64] [--budget-mib 8] [--seconds 15] [--slow-step 1]
 
 One moto S3 server behind a counting proxy (GETs counted at the server side of the daemon), one dataset of
 ``--objects`` .npy objects, a cache budget of about a third of it. Three trainers, each for ``--seconds``:
 
 * ``no trainer``: nothing reads;
-* ``slow trainer``: a step of 100 ms per batch of 16, 160 samples/s (training slower than the remote);
+* ``slow trainer``: a step of ``--slow-step`` (1 s) per batch of 16, 16 samples/s (training slower than the remote:
+  moto behind the counting proxy serves a few dozen 64 KiB objects per second on 2 shared cores);
 * ``fast trainer``: no step, the remote capped at 2 MiB/s with ``remote.max_bytes_per_s`` (training faster);
 
 each with ``cache.evict_after_reads = 1`` (paced, the default) and ``0`` (free-running, the old behaviour).
@@ -55,7 +56,7 @@ def run(server: MotoServer, work: Path, trainer: str, reads: int, args: argparse
             if trainer == "no trainer":
                 time.sleep(args.seconds)
             else:
-                step_s = 0.1 if trainer == "slow trainer" else 0.0
+                step_s = args.slow_step if trainer == "slow trainer" else 0.0
                 with EpochLoaderFactory(
                     cache_dir, batch_size=16, run_id="egress", min_samples=16, progress=None
                 ) as factory:
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--object-kib", type=int, default=64)
     parser.add_argument("--budget-mib", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--slow-step", type=float, default=1.0, help="the slow trainer's step per batch of 16 (s)")
     parser.add_argument("--no-save", dest="save", action="store_false")
     args = parser.parse_args(argv)
     os.environ.update(DUMMY_ENV)
