@@ -118,13 +118,17 @@ class DevicePrefetcher:
             copying.append((event, host))
             return moved
 
-        ahead = issue()
-        while ahead is not _DONE:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_stream(side)  # (2)
-            _record(ahead, current)  # (3)
-            ready, ahead = ahead, issue()
-            yield ready
+        try:
+            ahead = issue()
+            while ahead is not _DONE:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_stream(side)  # (2)
+                _record(ahead, current)  # (3)
+                ready, ahead = ahead, issue()
+                yield ready
+        finally:
+            for event, _host in copying:  # (4) also when the loop ends or breaks: no host batch goes mid-copy
+                event.synchronize()
 
 
 _DONE = object()
