@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.results import provenance_line, save
+from cachefeed.local_s3 import DUMMY_ENV
+from cachefeed.local_s3 import LocalS3 as MotoServer
 from cachefeed.trainer import EpochLoaderFactory
 from tests.support.daemon_harness import BUCKET, start_daemon, upload_arrays, write_config
 from tests.support.faultproxy import FaultProxy
-from tests.support.moto_server import DUMMY_ENV, MotoServer
 
 TRAINERS = ("no trainer", "slow trainer", "fast trainer")
 

@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from cachefeed.local_s3 import DUMMY_ENV
+from cachefeed.local_s3 import LocalS3 as MotoServer
 from tests.support.daemon_harness import npy_bytes, start_daemon, wait_for, write_config
-from tests.support.moto_server import DUMMY_ENV, MotoServer
 
 BUCKET = "bench"
 _STAMP = re.compile(r"^(\S+) INFO cachefeed\.daemon\.(?:supervisor|plan)\[\d+\]: (.*)$")

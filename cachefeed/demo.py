@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,18 +40,13 @@ import numpy as np
 
 from cachefeed.config import toml_text
 from cachefeed.errors import CachefeedError, ConfigError
+from cachefeed.local_s3 import DUMMY_ENV, LocalS3
 
 __all__ = ["add_arguments", "run"]
 
 CLASSES = 4
 FEATURES = 2048  # 8 KiB of float32 per sample
 BUCKET = "cachefeed-demo"
-DUMMY_CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "demo",
-    "AWS_SECRET_ACCESS_KEY": "demo",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "BOTO_CONFIG": "/dev/null",
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,80 +117,27 @@ def _make_images(count: int, seed: int = 0) -> Iterator[tuple[str, bytes]]:
         yield f"train/{IMAGE_CLASSES[label]}/{i:06d}.jpg", buffer.getvalue()
 
 
-class _MotoServer:
-    """moto's S3 server as a subprocess on a free loopback port."""
-
-    def __init__(self, workdir: Path) -> None:
-        try:
-            import moto.server  # noqa: F401
-        except ImportError:
-            raise CachefeedError(
-                "the demo's local S3 server needs moto: pip install -c constraints.txt -e '.[demo]' "
-                "(or pass --local-dir DIR / --remote URL)"
-            ) from None
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        self.endpoint = f"http://127.0.0.1:{port}"
-        self._log = (workdir / "s3-server.log").open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            env={**os.environ, **DUMMY_CREDENTIALS},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1):  # noqa: S310 (http, ours)
-                    return
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    log = workdir / "s3-server.log"
-                    raise CachefeedError(f"the local S3 server did not start; see {log}") from None
-                time.sleep(0.1)
-
-    def upload(self, items: Iterator[tuple[str, bytes]], count: int) -> int:
-        import boto3
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id="demo",
-            aws_secret_access_key="demo",  # noqa: S106 (the local server's dummy credentials)
-            region_name="us-east-1",
-        )
-        client.create_bucket(Bucket=BUCKET)
-        total = done = 0
-        started = time.monotonic()
-        prefix, end = ("\r", "") if sys.stderr.isatty() else ("", "\n")
-        with ThreadPoolExecutor(8) as pool:
-            futures = []
-            for key, body in items:
-                total += len(body)
-                futures.append(pool.submit(client.put_object, Bucket=BUCKET, Key=key, Body=body))
-            for future in futures:
-                future.result()
-                done += 1
-                if done % 500 == 0 or done == count:
-                    rate = done / max(time.monotonic() - started, 1e-9)
-                    _say(f"{prefix}  uploading to {self.endpoint}: {done}/{count} objects ({rate:.0f}/s)", end=end)
-        if end == "":
-            _say("")
-        return total
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+def _upload(server: LocalS3, items: Iterator[tuple[str, bytes]], count: int) -> int:
+    """Put the generated objects into the demo bucket, with progress; returns their bytes."""
+    client = server.client()
+    client.create_bucket(Bucket=BUCKET)
+    total = done = 0
+    started = time.monotonic()
+    prefix, end = ("\r", "") if sys.stderr.isatty() else ("", "\n")
+    with ThreadPoolExecutor(8) as pool:
+        futures = []
+        for key, body in items:
+            total += len(body)
+            futures.append(pool.submit(client.put_object, Bucket=BUCKET, Key=key, Body=body))
+        for future in futures:
+            future.result()
+            done += 1
+            if done % 500 == 0 or done == count:
+                rate = done / max(time.monotonic() - started, 1e-9)
+                _say(f"{prefix}  uploading to {server.endpoint}: {done}/{count} objects ({rate:.0f}/s)", end=end)
+    if end == "":
+        _say("")
+    return total
 
 
 def _write_local(directory: Path, items: Iterator[tuple[str, bytes]]) -> int:
@@ -263,9 +204,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} = {getattr(args, name)}: expected an integer >= 1")
     if not 0.05 <= args.budget <= 1.0:
         raise ConfigError(f"--budget = {args.budget}: expected a fraction between 0.05 and 1")
-    os.environ.update({k: os.environ.get(k, v) for k, v in DUMMY_CREDENTIALS.items()})
     workdir = Path(tempfile.mkdtemp(prefix="cachefeed-demo-"))
-    server: _MotoServer | None = None
+    server: LocalS3 | None = None
     daemon: subprocess.Popen[bytes] | None = None
     started = time.monotonic()
     try:
@@ -286,10 +226,11 @@ def run(args: argparse.Namespace) -> int:
             url, decode = local.as_uri(), generated_decode
         else:
             with _step("starting a local S3 server (moto) on 127.0.0.1"):
-                server = _MotoServer(workdir)
-            dataset_bytes = server.upload(make_dataset(args.objects), args.objects)
+                server = LocalS3.start(log_path=workdir / "s3-server.log")
+            os.environ.update(DUMMY_ENV)  # the daemon (our child) talks to that server: never to your AWS account
+            dataset_bytes = _upload(server, make_dataset(args.objects), args.objects)
             url, decode = f"s3://{BUCKET}/train", generated_decode
-            storage_options = {"endpoint_url": server.endpoint, "key": "demo", "secret": "demo"}
+            storage_options = server.storage_options()
         segment_bytes = 256 << 10
         if args.images:  # the cache holds decoded pixels: size the budget by them, not by the JPEGs
             dataset_bytes = args.objects * (3 * IMAGE_SIZE * IMAGE_SIZE + 200)

@@ -16,16 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from tests.support.moto_server import DUMMY_ENV, free_port, s3_client, storage_options
+from cachefeed.local_s3 import LocalS3
 
 _STATS_PATH = "/__bench__/stats"
 _RESET_PATH = "/__bench__/reset"
@@ -128,46 +125,19 @@ def main(argv: list[str] | None = None) -> None:
     run_simple(args.host, args.port, CountingMiddleware(app), threaded=True, request_handler=MotoRequestHandler)
 
 
-@dataclass
-class S3Server:
-    """A running counting moto server (a subprocess of this process)."""
-
-    endpoint: str
-    process: subprocess.Popen[bytes] | None = None
+class S3Server(LocalS3):
+    """A running counting moto server (a subprocess of this process), started by the one local-S3 launcher."""
 
     @classmethod
-    def start(cls, timeout_s: float = 60.0) -> S3Server:
-        port = free_port()
-        env = {**os.environ, **DUMMY_ENV}
-        process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.common.s3server", "--port", str(port)],
-            env=env,
+    def start(cls, timeout_s: float = 60.0, **_options: Any) -> S3Server:
+        server = super().start(
+            timeout_s=timeout_s,
+            command=[sys.executable, "-m", "benchmarks.common.s3server", "--port", "{port}"],
+            ready_path=_STATS_PATH,
             cwd=_repo_root(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
         )
-        server = cls(f"http://127.0.0.1:{port}", process)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                server.stats()
-                return server
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    server.stop()
-                    raise RuntimeError(f"counting moto server did not start on {server.endpoint}") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        assert isinstance(server, S3Server)
+        return server
 
     def stats(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.endpoint + _STATS_PATH, timeout=5) as response:
@@ -178,13 +148,6 @@ class S3Server:
         request = urllib.request.Request(self.endpoint + _RESET_PATH, method="POST")
         with urllib.request.urlopen(request, timeout=5):
             pass
-
-    def client(self) -> Any:
-        return s3_client(self.endpoint)
-
-    def storage_options(self) -> dict[str, Any]:
-        """fsspec/s3fs options that reach this server."""
-        return storage_options(self.endpoint)
 
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
