@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import posixpath
 from collections.abc import Iterable
 from pathlib import Path
 
 from cachefeed.errors import CachefeedError
+from cachefeed.fsutil import atomic_write
 
 __all__ = ["LABEL_RULES", "ClassIndex", "class_name", "read_classes"]
 
@@ -79,11 +79,7 @@ class ClassIndex:
 
     def _save(self) -> None:
         doc = {"version": FORMAT_VERSION, "rule": self.rule, "classes": self.classes}
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, self._file_mode)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(doc, handle)
-        os.replace(temporary, self.path)
+        atomic_write(self.path, json.dumps(doc).encode(), mode=self._file_mode)
 
 
 def read_classes(path: Path) -> list[str]:
