@@ -34,14 +34,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.common.results import provenance_line, save
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.config import CacheConfig
+from benchmarks.common.static_cache import write_static_cache
 from cachefeed.images import DecodeImages, decode_image
 from cachefeed.trainer import EpochLoaderFactory
-
-SEGMENT_BYTES = 16 << 20
 
 
 def make_jpegs(count: int, folder: Path) -> list[Path]:
@@ -74,20 +69,6 @@ def rate(bodies: list[bytes], decode: Any) -> float:
     for body in bodies:
         decode(body)
     return len(bodies) / (time.perf_counter() - started)
-
-
-def build_cache(root: Path, samples: list[dict[str, Any]]) -> int:
-    """A static cache of ``samples``; returns the bytes its segments take."""
-    config = CacheConfig(
-        dir=root, max_bytes=4 << 30, min_free_bytes=0, segment_bytes=SEGMENT_BYTES, fsync=False, turnover_bytes=0
-    )
-    store = CacheStore(config)
-    with CacheWriter(store, segment_bytes=SEGMENT_BYTES, fsync=False) as writer:
-        for sample in samples:
-            writer.add(sample)
-    store.close()
-    layout = CacheLayout(root)
-    return sum((layout.segments / name).stat().st_size for name, _info in layout.list_segments())
 
 
 def loader_rate(root: Path, workers: int, epochs: int, transform: Any = None) -> float:
@@ -150,8 +131,8 @@ def main() -> None:
         named = list(zip([p.name for p in paths], bodies, strict=True))
         pixels = [{"__key__": name, "image": decode_image(body, name, size=size)} for name, body in named]
         stored = [{"__key__": name, "data": body} for name, body in named]
-        decoded_bytes = build_cache(work / "pixels", pixels)
-        raw_bytes = build_cache(work / "bytes", stored)
+        decoded_bytes = write_static_cache(work / "pixels", pixels)
+        raw_bytes = write_static_cache(work / "bytes", stored)
         per_sample = {
             "decoded in the daemon (pixels)": round(decoded_bytes / args.images),
             "decoded in the workers (JPEG bytes)": round(raw_bytes / args.images),

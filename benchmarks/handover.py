@@ -28,7 +28,7 @@ import statistics
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks.common.results import provenance_line, save
+from benchmarks.common.static_cache import write_static_cache
 from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.config import CacheConfig
 from cachefeed.trainer import EpochLoaderFactory, SnapshotDataset
 
 SIDE = 64
@@ -56,18 +54,16 @@ def decode(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_cache(root: Path, count: int) -> None:
-    config = CacheConfig(
-        dir=root, max_bytes=4 << 30, min_free_bytes=0, segment_bytes=16 << 20, fsync=False, turnover_bytes=0
-    )
-    store = CacheStore(config)
     rng = np.random.default_rng(0)
     ramp = np.add.outer(np.arange(SIDE), np.arange(SIDE)).astype(np.uint8)[:, :, None]
-    with CacheWriter(store, segment_bytes=config.segment_bytes, fsync=False) as writer:
+
+    def samples() -> Iterator[dict[str, Any]]:
         for i in range(count):
             noise = rng.integers(0, 16, size=(SIDE, SIDE, 3), dtype=np.uint8)
             pixels = (ramp * (i % 7 + 1) + noise).astype(np.uint8)
-            writer.add({"__key__": f"img{i}", "image": zlib.compress(pixels.tobytes(), 6), "label": i % 1000})
-    store.close()
+            yield {"__key__": f"img{i}", "image": zlib.compress(pixels.tobytes(), 6), "label": i % 1000}
+
+    write_static_cache(root, samples())
 
 
 def run_epochs(next_loader: Callable[[int], Iterable[Any]], epochs: int, step_s: float) -> list[float]:

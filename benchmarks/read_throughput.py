@@ -34,11 +34,9 @@ import torch
 from torch.utils.data import default_collate
 
 from benchmarks.common.results import provenance_line, save
+from benchmarks.common.static_cache import write_static_cache
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.config import CacheConfig
 from cachefeed.trainer import EpochLoaderFactory, SnapshotDataset
 
 SIZES = [("4 KiB", 4 << 10, 256), ("128 KiB", 128 << 10, 32), ("2 MiB", 2 << 20, 4)]  # name, bytes, batch
@@ -48,22 +46,10 @@ SEGMENT_BYTES = 64 << 20
 def build_cache(root: Path, sample_bytes: int, total_bytes: int) -> int:
     """A cache of ``total_bytes // sample_bytes`` random samples; returns the count."""
     count = max(1, total_bytes // sample_bytes)
-    config = CacheConfig(
-        dir=root,
-        max_bytes=total_bytes * 2 + (64 << 20),
-        min_free_bytes=0,
-        segment_bytes=SEGMENT_BYTES,
-        fsync=False,
-        turnover_bytes=0,  # a static cache: nothing arrives, nothing needs room
-    )
-    store = CacheStore(config)
     rng = np.random.default_rng(0)
     pool = rng.integers(0, 256, size=sample_bytes + 4096, dtype=np.uint8)
-    with CacheWriter(store, segment_bytes=SEGMENT_BYTES, fsync=False) as writer:
-        for i in range(count):
-            start = i % 4096
-            writer.add({"__key__": f"s{i}", "data": pool[start : start + sample_bytes]})
-    store.close()
+    samples = ({"__key__": f"s{i}", "data": pool[i % 4096 : i % 4096 + sample_bytes]} for i in range(count))
+    write_static_cache(root, samples, segment_bytes=SEGMENT_BYTES, max_bytes=total_bytes * 2 + (64 << 20))
     return count
 
 

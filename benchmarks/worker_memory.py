@@ -35,10 +35,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.common.results import provenance_line, save
+from benchmarks.common.static_cache import write_static_cache
 from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.config import CacheConfig
 from cachefeed.records import SegmentReader
 from cachefeed.trainer import EpochLoaderFactory
 
@@ -48,16 +46,9 @@ BASELINE = 0.05
 
 
 def build_cache(root: Path, count: int) -> float:
-    config = CacheConfig(
-        dir=root, max_bytes=8 << 30, min_free_bytes=0, segment_bytes=16 << 20, fsync=False, turnover_bytes=0
-    )
-    store = CacheStore(config)
     data = np.arange(16, dtype=np.uint8)
     started = time.perf_counter()
-    with CacheWriter(store, segment_bytes=config.segment_bytes, fsync=False) as writer:
-        for i in range(count):
-            writer.add({"__key__": f"s{i}", "data": data})
-    store.close()
+    write_static_cache(root, ({"__key__": f"s{i}", "data": data} for i in range(count)))
     return time.perf_counter() - started
 
 
