@@ -4,8 +4,9 @@ Two places to decode, the same code in both:
 
 * **in the daemon, once** (``sampler.decode = "image"``, or ``sampler.decode_images = true`` for the image
   members of tar shards): the cache holds pixels, ready to batch, and the DataLoader workers only copy them. A
-  decoded 224 x 224 image takes 150,528 bytes in the cache where its JPEG took perhaps 20-60 KB, so the same
-  budget holds several times fewer samples; ``cachefeed status`` shows the bytes per cached sample.
+  decoded 224 x 224 image takes 150,528 bytes of pixels in the cache, more than its JPEG (how much more depends on
+  the JPEGs: ``benchmarks/results/decode.json`` has both for its images), so the same budget holds fewer samples;
+  ``cachefeed status`` shows the bytes per cached sample.
 * **in the workers, every epoch** (``decode = "raw"`` or tar members kept as bytes, and ``DecodeImages`` as the
   factory's ``transform``): the cache holds the compressed bytes (more samples per budget), the workers pay the
   decode each time a sample is read.
@@ -19,9 +20,10 @@ Safety: Pillow reads the header first; an image declaring more than ``MAX_PIXELS
 e.g. a tiny PNG claiming 100,000 x 100,000) is refused before anything is allocated. Truncated or corrupt files and
 non-images raise ``DecodeError`` naming the key (the daemon quarantines the object).
 
-Why Pillow: it installs everywhere from a wheel (libjpeg-turbo and libpng inside), decodes JPEG with libjpeg-turbo
-(``benchmarks/decode.py`` measures it), and ``Image.draft`` lets a JPEG decode at 1/2, 1/4 or 1/8 scale when the
-target size is that much smaller, which is most of the win of faster decoders for resized training images.
+Why Pillow: it installs everywhere from a wheel (libjpeg-turbo and libpng inside) and decodes JPEG with
+libjpeg-turbo (``benchmarks/decode.py`` measures it); ``Image.draft`` lets a JPEG decode at 1/2, 1/4 or 1/8 scale
+when the target is at most that large (it does not help from 500 x 375 to 224, the benchmark's case). No faster
+decoder was measured.
 """
 
 from __future__ import annotations
