@@ -25,26 +25,30 @@ SAMPLES = 300
 BATCH = 10
 
 
-def trainer_main(root: str, progress: str) -> None:
+def trainer_main(root: str, progress: str, workers: int = 0) -> None:
     """Train epoch 0 slowly; after every batch, save the keys received and the factory's state together."""
     from cachefeed.fsutil import atomic_write
 
     received: list[str] = []
-    with EpochLoaderFactory(root, batch_size=BATCH, run_id="job", progress=None, epochs=1) as factory:
+    with EpochLoaderFactory(
+        root, batch_size=BATCH, num_workers=workers, run_id="job", progress=None, epochs=1
+    ) as factory:
         for batch in factory.loader(0):
             received += check_batch(batch)
             atomic_write(progress, json.dumps({"keys": received, "state": factory.state_dict()}).encode())
             time.sleep(0.05)  # a training step
 
 
-def start_trainer(root: Path, progress: Path) -> subprocess.Popen[bytes]:
-    code = f"from tests.test_trainer_resume import trainer_main; trainer_main({str(root)!r}, {str(progress)!r})"
+def start_trainer(root: Path, progress: Path, workers: int = 0) -> subprocess.Popen[bytes]:
+    code = (
+        f"from tests.test_trainer_resume import trainer_main; trainer_main({str(root)!r}, {str(progress)!r}, {workers})"
+    )
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def kill_mid_epoch(root: Path, tmp_path: Path) -> dict:
+def kill_mid_epoch(root: Path, tmp_path: Path, workers: int = 0) -> dict:
     progress = tmp_path / "progress.json"
-    trainer = start_trainer(root, progress)
+    trainer = start_trainer(root, progress, workers)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if progress.exists() and len(json.loads(progress.read_text())["keys"]) >= 10 * BATCH:
@@ -57,8 +61,10 @@ def kill_mid_epoch(root: Path, tmp_path: Path) -> dict:
     return saved
 
 
-def resume(root: Path, saved: dict) -> list[str]:
-    with EpochLoaderFactory(root, batch_size=BATCH, run_id="job-restarted", progress=None, epochs=1) as factory:
+def resume(root: Path, saved: dict, workers: int = 0) -> list[str]:
+    with EpochLoaderFactory(
+        root, batch_size=BATCH, num_workers=workers, run_id="job-restarted", progress=None, epochs=1
+    ) as factory:
         epoch = factory.load_state_dict(saved["state"])
         assert epoch == 0
         loader = factory.loader(epoch)
@@ -66,13 +72,14 @@ def resume(root: Path, saved: dict) -> list[str]:
         return [key for batch in loader for key in check_batch(batch)]
 
 
-def test_a_killed_trainer_resumes_exactly_the_rest_of_its_epoch_within_the_grace(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])  # in the training process, and through the factory's worker pool
+def test_a_killed_trainer_resumes_exactly_the_rest_of_its_epoch_within_the_grace(tmp_path: Path, workers: int) -> None:
     root = build_cache(tmp_path / "c", SAMPLES)
-    saved = kill_mid_epoch(root, tmp_path)
+    saved = kill_mid_epoch(root, tmp_path, workers)
     daemon = CacheStore(cache_config(root, snapshot_grace_s=60.0))  # the daemon's sweep, within the grace
     daemon.sweep()
     assert (root / "snapshots" / "job-e000000.lock").exists(), "the dead trainer's snapshot is kept"
-    rest = resume(root, saved)
+    rest = resume(root, saved, workers)
     daemon.close()
     assert not set(rest) & set(saved["keys"]), "no sample twice"
     assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES)), "the whole epoch, exactly"
