@@ -11,6 +11,7 @@ time; ``node.rank``/``node.count`` default from the usual launcher variables whe
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefeed.cache.eviction import POLICIES
+from cachefeed.cache.sources import MAX_SOURCES, source_tag
 from cachefeed.codecs import BUILTIN_DECODERS
 from cachefeed.errors import ConfigError
 from cachefeed.images import image_size, require_pillow
@@ -37,6 +39,7 @@ __all__ = [
     "NodeConfig",
     "RemoteConfig",
     "SamplerConfig",
+    "SourceConfig",
     "StatusConfig",
     "load_config",
     "parse_config",
@@ -54,7 +57,7 @@ _DEFAULT_PROCESSES = 2
 
 @dataclass(frozen=True, slots=True)
 class RemoteConfig:
-    url: str
+    url: str = ""  # required unless the data comes from [[source]] tables
     pattern: str = "**"
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     refresh_interval_s: float = 300.0
@@ -67,6 +70,28 @@ class RemoteConfig:
     max_requests_per_s: float = 0.0
     max_bytes_per_s: int = 0
     verify_md5: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SourceConfig:
+    """One ``[[source]]`` table: a named remote with its own listing, decoder and share of every epoch.
+
+    ``weight`` is normalised over the config's sources (0.7 and 0.3, or 7 and 3, mean the same); ``decode`` empty
+    means ``sampler.decode``. The ``[remote]`` table's other keys (timeouts, retries, rate caps, refresh) apply
+    to every source; a rate cap is shared between sources by weight.
+    """
+
+    name: str
+    url: str
+    pattern: str = "**"
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    decode: str = ""
+    weight: float = 1.0
+
+    @property
+    def tag(self) -> int:
+        """The tag its segments carry (``cache/sources.py``)."""
+        return source_tag(self.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +156,26 @@ class Config:
     status: StatusConfig = field(default_factory=StatusConfig)
     log: LogConfig = field(default_factory=LogConfig)
     source: str = "<memory>"
+    sources: tuple[SourceConfig, ...] = ()  # [[source]] tables; empty: the single [remote] form
+
+    def inputs(self) -> tuple[SourceConfig, ...]:
+        """What the daemon reads: the ``[[source]]`` tables, or the single ``[remote]`` as one unnamed source."""
+        if self.sources:
+            return self.sources
+        remote = self.remote
+        return (SourceConfig("", remote.url, remote.pattern, remote.storage_options, self.sampler.decode, 1.0),)
+
+    def remote_for(self, source: SourceConfig) -> RemoteConfig:
+        """The ``[remote]`` settings with ``source``'s URL, pattern and storage options."""
+        return dataclasses.replace(
+            self.remote, url=source.url, pattern=source.pattern, storage_options=source.storage_options
+        )
+
+    def weights(self) -> tuple[float, ...]:
+        """Each input's share of every epoch and of the cache (sums to 1)."""
+        inputs = self.inputs()
+        total = sum(source.weight for source in inputs)
+        return tuple(source.weight / total for source in inputs)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -381,6 +426,34 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
     },
 }
 
+_SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _source_name(value: object) -> str:
+    text = _string(value)
+    if not _SOURCE_NAME.match(text):
+        raise ValueError("expected a name of letters, digits and _.- (at most 64, starting with a letter or digit)")
+    return text
+
+
+def _weight(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError("expected a number > 0 (its share relative to the other sources' weights)")
+    return float(value)
+
+
+# [[source]] tables (an array of tables, so not a section of SCHEMA): key -> (field name, parser, doc)
+SOURCE_SCHEMA: dict[str, tuple[str, Parser, str]] = {
+    "name": ("name", _source_name, "letters, digits and _.- (at most 64): names the source everywhere"),
+    "url": ("url", _url, "fsspec URL of this source's root, as remote.url"),
+    "pattern": ("pattern", _nonempty_string, 'glob under url, as remote.pattern (default "**")'),
+    "storage_options": ("storage_options", _table, "passed to fsspec as is, as remote.storage_options"),
+    "decode": ("decode", _decoder, "this source's decoder (default: sampler.decode)"),
+    "weight": ("weight", _weight, "its share of every epoch and of the cache, relative to the others (1)"),
+}
+_SOURCE_SECRET_KEYS = {"url", "storage_options"}
+
+
 _SECTION_TYPES: dict[str, type] = {
     "remote": RemoteConfig,
     "cache": CacheConfig,
@@ -426,7 +499,10 @@ def parse_config(
     """Validate a parsed TOML document and return the frozen Config. Raises ConfigError (one line)."""
     env = os.environ if env is None else env
     sections: dict[str, dict[str, object]] = {name: {} for name in SCHEMA}
+    sources = _parse_sources(document.get("source"), source)
     for section_name, body in document.items():
+        if section_name == "source":
+            continue
         if section_name not in SCHEMA:
             raise ConfigError(f"{source}: " + _unknown("section", section_name, list(SCHEMA)))
         if not isinstance(body, dict):
@@ -443,8 +519,15 @@ def parse_config(
             except ValueError as exc:
                 shown = "<hidden: may hold credentials>" if (section_name, key) in _SECRET_KEYS else repr(raw)
                 raise ConfigError(f"{source}: {section_name}.{key} = {shown}: {exc}") from None
+    if sources and "url" in sections["remote"]:
+        raise ConfigError(
+            f"{source}: remote.url and [[source]] tables both name the data: move remote.url into a [[source]] "
+            "table (with a name) or remove the [[source]] tables"
+        )
     for section_name, key in sorted(_REQUIRED):
         field_name = SCHEMA[section_name][key][0]
+        if sources and (section_name, key) == ("remote", "url"):
+            continue
         if field_name not in sections[section_name]:
             raise ConfigError(f"{source}: {section_name}.{key} is required ({SCHEMA[section_name][key][2]})")
 
@@ -455,8 +538,56 @@ def parse_config(
         node["count"] = _env_int(env, source, "NNODES") or 1
     _check_cross_field(sections, source)
 
+    for index, entry in enumerate(sources):
+        _check_decoder(entry.decode or str(sections["sampler"].get("decode", "npy")), f"source[{index}].decode", source)
     built = {name: _SECTION_TYPES[name](**values) for name, values in sections.items()}
-    return Config(**built, source=source)
+    return Config(**built, source=source, sources=tuple(sources))
+
+
+def _parse_sources(raw: object, source: str) -> list[SourceConfig]:
+    """The ``[[source]]`` tables, validated: each key as ``SOURCE_SCHEMA`` says, names and their tags unique."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(entry, dict) for entry in raw):
+        raise ConfigError(f"{source}: source must be written as [[source]] tables (name, url, ...), one per source")
+    if not raw:
+        return []
+    if len(raw) > MAX_SOURCES:
+        raise ConfigError(f"{source}: {len(raw)} [[source]] tables: at most {MAX_SOURCES} are supported")
+    parsed: list[SourceConfig] = []
+    tags: dict[int, str] = {}
+    for index, body in enumerate(raw):
+        values: dict[str, object] = {}
+        for key, value in body.items():
+            where = f"source[{index}].{key}"
+            if key not in SOURCE_SCHEMA:
+                raise ConfigError(f"{source}: " + _unknown("key", where, list(SOURCE_SCHEMA)))
+            field_name, parser, _doc = SOURCE_SCHEMA[key]
+            try:
+                values[field_name] = parser(value)
+            except ValueError as exc:
+                shown = "<hidden: may hold credentials>" if key in _SOURCE_SECRET_KEYS else repr(value)
+                raise ConfigError(f"{source}: {where} = {shown}: {exc}") from None
+        for key in ("name", "url"):
+            if key not in values:
+                raise ConfigError(f"{source}: source[{index}].{key} is required ({SOURCE_SCHEMA[key][2]})")
+        entry = SourceConfig(**values)  # type: ignore[arg-type]
+        clash = tags.get(entry.tag)
+        if clash is not None:
+            what = "is used twice" if clash == entry.name else f"has the same tag as {clash!r}: rename one"
+            raise ConfigError(f"{source}: source[{index}].name = {entry.name!r} {what}")
+        tags[entry.tag] = entry.name
+        parsed.append(entry)
+    return parsed
+
+
+def _check_decoder(decode: str, key: str, source: str) -> None:
+    """A source's decoder that needs Pillow needs it installed (the other decoders load at preflight)."""
+    if decode == "image":
+        try:
+            require_pillow()
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {key}: {exc}") from None
 
 
 def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> None:
@@ -535,17 +666,20 @@ def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None =
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
-def toml_text(document: Mapping[str, Mapping[str, Any]]) -> str:
-    """``{section: {key: value}}`` as TOML text that ``load_config`` reads back to the same values.
+def toml_text(document: Mapping[str, Any]) -> str:
+    """``{section: {key: value}}`` as TOML text that ``load_config`` reads back to the same values; a list of
+    tables (``{"source": [{...}, {...}]}``) becomes ``[[source]]`` tables.
 
     Values: bool, int, float, str (or a path), and tables of those (``storage_options``). Strings are TOML basic
     strings with JSON escapes, which TOML shares; a key that is not a bare key is quoted the same way.
     """
     lines: list[str] = []
     for section, body in document.items():
-        lines.append(f"[{_toml_key(section)}]")
-        lines += [f"{_toml_key(key)} = {_toml_value(value)}" for key, value in body.items()]
-        lines.append("")
+        is_array = isinstance(body, list | tuple)  # a list of tables ([[source]]): one [[section]] header each
+        for table in body if is_array else [body]:
+            lines.append(f"[[{_toml_key(section)}]]" if is_array else f"[{_toml_key(section)}]")
+            lines += [f"{_toml_key(key)} = {_toml_value(value)}" for key, value in table.items()]
+            lines.append("")
     return "\n".join(lines)
 
 

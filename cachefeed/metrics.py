@@ -16,9 +16,10 @@ Outputs, both optional (``[status]`` in the config):
 
 Metric names follow the Prometheus conventions (base units, ``_bytes``/``_seconds``/``_total`` suffixes,
 ``_timestamp_seconds`` for unix times). Rates are not exported: use ``rate()`` on the counters. Labels are bounded:
-``state``, ``sampler`` (index), ``kind`` (remote error kind). Snapshot ids are not labels (one per epoch: unbounded),
-only their count is exported. ``cachefeed_status_updated_timestamp_seconds`` lets alerts catch a stale textfile
-(``time() - ... > 30``) after the daemon died.
+``state``, ``sampler`` (index), ``kind`` (remote error kind), ``reason``, ``source`` (a ``[[source]]`` name: at most
+32). Snapshot ids are not labels (one per epoch: unbounded), only their count is exported.
+``cachefeed_status_updated_timestamp_seconds`` lets alerts catch a stale textfile (``time() - ... > 30``) after the
+daemon died.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from cachefeed.config import StatusConfig
 from cachefeed.errors import ConfigError
 from cachefeed.fsutil import atomic_write
-from cachefeed.status_schema import metric_scalars
+from cachefeed.status_schema import SOURCE_ROW, Scalar, metric_scalars
 
 __all__ = ["STATES", "MetricsExporter", "StatusCollector", "render_metrics"]
 
@@ -106,6 +107,7 @@ class StatusCollector:
         )
         yield from self._remote_errors(_section(document, "remote"))
         yield from self._samplers(document.get("samplers"))
+        yield from self._sources(document.get("sources"))
 
     @staticmethod
     def _remote_errors(remote: Mapping[str, Any]) -> Iterator[Metric]:
@@ -131,6 +133,33 @@ class StatusCollector:
         if isinstance(reasons, Mapping):
             for reason, count in sorted(reasons.items()):
                 not_cached.add_metric([str(reason)], _number(count))
+        yield not_cached
+
+    @staticmethod
+    def _sources(sources: object) -> Iterator[Metric]:
+        """Each named source's numbers, labelled by its name (declared in ``status_schema.SOURCE_ROW``)."""
+        rows = [row for row in sources if isinstance(row, Mapping)] if isinstance(sources, list) else []
+        if not rows:
+            return
+        for key, spec in SOURCE_ROW.items():
+            if not isinstance(spec, Scalar):
+                continue
+            metric = spec.metric
+            family_type = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+            family = family_type(metric.name, metric.help, labels=["source"])
+            for row in rows:
+                if row.get(key) is not None:
+                    family.add_metric([str(row.get("name", "?"))], _number(row.get(key)))
+            yield family
+        not_cached = GaugeMetricFamily(
+            "cachefeed_source_objects_not_cached",
+            "Listed objects of a source not cached for a reason, by reason.",
+            labels=["source", "reason"],
+        )
+        for row in rows:
+            reasons = row.get("not_cached")
+            for reason, count in sorted(reasons.items()) if isinstance(reasons, Mapping) else []:
+                not_cached.add_metric([str(row.get("name", "?")), str(reason)], _number(count))
         yield not_cached
 
     @staticmethod

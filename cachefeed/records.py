@@ -9,7 +9,8 @@ Layout (all integers little-endian)::
     Record   := RecordHeader(16) meta(msgpack) pad payload*
     Index    := offsets u64[n] lengths u64[n] key_hashes u64[n] pad
     Sources  := msgpack [[path, version], ...] pad    (empty when the writer named no sources)
-    Trailer  := magic "CFSEGEND", version, count, index offset, xxh3 of Index+Sources, file length, trailer xxh3
+    Trailer  := magic "CFSEGEND", version, flags, source tag, count, index offset, xxh3 of Index+Sources,
+                file length, trailer xxh3
 
 ``RecordHeader``: magic ``CR``, format version, flags (bit 0: zlib-compressed payload area), meta length, xxh3-64
 of the body (everything after the header, up to the record's length in the index). The meta is msgpack
@@ -26,6 +27,10 @@ alignment in memory too. What a record costs beyond its payload: 16 bytes of hea
 bytes per array field, the inline values), padding to 16 (64 before a large payload) and 24 bytes of index. A 1 KiB
 float32 vector with an int label and an int id under a 30-character key: 1,128 bytes in the segment (10% over the
 payload; format 2 took 1,240, with 64-byte headers and alignment for everything; ``tests/test_records.py`` pins it).
+
+The trailer's **source tag** (u32) says which configured source (``[[source]]``, see ``cachefeed/sources.py``)
+every record of the segment came from; 0 when the daemon reads one unnamed remote. A segment never mixes sources.
+(The field was padding before, always 0: segments written before it read as untagged.)
 
 **Sources** name the remote objects whose last sample the segment holds (path and version). They let a restarted
 daemon know what its recovered cache already holds. Best effort by design: a source that does not fit the
@@ -64,6 +69,7 @@ __all__ = [
     "SegmentWriter",
     "key_hash",
     "segment_count",
+    "segment_trailer",
 ]
 
 FORMAT_VERSION = 3  # 2: the Sources section; 3: 16-byte record headers, 64-byte alignment for large payloads only
@@ -74,7 +80,8 @@ _SEGMENT_MAGIC = b"CFSEG\x00\x00\x01"
 _TRAILER_MAGIC = b"CFSEGEND"
 _RECORD_MAGIC = b"CR"
 _SEGMENT_HEADER = struct.Struct("<8sHH4xQ40x")  # magic, version, flags, created_ns
-_TRAILER = struct.Struct("<8sHH4xQQQQQ")  # magic, version, flags, count, index_off, index_hash, file_len, own_hash
+# magic, version, flags, source tag, count, index_off, index_hash, file_len, own_hash
+_TRAILER = struct.Struct("<8sHHIQQQQQ")
 _RECORD_HEADER = struct.Struct("<2sBBIQ")  # magic, version, flags, meta_len, body_hash (length, key: in the index)
 _FLAG_ZLIB = 1
 _FLAG_ALIGN64 = 2  # the payload area starts 64-aligned (a payload of LARGE_PAYLOAD or more); else 16
@@ -223,9 +230,13 @@ class SegmentWriter:
         capacity: int,
         compression: str = "none",
         file_mode: int = 0o640,
+        source: int = 0,
     ) -> None:
+        if not 0 <= source < 2**32:
+            raise ValueError(f"source tag {source} is not a u32")
         self.path = Path(path)
         self.capacity = capacity
+        self.source = source
         self._encoder = RecordEncoder(compression=compression)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, file_mode)
         os.fchmod(fd, file_mode)  # umask must not weaken or strengthen the configured mode
@@ -320,6 +331,7 @@ class SegmentWriter:
             _TRAILER_MAGIC,
             FORMAT_VERSION,
             0,
+            self.source,
             self.count,
             index_offset,
             xxhash.xxh3_64_intdigest(region),
@@ -345,7 +357,12 @@ class SegmentWriter:
 
 
 def segment_count(path: str | os.PathLike[str]) -> int:
-    """Number of records in a segment, from its trailer alone (one small read). -1 if the trailer is invalid.
+    """Number of records in a segment, from its trailer alone (one small read). -1 if the trailer is invalid."""
+    return segment_trailer(path)[0]
+
+
+def segment_trailer(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """``(records, source tag)`` of a segment from its trailer alone (one small read); ``(-1, 0)`` if invalid.
 
     Cheaper than ``SegmentReader`` (no map, no index checksum): for counting what a directory holds, never for
     trusting a segment's contents.
@@ -353,16 +370,18 @@ def segment_count(path: str | os.PathLike[str]) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
-        return -1
+        return -1, 0
     try:
         size = os.fstat(fd).st_size
         if size < TRAILER_BYTES:
-            return -1
+            return -1, 0
         raw = os.pread(fd, _TRAILER.size, size - TRAILER_BYTES)
     finally:
         os.close(fd)
-    magic, version, _flags, count, *_rest = _TRAILER.unpack(raw)
-    return int(count) if magic == _TRAILER_MAGIC and version == FORMAT_VERSION else -1
+    if len(raw) < _TRAILER.size:
+        return -1, 0
+    magic, version, _flags, source, count, *_rest = _TRAILER.unpack(raw)
+    return (int(count), int(source)) if magic == _TRAILER_MAGIC and version == FORMAT_VERSION else (-1, 0)
 
 
 class SegmentReader:
@@ -395,7 +414,7 @@ class SegmentReader:
             raise CorruptRecordError(f"{self.path.name}: not a cachefeed segment (format {version})")
         trailer = bytes(self._buffer[size - TRAILER_BYTES : size])
         fields = _TRAILER.unpack_from(trailer, 0)
-        t_magic, t_version, _tf, count, index_offset, index_hash, file_len, own_hash = fields
+        t_magic, t_version, _tf, source, count, index_offset, index_hash, file_len, own_hash = fields
         if t_magic != _TRAILER_MAGIC or t_version != FORMAT_VERSION:
             raise CorruptRecordError(f"{self.path.name}: no valid trailer (partial or foreign segment)")
         if xxhash.xxh3_64_intdigest(trailer[: _TRAILER.size - 8]) != own_hash or file_len != size:
@@ -411,6 +430,7 @@ class SegmentReader:
         table = np.frombuffer(self._map, dtype="<u8", count=3 * count, offset=index_offset).reshape(3, count)
         self.offsets, self.lengths, self.key_hashes = table[0], table[1], table[2]
         self.count = int(count)
+        self.source = int(source)  # the source tag (module docstring); 0: one unnamed remote
 
     def __len__(self) -> int:
         return self.count

@@ -506,6 +506,29 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     reasons = ", ".join(f"{_clean(reason, 24)} {_count(n)}" for reason, n in sorted(not_cached.items()))
     total = _count(sum(not_cached.values()))
     out.add("uncached", f"{total} listed objects not cached" + (f" ({reasons})" if reasons else ""))
+    _render_sources(out, doc.get("sources"))
+
+
+def _render_sources(out: _Text, sources: object) -> None:
+    """Named sources ([[source]]): each one's share of the cache next to its weight, its ingest and its errors."""
+    rows = [row for row in sources if isinstance(row, Mapping)] if isinstance(sources, list) else []
+    if not rows:
+        return
+    out.add("sources", f"{len(rows)} named; cached share / weight, listed, ingested, failed")
+    for row in rows[:_MAX_LISTED]:
+        share = row.get("cached_share")
+        shown = "-" if share is None else f"{share:.0%}"
+        uncached = sum(int(n) for n in dict(row.get("not_cached") or {}).values())
+        out.add(
+            "",
+            f"{_clean(row.get('name'), 40)}: {shown} / {row.get('weight', 0):.0%} "
+            f"({_count(row.get('cached_samples', 0))} samples), {_count(row.get('objects_listed', 0))} listed, "
+            f"{_count(row.get('objects_total', 0))} objects in, {_count(row.get('objects_failed_total', 0))} failed"
+            + (f", {_count(uncached)} not cached" if uncached else ""),
+            indent=2,
+        )
+    if len(rows) > _MAX_LISTED:
+        out.add("", f"... and {len(rows) - _MAX_LISTED} more", indent=2)
 
 
 def _render_snapshots(out: _Text, snapshots: list[dict[str, Any]]) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "OPT_INT",
     "OPT_NUM",
     "OPT_STR",
+    "SOURCE_ROW",
     "STATUS_SCHEMA",
     "STATUS_VERSION",
     "Metric",
@@ -91,6 +92,23 @@ def _counter(name: str, help_text: str) -> Scalar:
 
 
 BOOL = (bool, int)
+
+# One row of ``sources`` (named sources only). Its Scalars are exported with a ``source`` label (metrics.py).
+SOURCE_ROW: dict[str, Any] = {
+    "name": str,
+    "url": str,
+    "weight": _gauge(NUM, "cachefeed_source_weight", "A source's share of the cache and of every epoch."),
+    "cached_samples": _gauge(NUM, "cachefeed_source_cached_samples", "Cached samples of a source."),
+    "cached_share": OPT_NUM,  # cached_samples over all sources' (null while the cache is empty)
+    "objects_listed": _gauge(NUM, "cachefeed_source_objects_listed", "Objects in a source's last listing."),
+    "list_errors_total": _counter("cachefeed_source_list_errors", "Failed listings of a source."),
+    "objects_total": _counter("cachefeed_source_objects", "Objects of a source ingested."),
+    "samples_total": _counter("cachefeed_source_samples", "Samples of a source written to the cache."),
+    "bytes_total": _counter("cachefeed_source_bytes", "Segment bytes of a source published."),
+    "objects_failed_total": _counter("cachefeed_source_objects_failed", "Objects of a source that failed."),
+    "not_cached": {str: NUM},
+    "pass": INT,
+}
 
 STATUS_SCHEMA: dict[str, Any] = {
     "version": INT,
@@ -182,6 +200,7 @@ STATUS_SCHEMA: dict[str, Any] = {
     "samplers": [
         {"index": INT, "pid": OPT_INT, "state": str, "restarts": NUM, "objects_total": NUM, "last_error": OPT_STR}
     ],
+    "sources": Omittable([SOURCE_ROW]),  # only with [[source]] tables: the cache, ingest and errors per source
     "plan": Omittable(  # the sampling plan: its pass over the remote, this node's share
         {
             "pass": INT,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.config import SCHEMA
+from cachefeed.config import SCHEMA, SOURCE_SCHEMA
 from cachefeed.status_schema import STATUS_SCHEMA
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +36,8 @@ def test_every_config_key_is_documented() -> None:
     for section, keys in SCHEMA.items():
         for key in keys:
             assert f"`{section}.{key}`" in README, f"{section}.{key} missing from the README's config reference"
+    for key in SOURCE_SCHEMA:
+        assert f"`source.{key}`" in README, f"[[source]] {key} missing from the README's config reference"
 
 
 def test_every_key_of_the_status_document_is_documented() -> None:

@@ -6,6 +6,8 @@
       CACHEDIR.TAG          marks the directory as a cache for backup tools; also cachefeed's "this is a cache"
       lock                  the writer lock: flock(LOCK_EX) held by the daemon; its text names the holder
       status.json           the daemon's status document (see cachefeed/status.py)
+      sources.json          the named sources ([[source]]), their tags and weights (see cache/sources.py)
+      classes.json          the class index of sampler.label (see cachefeed/labels.py)
       segments/<seq>.seg    published segments; <seq> is 16 hex digits, increasing: the name orders by age
       tmp/<seq>.tmp         segments being written (removed at start-up: only the writer writes here)
       snapshots/<id>.lock   an epoch pin's lock (see cache/snapshots.py), created locked
@@ -43,9 +45,10 @@ SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _TMP_NAME = re.compile(r"^[0-9a-f]{16}\.tmp$")
 # What one more snapshot of N segments costs on disk, at most: per segment a directory entry for its hard link
 # (ext4: 8 bytes + the 20-byte name, in leaf blocks an htree split may leave half empty) and its MANIFEST entry
-# (msgpack [name, count, reads] <= 32 bytes); per snapshot its directory's first and index blocks, the MANIFEST's
-# last partial block, the lock file and the READ mark. Measured on ext4 with 9,000 segments: see
-# tests/test_cache_bound.py, which fails if either constant is too small.
+# (msgpack [name, count, reads, tag] <= 37 bytes); per snapshot its directory's first and index blocks, the
+# MANIFEST's last partial block and source table (at most MAX_SOURCES x ~80 bytes, cache/sources.py), the lock file
+# and the READ mark. Measured on ext4 with 9,000 segments: see tests/test_cache_bound.py, which fails if either
+# constant is too small.
 SNAPSHOT_ENTRY_BYTES = 128
 SNAPSHOT_FIXED_BYTES = 32 << 10
 _TAG = (
@@ -92,6 +95,11 @@ class CacheLayout:
     @property
     def tag_file(self) -> Path:
         return self.root / "CACHEDIR.TAG"
+
+    @property
+    def sources_file(self) -> Path:
+        """The configured sources, their tags and weights (``cachefeed/sources.py``)."""
+        return self.root / "sources.json"
 
     @property
     def classes_file(self) -> Path:

@@ -44,9 +44,10 @@ import msgpack
 
 from cachefeed.cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
 from cachefeed.cache.reads import READ_MARK, RECEIPT_SUFFIX, read_counts, write_receipt
+from cachefeed.cache.sources import read_sources
 from cachefeed.errors import SnapshotError
 from cachefeed.fsutil import atomic_write, remove_tree
-from cachefeed.records import segment_count
+from cachefeed.records import segment_trailer
 
 __all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale"]
 
@@ -77,6 +78,9 @@ class Snapshot:
         counts: samples in each segment.
         reads: epochs that had read each segment when the snapshot was made (from the daemon's ledger; 0 if
             unknown), so that every rank sharing the snapshot draws the same least-read-first order.
+        tags: each segment's source tag (0: the one unnamed remote; ``cache/sources.py``).
+        sources: ``{tag: (name, weight)}`` of the daemon's named sources when the snapshot was made (empty for
+            the single ``[remote]`` form): every rank, and a resumed job, weighs the epoch the same way.
     """
 
     def __init__(self, layout: CacheLayout, snap_id: str, lock_fd: int, manifest: dict[str, object]) -> None:
@@ -91,6 +95,11 @@ class Snapshot:
         self.names: tuple[str, ...] = tuple(str(entry[0]) for entry in entries)
         self.counts: tuple[int, ...] = tuple(int(entry[1]) for entry in entries)
         self.reads: tuple[int, ...] = tuple(int(entry[2]) if len(entry) > 2 else 0 for entry in entries)
+        self.tags: tuple[int, ...] = tuple(int(entry[3]) if len(entry) > 3 else 0 for entry in entries)
+        named = manifest.get("sources", [])
+        self.sources: dict[int, tuple[str, float]] = {
+            int(tag): (str(name), float(weight)) for tag, name, weight in (named if isinstance(named, list) else [])
+        }
         self.created = float(manifest.get("created", 0.0))  # type: ignore[arg-type]
 
     @property
@@ -131,12 +140,13 @@ class Snapshot:
                     os.link(layout.segments / name, directory / name, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # evicted between the listing and the link
-                count = segment_count(directory / name)
+                count, tag = segment_trailer(directory / name)
                 if count > 0:
-                    entries.append([name, count, reads.get(name, 0)])
+                    entries.append([name, count, reads.get(name, 0), tag])
                 else:
                     os.unlink(directory / name)
-            manifest = {"id": snap_id, "created": time.time(), "segments": entries}
+            named = [[e.tag, e.name, e.weight] for e in read_sources(layout.sources_file)]
+            manifest = {"id": snap_id, "created": time.time(), "segments": entries, "sources": named}
             atomic_write(directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
             snapshot = cls(layout, snap_id, fd, manifest)
             fd = -1

@@ -104,6 +104,7 @@ class PublishedSegment:
     samples: int
     inode: int
     published_at: float
+    source: int = 0  # the segment's source tag (its trailer; see records.py): which [[source]] it came from
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +255,7 @@ class CacheStore:
                 with SegmentReader(path) as reader:
                     count = reader.count
                     sources = reader.sources()
+                    tag = reader.source
             except CorruptRecordError as exc:
                 log.warning("dropping invalid segment at recovery: %s", exc)
                 path.unlink()
@@ -264,7 +266,7 @@ class CacheStore:
             if sources:
                 self.recovered_sources[seq] = sources
             self._published[seq] = PublishedSegment(
-                seq, entry.name, allocated_bytes(info), count, info.st_ino, info.st_mtime
+                seq, entry.name, allocated_bytes(info), count, info.st_ino, info.st_mtime, tag
             )
             self._published_bytes += allocated_bytes(info)
             highest = max(highest, seq)
@@ -527,6 +529,15 @@ class CacheStore:
         del counters.evicted_published_at[:-64]
         log.debug("evicted %s (%d samples, pinned=%s)", segment.name, segment.samples, links_left > 0)
 
+    def drop_sources(self, keep: set[int]) -> int:
+        """Evict every published segment whose source tag is not in ``keep`` (at start, when the config no longer
+        names that source: epochs would never read its samples, so read-gated eviction would keep them forever).
+        Returns the number of segments dropped; snapshots that pin them keep them until released."""
+        gone = [seq for seq, segment in self._published.items() if segment.source not in keep]
+        for seq in gone:
+            self._evict(seq)
+        return len(gone)
+
     def enforce(self) -> None:
         """Periodic upkeep: sweep stale snapshots, refresh pins, and the turnover target."""
         self.sweep()
@@ -548,7 +559,7 @@ class CacheStore:
             if info.st_size > grant.nbytes:
                 raise CorruptRecordError(f"segment {grant.seq} outgrew its grant ({info.st_size} > {grant.nbytes})")
             with SegmentReader(grant.path) as reader:
-                samples = reader.count
+                samples, tag = reader.count, reader.source
             name = segment_name(grant.seq)
             os.rename(grant.path, self.layout.segments / name)
         except BaseException:
@@ -556,7 +567,7 @@ class CacheStore:
             raise
         if self.config.fsync:
             fsync_dir(self.layout.segments)
-        segment = PublishedSegment(grant.seq, name, allocated_bytes(info), samples, info.st_ino, time.time())
+        segment = PublishedSegment(grant.seq, name, allocated_bytes(info), samples, info.st_ino, time.time(), tag)
         self._published[grant.seq] = segment
         self._published_bytes += segment.nbytes
         self.counters.published_segments += 1
@@ -574,6 +585,13 @@ class CacheStore:
     @property
     def samples(self) -> int:
         return sum(segment.samples for segment in self._published.values())
+
+    def samples_by_source(self) -> dict[int, int]:
+        """Published samples per source tag."""
+        counts: dict[int, int] = {}
+        for segment in self._published.values():
+            counts[segment.source] = counts.get(segment.source, 0) + segment.samples
+        return counts
 
     @property
     def segments(self) -> list[PublishedSegment]:

@@ -53,6 +53,7 @@ class CacheWriter:
         self._grant: Grant | None = None
         self._encoder = RecordEncoder(compression=compression)
         self.published: list[object] = []
+        self.source = 0  # the source tag of segments opened from now on (records.py); set it between segments
 
     @property
     def pending_samples(self) -> int:
@@ -87,7 +88,11 @@ class CacheWriter:
                 self._on_wait(time.monotonic() - waited_from)
         try:
             writer = SegmentWriter(
-                grant.path, capacity=grant.nbytes, compression=self._compression, file_mode=self._file_mode
+                grant.path,
+                capacity=grant.nbytes,
+                compression=self._compression,
+                file_mode=self._file_mode,
+                source=self.source,
             )
         except BaseException:
             self._provider.abort(grant)

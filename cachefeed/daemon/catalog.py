@@ -41,8 +41,9 @@ class CatalogState:
 class Catalog:
     """Lists the remote periodically in a daemon thread. ``take`` and ``state`` are safe from any thread."""
 
-    def __init__(self, config: RemoteConfig) -> None:
+    def __init__(self, config: RemoteConfig, *, name: str = "") -> None:
         self._config = config
+        self._name = name  # the source's name in log lines ([[source]]); "" for the single [remote]
         self._interval_s = config.refresh_interval_s
         self._remote = Remote(config)  # validates the URL now: a bad protocol is a ConfigError before READY
         self._lock = threading.Lock()
@@ -51,7 +52,7 @@ class Catalog:
         self._fresh: list[RemoteObject] | None = None
         self._state = CatalogState(0, 0.0, 0, "", False)
         self._last_early = 0.0
-        self._thread = threading.Thread(target=self._run, name="catalog", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"catalog {name}".strip(), daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -110,7 +111,7 @@ class Catalog:
                 retry_s = min(retry_s * 2, max(self._interval_s, _RETRY_MIN_S))
             else:
                 retry_s = _RETRY_MIN_S
-                log.info("listed %d objects in %.2fs", len(listing), time.monotonic() - started)
+                log.info("listed %d objects%s in %.2fs", len(listing), self._of(), time.monotonic() - started)
                 with self._lock:
                     self._fresh = listing
                     self._state = CatalogState(len(listing), time.time(), self._state.list_errors_total, "", False)
@@ -119,4 +120,7 @@ class Catalog:
             self._wake.clear()
 
     def _safe_url(self) -> str:
-        return safe_url(self._config.url)
+        return safe_url(self._config.url) + self._of()
+
+    def _of(self) -> str:
+        return f" (source {self._name!r})" if self._name else ""

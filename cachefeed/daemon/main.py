@@ -30,6 +30,6 @@ def run(args: argparse.Namespace) -> int:
     level = args.log_level or config.log.level
     supervisor = Supervisor(config, log_level=level)
     supervisor.preflight()  # a decoder or protocol that cannot be loaded is a config error: one line, no log
-    setup_logging(level, secrets=secrets_from_options(config.remote.storage_options))
+    setup_logging(level, secrets=secrets_from_options({s.name or "remote": s.storage_options for s in config.inputs()}))
     log.info("cachefeed daemon starting with %s", config.source)
     return supervisor.run()

@@ -9,10 +9,12 @@ its parent dies, ``PR_SET_PDEATHSIG``, in case it is blocked elsewhere).
 
 Supervisor -> sampler:
 
-* ``Init``: always the first message: the remote and sampler config, this sampler's index, its share of the
-  node's rate caps and the segment settings. A sampler never reads the config file itself.
-* ``Work``: objects to fetch, by object id (``oid``) with the listed path, size and ETag. Sent only against
-  credit (below), so a slow sampler never hoards work.
+* ``Init``: always the first message: the remote and sampler config, the sources (URL, decoder, tag and weight
+  of each; one unnamed source for the single ``[remote]`` form), this sampler's index, its share of the node's
+  rate caps and the segment settings. A sampler never reads the config file itself.
+* ``Work``: objects to fetch, by object id (``oid``) with the listed path, size and ETag, and the index of their
+  source. Sent only against credit (below), so a slow sampler never hoards work. A segment holds one source's
+  samples: the writer publishes its open segment before it writes an object of another source.
 * ``GrantReply``: the answer to ``Reserve``: a grant (``seq``, tmp path, bytes), or ``wait`` (the cache is full
   of pinned data: ask again later), or an ``error`` (the segment can never fit).
 * ``PublishReply``: the answer to ``Publish``: ``ok``, or an ``error`` (the file did not verify; it was deleted).
@@ -95,13 +97,15 @@ _BUFFER_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
-    """One object to fetch: its plan id, its listing entry and, with ``sampler.label``, its class index."""
+    """One object to fetch: its id (``sources.py``), its listing entry, with ``sampler.label`` its class index,
+    and the index of its source in ``Init.sources``."""
 
     oid: int
     path: str
     size: int
     etag: str | None
     label: int | None = None
+    source: int = 0
 
 
 # -- supervisor -> sampler -------------------------------------------------------------------------------------
@@ -116,6 +120,7 @@ class Init:
     remote: dict[str, Any]
     sampler: dict[str, Any]
     segment: dict[str, Any]
+    sources: list[dict[str, Any]] = field(default_factory=list)  # name, url, pattern, ..., tag, weight, decode
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,8 @@ from typing import Any
 from cachefeed.cache.snapshots import SnapshotInfo, live_snapshots
 from cachefeed.cache.store import CacheStore
 from cachefeed.config import Config
-from cachefeed.daemon.catalog import Catalog
-from cachefeed.daemon.plan import SamplingPlan
 from cachefeed.daemon.pool import SamplerPool, SamplerState
+from cachefeed.daemon.sources import Inputs
 from cachefeed.daemon.status_doc import RateMeter, RemoteTotals, build_status, write_status
 from cachefeed.logs import safe_url
 from cachefeed.metrics import MetricsExporter
@@ -46,16 +45,14 @@ class StatusReporter:
         *,
         store: CacheStore,
         pool: SamplerPool,
-        catalog: Catalog,
-        plan: SamplingPlan,
+        inputs: Inputs,
         metrics: MetricsExporter | None,
         started_at: float,
     ) -> None:
         self._config = config
         self._store = store
         self._pool = pool
-        self._catalog = catalog
-        self._plan = plan
+        self._inputs = inputs
         self._metrics = metrics
         self._started_at = started_at
         self._rates = RateMeter(RATE_WINDOW_S)
@@ -78,7 +75,7 @@ class StatusReporter:
         return str(document["state"])
 
     def document(self, state: str, *, turnover_s: float | None) -> dict[str, Any]:
-        store, plan = self._store, self._plan
+        store, plan = self._store, self._inputs
         counters = store.counters
         remote = self._remote_totals()
         snapshots = live_snapshots(store.layout)
@@ -114,6 +111,7 @@ class StatusReporter:
             objects_total=objects_total,
             remote=remote,
             samplers=samplers,
+            sources=self._inputs.table(store.samples_by_source()) if self._inputs.is_named else None,
             plan={
                 "pass": plan.pass_index,
                 "owned": plan.owned,
@@ -139,26 +137,26 @@ class StatusReporter:
         )
 
     def _remote_totals(self) -> RemoteTotals:
-        catalog = self._catalog.state()
+        catalog = self._inputs.catalog_state()
         stats: list[dict[str, Any]] = [*self._pool.retired_stats, *(h.stats for h in self._pool.handles if h.stats)]
         errors: dict[str, int] = {}
         for entry in stats:
             for kind, n in dict(entry.get("errors_total") or {}).items():
                 errors[kind] = errors.get(kind, 0) + int(n)
         return RemoteTotals(
-            url=safe_url(self._config.remote.url),
+            url=", ".join(safe_url(entry.config.url) for entry in self._inputs.inputs),
             objects_listed=catalog.objects_listed,
             last_listed_at=catalog.last_listed_at,
             list_errors_total=catalog.list_errors_total,
-            passes_completed=self._plan.counters.passes_completed,
+            passes_completed=self._inputs.counters.passes_completed,
             requests_total=sum(int(entry.get("requests_total", 0)) for entry in stats),
             retries_total=sum(int(entry.get("retries_total", 0)) for entry in stats),
             errors_by_kind=errors,
-            quarantined_total=self._plan.counters.quarantined_total,
+            quarantined_total=self._inputs.counters.quarantined_total,
             bytes_total=sum(int(entry.get("bytes_total", 0)) for entry in stats),
-            objects_failed_total=self._plan.counters.failed_total,
-            objects_dropped=self._plan.dropped,
-            not_cached=self._plan.not_cached,
+            objects_failed_total=self._inputs.counters.failed_total,
+            objects_dropped=self._inputs.dropped,
+            not_cached=self._inputs.not_cached,
         )
 
     def _stuck_readers(self, snapshots: list[SnapshotInfo]) -> list[str]:
@@ -186,15 +184,10 @@ class StatusReporter:
             for h in self._pool.handles
             if h.state is SamplerState.RESTARTING
         ]
-        catalog = self._catalog.state()
+        catalog = self._inputs.catalog_state()
         if catalog.is_failing:
             reasons.append(f"listing the remote fails: {catalog.last_error}")
-        elif catalog.last_listed_at and catalog.objects_listed == 0:
-            source = self._config.remote
-            reasons.append(
-                f"the remote lists 0 objects under {safe_url(source.url)} matching {source.pattern!r}: "
-                "check remote.url and remote.pattern"
-            )
+        reasons += self._inputs.empty_listings()
         requests_per_s, errors_per_s = self._remote_window.add(
             time.monotonic(), (remote.requests_total, sum(remote.errors_by_kind.values()))
         )

@@ -25,6 +25,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from cachefeed.codecs import get_decoder, get_preprocess
 from cachefeed.config import RemoteConfig
@@ -47,7 +48,7 @@ from cachefeed.daemon.protocol import (
 from cachefeed.daemon.sink import RpcGrantProvider, SegmentSink, SinkSettings
 from cachefeed.errors import RemoteError
 from cachefeed.logs import secrets_from_options, setup_logging
-from cachefeed.remote import Remote, RemoteObject
+from cachefeed.remote import Remote, RemoteObject, RemoteStats
 
 __all__ = ["Sampler", "main"]
 
@@ -78,24 +79,40 @@ class Sampler:
         self._slots = concurrency + max(2, concurrency // 4)
         self._credit_batch = max(1, min(16, self._slots // 4))
         self._free = 0
-        # A retry burst of at least one wave of requests: when the remote hiccups, every fetch in flight fails
-        # at once and each deserves its retry; the budget still caps a remote that keeps failing.
-        self._remote = Remote(
-            RemoteConfig(**init.remote),
-            share=init.share,
-            max_connections=concurrency,
-            retry_budget_burst=max(10.0, float(concurrency)),
-        )
+        sources = init.sources or [_unnamed_source(init)]
+        # One client per source, each with its weight's part of this process's share of the node's rate caps. A
+        # retry burst of at least one wave of requests: when the remote hiccups, every fetch in flight fails at
+        # once and each deserves its retry; the budget still caps a remote that keeps failing.
+        self._remotes = [
+            Remote(
+                RemoteConfig(
+                    **{
+                        **init.remote,
+                        "url": source["url"],
+                        "pattern": source["pattern"],
+                        "storage_options": source["storage_options"],
+                    }
+                ),
+                share=init.share * float(source["weight"]),
+                max_connections=concurrency,
+                retry_budget_burst=max(10.0, float(concurrency)),
+            )
+            for source in sources
+        ]
         self._fetch_slots = asyncio.Semaphore(concurrency)
         self._provider = RpcGrantProvider(channel)
         self._sink = SegmentSink(
             self._provider,
             SinkSettings(**init.segment),
-            decode=get_decoder(
-                str(init.sampler["decode"]),
-                decode_images=bool(init.sampler["decode_images"]),
-                image_size=init.sampler["image_size"],
-            ),
+            decoders=[
+                get_decoder(
+                    str(source["decode"]),
+                    decode_images=bool(init.sampler["decode_images"]),
+                    image_size=init.sampler["image_size"],
+                )
+                for source in sources
+            ],
+            tags=[int(source["tag"]) for source in sources],
             preprocess=get_preprocess(str(init.sampler["preprocess"])),
             on_handled=self._handled_threadsafe,
             on_failed=self._failed_threadsafe,
@@ -125,15 +142,17 @@ class Sampler:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self._remote.aclose()
+            for remote in self._remotes:
+                await remote.aclose()
 
     async def _warm_up(self) -> None:
         """Build the HTTP client before asking for work: loading botocore's models takes a second or more, and
         this overlaps it with the supervisor's first listing instead of delaying the first fetches."""
-        try:
-            await self._remote.connect()
-        except Exception as exc:  # the first fetch will meet (and report) the same problem
-            log.debug("warming up the remote client failed: %s", type(exc).__name__)
+        for remote in self._remotes:
+            try:
+                await remote.connect()
+            except Exception as exc:  # the first fetch will meet (and report) the same problem
+                log.debug("warming up the remote client failed: %s", type(exc).__name__)
 
     # -- messages -------------------------------------------------------------------------------------------
 
@@ -176,9 +195,8 @@ class Sampler:
                 log.error("the segment writer died (%r): exiting", self._sink.error)
                 self._abandon("segment writer failed", code=1)
                 return
-            self._send(
-                Stats(self._remote.stats.as_dict(), self._objects_total, self._samples_total, self._sink.qsize())
-            )
+            stats = _summed([remote.stats for remote in self._remotes])
+            self._send(Stats(stats, self._objects_total, self._samples_total, self._sink.qsize()))
             await asyncio.sleep(_STATS_INTERVAL_S)
 
     # -- work -----------------------------------------------------------------------------------------------
@@ -188,7 +206,7 @@ class Sampler:
             if self._is_draining:
                 return
             try:
-                body = await self._remote.fetch(RemoteObject(item.path, item.size, item.etag))
+                body = await self._remotes[item.source].fetch(RemoteObject(item.path, item.size, item.etag))
             except RemoteError as exc:
                 log.info("object failed (%s): %s", exc.kind, exc)
                 self._send(Failed(item.oid, exc.kind, str(exc)))
@@ -264,6 +282,33 @@ class Sampler:
             self._finished.set_result(code)
 
 
+def _unnamed_source(init: Init) -> dict[str, Any]:
+    """The single ``[remote]`` form as a source (an ``Init`` without sources)."""
+    remote = init.remote
+    return {
+        "url": remote["url"],
+        "pattern": remote["pattern"],
+        "storage_options": remote["storage_options"],
+        "decode": init.sampler["decode"],
+        "tag": 0,
+        "weight": 1.0,
+    }
+
+
+def _summed(stats: list[RemoteStats]) -> dict[str, Any]:
+    """The counters of every source's client, added up (the status document's ``remote`` totals)."""
+    total: dict[str, Any] = {}
+    for entry in stats:
+        for key, value in entry.as_dict().items():
+            if isinstance(value, dict):
+                errors = total.setdefault(key, {})
+                for kind, n in value.items():
+                    errors[kind] = errors.get(kind, 0) + n
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cachefeed-sampler", description="cachefeed sampler subprocess")
     parser.add_argument("--fd", type=int, required=True, help="the protocol socket's descriptor")
@@ -278,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not isinstance(init, Init):
         print(f"sampler {args.index}: expected an init message, got {init!r}", file=sys.stderr)
         return 2
-    setup_logging(init.log_level, secrets=secrets_from_options(init.remote.get("storage_options") or {}))
+    options = [init.remote.get("storage_options") or {}, *(source["storage_options"] for source in init.sources)]
+    setup_logging(init.log_level, secrets=secrets_from_options({str(i): o for i, o in enumerate(options)}))
     started = time.monotonic()
     code = asyncio.run(Sampler(channel, init).run())
     log.info("sampler %d exits after %.1fs", args.index, time.monotonic() - started)

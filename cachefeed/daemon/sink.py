@@ -4,6 +4,9 @@ The event loop fetches; this thread does the CPU work (decode, preprocess, encod
 waits on it, and it is the only thread that touches the segment being written. It talks to the supervisor's
 ``CacheStore`` through ``RpcGrantProvider`` (see NOTE [ Supervisor-sampler protocol ] in ``protocol.py``).
 
+Sources: a segment holds samples of one source only (its tag in the trailer, ``records.py``): an object of another
+source than the open segment's first publishes that segment.
+
 Flushing: a segment is published when full, when the sampler has nothing in flight (``request_flush``: the tail
 of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow remote still reaches the
 cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of ``max_objects`` objects (which
@@ -16,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,14 +152,16 @@ class SegmentSink:
         provider: RpcGrantProvider,
         settings: SinkSettings,
         *,
-        decode: Decoder,
+        decoders: Sequence[Decoder],
+        tags: Sequence[int],
         preprocess: Callable[[Sample], Sample] | None,
         on_handled: Callable[[WorkItem, int], None],
         on_failed: Callable[[WorkItem, str, str], None],
     ) -> None:
         self._provider = provider
         self._settings = settings
-        self._decode = decode
+        self._decoders = list(decoders)  # by source index (WorkItem.source)
+        self._tags = list(tags)
         self._preprocess = preprocess
         self._on_handled = on_handled
         self._on_failed = on_failed
@@ -221,9 +226,13 @@ class SegmentSink:
                 if isinstance(entry, str):  # _FLUSH
                     writer.flush()
                     continue
+                item, body = entry
+                tag = self._tags[item.source]
+                if writer.source != tag:
+                    writer.flush()  # one source per segment
+                    writer.source = tag
                 if not writer.pending_samples:
                     opened_at = time.monotonic()
-                item, body = entry
                 self._write_object(writer, item, body)
                 too_old = writer.pending_samples and time.monotonic() - opened_at > settings.max_age_s
                 if too_old or len(self._provider.completed) >= settings.max_objects:
@@ -242,7 +251,7 @@ class SegmentSink:
 
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
         try:
-            samples = list(self._decode(item.path, body))
+            samples = list(self._decoders[item.source](item.path, body))
             if item.label is not None:  # sampler.label: the class index of the object's path (labels.py)
                 for sample in samples:
                     sample["label"] = item.label

@@ -83,6 +83,7 @@ def build_status(
     remote: RemoteTotals,
     samplers: Sequence[Mapping[str, Any]],
     plan: Mapping[str, Any] | None = None,
+    sources: Sequence[Mapping[str, Any]] | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
     """The status document (see ``cachefeed.status_schema.STATUS_SCHEMA``).
@@ -105,7 +106,9 @@ def build_status(
     and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too large); ``remote.not_cached`` (in
     the contract) counts the listed objects not cached for a reason, by reason (``not_found``, ``forbidden``,
     ``too_large``, ``decode``), and ``plan`` (optional)
-    describes the sampling plan (pass, in flight, owned objects...).
+    describes the sampling plan (pass, in flight, owned objects...). ``sources`` (only with ``[[source]]`` tables)
+    breaks the cache, ingest and errors down per named source: its weight, cached samples and their share of the
+    cache, objects listed, objects/samples/bytes ingested, objects failed and not cached by reason.
     """
     now = time.time() if now is None else now
     sample_reads = counters.evicted_sample_reads + usage.sample_reads
@@ -192,6 +195,7 @@ def build_status(
         },
         "samplers": [dict(sampler) for sampler in samplers],
         "plan": dict(plan or {}),
+        **({"sources": [dict(row) for row in sources]} if sources is not None else {}),
     }
 
 

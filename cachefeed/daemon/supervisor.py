@@ -26,7 +26,7 @@ import multiprocessing.connection
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -34,9 +34,7 @@ from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.store import CacheStore
 from cachefeed.codecs import get_decoder, get_preprocess
 from cachefeed.config import Config
-from cachefeed.daemon.catalog import Catalog
 from cachefeed.daemon.notify import SystemdNotifier
-from cachefeed.daemon.plan import SamplingPlan
 from cachefeed.daemon.pool import SamplerHandle, SamplerPool, SamplerState
 from cachefeed.daemon.protocol import (
     Abort,
@@ -56,6 +54,7 @@ from cachefeed.daemon.protocol import (
     WorkItem,
 )
 from cachefeed.daemon.reporter import StatusReporter
+from cachefeed.daemon.sources import Inputs
 from cachefeed.errors import ConfigError, CorruptRecordError
 from cachefeed.labels import ClassIndex
 from cachefeed.logs import safe_url
@@ -88,10 +87,9 @@ class Supervisor:
         self.should_refresh = False
         self.state = "starting"
         self.started_at = time.time()
-        self.plan = SamplingPlan(seed=config.sampler.seed, rank=config.node.rank, count=config.node.count)
+        self.inputs = Inputs(config)  # per source: a catalog and a sampling plan (sources.py)
         self._store: CacheStore | None = None
         self._pool: SamplerPool | None = None
-        self._catalog: Catalog | None = None
         self._metrics: MetricsExporter | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._lost: set[int] = set()
@@ -133,17 +131,20 @@ class Supervisor:
         """Load what the config names (decoder, preprocess, the URL's filesystem); ``ConfigError`` (exit 78) if any
         cannot be. Touches neither the cache nor the remote, so it can run before logging starts."""
         config = self.config
-        for key, value, load in (
-            ("sampler.decode", config.sampler.decode, get_decoder),
-            ("sampler.preprocess", config.sampler.preprocess, get_preprocess),
-        ):
+        loads: list[tuple[str, str, Callable[[str], object]]] = [
+            (f"source[{e.index}].decode", e.config.decode, get_decoder)
+            if e.config.decode
+            else ("sampler.decode", config.sampler.decode, get_decoder)
+            for e in self.inputs.inputs
+        ]
+        loads.append(("sampler.preprocess", config.sampler.preprocess, get_preprocess))
+        for key, value, load in loads:
             try:
                 load(value)
             except ConfigError as exc:  # name the file and the key, as every other config error does
                 reason = str(exc).removeprefix(f"{value!r}: ")
                 raise ConfigError(f"{config.source}: {key} = {value!r}: {reason}") from None
-        if self._catalog is None:
-            self._catalog = Catalog(config.remote)
+        self.inputs.open_catalogs()
 
     def run(self) -> int:
         config = self.config
@@ -151,9 +152,14 @@ class Supervisor:
             self.preflight()
             store = CacheStore(config.cache)  # CacheLockedError (exit 75); recovery happens here
             self._store = store
+            dropped = store.drop_sources({entry.tag for entry in self.inputs.inputs})
+            if dropped:
+                log.warning("evicted %d cached segments of sources the config no longer names", dropped)
+            tags = {segment.seq: segment.source for segment in store.segments}
             for seq, sources in store.recovered_sources.items():
-                self.plan.adopt(seq, sources)  # what the cache already holds is not fetched again
+                self.inputs.adopt(seq, tags.get(seq, 0), sources)  # what the cache holds is not fetched again
             store.recovered_sources.clear()
+            self.inputs.write_table(str(store.layout.sources_file), mode=config.cache.file_mode)
             if config.sampler.label:  # continues the index a previous run kept in the cache (labels.py)
                 layout = CacheLayout(config.cache.dir)
                 self._classes = ClassIndex(layout.classes_file, config.sampler.label, file_mode=config.cache.file_mode)
@@ -171,19 +177,24 @@ class Supervisor:
                 self._shutdown()
 
     def _serve(self) -> int:
-        if self._pool is None or self._catalog is None:
+        if self._pool is None:
             raise RuntimeError("the supervisor is not set up")
         for handle in self._pool:
             self._pool.start(handle)
-        self._catalog.start()
+        for catalog in self.inputs.catalogs():
+            catalog.start()
         self.state = "running"
         self._publish_status()
         self.notifier.ready(self._status_line())
         log.info(
-            "ready: cache %s, %d samplers, remote %s",
+            "ready: cache %s, %d samplers, %s %s",
             self.config.cache.dir,
             len(self._pool.handles),
-            safe_url(self.config.remote.url),
+            "sources" if self.inputs.is_named else "remote",
+            ", ".join(
+                (f"{e.name} ({e.weight:.0%}) " if self.inputs.is_named else "") + safe_url(e.config.url)
+                for e in self.inputs.inputs
+            ),
         )
         watchdog_s = self.notifier.watchdog_interval_s()
         now = time.monotonic()
@@ -224,8 +235,8 @@ class Supervisor:
                 self._pool.kill(handle)
             for handle in self._pool.reap(lost={h.index for h in self._pool.handles}):
                 self._undo(handle)
-        if self._catalog is not None:
-            self._catalog.stop()
+        for catalog in self.inputs.catalogs():
+            catalog.stop()
         if self._metrics is not None:
             self._metrics.close()
         if self._store is not None:
@@ -270,35 +281,46 @@ class Supervisor:
             pool.schedule_restart(handle)
         self._lost.clear()
         pool.restart_due()
-        catalog = self._require_catalog()
         if self.should_refresh:
             self.should_refresh = False
             log.info("SIGHUP: listing the remote now")
-            catalog.refresh_now()
-        listing = catalog.take()
-        if listing is not None:
+            for catalog in self.inputs.catalogs():
+                catalog.refresh_now()
+        for entry in self.inputs.inputs:
+            listing = entry.catalog.take() if entry.catalog is not None else None
+            if listing is None:
+                continue
             if self._classes is not None:  # before any of the listing's objects is handed out with a label
                 self._classes.update(obj.path for obj in listing)
-            added = self.plan.update_catalog(listing)
+            added = entry.plan.update_catalog(listing)
             if added:
-                log.info("%d new objects join pass %d", added, self.plan.pass_index)
+                of = f" of source {entry.name!r}" if self.inputs.is_named else ""
+                log.info("%d new objects%s join pass %d", added, of, entry.plan.pass_index)
         self._assign()
 
     def _assign(self) -> None:
         pool = self._require_pool()
         handles = pool.handles[self._next_handle :] + pool.handles[: self._next_handle]
         self._next_handle = (self._next_handle + 1) % len(pool.handles)
+        cached = self._require_store().samples_by_source() if self.inputs.is_named else {}
         for handle in handles:
             if handle.channel is None or handle.credits <= 0:
                 continue
-            drawn = self.plan.next(handle.credits)
+            entry, drawn = self.inputs.draw(handle.index, handle.credits, cached)
             if not drawn:
                 return
             handle.credits -= len(drawn)
             handle.assigned.update(oid for oid, _ in drawn)
             classes = self._classes
             items = [
-                WorkItem(oid, obj.path, obj.size, obj.etag, classes.label(obj.path) if classes is not None else None)
+                WorkItem(
+                    oid,
+                    obj.path,
+                    obj.size,
+                    obj.etag,
+                    classes.label(obj.path) if classes is not None else None,
+                    entry.index,
+                )
                 for oid, obj in drawn
             ]
             pool.send(handle, Work(items))
@@ -317,7 +339,7 @@ class Supervisor:
         if counters.evicted_published_at:
             self._turnover_s = max(0.0, time.time() - counters.evicted_published_at[-1])
         published = {segment.seq for segment in store.segments}
-        self.plan.evicted([seq for seq in self.plan.cached_segments() if seq not in published])
+        self.inputs.evicted([seq for seq in self.inputs.cached_segments() if seq not in published])
 
     # -- messages (NOTE [ Supervisor-sampler protocol ] in protocol.py) -----------------------------------------
 
@@ -346,12 +368,13 @@ class Supervisor:
                 store.abort(aborted)
         elif isinstance(message, Done):
             handle.assigned.difference_update(message.oids)
-            self.plan.done(message.oids, None)
+            self.inputs.done(message.oids, None)
         elif isinstance(message, Failed):
             handle.assigned.discard(message.oid)
-            self.plan.failed(message.oid, message.kind)
-            if message.kind == "changed":
-                self._require_catalog().refresh_now()
+            self.inputs.failed(message.oid, message.kind)
+            catalog = self.inputs.split(message.oid)[0].catalog
+            if message.kind == "changed" and catalog is not None:
+                catalog.refresh_now()
         elif isinstance(message, Stats):
             handle.stats = message.remote
             handle.objects_total = message.objects_total
@@ -366,17 +389,19 @@ class Supervisor:
         done = [oid for oid in message.done if oid in handle.assigned]
         handle.assigned.difference_update(done)
         if grant is None:
-            self.plan.requeue(done)
+            self.inputs.requeue(done)
             pool.send(handle, PublishReply(message.req, error=f"unknown grant {message.seq}"))
             return
         try:
-            self._require_store().publish(grant)
+            segment = self._require_store().publish(grant)
         except (CorruptRecordError, OSError, ValueError) as exc:
             log.error("sampler %d: segment %d not published: %s", handle.index, message.seq, exc)
-            self.plan.requeue(done)
+            self.inputs.requeue(done)
             pool.send(handle, PublishReply(message.req, error=str(exc)))
             return
-        self.plan.done(done, message.seq)
+        self.inputs.done(done, message.seq)
+        self.inputs.published(segment.source, segment.samples, segment.nbytes)
+        self.inputs.segment_published(handle.index)  # it may be pointed at another source now
         log.debug("sampler %d published segment %d with %d objects done", handle.index, message.seq, len(done))
         handle.backoff_s = self.config.sampler.restart_backoff_s  # it works: a later crash restarts fast
         pool.send(handle, PublishReply(message.req))
@@ -386,7 +411,8 @@ class Supervisor:
         """A sampler is gone: re-queue what it had not finished, delete what it had not published."""
         if handle.assigned:
             log.info("re-queueing %d objects of sampler %d", len(handle.assigned), handle.index)
-        self.plan.requeue(sorted(handle.assigned))
+        self.inputs.requeue(sorted(handle.assigned))
+        self.inputs.forget_sampler(handle.index)
         handle.assigned.clear()
         store = self._require_store()
         for grant in handle.grants.values():
@@ -403,7 +429,8 @@ class Supervisor:
         self.state = "stopping"
         self.notifier.stopping()
         self._publish_status()
-        self._require_catalog().stop()
+        for catalog in self.inputs.catalogs():
+            catalog.stop()
         for handle in pool.live():
             if handle.state is SamplerState.STARTING and not handle.assigned and not handle.grants:
                 pool.terminate(handle)  # still starting up: nothing to drain, no reason to wait for its imports
@@ -437,8 +464,7 @@ class Supervisor:
                 self.config,
                 store=self._require_store(),
                 pool=self._require_pool(),
-                catalog=self._require_catalog(),
-                plan=self.plan,
+                inputs=self.inputs,
                 metrics=self._metrics,
                 started_at=self.started_at,
             )
@@ -458,6 +484,15 @@ class Supervisor:
             log_level=self.log_level,
             remote=dataclasses.asdict(config.remote),
             sampler=dataclasses.asdict(config.sampler),
+            sources=[
+                {
+                    **dataclasses.asdict(e.config),
+                    "tag": e.tag,
+                    "weight": e.weight,
+                    "decode": e.config.decode or config.sampler.decode,
+                }
+                for e in self.inputs.inputs
+            ],
             segment={
                 "segment_bytes": cache.segment_bytes,
                 "compression": cache.compression,
@@ -475,8 +510,3 @@ class Supervisor:
         if self._pool is None:
             raise RuntimeError("the sampler pool is not set up")
         return self._pool
-
-    def _require_catalog(self) -> Catalog:
-        if self._catalog is None:
-            raise RuntimeError("the catalog is not set up")
-        return self._catalog

@@ -44,6 +44,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from cachefeed.cache.snapshots import Snapshot
+from cachefeed.cache.sources import SOURCE_FIELD
 from cachefeed.errors import CorruptRecordError, SnapshotError
 from cachefeed.records import SegmentReader
 from cachefeed.trainer.counters import SlotCounters
@@ -123,6 +124,8 @@ class SnapshotDataset(Dataset[Any]):
         transform: optional per-sample function, run where the sample is read (in the DataLoader workers).
         verify: check each record's checksum when reading (xxh3: cheap next to any training step).
         snap_id: for messages only.
+        sources: each segment's source name (named sources, ``cache/sources.py``): every sample read from segment
+            ``i`` gets the field ``"__source__" = sources[i]``. Empty: no such field.
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class SnapshotDataset(Dataset[Any]):
         transform: Transform | None = None,
         verify: bool = True,
         snap_id: str = "",
+        sources: Sequence[str] = (),
     ) -> None:
         if len(names) != len(counts):
             raise ValueError(f"{len(names)} segment names but {len(counts)} counts")
@@ -144,6 +148,13 @@ class SnapshotDataset(Dataset[Any]):
         self.transform = transform
         self.verify = verify
         self._names: npt.NDArray[np.bytes_] = np.array([n.encode() for n in names], dtype=np.bytes_)
+        if sources and len(sources) != len(names):
+            raise ValueError(f"{len(names)} segment names but {len(sources)} source names")
+        # per segment, an index into a few distinct names (no per-segment Python strings for workers to touch)
+        self._source_names: tuple[str, ...] = tuple(sorted(set(sources)))
+        self._source_of: npt.NDArray[np.int32] = np.array(
+            [self._source_names.index(name) for name in sources], dtype=np.int32
+        )
         self._starts: npt.NDArray[np.int64] = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(np.asarray(counts, dtype=np.int64), out=self._starts[1:])
         self.skip_counter = SlotCounters(COUNTER_SLOTS)
@@ -153,7 +164,11 @@ class SnapshotDataset(Dataset[Any]):
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, **kwargs: Any) -> SnapshotDataset:
         """The dataset over a held snapshot (see the class docstring for who keeps it held)."""
-        return cls(snapshot.directory, snapshot.names, snapshot.counts, snap_id=snapshot.snap_id, **kwargs)
+        names = snapshot.sources
+        sources = [names[tag][0] if tag in names else "" for tag in snapshot.tags] if names else []
+        return cls(
+            snapshot.directory, snapshot.names, snapshot.counts, snap_id=snapshot.snap_id, sources=sources, **kwargs
+        )
 
     # -- pickling: only the index travels to workers ---------------------------------------------------------
 
@@ -218,6 +233,8 @@ class SnapshotDataset(Dataset[Any]):
                     sample[name] = torch.from_numpy(array)
                 except TypeError:
                     pass  # a dtype torch has no tensor for (strings, ...): handed out as the numpy array
+        if self._source_names:
+            sample[SOURCE_FIELD] = self._source_names[self._source_of[segment]]
         return self.transform(sample) if self.transform is not None else sample
 
     def __getitem__(self, index: int) -> Any:

@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.snapshots import Snapshot
+from cachefeed.cache.sources import read_sources
 from cachefeed.errors import SnapshotError
 from cachefeed.labels import read_classes
 from cachefeed.trainer.background import SerialWorker
@@ -69,6 +70,7 @@ from cachefeed.trainer.partition import (
     fixed_size_order,
     launcher_run_id,
     sanitize_run_id,
+    weighted_order,
 )
 from cachefeed.trainer.pool import WorkerPool
 from cachefeed.trainer.wait import parse_fill, wait_for_cache, wait_for_fill, wait_for_samples
@@ -407,6 +409,13 @@ class EpochLoaderFactory:
         return read_classes(self.layout.classes_file)
 
     @property
+    def sources(self) -> dict[str, float]:
+        """The daemon's named sources (``[[source]]`` tables) and their weights (summing to 1): every epoch gives
+        each source its weight's share of its samples, and each sample names its source in ``"__source__"``.
+        ``{}`` for a daemon that reads one ``[remote]``."""
+        return {entry.name: entry.weight for entry in read_sources(self.layout.sources_file)}
+
+    @property
     def batches_per_epoch(self) -> int | None:
         """This rank's batches in every epoch with ``samples_per_epoch`` (None without: it depends on the cache)."""
         if self.samples_per_epoch is None:
@@ -417,6 +426,22 @@ class EpochLoaderFactory:
     def _share(self, snapshot: Snapshot, epoch: int) -> npt.NDArray[np.int64]:
         """This rank's indices into ``snapshot`` for ``epoch`` (see partition.py)."""
         ranks = self.ranks
+        if snapshot.sources:  # named sources: every epoch gives each its weight's share
+            if self.samples_per_epoch is not None:
+                per_rank = self.samples_per_epoch // ranks.local_world_size
+            else:
+                per_rank = self._agree_min(snapshot.samples // ranks.local_world_size)
+            order = weighted_order(
+                snapshot.counts,
+                snapshot.reads,
+                snapshot.tags,
+                {tag: weight for tag, (_name, weight) in snapshot.sources.items()},
+                per_rank * ranks.local_world_size,
+                seed=self.seed,
+                epoch=epoch,
+                shuffle=self.shuffle,
+            )
+            return order[ranks.local_rank * per_rank : (ranks.local_rank + 1) * per_rank]
         if self.samples_per_epoch is not None:
             per_rank = self.samples_per_epoch // ranks.local_world_size
             order = fixed_size_order(

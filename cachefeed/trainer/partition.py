@@ -18,13 +18,20 @@ the snapshot holds N or more; with fewer, every sample is used and the rest is f
 the snapshot (reuse), never the same sample twice in a row of passes. The N are then shuffled and split equally
 among the local ranks (``N // local_world_size`` each), so ``len(loader)`` is known before training starts and is
 the same on every node.
+
+Weighted sources (``[[source]]`` tables, see ``weighted_order``): the node's epoch (N samples with
+``samples_per_epoch``, else as many as the snapshot holds) is cut into one share per source, ``N x weight``
+(largest remainders, so the shares add up to N exactly), each drawn from that source's samples as above: least-read
+first, without replacement while the source has enough cached, reused in seeded passes when it has fewer than its
+share (a small source is *upsampled*, as a weighted sampler does). A source with nothing in the snapshot gets no
+share; the others split its weight. The shares are then shuffled together and split among the ranks as above.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +49,8 @@ __all__ = [
     "fixed_size_order",
     "launcher_run_id",
     "sanitize_run_id",
+    "source_shares",
+    "weighted_order",
 ]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -157,14 +166,22 @@ def epoch_share(
 
 
 def fixed_size_order(
-    counts: tuple[int, ...], reads: tuple[int, ...], n: int, *, seed: int, epoch: int, shuffle: bool
+    counts: Sequence[int],
+    reads: Sequence[int],
+    n: int,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    stream: int = 0,
 ) -> npt.NDArray[np.int64]:
     """The node's ``n`` sample indices for one epoch of a set size (module docstring): least-read first, then
-    reuse in seeded passes when the snapshot holds fewer than ``n``; shuffled by ``(seed, epoch)``."""
+    reuse in seeded passes when the snapshot holds fewer than ``n``; shuffled by ``(seed, epoch)``. ``stream``
+    varies the seeded draws (one stream per source)."""
     samples = int(sum(counts))
     if samples == 0:
         raise ValueError("the snapshot is empty: no epoch of a set size can be drawn from it")
-    rng = np.random.default_rng([seed, epoch, 1])
+    rng = np.random.default_rng([seed, epoch, 1, stream])
     per_sample_reads = np.repeat(np.asarray(reads, dtype=np.int64), np.asarray(counts, dtype=np.int64))
     tiebreak = rng.permutation(samples)
     chosen = np.lexsort((tiebreak, per_sample_reads))[: min(n, samples)].astype(np.int64)
@@ -177,6 +194,64 @@ def fixed_size_order(
     order = np.concatenate(passes)
     if shuffle:
         order = order[np.random.default_rng([seed, epoch]).permutation(n)]
+    return order
+
+
+def source_shares(available: Mapping[int, int], weights: Mapping[int, float], n: int) -> dict[int, int]:
+    """How many of ``n`` samples each source (tag) gives: ``n x weight`` by largest remainders, over the sources
+    that have samples (``available``); ties go to the lower tag. Sums to ``n`` (0 if no source has samples)."""
+    present = sorted(tag for tag in weights if available.get(tag, 0) > 0 and weights[tag] > 0)
+    total = sum(weights[tag] for tag in present)
+    if not present or n <= 0:
+        return {}
+    exact = {tag: n * weights[tag] / total for tag in present}
+    shares = {tag: int(exact[tag]) for tag in present}
+    by_remainder = sorted(present, key=lambda tag: (-(exact[tag] - shares[tag]), tag))
+    for tag in by_remainder[: n - sum(shares.values())]:
+        shares[tag] += 1
+    return shares
+
+
+def weighted_order(
+    counts: Sequence[int],
+    reads: Sequence[int],
+    tags: Sequence[int],
+    weights: Mapping[int, float],
+    n: int,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+) -> npt.NDArray[np.int64]:
+    """The node's ``n`` sample indices for one epoch over weighted sources (module docstring): each source's
+    share drawn as ``fixed_size_order`` draws, from that source's segments; shuffled together by
+    ``(seed, epoch)``. Segments whose tag has no weight are not drawn."""
+    counts_a = np.asarray(counts, dtype=np.int64)
+    reads_a = np.asarray(reads, dtype=np.int64)
+    tags_a = np.asarray(tags, dtype=np.int64)
+    starts = np.zeros(len(counts_a) + 1, dtype=np.int64)
+    np.cumsum(counts_a, out=starts[1:])
+    available = {tag: int(counts_a[tags_a == tag].sum()) for tag in weights}
+    shares = source_shares(available, weights, n)
+    if sum(shares.values()) < n:
+        raise ValueError(f"no weighted source has samples in the snapshot: cannot draw {n}")
+    parts = []
+    for tag, share in sorted(shares.items()):
+        segments = np.flatnonzero(tags_a == tag)
+        local = fixed_size_order(
+            tuple(counts_a[segments]),
+            tuple(reads_a[segments]),
+            share,
+            seed=seed,
+            epoch=epoch,
+            shuffle=False,
+            stream=tag,
+        )
+        members = np.concatenate([np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in segments])
+        parts.append(members[local])
+    order = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    if shuffle:
+        order = order[np.random.default_rng([seed, epoch]).permutation(len(order))]
     return order
 
 

@@ -1,0 +1,245 @@
+"""Several weighted sources (``[[source]]``): the daemon keeps each source's share of the cache, every epoch gives
+each source its weight's share of its samples (exactly, to the sample), and each sample names its source.
+
+End to end against two ``file://`` remotes with real daemons, real DataLoader workers and, for two nodes, two
+real gloo ranks each reading its own node's cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from cachefeed.cache.sources import read_sources, source_tag
+from cachefeed.codecs import msgpack_default
+from cachefeed.config import parse_config, toml_text
+from cachefeed.errors import ConfigError
+from cachefeed.metrics import render_metrics
+from cachefeed.trainer.partition import source_shares, weighted_order
+from tests.support.daemon_harness import DaemonProcess, start_daemon
+from tests.support.samples import payload
+
+SOURCES = {"crawl": (0, 0.7, 200), "curated": (1, 0.3, 100)}  # name -> (id, weight, objects)
+PER_OBJECT = 50
+NBYTES = 48
+
+
+def make_source(root: Path, source_id: int, objects: int) -> Path:
+    """``objects`` msgpack files of ``PER_OBJECT`` self-verifying samples each (fields src, obj, idx, data)."""
+    root.mkdir(parents=True)
+    for obj in range(objects):
+        samples = [
+            {"src": source_id, "obj": obj, "idx": i, "data": payload(f"{source_id}/{obj}/{i}", NBYTES)}
+            for i in range(PER_OBJECT)
+        ]
+        (root / f"obj-{obj:04d}.msgpack").write_bytes(msgpack.packb(samples, default=msgpack_default))
+    return root
+
+
+def check_batch(batch: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """Verify every sample's bytes and that ``__source__`` names the source it came from; its identities."""
+    names = {source_id: name for name, (source_id, _w, _n) in SOURCES.items()}
+    seen = []
+    for row, source in enumerate(batch["__source__"]):
+        src, obj, idx = int(batch["src"][row]), int(batch["obj"][row]), int(batch["idx"][row])
+        assert names[src] == source, f"a sample of {names[src]} says it came from {source}"
+        expected = payload(f"{src}/{obj}/{idx}", NBYTES)
+        assert np.array_equal(batch["data"][row].numpy(), expected), f"sample {src}/{obj}/{idx} is wrong"
+        seen.append((source, obj, idx))
+    return seen
+
+
+def sources_config(tmp_path: Path, cache_dir: Path, *, rank: int = 0, count: int = 1) -> Path:
+    data = tmp_path / "data"
+    document: dict[str, Any] = {
+        "remote": {"refresh_interval": "2s"},
+        "cache": {
+            "dir": str(cache_dir),
+            "max_bytes": "4MiB",
+            "min_free_bytes": 0,
+            "segment_bytes": "32KiB",
+            "fsync": False,
+        },
+        "sampler": {"processes": 2, "concurrency": 4, "decode": "msgpack"},
+        "node": {"rank": rank, "count": count},
+        "status": {"interval": "200ms"},
+        "source": [
+            {"name": name, "url": f"file://{data / name}", "weight": weight}
+            for name, (_id, weight, _n) in SOURCES.items()
+        ],
+    }
+    path = tmp_path / f"sources{rank}.toml"
+    path.write_text(toml_text(document))
+    return path
+
+
+@pytest.fixture(name="data")
+def data_fixture(tmp_path: Path) -> Path:
+    for name, (source_id, _weight, objects) in SOURCES.items():
+        make_source(tmp_path / "data" / name, source_id, objects)
+    return tmp_path / "data"
+
+
+def start(tmp_path: Path, *, rank: int = 0, count: int = 1) -> DaemonProcess:
+    cache_dir = tmp_path / f"cache{rank}"
+    config = sources_config(tmp_path, cache_dir, rank=rank, count=count)
+    daemon = start_daemon(config, cache_dir, tmp_path / f"daemon{rank}.err")
+    daemon.wait_status(lambda doc: doc.get("state") == "running", timeout_s=60)
+    return daemon
+
+
+# -- the contract, on numbers ------------------------------------------------------------------------------------
+
+
+def test_shares_add_up_to_the_epoch_and_follow_the_weights() -> None:
+    assert source_shares({1: 900, 2: 900}, {1: 0.7, 2: 0.3}, 10) == {1: 7, 2: 3}
+    assert source_shares({1: 900, 2: 900}, {1: 1, 2: 1, 3: 1}, 10) == {1: 5, 2: 5}, "an empty source gets no share"
+    assert sum(source_shares({1: 5, 2: 5, 3: 5}, {1: 1, 2: 1, 3: 1}, 100).values()) == 100
+    assert source_shares({}, {1: 1.0}, 10) == {}
+
+
+def test_a_weighted_epoch_upsamples_a_small_source_and_never_repeats_a_large_one() -> None:
+    counts, reads, tags = (100, 100, 20), (0, 0, 0), (1, 1, 2)  # source 1: 200 samples, source 2: 20
+    order = weighted_order(counts, reads, tags, {1: 0.5, 2: 0.5}, 300, seed=3, epoch=0, shuffle=True)
+    assert len(order) == 300
+    small = order[order >= 200]
+    large = order[order < 200]
+    assert len(small) == len(large) == 150
+    assert len(set(large.tolist())) == 150, "a source with enough samples gives each once"
+    assert set(small.tolist()) == set(range(200, 220)), "a small source is reused whole"
+    again = weighted_order(counts, reads, tags, {1: 0.5, 2: 0.5}, 300, seed=3, epoch=0, shuffle=True)
+    assert np.array_equal(order, again), "the same seed and epoch give the same order on every rank"
+
+
+def test_source_tables_are_checked_key_by_key(tmp_path: Path) -> None:
+    cache = {"dir": str(tmp_path / "c"), "max_bytes": "1GiB"}
+
+    def error(sources: object, **extra: Any) -> str:
+        with pytest.raises(ConfigError) as info:
+            parse_config({"cache": cache, "source": sources, **extra}, source="x.toml")
+        return str(info.value)
+
+    assert "source[1].name = 'a' is used twice" in error([{"name": "a", "url": "u"}, {"name": "a", "url": "v"}])
+    assert "source[0].name is required" in error([{"url": "u"}])
+    assert "source[0].weight = 0: expected a number > 0" in error([{"name": "a", "url": "u", "weight": 0}])
+    assert "did you mean 'weight'" in error([{"name": "a", "url": "u", "wieght": 2}])
+    assert "remote.url and [[source]] tables both name the data" in error(
+        [{"name": "a", "url": "u"}], remote={"url": "s3://b/p"}
+    )
+    assert "<hidden: may hold credentials>" in error([{"name": "a", "url": 5}])
+    config = parse_config(
+        {"cache": cache, "source": [{"name": "a", "url": "u", "weight": 7}, {"name": "b", "url": "v"}]}
+    )
+    assert config.weights() == (0.875, 0.125)
+    assert [s.tag for s in config.inputs()] == [source_tag("a"), source_tag("b")]
+
+
+# -- end to end --------------------------------------------------------------------------------------------------
+
+
+def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_path: Path, data: Path) -> None:
+    from cachefeed.trainer import EpochLoaderFactory
+
+    daemon = start(tmp_path)
+    try:
+        with EpochLoaderFactory(
+            daemon.cache_dir,
+            batch_size=500,
+            samples_per_epoch=10_000,
+            min_samples="75%",
+            num_workers=2,
+            run_id="sources",
+            epochs=2,
+            progress=None,
+        ) as factory:
+            assert factory.sources == {"crawl": 0.7, "curated": 0.3}
+            for epoch in range(2):
+                served: list[tuple[str, int, int]] = []
+                for batch in factory.loader(epoch):
+                    served += check_batch(batch)
+                per_source = Counter(source for source, _obj, _idx in served)
+                assert len(served) == 10_000
+                assert per_source == {"crawl": 7_000, "curated": 3_000}, f"epoch {epoch}: {per_source}"
+        document = daemon.wait_status(lambda doc: doc["ingest"]["samples_total"] > 0, timeout_s=10)
+        rows = {row["name"]: row for row in document["sources"]}
+        assert set(rows) == {"crawl", "curated"}
+        assert rows["crawl"]["weight"] == pytest.approx(0.7)
+        for name, (_id, weight, objects) in SOURCES.items():
+            assert rows[name]["objects_listed"] == objects
+            assert rows[name]["cached_share"] == pytest.approx(weight, abs=0.06), f"the cache holds {rows[name]}"
+            assert rows[name]["samples_total"] > 0 and rows[name]["objects_failed_total"] == 0
+        total_cached = sum(row["cached_samples"] for row in rows.values())
+        assert total_cached == document["cache"]["samples"]
+        assert total_cached < sum(n for _i, _w, n in SOURCES.values()) * PER_OBJECT, "the cache must evict for this"
+        human = subprocess.run(
+            [sys.executable, "-m", "cachefeed", "status", "--cache-dir", str(daemon.cache_dir)],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        assert "2 named; cached share / weight" in human, human
+        assert "crawl: " in human and "/ 70% (" in human and "curated: " in human and "/ 30% (" in human, human
+        metrics = render_metrics(document).decode()
+        assert 'cachefeed_source_cached_samples{source="crawl"}' in metrics
+        assert 'cachefeed_source_weight{source="curated"} 0.3' in metrics
+    finally:
+        assert daemon.stop() == 0, daemon.stderr()
+
+
+def rank_main(root: str, port: int, rank: int, out: str) -> None:
+    """One node's rank (world 2, one rank per node): two epochs of 5,000 samples, every sample verified."""
+    import torch.distributed as dist
+
+    from cachefeed.trainer import EpochLoaderFactory
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    epochs = []
+    with EpochLoaderFactory(
+        root, batch_size=250, samples_per_epoch=5_000, min_samples="75%", run_id="nodes", epochs=2, progress=None
+    ) as factory:
+        for epoch in range(2):
+            served: list[tuple[str, int, int]] = []
+            for batch in factory.loader(epoch):
+                served += check_batch(batch)
+            epochs.append(served)
+            dist.barrier()
+    Path(out).write_text(json.dumps(epochs))
+    dist.destroy_process_group()
+
+
+def test_two_nodes_each_give_every_epoch_the_weighted_shares_of_their_own_objects(tmp_path: Path, data: Path) -> None:
+    from tests.test_trainer_distributed import free_port, python
+
+    daemons = [start(tmp_path, rank=rank, count=2) for rank in range(2)]
+    try:
+        for daemon in daemons:
+            assert [e.name for e in read_sources(daemon.cache_dir / "sources.json")] == ["crawl", "curated"]
+        port = free_port()
+        outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
+        ranks = [
+            python(
+                f"from tests.test_sources import rank_main; "
+                f"rank_main({str(daemons[rank].cache_dir)!r}, {port}, {rank}, {str(outs[rank])!r})",
+                extra_env={"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
+            )
+            for rank in range(2)
+        ]
+        for proc in ranks:
+            assert proc.wait(timeout=180) == 0, "a rank failed (its traceback is above)"
+        reports = [json.loads(out.read_text()) for out in outs]
+        for epoch in range(2):
+            job = [tuple(sample) for report in reports for sample in report[epoch]]
+            per_source = Counter(source for source, _obj, _idx in job)
+            assert per_source == {"crawl": 7_000, "curated": 3_000}, f"epoch {epoch}: {per_source}"
+            nodes = [{tuple(s) for s in report[epoch]} for report in reports]
+            assert not nodes[0] & nodes[1], "each node reads only the objects it owns"
+    finally:
+        for daemon in daemons:
+            assert daemon.stop() == 0, daemon.stderr()
