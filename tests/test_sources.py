@@ -26,7 +26,9 @@ from cachefeed.trainer.partition import source_shares, weighted_order
 from tests.support.daemon_harness import DaemonProcess, start_daemon
 from tests.support.samples import payload
 
-SOURCES = {"crawl": (0, 0.7, 200), "curated": (1, 0.3, 100)}  # name -> (id, weight, objects)
+# name -> (id, weight, objects). The curated set (2,000 samples) is smaller than its 30% of the cache (~2,400 of
+# ~8,000 samples): the daemon caches all of it and every epoch upsamples it; the crawl (10,000) must be evicted.
+SOURCES = {"crawl": (0, 0.7, 200), "curated": (1, 0.3, 40)}
 PER_OBJECT = 50
 NBYTES = 48
 
@@ -141,12 +143,37 @@ def test_source_tables_are_checked_key_by_key(tmp_path: Path) -> None:
     assert [s.tag for s in config.inputs()] == [source_tag("a"), source_tag("b")]
 
 
+def test_eviction_takes_from_the_source_above_its_share_and_spares_the_one_below(tmp_path: Path) -> None:
+    from cachefeed.cache.store import CacheStore
+    from cachefeed.cache.writer import CacheWriter
+    from tests.support.samples import cache_config, make_sample
+
+    small, large = source_tag("small"), source_tag("large")
+    store = CacheStore(cache_config(tmp_path / "cache", max_bytes=8 << 20, segment_bytes=64 << 10))
+    store.source_weights = {small: 0.5, large: 0.5}
+    writer = CacheWriter(store, segment_bytes=64 << 10, fsync=False)
+    writer.source = small
+    for n in range(100):  # 100 samples of the small source: far below half of the budget
+        writer.add(make_sample(f"s{n}", 4000))
+    writer.flush()
+    writer.source = large
+    for n in range(3000):  # the large source alone overflows the budget many times over
+        writer.add(make_sample(f"l{n}", 4000))
+        if n % 50 == 0:
+            store.enforce()
+    writer.flush()
+    assert store.counters.evicted_segments > 0
+    assert store.samples_by_source()[small] == 100, "the source below its share lost nothing"
+    store.close()
+
+
 # -- end to end --------------------------------------------------------------------------------------------------
 
 
 def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_path: Path, data: Path) -> None:
     from cachefeed.trainer import EpochLoaderFactory
 
+    (data / "curated" / "broken.msgpack").write_bytes(b"\xc1 not msgpack")  # quarantined, counted for curated
     daemon = start(tmp_path)
     try:
         with EpochLoaderFactory(
@@ -167,14 +194,19 @@ def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_pa
                 per_source = Counter(source for source, _obj, _idx in served)
                 assert len(served) == 10_000
                 assert per_source == {"crawl": 7_000, "curated": 3_000}, f"epoch {epoch}: {per_source}"
+                curated = Counter(sample for sample in served if sample[0] == "curated")
+                assert len(curated) == 2_000 and max(curated.values()) == 2, "the small source is upsampled evenly"
         document = daemon.wait_status(lambda doc: doc["ingest"]["samples_total"] > 0, timeout_s=10)
         rows = {row["name"]: row for row in document["sources"]}
         assert set(rows) == {"crawl", "curated"}
         assert rows["crawl"]["weight"] == pytest.approx(0.7)
-        for name, (_id, weight, objects) in SOURCES.items():
-            assert rows[name]["objects_listed"] == objects
-            assert rows[name]["cached_share"] == pytest.approx(weight, abs=0.06), f"the cache holds {rows[name]}"
-            assert rows[name]["samples_total"] > 0 and rows[name]["objects_failed_total"] == 0
+        assert rows["curated"]["not_cached"] == {"decode": 1} and rows["crawl"]["not_cached"] == {}
+        assert rows["curated"]["cached_samples"] == 2_000, "a source below its share is cached whole"
+        assert rows["crawl"]["cached_share"] >= 0.7 - 0.06, f"the crawl keeps its share: {rows['crawl']}"
+        for name, (_id, _weight, objects) in SOURCES.items():
+            assert rows[name]["objects_listed"] == objects + (name == "curated")
+            assert rows[name]["samples_total"] > 0
+            assert rows[name]["objects_failed_total"] == (name == "curated")
         total_cached = sum(row["cached_samples"] for row in rows.values())
         assert total_cached == document["cache"]["samples"]
         assert total_cached < sum(n for _i, _w, n in SOURCES.values()) * PER_OBJECT, "the cache must evict for this"

@@ -50,6 +50,11 @@ Two rules keep the cache turning over while trainers pin it:
   returns None (paced). A snapshot therefore pins at most that much, and while an epoch reads it at least
   ``turnover_bytes`` of fresh samples can still arrive; evicted-but-pinned bytes stay with the snapshot until it
   is released. Without this rule a snapshot of a full cache would freeze ingest for a whole epoch.
+
+Weighted sources (``source_weights``, from the daemon's ``[[source]]`` tables; segments carry a source tag): among
+the evictable segments, a victim is taken from the source furthest *above* its share of the published samples, and
+only then by the policy's order within that source, so a source below its share (one smaller than its share of the
+budget, or one that fell behind) keeps what it has. With one source this changes nothing.
 """
 
 from __future__ import annotations
@@ -175,6 +180,8 @@ class CacheStore:
         self._pinned_only: dict[int, int] = {}
         self._pinned_published: set[int] = set()
         self._epoch_reads: dict[int, int] = {}  # seq -> epochs that read it (see "Epoch reads")
+        self.source_weights: dict[int, float] = {}  # source tag -> share (see "Weighted sources"); {}: unweighted
+        self._samples_by_tag: dict[int, int] = {}  # published samples per source tag, kept as segments come and go
         self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
         self._live_snapshots = 0
         self._metadata_bytes = 0  # measured at the last pin scan (see the budget above)
@@ -265,10 +272,9 @@ class CacheStore:
             seq = segment_seq(entry.name)
             if sources:
                 self.recovered_sources[seq] = sources
-            self._published[seq] = PublishedSegment(
-                seq, entry.name, allocated_bytes(info), count, info.st_ino, info.st_mtime, tag
+            self._add_published(
+                PublishedSegment(seq, entry.name, allocated_bytes(info), count, info.st_ino, info.st_mtime, tag)
             )
-            self._published_bytes += allocated_bytes(info)
             highest = max(highest, seq)
         for name in self._snapshot_segment_names():
             highest = max(highest, segment_seq(name))
@@ -470,7 +476,7 @@ class CacheStore:
                 candidates = self._evictable(unpinned=True)
             if not candidates:
                 return False
-            victim = self.policy.choose(candidates, self._epoch_reads)
+            victim = self._choose(candidates)
             candidates.remove(victim)
             if self._is_pinned_now(victim):
                 self._pinned_published.add(victim)  # pinned since the last scan: evicting it frees nothing
@@ -493,14 +499,31 @@ class CacheStore:
                 candidates = self._evictable()
             if not candidates:
                 return False
-            victim = self.policy.choose(candidates, self._epoch_reads)
+            victim = self._choose(candidates)
             candidates.remove(victim)
             self._evict(victim)
         return True
 
+    def _choose(self, candidates: list[int]) -> int:
+        """The next victim among ``candidates``: the policy's, within the source most above its share."""
+        weights = self.source_weights
+        if weights:
+            by_tag = self._samples_by_tag
+            total = sum(by_tag.values())
+            tags = {self._published[seq].source for seq in candidates}
+            worst = max(sorted(tags), key=lambda tag: by_tag.get(tag, 0) - weights.get(tag, 0.0) * total)
+            candidates = [seq for seq in candidates if self._published[seq].source == worst]
+        return self.policy.choose(candidates, self._epoch_reads)
+
+    def _add_published(self, segment: PublishedSegment) -> None:
+        self._published[segment.seq] = segment
+        self._published_bytes += segment.nbytes
+        self._samples_by_tag[segment.source] = self._samples_by_tag.get(segment.source, 0) + segment.samples
+
     def _evict(self, seq: int) -> None:
         segment = self._published.pop(seq)
         self._published_bytes -= segment.nbytes
+        self._samples_by_tag[segment.source] -= segment.samples
         path = self.layout.segments / segment.name
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -568,8 +591,7 @@ class CacheStore:
         if self.config.fsync:
             fsync_dir(self.layout.segments)
         segment = PublishedSegment(grant.seq, name, allocated_bytes(info), samples, info.st_ino, time.time(), tag)
-        self._published[grant.seq] = segment
-        self._published_bytes += segment.nbytes
+        self._add_published(segment)
         self.counters.published_segments += 1
         self.counters.published_samples += samples
         self.counters.published_bytes += segment.nbytes
@@ -588,10 +610,7 @@ class CacheStore:
 
     def samples_by_source(self) -> dict[int, int]:
         """Published samples per source tag."""
-        counts: dict[int, int] = {}
-        for segment in self._published.values():
-            counts[segment.source] = counts.get(segment.source, 0) + segment.samples
-        return counts
+        return {tag: n for tag, n in self._samples_by_tag.items() if n}
 
     @property
     def segments(self) -> list[PublishedSegment]:

@@ -152,6 +152,8 @@ class Supervisor:
             self.preflight()
             store = CacheStore(config.cache)  # CacheLockedError (exit 75); recovery happens here
             self._store = store
+            if self.inputs.is_named:  # eviction keeps each source near its share (cache/store.py)
+                store.source_weights = {entry.tag: entry.weight for entry in self.inputs.inputs}
             dropped = store.drop_sources({entry.tag for entry in self.inputs.inputs})
             if dropped:
                 log.warning("evicted %d cached segments of sources the config no longer names", dropped)
