@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.moto_server import DUMMY_ENV, MotoServer
+from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
 
 pytest_plugins = ["tests.support.faultproxy"]
 
@@ -25,14 +25,14 @@ def _dummy_aws_credentials() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def moto_server() -> Iterator[MotoServer]:
-    server = MotoServer.start()
+def moto_server() -> Iterator[LocalS3]:
+    server = LocalS3.start()
     yield server
     server.stop()
 
 
 @pytest.fixture
-def s3(moto_server: MotoServer) -> Iterator[MotoServer]:
+def s3(moto_server: LocalS3) -> Iterator[LocalS3]:
     """The moto server, emptied before the test."""
     moto_server.reset()
     yield moto_server

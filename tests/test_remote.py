@@ -29,8 +29,8 @@ from cachefeed.errors import (
     RemoteTransientError,
 )
 from cachefeed.remote import Remote, RemoteObject, backoff_delay, translate_error
+from cachefeed.testing.local_s3 import LocalS3
 from tests.support.counting_proxy import CountingProxy, Fault
-from tests.support.moto_server import MotoServer
 
 T = TypeVar("T")
 BUCKET = "data"
@@ -38,7 +38,7 @@ PREFIX = "set"
 
 
 @pytest.fixture
-def proxy(s3: MotoServer) -> Iterator[CountingProxy]:
+def proxy(s3: LocalS3) -> Iterator[CountingProxy]:
     s3.client().create_bucket(Bucket=BUCKET)
     with CountingProxy(s3.endpoint) as running:
         yield running
@@ -68,7 +68,7 @@ def make_remote(proxy: CountingProxy, remotes: list[Remote]) -> Callable[..., Re
     return make
 
 
-def put(s3: MotoServer, name: str, body: bytes) -> None:
+def put(s3: LocalS3, name: str, body: bytes) -> None:
     s3.client().put_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}", Body=body)
 
 
@@ -96,7 +96,7 @@ def object_gets(proxy: CountingProxy) -> int:
 
 
 def test_list_returns_matching_objects_sorted_with_sizes_and_etags(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     for name in ["b/002.npy", "a/001.npy", "000.npy", "notes.txt", "a/deep/003.npy"]:
         put(s3, name, name.encode() * 3)
@@ -116,7 +116,7 @@ def test_list_returns_matching_objects_sorted_with_sizes_and_etags(
 
 
 def test_list_pattern_star_star_takes_everything_and_refresh_sees_new_objects(
-    s3: MotoServer, make_remote: Callable[..., Remote]
+    s3: LocalS3, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "x.bin", b"1")
     remote = make_remote()
@@ -137,7 +137,7 @@ def test_listing_a_missing_bucket_is_not_found(proxy: CountingProxy, remotes: li
 
 
 def test_listing_transient_failure_is_retried_by_cachefeed_only(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "x.bin", b"1")
     proxy.inject(Fault(status=503, code="SlowDown", query_contains="list-type", times=-1))
@@ -156,7 +156,7 @@ def test_listing_transient_failure_is_retried_by_cachefeed_only(
 
 
 def test_fetch_sends_exactly_one_get_and_no_head_per_object(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     bodies = {f"{i:03d}.npy": os.urandom(100 + i) for i in range(20)}
     for name, body in bodies.items():
@@ -180,7 +180,7 @@ def test_fetch_sends_exactly_one_get_and_no_head_per_object(
 
 
 def test_deleted_object_is_not_found_and_not_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "gone.npy", b"soon gone")
     remote = make_remote(max_attempts=5)
@@ -193,7 +193,7 @@ def test_deleted_object_is_not_found_and_not_retried(
     assert remote.stats.errors_total == {"not_found": 1}
 
 
-def test_forbidden_is_not_retried(s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]) -> None:
+def test_forbidden_is_not_retried(s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]) -> None:
     put(s3, "secret.npy", b"x")
     remote = make_remote(max_attempts=5)
     (obj,) = remote.list_objects()
@@ -206,7 +206,7 @@ def test_forbidden_is_not_retried(s3: MotoServer, proxy: CountingProxy, make_rem
 
 
 def test_object_replaced_after_listing_is_changed_412_not_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "v.npy", b"version one")
     remote = make_remote(max_attempts=5)
@@ -220,7 +220,7 @@ def test_object_replaced_after_listing_is_changed_412_not_retried(
 
 
 def test_body_length_differing_from_listing_is_changed(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "v.npy", b"12345")
     remote = make_remote()
@@ -231,7 +231,7 @@ def test_body_length_differing_from_listing_is_changed(
 
 
 def test_transient_errors_are_retried_with_backoff_until_success(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "flaky.npy", b"worth the wait")
     remote = make_remote(max_attempts=5)
@@ -246,7 +246,7 @@ def test_transient_errors_are_retried_with_backoff_until_success(
 
 
 def test_persistent_transient_error_gives_up_after_max_attempts(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "down.npy", b"x")
     remote = make_remote(max_attempts=4)
@@ -260,7 +260,7 @@ def test_persistent_transient_error_gives_up_after_max_attempts(
 
 
 def test_single_attempt_means_a_single_request(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "once.npy", b"x")
     remote = make_remote(max_attempts=1)
@@ -272,7 +272,7 @@ def test_single_attempt_means_a_single_request(
 
 
 def test_truncated_body_is_transient_and_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     body = os.urandom(4096)
     put(s3, "cut.npy", body)
@@ -286,7 +286,7 @@ def test_truncated_body_is_transient_and_retried(
 
 
 def test_body_corrupted_in_transit_is_caught_by_the_checksum_and_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     body = os.urandom(2048)
     put(s3, "rot.npy", body)  # boto3 uploads with a CRC32 that S3 returns when asked (x-amz-checksum-mode)
@@ -300,7 +300,7 @@ def test_body_corrupted_in_transit_is_caught_by_the_checksum_and_retried(
 
 
 def test_read_timeout_is_transient_and_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "slow.npy", b"eventually")
     remote = make_remote(read_timeout_s=0.2)
@@ -314,7 +314,7 @@ def test_read_timeout_is_transient_and_retried(
 
 
 def test_connection_reset_is_transient_and_resent_at_most_once_by_aiohttp(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "reset.npy", b"x")
     remote = make_remote(max_attempts=2)
@@ -332,7 +332,7 @@ def test_connection_reset_is_transient_and_resent_at_most_once_by_aiohttp(
 
 
 def test_retry_budget_bounds_the_load_on_a_failing_remote(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     for i in range(6):
         put(s3, f"{i}.npy", b"x")
@@ -357,7 +357,7 @@ def test_retry_budget_bounds_the_load_on_a_failing_remote(
 
 
 def test_credentials_never_appear_in_errors_tracebacks_or_logs(
-    s3: MotoServer, proxy: CountingProxy, remotes: list[Remote], caplog: pytest.LogCaptureFixture
+    s3: LocalS3, proxy: CountingProxy, remotes: list[Remote], caplog: pytest.LogCaptureFixture
 ) -> None:
     sentinels = {"key": "AKIASENTINELKEY0001", "secret": "sentinel-secret-4f1d", "token": "sentinel-token-9c2e"}
     put(s3, "a.npy", b"x")
@@ -395,7 +395,7 @@ def test_credentials_never_appear_in_errors_tracebacks_or_logs(
 
 
 def test_request_rate_cap_is_scaled_by_share(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]
 ) -> None:
     for i in range(6):
         put(s3, f"{i}.npy", b"x")
@@ -411,7 +411,7 @@ def test_request_rate_cap_is_scaled_by_share(
     assert remote.stats.throttled_s > 0
 
 
-def test_byte_rate_cap(s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]) -> None:
+def test_byte_rate_cap(s3: LocalS3, proxy: CountingProxy, make_remote: Callable[..., Remote]) -> None:
     for i in range(5):
         put(s3, f"{i}.npy", os.urandom(1000))
     remote = make_remote(max_bytes_per_s=10_000)  # burst 1000 bytes: one object

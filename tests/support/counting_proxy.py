@@ -30,7 +30,7 @@ from xml.sax.saxutils import escape
 import aiohttp
 from aiohttp import web
 
-from tests.support.moto_server import free_port
+from cachefeed.testing.local_s3 import free_port
 
 _HOP_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
 

@@ -25,7 +25,7 @@ import pytest
 
 from cachefeed.config import toml_text
 from cachefeed.records import SegmentReader
-from tests.support.moto_server import MotoServer
+from cachefeed.testing.local_s3 import LocalS3
 
 __all__ = [
     "BUCKET",
@@ -236,7 +236,7 @@ StartDaemon = Callable[..., DaemonProcess]
 
 
 @pytest.fixture(name="bucket")
-def bucket_fixture(s3: MotoServer) -> Any:
+def bucket_fixture(s3: LocalS3) -> Any:
     """A boto3 client of the moto server, with the empty bucket ``BUCKET`` created."""
     client = s3.client()
     client.create_bucket(Bucket=BUCKET)
@@ -244,7 +244,7 @@ def bucket_fixture(s3: MotoServer) -> Any:
 
 
 @pytest.fixture(name="daemon")
-def daemon_fixture(tmp_path: Path, s3: MotoServer) -> Iterator[StartDaemon]:
+def daemon_fixture(tmp_path: Path, s3: LocalS3) -> Iterator[StartDaemon]:
     """``daemon(sections=..., endpoint=..., env=...)`` starts a daemon on ``tmp_path/cache`` (killed at teardown)."""
     started: list[DaemonProcess] = []
 

@@ -62,7 +62,7 @@ import pytest
 import yarl
 from aiohttp import web
 
-from tests.support.moto_server import MotoServer
+from cachefeed.testing.local_s3 import LocalS3
 
 __all__ = ["FAULTS", "FaultProxy", "ProxyCounts", "RequestInfo", "Rule", "fault_proxy"]
 
@@ -580,7 +580,7 @@ def _error_response(request: web.Request, info: RequestInfo, rule: Rule) -> web.
 
 
 @pytest.fixture
-def fault_proxy(s3: MotoServer) -> Iterator[FaultProxy]:
+def fault_proxy(s3: LocalS3) -> Iterator[FaultProxy]:
     """A :class:`FaultProxy` in front of the (freshly reset) moto server, with no rules."""
     with FaultProxy(s3.endpoint) as proxy:
         yield proxy
