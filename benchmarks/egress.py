@@ -26,9 +26,9 @@ from typing import Any
 
 from benchmarks.common.results import provenance_line, save
 from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
+from cachefeed.testing.proxy import FaultProxy
 from cachefeed.trainer import EpochLoaderFactory
 from tests.support.daemon_harness import BUCKET, start_daemon, upload_arrays, write_config
-from tests.support.faultproxy import FaultProxy
 
 TRAINERS = ("no trainer", "slow trainer", "fast trainer")
 

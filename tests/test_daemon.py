@@ -16,6 +16,7 @@ import pytest
 
 from cachefeed.status import load_document
 from cachefeed.status_schema import undeclared_keys
+from cachefeed.testing.proxy import FaultProxy
 from tests.support.daemon_harness import (
     BUCKET,
     StartDaemon,
@@ -25,7 +26,6 @@ from tests.support.daemon_harness import (
     upload_arrays,
     wait_for,
 )
-from tests.support.faultproxy import FaultProxy
 from tests.support.samples import tree_bytes
 
 

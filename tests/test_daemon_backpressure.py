@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from cachefeed.cache.snapshots import Snapshot
+from cachefeed.testing.proxy import FaultProxy, Rule
 from tests.support.daemon_harness import (
     BUCKET,
     StartDaemon,
@@ -19,7 +20,6 @@ from tests.support.daemon_harness import (
     daemon_fixture,  # noqa: F401 (the "daemon" fixture)
     upload_arrays,
 )
-from tests.support.faultproxy import FaultProxy, Rule
 from tests.support.samples import tree_bytes
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from cachefeed.testing.proxy import FaultProxy, Rule
 from tests.support.daemon_harness import (
     BUCKET,
     StartDaemon,
@@ -20,7 +21,6 @@ from tests.support.daemon_harness import (
     daemon_fixture,  # noqa: F401 (the "daemon" fixture)
     upload_arrays,
 )
-from tests.support.faultproxy import FaultProxy, Rule
 
 MAX_ATTEMPTS = 6
 N = 120

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from cachefeed.status import load_document
+from cachefeed.testing.proxy import FaultProxy, Rule
 from tests.support.daemon_harness import (
     BUCKET,
     StartDaemon,
@@ -23,7 +24,6 @@ from tests.support.daemon_harness import (
     upload_arrays,
     wait_for,
 )
-from tests.support.faultproxy import FaultProxy, Rule
 
 SLOW_GETS = [Rule("latency", op="GetObject", delay_s=0.15)]  # a fill that lasts a few seconds
 

@@ -19,6 +19,7 @@ import pytest
 
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.status import Health, read_report
+from cachefeed.testing.proxy import FaultProxy
 from cachefeed.trainer import EpochLoaderFactory
 from tests.support.daemon_harness import (
     BUCKET,
@@ -27,7 +28,6 @@ from tests.support.daemon_harness import (
     daemon_fixture,  # noqa: F401 (the "daemon" fixture)
     upload_arrays,
 )
-from tests.support.faultproxy import FaultProxy
 
 OBJECTS = 300
 OBJECT_BYTES = 64 << 10  # one uint8 array per object: a 19 MiB dataset

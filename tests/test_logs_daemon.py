@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cachefeed.status import Health, StatusReport
 from cachefeed.testing.local_s3 import LocalS3, free_port
-from tests.support.faultproxy import FaultProxy, Rule
+from cachefeed.testing.proxy import FaultProxy, Rule
 from tests.test_status_daemon import Daemon, put_objects, write_config
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from cachefeed.testing.proxy import FaultProxy, Rule
 from tests.reliability.common import report, upload_sv
 from tests.support.daemon_harness import (
     BUCKET,
@@ -29,7 +30,6 @@ from tests.support.daemon_harness import (
     toml_text,
     write_config,
 )
-from tests.support.faultproxy import FaultProxy, Rule
 
 
 def sentinel(tag: str) -> str:
