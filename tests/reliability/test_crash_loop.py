@@ -29,7 +29,9 @@ from cachefeed.cache.reads import RECEIPT_SUFFIX
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import METADATA_RESERVE_BYTES, CacheStore
 from cachefeed.cache.writer import CacheWriter
+from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
 from cachefeed.testing.local_s3 import LocalS3
+from cachefeed.testing.samples import make_sample
 from tests.reliability.common import (
     DiskWatch,
     NotifyListener,
@@ -39,8 +41,7 @@ from tests.reliability.common import (
     upload_sv,
     wait_until,
 )
-from tests.support.daemon_harness import BUCKET, DaemonProcess, start_daemon, write_config
-from tests.support.samples import cache_config, make_sample
+from tests.support.cache_helpers import cache_config
 
 OBJECTS = 160
 OBJECT_BYTES = 16 << 10

@@ -23,16 +23,10 @@ from typing import Any
 import pytest
 
 from cachefeed.records import SegmentReader
+from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
 from cachefeed.testing.local_s3 import LocalS3
 from cachefeed.trainer import EpochLoaderFactory
 from tests.reliability.common import DiskWatch, check_cache, report, sample_problem, upload_sv, wait_until
-from tests.support.daemon_harness import (
-    BUCKET,
-    DaemonProcess,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    start_daemon,
-    write_config,
-)
 from tests.support.tmpfs import small_tmpfs
 
 pytestmark = pytest.mark.root

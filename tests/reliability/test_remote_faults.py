@@ -29,15 +29,10 @@ from botocore.config import Config as BotoConfig
 from cachefeed.config import RemoteConfig
 from cachefeed.errors import RemoteError
 from cachefeed.remote import Remote
+from cachefeed.testing.daemon import BUCKET, StartDaemon
 from cachefeed.testing.local_s3 import LocalS3
 from cachefeed.testing.proxy import FaultProxy, RequestInfo, Rule
 from tests.reliability.common import check_cache, report, sv_body, sv_key, upload_sv, wait_until
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-)
 
 OBJECT_BYTES = 8 << 10
 MAX_ATTEMPTS = 8
