@@ -25,16 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.results import provenance_line, save
-from cachefeed.local_s3 import DUMMY_ENV
-from cachefeed.local_s3 import LocalS3 as MotoServer
+from cachefeed.testing.daemon import BUCKET, start_daemon, write_config
+from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
+from cachefeed.testing.proxy import FaultProxy
+from cachefeed.testing.samples import upload_arrays
 from cachefeed.trainer import EpochLoaderFactory
-from tests.support.daemon_harness import BUCKET, start_daemon, upload_arrays, write_config
-from tests.support.faultproxy import FaultProxy
 
 TRAINERS = ("no trainer", "slow trainer", "fast trainer")
 
 
-def run(server: MotoServer, work: Path, trainer: str, reads: int, args: argparse.Namespace) -> dict[str, Any]:
+def run(server: LocalS3, work: Path, trainer: str, reads: int, args: argparse.Namespace) -> dict[str, Any]:
     cache_dir = work / f"cache-{trainer.replace(' ', '-')}-{reads}"
     sections: dict[str, dict[str, Any]] = {
         "cache": {"max_bytes": args.budget_mib << 20, "evict_after_reads": reads},
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-save", dest="save", action="store_false")
     args = parser.parse_args(argv)
     os.environ.update(DUMMY_ENV)
-    server = MotoServer.start()
+    server = LocalS3.start()
     rows = []
     try:
         client = server.client()

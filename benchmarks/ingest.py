@@ -36,15 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from cachefeed.local_s3 import DUMMY_ENV
-from cachefeed.local_s3 import LocalS3 as MotoServer
-from tests.support.daemon_harness import npy_bytes, start_daemon, wait_for, write_config
+from cachefeed.testing.daemon import start_daemon, wait_for, write_config
+from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
+from cachefeed.testing.samples import npy_bytes
 
 BUCKET = "bench"
 _STAMP = re.compile(r"^(\S+) INFO cachefeed\.daemon\.(?:supervisor|plan)\[\d+\]: (.*)$")
 
 
-def upload(server: MotoServer, prefix: str, count: int, nbytes: int) -> int:
+def upload(server: LocalS3, prefix: str, count: int, nbytes: int) -> int:
     client = server.client()
     rng = np.random.default_rng(0)
     body = npy_bytes(rng.integers(0, 256, size=nbytes, dtype=np.uint8))
@@ -53,7 +53,7 @@ def upload(server: MotoServer, prefix: str, count: int, nbytes: int) -> int:
     return len(body)
 
 
-async def plain_download(server: MotoServer, prefix: str, in_flight: int) -> tuple[float, int, int]:
+async def plain_download(server: LocalS3, prefix: str, in_flight: int) -> tuple[float, int, int]:
     """Seconds, objects and bytes for fetching every object under ``prefix`` once."""
     import s3fs
 
@@ -89,7 +89,7 @@ def _log_time(line: str) -> float:
 
 
 def daemon_ingest(
-    server: MotoServer,
+    server: LocalS3,
     source: str,
     run: str,
     count: int,
@@ -158,7 +158,7 @@ def daemon_ingest(
         _delete_prefix(server, run)
 
 
-def _delete_prefix(server: MotoServer, prefix: str) -> None:
+def _delete_prefix(server: LocalS3, prefix: str) -> None:
     client = server.client()
     keys = [
         {"Key": item["Key"]}
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(DUMMY_ENV)
     in_flight = args.processes * args.concurrency
     work = Path(tempfile.mkdtemp(prefix="cachefeed-ingest-"))
-    server = MotoServer.start()
+    server = LocalS3.start()
     rows = []
     try:
         server.client().create_bucket(Bucket=BUCKET)

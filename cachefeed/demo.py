@@ -40,7 +40,7 @@ import numpy as np
 
 from cachefeed.config import toml_text
 from cachefeed.errors import CachefeedError, ConfigError
-from cachefeed.local_s3 import DUMMY_ENV, LocalS3
+from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
 
 __all__ = ["add_arguments", "run"]
 

@@ -11,7 +11,8 @@ from cachefeed.cache.layout import SNAPSHOT_ENTRY_BYTES, SNAPSHOT_FIXED_BYTES, m
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
-from tests.support.samples import cache_config, make_sample, tree_bytes, write_until_full
+from cachefeed.testing.samples import make_sample
+from tests.support.cache_helpers import cache_config, tree_bytes, write_until_full
 from tests.support.tmpfs import small_tmpfs
 
 

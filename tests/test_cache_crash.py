@@ -15,7 +15,8 @@ import pytest
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.store import CacheStore
 from cachefeed.records import SegmentReader
-from tests.support.samples import cache_config, check_sample
+from cachefeed.testing.samples import check_sample
+from tests.support.cache_helpers import cache_config
 
 
 def start_writer(root: Path, start_key: int) -> subprocess.Popen[str]:

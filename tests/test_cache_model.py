@@ -23,7 +23,8 @@ from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter, WriterStopped
 from cachefeed.records import SegmentReader
-from tests.support.samples import cache_config, check_sample, make_sample, tree_bytes
+from cachefeed.testing.samples import check_sample, make_sample
+from tests.support.cache_helpers import cache_config, tree_bytes
 
 
 def read_keys(paths: list[Path]) -> list[str]:

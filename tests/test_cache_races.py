@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support.samples import tree_bytes
+from tests.support.cache_helpers import tree_bytes
 
 MAX_BYTES = 6 << 20
 SEGMENT_BYTES = 128 << 10

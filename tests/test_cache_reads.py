@@ -14,8 +14,9 @@ from cachefeed.cache.reads import RECEIPT_SUFFIX, ReadLedger
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter, WriterStopped
+from cachefeed.testing.samples import make_sample
 from cachefeed.trainer import EpochLoaderFactory
-from tests.support.samples import cache_config, make_sample
+from tests.support.cache_helpers import cache_config
 
 MAX_BYTES = 4 << 20
 SEGMENT_BYTES = 64 << 10

@@ -16,7 +16,8 @@ from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import METADATA_RESERVE_BYTES, CacheStore
 from cachefeed.cache.writer import CacheWriter
 from cachefeed.records import SegmentReader
-from tests.support.samples import cache_config, check_sample, make_sample, write_until_full
+from cachefeed.testing.samples import check_sample, make_sample
+from tests.support.cache_helpers import cache_config, write_until_full
 
 
 def fill(store: CacheStore, keys: range, nbytes: int = 4096) -> None:
@@ -40,7 +41,7 @@ def test_a_second_writer_is_refused_at_once_naming_the_first(tmp_path: Path) -> 
     store = CacheStore(config)
     code = (
         "import sys; from pathlib import Path\n"
-        "from tests.support.samples import cache_config\n"
+        "from tests.support.cache_helpers import cache_config\n"
         "from cachefeed.cache.store import CacheStore\n"
         f"CacheStore(cache_config(Path({str(config.dir)!r})))\n"
     )

@@ -16,17 +16,10 @@ import pytest
 
 from cachefeed.status import load_document
 from cachefeed.status_schema import undeclared_keys
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    cache_samples,
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-    upload_arrays,
-    wait_for,
-)
-from tests.support.faultproxy import FaultProxy
-from tests.support.samples import tree_bytes
+from cachefeed.testing.daemon import BUCKET, StartDaemon, wait_for
+from cachefeed.testing.proxy import FaultProxy
+from cachefeed.testing.samples import cache_samples, upload_arrays
+from tests.support.cache_helpers import tree_bytes
 
 
 def test_free_running_fill_to_budget_then_keep_sampling_with_eviction(bucket: Any, daemon: StartDaemon) -> None:
@@ -136,7 +129,7 @@ def test_a_remote_that_lists_nothing_makes_the_daemon_degraded_naming_url_and_pa
     tmp_path: Path, url_suffix: str
 ) -> None:
     from cachefeed.status import Health, read_report
-    from tests.support.daemon_harness import start_daemon
+    from cachefeed.testing.daemon import start_daemon
 
     data = tmp_path / "data"
     data.mkdir()

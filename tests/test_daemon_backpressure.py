@@ -12,15 +12,10 @@ from typing import Any
 import pytest
 
 from cachefeed.cache.snapshots import Snapshot
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-    upload_arrays,
-)
-from tests.support.faultproxy import FaultProxy, Rule
-from tests.support.samples import tree_bytes
+from cachefeed.testing.daemon import BUCKET, StartDaemon
+from cachefeed.testing.proxy import FaultProxy, Rule
+from cachefeed.testing.samples import upload_arrays
+from tests.support.cache_helpers import tree_bytes
 
 
 def test_a_cache_full_of_pinned_data_pauses_fetching_until_released(

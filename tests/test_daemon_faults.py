@@ -12,15 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    cache_samples,
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-    upload_arrays,
-)
-from tests.support.faultproxy import FaultProxy, Rule
+from cachefeed.testing.daemon import BUCKET, StartDaemon
+from cachefeed.testing.proxy import FaultProxy, Rule
+from cachefeed.testing.samples import cache_samples, upload_arrays
 
 MAX_ATTEMPTS = 6
 N = 120

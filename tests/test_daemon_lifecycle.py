@@ -14,16 +14,9 @@ from typing import Any
 import numpy as np
 
 from cachefeed.status import load_document
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    cache_samples,
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-    upload_arrays,
-    wait_for,
-)
-from tests.support.faultproxy import FaultProxy, Rule
+from cachefeed.testing.daemon import BUCKET, StartDaemon, wait_for
+from cachefeed.testing.proxy import FaultProxy, Rule
+from cachefeed.testing.samples import cache_samples, upload_arrays
 
 SLOW_GETS = [Rule("latency", op="GetObject", delay_s=0.15)]  # a fill that lasts a few seconds
 

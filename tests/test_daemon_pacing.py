@@ -19,15 +19,10 @@ import pytest
 
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.status import Health, read_report
+from cachefeed.testing.daemon import BUCKET, StartDaemon
+from cachefeed.testing.proxy import FaultProxy
+from cachefeed.testing.samples import upload_arrays
 from cachefeed.trainer import EpochLoaderFactory
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-    upload_arrays,
-)
-from tests.support.faultproxy import FaultProxy
 
 OBJECTS = 300
 OBJECT_BYTES = 64 << 10  # one uint8 array per object: a 19 MiB dataset

@@ -14,15 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    daemon_argv,
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-    upload_arrays,
-    wait_for,
-)
+from cachefeed.testing.daemon import BUCKET, StartDaemon, daemon_argv, wait_for
+from cachefeed.testing.samples import upload_arrays
 
 
 class NotifyListener:

@@ -17,8 +17,9 @@ from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
 from cachefeed.errors import CorruptRecordError, SnapshotError
 from cachefeed.records import SegmentReader
+from cachefeed.testing.samples import check_sample, make_sample
 from cachefeed.trainer.dataset import SnapshotDataset
-from tests.support.samples import cache_config, check_sample, make_sample
+from tests.support.cache_helpers import cache_config
 
 
 def build_cache(root: Path, count: int, *, nbytes: int = 256, segment_bytes: int = 32 << 10, **options) -> Path:

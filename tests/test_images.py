@@ -21,8 +21,8 @@ from cachefeed.config import toml_text
 from cachefeed.errors import ConfigError, DecodeError
 from cachefeed.images import DecodeImages, decode_image
 from cachefeed.labels import ClassIndex, read_classes
+from cachefeed.testing.daemon import DaemonProcess, start_daemon
 from cachefeed.trainer import EpochLoaderFactory
-from tests.support.daemon_harness import DaemonProcess, start_daemon
 
 CLASSES = [f"class_{c:02d}" for c in range(12)]
 PER_CLASS = 10

@@ -24,7 +24,7 @@ from cachefeed.logs import (
     secrets_from_options,
     setup_logging,
 )
-from tests.support.moto_server import MotoServer
+from cachefeed.testing.local_s3 import LocalS3
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,7 +189,7 @@ except botocore.exceptions.ClientError as exc:
 """
 
 
-def test_real_botocore_debug_run_leaks_nothing(s3: MotoServer) -> None:
+def test_real_botocore_debug_run_leaks_nothing(s3: LocalS3) -> None:
     """botocore at DEBUG prints the signed Authorization header and the session token: capped, nothing leaks.
 
     The control run (plain ``basicConfig``) shows that the same run does print them, so the test can fail.

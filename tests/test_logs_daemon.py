@@ -17,8 +17,8 @@ import uuid
 from pathlib import Path
 
 from cachefeed.status import Health, StatusReport
-from tests.support.faultproxy import FaultProxy, Rule
-from tests.support.moto_server import MotoServer, free_port
+from cachefeed.testing.local_s3 import LocalS3, free_port
+from cachefeed.testing.proxy import FaultProxy, Rule
 from tests.test_status_daemon import Daemon, put_objects, write_config
 
 
@@ -35,7 +35,7 @@ def forbidden_seen(report: StatusReport) -> bool:
     )
 
 
-def test_no_sentinel_anywhere(tmp_path: Path, s3: MotoServer, fault_proxy: FaultProxy) -> None:
+def test_no_sentinel_anywhere(tmp_path: Path, s3: LocalS3, fault_proxy: FaultProxy) -> None:
     put_objects(s3, "data", count=8)
     fault_proxy.set_rules(
         [

@@ -17,7 +17,7 @@ from cachefeed.config import StatusConfig
 from cachefeed.errors import ConfigError
 from cachefeed.metrics import _SCALARS, MetricsExporter, render_metrics
 from cachefeed.status_schema import STATUS_SCHEMA
-from tests.support.moto_server import free_port
+from cachefeed.testing.local_s3 import free_port
 from tests.test_status import make_document
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -1,9 +1,12 @@
-"""The curated public API: a sorted __all__ that resolves, and a CLI that does not import torch."""
+"""The curated public API: a sorted __all__ that resolves, a CLI that does not import torch, and the import graph
+around ``cachefeed.testing`` (the tests', benchmarks' and demo's helpers)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import cachefeed
 
@@ -40,3 +43,27 @@ def test_a_sampler_imports_the_grant_contract_not_the_store() -> None:
     code = "import sys, cachefeed.daemon.sampler; print('cachefeed.cache.store' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_testing_helpers_do_not_import_pytest() -> None:
+    """pytest is a test extra: the benchmarks and ``cachefeed demo`` import cachefeed.testing without it."""
+    helpers = Path(cachefeed.__file__).parent / "testing"
+    modules = sorted(f"cachefeed.testing.{path.stem}" for path in helpers.glob("*.py") if path.stem != "__init__")
+    code = f"import sys; import {', '.join(modules)}; print('pytest' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_only_the_demo_imports_the_testing_helpers() -> None:
+    package = Path(cachefeed.__file__).parent
+    importers = set()
+    for path in package.rglob("*.py"):
+        if package / "testing" in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(name == "cachefeed.testing" or name.startswith("cachefeed.testing.") for name in names):
+                importers.add(path.relative_to(package).as_posix())
+    assert importers == {"demo.py"}

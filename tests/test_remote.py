@@ -1,4 +1,4 @@
-"""The remote transport against a real S3 API (moto) behind a counting, fault-injecting proxy, and local files."""
+"""The remote transport against a real S3 API (moto) behind the counting, fault-injecting proxy, and local files."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from cachefeed.errors import (
     RemoteTransientError,
 )
 from cachefeed.remote import Remote, RemoteObject, backoff_delay, translate_error
-from tests.support.counting_proxy import CountingProxy, Fault
-from tests.support.moto_server import MotoServer
+from cachefeed.testing.local_s3 import LocalS3
+from cachefeed.testing.proxy import FaultProxy, Rule
 
 T = TypeVar("T")
 BUCKET = "data"
@@ -38,10 +38,10 @@ PREFIX = "set"
 
 
 @pytest.fixture
-def proxy(s3: MotoServer) -> Iterator[CountingProxy]:
+def proxy(s3: LocalS3, fault_proxy: FaultProxy) -> FaultProxy:
+    """The proxy in front of moto, with the bucket created (directly: not counted)."""
     s3.client().create_bucket(Bucket=BUCKET)
-    with CountingProxy(s3.endpoint) as running:
-        yield running
+    return fault_proxy
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def remotes() -> Iterator[list[Remote]]:
 
 
 @pytest.fixture
-def make_remote(proxy: CountingProxy, remotes: list[Remote]) -> Callable[..., Remote]:
+def make_remote(proxy: FaultProxy, remotes: list[Remote]) -> Callable[..., Remote]:
     def make(
         *, share: float = 1.0, retry_budget_burst: float = 10.0, options: dict[str, Any] | None = None, **fields: Any
     ) -> Remote:
@@ -68,7 +68,7 @@ def make_remote(proxy: CountingProxy, remotes: list[Remote]) -> Callable[..., Re
     return make
 
 
-def put(s3: MotoServer, name: str, body: bytes) -> None:
+def put(s3: LocalS3, name: str, body: bytes) -> None:
     s3.client().put_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}", Body=body)
 
 
@@ -88,15 +88,15 @@ def fetch_one(remote: Remote, obj: RemoteObject) -> bytes:
     return run(remote, lambda: remote.fetch(obj))
 
 
-def object_gets(proxy: CountingProxy) -> int:
-    return proxy.count("GET", f"/{BUCKET}/{PREFIX}/")
+def object_gets(proxy: FaultProxy) -> int:
+    return proxy.counts().ops.get("GetObject", 0)
 
 
 # ---------------------------------------------------------------------------------------------------- listing
 
 
 def test_list_returns_matching_objects_sorted_with_sizes_and_etags(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     for name in ["b/002.npy", "a/001.npy", "000.npy", "notes.txt", "a/deep/003.npy"]:
         put(s3, name, name.encode() * 3)
@@ -111,12 +111,12 @@ def test_list_returns_matching_objects_sorted_with_sizes_and_etags(
         head = s3.client().head_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}")
         assert obj.size == len(name.encode() * 3)
         assert obj.etag == head["ETag"]
-    assert proxy.count("HEAD") == 0
-    assert proxy.count(objects_only=True) == 0  # only bucket-level listing requests
+    assert proxy.counts().method("HEAD") == 0
+    assert proxy.counts().objects == 0  # only bucket-level listing requests
 
 
 def test_list_pattern_star_star_takes_everything_and_refresh_sees_new_objects(
-    s3: MotoServer, make_remote: Callable[..., Remote]
+    s3: LocalS3, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "x.bin", b"1")
     remote = make_remote()
@@ -127,43 +127,43 @@ def test_list_pattern_star_star_takes_everything_and_refresh_sees_new_objects(
     assert remote.stats.listings_total == 2
 
 
-def test_listing_a_missing_bucket_is_not_found(proxy: CountingProxy, remotes: list[Remote]) -> None:
+def test_listing_a_missing_bucket_is_not_found(proxy: FaultProxy, remotes: list[Remote]) -> None:
     config = RemoteConfig(url="s3://no-such-bucket/x", storage_options={"endpoint_url": proxy.endpoint}, max_attempts=3)
     remote = Remote(config)
     remotes.append(remote)
     with pytest.raises(RemoteNotFoundError, match="no-such-bucket"):
         remote.list_objects()
-    assert proxy.count("GET") == 1  # not retried
+    assert proxy.counts().method("GET") == 1  # not retried
 
 
 def test_listing_transient_failure_is_retried_by_cachefeed_only(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "x.bin", b"1")
-    proxy.inject(Fault(status=503, code="SlowDown", query_contains="list-type", times=-1))
+    proxy.set_rules([Rule("slowdown", query="list-type")])
     remote = make_remote(max_attempts=3)
     with pytest.raises(RemoteTransientError):
         remote.list_objects()
-    assert proxy.count("GET") == 3  # max_attempts, and nothing below multiplies them
+    assert proxy.counts().method("GET") == 3  # max_attempts, and nothing below multiplies them
 
-    proxy.clear()
-    proxy.inject(Fault(status=500, code="InternalError", query_contains="list-type", times=1))
+    proxy.reset_counts()
+    proxy.set_rules([Rule("error500", query="list-type", max_count=1)])
     assert len(remote.list_objects()) == 1
-    assert proxy.count("GET") == 2
+    assert proxy.counts().method("GET") == 2
 
 
 # ---------------------------------------------------------------------------------------------------- fetching
 
 
 def test_fetch_sends_exactly_one_get_and_no_head_per_object(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     bodies = {f"{i:03d}.npy": os.urandom(100 + i) for i in range(20)}
     for name, body in bodies.items():
         put(s3, name, body)
     remote = make_remote()
     objects = remote.list_objects()
-    proxy.clear()
+    proxy.reset_counts()
 
     async def fetch_all() -> list[bytes]:
         return await asyncio.gather(*(remote.fetch(obj) for obj in objects))
@@ -172,15 +172,15 @@ def test_fetch_sends_exactly_one_get_and_no_head_per_object(
 
     assert fetched == list(bodies.values())
     assert object_gets(proxy) == 20
-    assert proxy.count("HEAD") == 0
-    assert len(proxy.seen()) == 20
+    assert proxy.counts().method("HEAD") == 0
+    assert proxy.counts().total == 20
     assert remote.stats.requests_total == 20
     assert remote.stats.bytes_total == sum(len(body) for body in bodies.values())
     assert remote.stats.retries_total == 0
 
 
 def test_deleted_object_is_not_found_and_not_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "gone.npy", b"soon gone")
     remote = make_remote(max_attempts=5)
@@ -193,11 +193,11 @@ def test_deleted_object_is_not_found_and_not_retried(
     assert remote.stats.errors_total == {"not_found": 1}
 
 
-def test_forbidden_is_not_retried(s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]) -> None:
+def test_forbidden_is_not_retried(s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]) -> None:
     put(s3, "secret.npy", b"x")
     remote = make_remote(max_attempts=5)
     (obj,) = remote.list_objects()
-    proxy.inject(Fault(method="GET", path_contains="secret.npy", status=403, code="AccessDenied", times=-1))
+    proxy.set_rules([Rule("status", method="GET", key="secret.npy", status=403, code="AccessDenied")])
 
     with pytest.raises(RemoteForbiddenError):
         fetch_one(remote, obj)
@@ -206,7 +206,7 @@ def test_forbidden_is_not_retried(s3: MotoServer, proxy: CountingProxy, make_rem
 
 
 def test_object_replaced_after_listing_is_changed_412_not_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "v.npy", b"version one")
     remote = make_remote(max_attempts=5)
@@ -220,7 +220,7 @@ def test_object_replaced_after_listing_is_changed_412_not_retried(
 
 
 def test_body_length_differing_from_listing_is_changed(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "v.npy", b"12345")
     remote = make_remote()
@@ -231,13 +231,17 @@ def test_body_length_differing_from_listing_is_changed(
 
 
 def test_transient_errors_are_retried_with_backoff_until_success(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "flaky.npy", b"worth the wait")
     remote = make_remote(max_attempts=5)
     (obj,) = remote.list_objects()
-    proxy.inject(Fault(method="GET", path_contains="flaky", status=503, code="SlowDown", times=1))
-    proxy.inject(Fault(method="GET", path_contains="flaky", status=500, code="InternalError", times=1))
+    proxy.set_rules(
+        [
+            Rule("slowdown", method="GET", key="flaky", max_count=1),
+            Rule("error500", method="GET", key="flaky", max_count=1),
+        ]
+    )
 
     assert fetch_one(remote, obj) == b"worth the wait"
     assert object_gets(proxy) == 3
@@ -246,12 +250,12 @@ def test_transient_errors_are_retried_with_backoff_until_success(
 
 
 def test_persistent_transient_error_gives_up_after_max_attempts(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "down.npy", b"x")
     remote = make_remote(max_attempts=4)
     (obj,) = remote.list_objects()
-    proxy.inject(Fault(method="GET", path_contains="down", status=503, code="SlowDown", times=-1))
+    proxy.set_rules([Rule("slowdown", method="GET", key="down")])
 
     with pytest.raises(RemoteTransientError, match="4 attempts"):
         fetch_one(remote, obj)
@@ -260,25 +264,25 @@ def test_persistent_transient_error_gives_up_after_max_attempts(
 
 
 def test_single_attempt_means_a_single_request(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "once.npy", b"x")
     remote = make_remote(max_attempts=1)
     (obj,) = remote.list_objects()
-    proxy.inject(Fault(method="GET", path_contains="once", status=429, code="TooManyRequests", times=-1))
+    proxy.set_rules([Rule("status", method="GET", key="once", status=429, code="TooManyRequests")])
     with pytest.raises(RemoteTransientError):
         fetch_one(remote, obj)
     assert object_gets(proxy) == 1
 
 
 def test_truncated_body_is_transient_and_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     body = os.urandom(4096)
     put(s3, "cut.npy", body)
     remote = make_remote()
     (obj,) = remote.list_objects()
-    proxy.inject(Fault(action="truncate", method="GET", path_contains="cut", times=1))
+    proxy.set_rules([Rule("truncate", method="GET", key="cut", max_count=1)])
 
     assert fetch_one(remote, obj) == body
     assert object_gets(proxy) == 2
@@ -286,13 +290,13 @@ def test_truncated_body_is_transient_and_retried(
 
 
 def test_body_corrupted_in_transit_is_caught_by_the_checksum_and_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     body = os.urandom(2048)
     put(s3, "rot.npy", body)  # boto3 uploads with a CRC32 that S3 returns when asked (x-amz-checksum-mode)
     remote = make_remote()
     (obj,) = remote.list_objects()
-    proxy.inject(Fault(action="corrupt", method="GET", path_contains="rot", times=1))
+    proxy.set_rules([Rule("corrupt", method="GET", key="rot", max_count=1)])
 
     assert fetch_one(remote, obj) == body
     assert object_gets(proxy) == 2
@@ -300,12 +304,12 @@ def test_body_corrupted_in_transit_is_caught_by_the_checksum_and_retried(
 
 
 def test_read_timeout_is_transient_and_retried(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "slow.npy", b"eventually")
     remote = make_remote(read_timeout_s=0.2)
     (obj,) = remote.list_objects()
-    proxy.inject(Fault(action="delay", delay_s=5.0, method="GET", path_contains="slow", times=1))
+    proxy.set_rules([Rule("latency", delay_s=5.0, method="GET", key="slow", max_count=1)])
 
     started = time.monotonic()
     assert fetch_one(remote, obj) == b"eventually"
@@ -314,31 +318,30 @@ def test_read_timeout_is_transient_and_retried(
 
 
 def test_connection_reset_is_transient_and_resent_at_most_once_by_aiohttp(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "reset.npy", b"x")
     remote = make_remote(max_attempts=2)
     (obj,) = remote.list_objects()
-    proxy.inject(Fault(action="reset", method="GET", path_contains="reset", times=-1))
+    proxy.set_rules([Rule("reset", method="GET", key="reset")])
     with pytest.raises(RemoteTransientError):
         fetch_one(remote, obj)
     # NOTE [ One retry layer ]: aiohttp re-sends once on a dropped connection; nothing else multiplies attempts.
     assert 2 <= object_gets(proxy) <= 2 * 2
     assert remote.stats.requests_total == 2
 
-    proxy.clear()
-    proxy.inject(Fault(action="reset", method="GET", path_contains="reset", times=3))
+    proxy.set_rules([Rule("reset", method="GET", key="reset", max_count=3)])
     assert fetch_one(remote, obj) == b"x"
 
 
 def test_retry_budget_bounds_the_load_on_a_failing_remote(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     for i in range(6):
         put(s3, f"{i}.npy", b"x")
     remote = make_remote(max_attempts=5, retry_budget=0.0, retry_budget_burst=2)
     objects = remote.list_objects()
-    proxy.inject(Fault(method="GET", status=503, code="SlowDown", times=-1, path_contains=f"/{PREFIX}/"))
+    proxy.set_rules([Rule("slowdown", method="GET", key=f"{PREFIX}/")])
 
     async def fetch_all() -> list[BaseException | bytes]:
         results: list[BaseException | bytes] = []
@@ -357,7 +360,7 @@ def test_retry_budget_bounds_the_load_on_a_failing_remote(
 
 
 def test_credentials_never_appear_in_errors_tracebacks_or_logs(
-    s3: MotoServer, proxy: CountingProxy, remotes: list[Remote], caplog: pytest.LogCaptureFixture
+    s3: LocalS3, proxy: FaultProxy, remotes: list[Remote], caplog: pytest.LogCaptureFixture
 ) -> None:
     sentinels = {"key": "AKIASENTINELKEY0001", "secret": "sentinel-secret-4f1d", "token": "sentinel-token-9c2e"}
     put(s3, "a.npy", b"x")
@@ -373,9 +376,21 @@ def test_credentials_never_appear_in_errors_tracebacks_or_logs(
     (obj,) = remote.list_objects()
 
     # The server echoes the Authorization header and session token, as S3's SignatureDoesNotMatch does.
-    proxy.inject(Fault(method="GET", path_contains="a.npy", status=403, code="SignatureDoesNotMatch", echo_auth=True))
-    proxy.inject(Fault(method="GET", path_contains="a.npy", status=503, code="SlowDown", echo_auth=True, times=-1))
-    proxy.inject(Fault(query_contains="list-type", status=403, code="AccessDenied", echo_auth=True, times=-1))
+    proxy.set_rules(
+        [
+            Rule(
+                "status",
+                op="GetObject",
+                key="a.npy",
+                status=403,
+                code="SignatureDoesNotMatch",
+                echo_auth=True,
+                max_count=1,
+            ),
+            Rule("slowdown", method="GET", key="a.npy", echo_auth=True),
+            Rule("status", query="list-type", status=403, code="AccessDenied", echo_auth=True),
+        ]
+    )
     errors: list[BaseException] = []
     for attempt in (lambda: fetch_one(remote, obj), lambda: fetch_one(remote, obj), remote.list_objects):
         with pytest.raises(RemoteError) as caught:
@@ -395,7 +410,7 @@ def test_credentials_never_appear_in_errors_tracebacks_or_logs(
 
 
 def test_request_rate_cap_is_scaled_by_share(
-    s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     for i in range(6):
         put(s3, f"{i}.npy", b"x")
@@ -411,7 +426,7 @@ def test_request_rate_cap_is_scaled_by_share(
     assert remote.stats.throttled_s > 0
 
 
-def test_byte_rate_cap(s3: MotoServer, proxy: CountingProxy, make_remote: Callable[..., Remote]) -> None:
+def test_byte_rate_cap(s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]) -> None:
     for i in range(5):
         put(s3, f"{i}.npy", os.urandom(1000))
     remote = make_remote(max_bytes_per_s=10_000)  # burst 1000 bytes: one object

@@ -24,7 +24,7 @@ import pytest
 
 from cachefeed.errors import NoSuchCacheError
 from cachefeed.status import WIDTH, Health, StatusReport, read_report
-from tests.support.moto_server import MotoServer, free_port
+from cachefeed.testing.local_s3 import LocalS3, free_port
 from tests.test_metrics import parse, value
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ _RUNNER = (
 CACHEFEED = [sys.executable, "-c", _RUNNER]
 
 
-def put_objects(s3: MotoServer, bucket: str, count: int = OBJECTS) -> None:
+def put_objects(s3: LocalS3, bucket: str, count: int = OBJECTS) -> None:
     client = s3.client()
     client.create_bucket(Bucket=bucket)
     for i in range(count):
@@ -134,7 +134,7 @@ def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
         daemon.stop()
 
 
-def make_daemon(tmp_path: Path, s3: MotoServer, daemons: list[Daemon], **extra: str) -> Daemon:
+def make_daemon(tmp_path: Path, s3: LocalS3, daemons: list[Daemon], **extra: str) -> Daemon:
     put_objects(s3, "data")
     cache_dir = tmp_path / "cache"
     config = write_config(
@@ -168,7 +168,7 @@ def agreeing_metrics(cache_dir: Path, textfile: Path, timeout_s: float = 20) -> 
         time.sleep(0.02)
 
 
-def test_status_of_a_running_then_stopped_daemon(tmp_path: Path, s3: MotoServer, daemons: list[Daemon]) -> None:
+def test_status_of_a_running_then_stopped_daemon(tmp_path: Path, s3: LocalS3, daemons: list[Daemon]) -> None:
     port = free_port()
     textfile = tmp_path / "cachefeed.prom"
     daemon = make_daemon(
@@ -224,7 +224,7 @@ def _gone(pid: int) -> bool:
     return stat[stat.rfind(")") + 2] in "ZX"
 
 
-def test_status_of_a_sigkilled_daemon(tmp_path: Path, s3: MotoServer, daemons: list[Daemon]) -> None:
+def test_status_of_a_sigkilled_daemon(tmp_path: Path, s3: LocalS3, daemons: list[Daemon]) -> None:
     daemon = make_daemon(tmp_path, s3, daemons)
     report = daemon.wait_for(all_ingested, "all objects ingested, samplers running")
     assert report.document is not None

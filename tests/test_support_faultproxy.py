@@ -1,4 +1,4 @@
-"""The fault proxy and the tmpfs helpers, proved through real clients.
+"""The fault proxy (``cachefeed.testing.proxy``) and the tmpfs helpers, proved through real clients.
 
 Clients are boto3 with one attempt (no retries), so each test reads exactly what a client sees, and s3fs, which
 the daemon uses. Objects are put straight into moto, so the proxy's counts hold only what a test sends.
@@ -20,8 +20,8 @@ import botocore.exceptions
 import pytest
 import s3fs
 
-from tests.support.faultproxy import FaultProxy, ProxyCounts, RequestInfo, Rule, classify
-from tests.support.moto_server import MotoServer
+from cachefeed.testing.local_s3 import LocalS3
+from cachefeed.testing.proxy import FaultProxy, ProxyCounts, RequestInfo, Rule, classify
 from tests.support.tmpfs import small_tmpfs
 
 BUCKET = "faults"
@@ -32,7 +32,7 @@ CHUNK = 8192
 
 
 @pytest.fixture
-def client(s3: MotoServer, fault_proxy: FaultProxy) -> Any:
+def client(s3: LocalS3, fault_proxy: FaultProxy) -> Any:
     """A no-retry boto3 client through the proxy, with two objects in moto and the counts at zero."""
     direct = s3.client()
     direct.create_bucket(Bucket=BUCKET)
@@ -60,7 +60,7 @@ def read_in_chunks(body: Any) -> tuple[int, BaseException | None]:
 # ------------------------------------------------------------------------------------------ pass-through
 
 
-def test_passthrough_keeps_bodies_headers_and_counts(s3: MotoServer, fault_proxy: FaultProxy, client: Any) -> None:
+def test_passthrough_keeps_bodies_headers_and_counts(s3: LocalS3, fault_proxy: FaultProxy, client: Any) -> None:
     response = client.get_object(Bucket=BUCKET, Key=KEY)
     assert response["Body"].read() == DATA
     assert response["ETag"] == s3.client().head_object(Bucket=BUCKET, Key=KEY)["ETag"]
@@ -161,7 +161,7 @@ def test_echo_auth_puts_the_authorization_header_in_the_error_body(fault_proxy: 
 # ------------------------------------------------------------------------------------------ broken connections
 
 
-def test_reset_before_response_on_get_and_put(s3: MotoServer, fault_proxy: FaultProxy, client: Any) -> None:
+def test_reset_before_response_on_get_and_put(s3: LocalS3, fault_proxy: FaultProxy, client: Any) -> None:
     fault_proxy.set_rules([Rule("reset")])
     with pytest.raises(botocore.exceptions.ConnectionClosedError):
         client.get_object(Bucket=BUCKET, Key=KEY)
@@ -242,7 +242,7 @@ def test_corrupt_keeps_the_length_and_flips_bytes(fault_proxy: FaultProxy, clien
 
 
 def test_replace_midway_swaps_the_object_while_the_body_streams(
-    s3: MotoServer, fault_proxy: FaultProxy, client: Any
+    s3: LocalS3, fault_proxy: FaultProxy, client: Any
 ) -> None:
     old_etag = client.head_object(Bucket=BUCKET, Key=KEY)["ETag"]
     seen: list[RequestInfo] = []
@@ -344,7 +344,7 @@ def test_another_process_goes_through_the_proxy(fault_proxy: FaultProxy, client:
     assert fault_proxy.counts().request("GET", OTHER) == 1
 
 
-def test_stop_ends_a_stall_at_once(s3: MotoServer, client: Any) -> None:
+def test_stop_ends_a_stall_at_once(s3: LocalS3, client: Any) -> None:
     proxy = FaultProxy(s3.endpoint).start()
     proxy.set_rules([Rule("stall", delay_s=60)])
     result: list[bytes] = []

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from cachefeed.testing.local_s3 import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 2
@@ -35,7 +36,8 @@ def writer_main(root: str, samples_per_s: float) -> None:
     """Keep adding samples (keys ``w<n>``) through a real CacheStore, which evicts the oldest as it goes."""
     from cachefeed.cache.store import CacheStore
     from cachefeed.cache.writer import CacheWriter
-    from tests.support.samples import cache_config, make_sample
+    from cachefeed.testing.samples import make_sample
+    from tests.support.cache_helpers import cache_config
 
     config = cache_config(Path(root), max_bytes=6 << 20, segment_bytes=64 << 10, turnover_bytes=512 << 10)
     store = CacheStore(config)  # the budget left for segments: 6 MiB - 4 MiB metadata reserve = 2 MiB
@@ -58,8 +60,8 @@ def rank_main(root: str, port: int, rank: int, context: str, out: str, epochs: i
     import torch.distributed as dist
 
     from cachefeed.cache.layout import CacheLayout
+    from cachefeed.testing.samples import check_sample
     from cachefeed.trainer import EpochLoaderFactory
-    from tests.support.samples import check_sample
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     layout = CacheLayout(Path(root))
@@ -110,8 +112,8 @@ def node_rank_main(
     cache, or one); records each epoch's ``len(loader)`` before its first batch and every key served, verified."""
     import torch.distributed as dist
 
+    from cachefeed.testing.samples import check_sample
     from cachefeed.trainer import EpochLoaderFactory
-    from tests.support.samples import check_sample
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     epochs = []
@@ -172,12 +174,6 @@ def run_ranks(tmp_path: Path, roots: list[Path], world: int, local_world: int, s
                 proc.kill()
                 proc.wait()
     return [json.loads(out.read_text()) for out in outs]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def python(code: str, extra_env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:

@@ -18,9 +18,10 @@ from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
 from cachefeed.errors import NoSuchCacheError, SnapshotError
 from cachefeed.records import SegmentReader
+from cachefeed.testing.samples import check_sample, make_sample
 from cachefeed.trainer import EpochLoaderFactory
 from cachefeed.trainer.wait import wait_for_samples
-from tests.support.samples import cache_config, check_sample, make_sample
+from tests.support.cache_helpers import cache_config
 
 
 def build_cache(root: Path, count: int, *, start: int = 0, nbytes: int = 256, segment_bytes: int = 16 << 10) -> Path:

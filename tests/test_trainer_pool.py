@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
+from cachefeed.testing.samples import check_sample
 from cachefeed.trainer import EpochLoaderFactory
 from cachefeed.trainer.arena import Allocator, Nest, Slot, collate_into, place
 from cachefeed.trainer.dataset import SnapshotDataset
 from cachefeed.trainer.pool import WorkerPool
-from tests.support.samples import check_sample
 from tests.test_trainer_loader import build_cache, check_batch, wait_until
 
 Pair = namedtuple("Pair", ["image", "label"])

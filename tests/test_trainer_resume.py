@@ -17,7 +17,7 @@ import pytest
 
 from cachefeed.cache.store import CacheStore
 from cachefeed.trainer import EpochLoaderFactory
-from tests.support.samples import cache_config
+from tests.support.cache_helpers import cache_config
 from tests.test_trainer_loader import build_cache, check_batch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Shared pieces of the reliability suite.
 
 * **Self-verifying remote objects.** An object's key carries its payload size (``sv-00042-16384.npy``) and its
-  bytes are ``payload(path + version, size)`` (``tests/support/samples.py``), where ``path`` is the remote path
+  bytes are ``payload(path + version, size)`` (``cachefeed/testing/samples.py``), where ``path`` is the remote path
   the daemon gives the sample as ``__key__`` (``"bucket/key"``). Any reader checks what it was served against
   the key alone: a wrong, spliced, truncated or misattributed sample is a violation.
 * **One line of counts per scenario**: ``report("crash-loop", kills=20, verified=..., violations=0)`` prints
@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -32,8 +31,9 @@ import numpy as np
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.errors import CorruptRecordError
 from cachefeed.records import SegmentReader
-from tests.support.daemon_harness import wait_for
-from tests.support.samples import payload, tree_bytes
+from cachefeed.testing.daemon import wait_for
+from cachefeed.testing.samples import npy_bytes, payload
+from tests.support.cache_helpers import tree_bytes
 
 REPORT_PREFIX = "[reliability]"
 _SIZED = re.compile(r"-(\d+)\.npy$")
@@ -55,12 +55,6 @@ def _fmt(value: Any) -> str:
 
 def sv_key(index: int, nbytes: int, prefix: str = "") -> str:
     return f"{prefix}sv-{index:05d}-{nbytes}.npy"
-
-
-def npy_bytes(array: np.ndarray[Any, Any]) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
 
 
 def sv_body(path: str, nbytes: int, version: str = "") -> bytes:

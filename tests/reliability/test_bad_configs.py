@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from cachefeed.config import toml_text
+from cachefeed.testing.daemon import daemon_argv
 from tests.reliability.common import report
-from tests.support.daemon_harness import daemon_argv, toml_text
 
 GOOD: dict[str, dict[str, Any]] = {
     "remote": {"url": "s3://data/train/", "storage_options": {"endpoint_url": "http://127.0.0.1:9"}},

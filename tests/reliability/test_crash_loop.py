@@ -29,6 +29,9 @@ from cachefeed.cache.reads import RECEIPT_SUFFIX
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import METADATA_RESERVE_BYTES, CacheStore
 from cachefeed.cache.writer import CacheWriter
+from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed.testing.local_s3 import LocalS3
+from cachefeed.testing.samples import make_sample
 from tests.reliability.common import (
     DiskWatch,
     NotifyListener,
@@ -38,9 +41,7 @@ from tests.reliability.common import (
     upload_sv,
     wait_until,
 )
-from tests.support.daemon_harness import BUCKET, DaemonProcess, start_daemon, write_config
-from tests.support.moto_server import MotoServer
-from tests.support.samples import cache_config, make_sample
+from tests.support.cache_helpers import cache_config
 
 OBJECTS = 160
 OBJECT_BYTES = 16 << 10
@@ -126,7 +127,7 @@ def kill_daemon(proc: DaemonProcess, rng: random.Random, by_pid: bool) -> str:
     return phase
 
 
-def crash_loop(tmp_path: Path, s3: MotoServer, kills: int, seed: int, workers: int = 0) -> None:
+def crash_loop(tmp_path: Path, s3: LocalS3, kills: int, seed: int, workers: int = 0) -> None:
     client = s3.client()
     client.create_bucket(Bucket=BUCKET)
     upload_sv(client, BUCKET, OBJECTS, OBJECT_BYTES)
@@ -258,12 +259,12 @@ def crash_loop(tmp_path: Path, s3: MotoServer, kills: int, seed: int, workers: i
     assert not pins, "the trainer's pins are gone once it stopped (its last read receipts wait for the daemon)"
 
 
-def test_daemon_killed_12_times_while_a_trainer_verifies(tmp_path: Path, s3: MotoServer) -> None:
+def test_daemon_killed_12_times_while_a_trainer_verifies(tmp_path: Path, s3: LocalS3) -> None:
     crash_loop(tmp_path, s3, kills=12, seed=8)  # enough to kill in start-up, fill and eviction; 500 below (slow)
 
 
 @pytest.mark.slow
-def test_daemon_killed_500_times_while_a_trainer_verifies(tmp_path: Path, s3: MotoServer) -> None:
+def test_daemon_killed_500_times_while_a_trainer_verifies(tmp_path: Path, s3: LocalS3) -> None:
     crash_loop(tmp_path, s3, kills=500, seed=500, workers=1)
 
 
@@ -296,7 +297,7 @@ def test_recovery_survives_a_snapshot_released_during_it(tmp_path: Path, monkeyp
     assert not crashed
 
 
-def test_a_restarted_daemon_does_not_cache_what_it_already_holds(tmp_path: Path, s3: MotoServer) -> None:
+def test_a_restarted_daemon_does_not_cache_what_it_already_holds(tmp_path: Path, s3: LocalS3) -> None:
     client = s3.client()
     client.create_bucket(Bucket=BUCKET)
     keys = upload_sv(client, BUCKET, 30, 4 << 10)

@@ -23,16 +23,11 @@ import pytest
 
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
+from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed.testing.local_s3 import LocalS3
+from cachefeed.testing.samples import payload
 from tests.reliability.common import check_cache, read_status, report, tree_listing, upload_sv, wait_until
-from tests.support.daemon_harness import (
-    BUCKET,
-    DaemonProcess,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    start_daemon,
-    write_config,
-)
-from tests.support.moto_server import MotoServer
-from tests.support.samples import cache_config, payload
+from tests.support.cache_helpers import cache_config
 
 SAMPLE_BYTES = 64
 
@@ -113,7 +108,7 @@ def trainer_epochs(cache_dir: Path, log: Path, epochs: int = 3) -> dict[str, Any
 
 
 def test_planted_symlinks_fifos_and_foreign_files_are_never_followed_or_served(
-    tmp_path: Path, s3: MotoServer, bucket: Any
+    tmp_path: Path, s3: LocalS3, bucket: Any
 ) -> None:
     keys = upload_sv(bucket, BUCKET, 30, 4 << 10)
     world = outside_world(tmp_path / "outside")

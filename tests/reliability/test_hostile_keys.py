@@ -29,17 +29,12 @@ from botocore.exceptions import ClientError
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
+from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed.testing.local_s3 import LocalS3
+from cachefeed.testing.samples import npy_bytes, payload
 from cachefeed.trainer import SnapshotDataset
-from tests.reliability.common import check_cache, npy_bytes, report, tree_listing
-from tests.support.daemon_harness import (
-    BUCKET,
-    DaemonProcess,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    start_daemon,
-    write_config,
-)
-from tests.support.moto_server import MotoServer
-from tests.support.samples import cache_config, payload
+from tests.reliability.common import check_cache, report, tree_listing
+from tests.support.cache_helpers import cache_config
 
 PAYLOAD_BYTES = 48
 
@@ -298,7 +293,7 @@ def test_hostile_file_names_through_a_local_remote(tmp_path: Path) -> None:
     assert tree_listing(world, skip=[cache_dir]) == before
 
 
-def test_hostile_keys_through_s3(tmp_path: Path, s3: MotoServer, bucket: Any) -> None:
+def test_hostile_keys_through_s3(tmp_path: Path, s3: LocalS3, bucket: Any) -> None:
     keys = [
         "../escape",
         "../../../../etc/passwd-x",

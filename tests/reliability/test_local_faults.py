@@ -23,16 +23,10 @@ from typing import Any
 import pytest
 
 from cachefeed.records import SegmentReader
+from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed.testing.local_s3 import LocalS3
 from cachefeed.trainer import EpochLoaderFactory
 from tests.reliability.common import DiskWatch, check_cache, report, sample_problem, upload_sv, wait_until
-from tests.support.daemon_harness import (
-    BUCKET,
-    DaemonProcess,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    start_daemon,
-    write_config,
-)
-from tests.support.moto_server import MotoServer
 from tests.support.tmpfs import small_tmpfs
 
 pytestmark = pytest.mark.root
@@ -41,7 +35,7 @@ OBJECT_BYTES = 16 << 10
 
 
 def daemon_on(
-    tmp_path: Path, s3: MotoServer, cache_dir: Path, name: str, cache: dict[str, Any], **sampler: Any
+    tmp_path: Path, s3: LocalS3, cache_dir: Path, name: str, cache: dict[str, Any], **sampler: Any
 ) -> DaemonProcess:
     config = write_config(
         tmp_path / f"{name}.toml",
@@ -108,9 +102,7 @@ def segments_published(proc: DaemonProcess) -> int:
     return int(doc["ingest"]["segments_total"]) if doc else -1
 
 
-def test_a_tmpfs_smaller_than_the_budget_keeps_the_free_space_floor(
-    tmp_path: Path, s3: MotoServer, bucket: Any
-) -> None:
+def test_a_tmpfs_smaller_than_the_budget_keeps_the_free_space_floor(tmp_path: Path, s3: LocalS3, bucket: Any) -> None:
     upload_sv(bucket, BUCKET, 250, OBJECT_BYTES)  # ~4 MiB of samples, more than the filesystem holds
     min_free = 512 << 10
     with small_tmpfs(3 << 20) as mount:
@@ -155,7 +147,7 @@ def test_a_tmpfs_smaller_than_the_budget_keeps_the_free_space_floor(
     assert "Traceback" not in proc.stderr()
 
 
-def enospc_while_writing(tmp_path: Path, s3: MotoServer, bucket: Any, kind: str) -> None:
+def enospc_while_writing(tmp_path: Path, s3: LocalS3, bucket: Any, kind: str) -> None:
     upload_sv(bucket, BUCKET, 120, OBJECT_BYTES)  # more than the cache: fill and eviction never stop
     hold_s = 3.0
     with small_tmpfs(16 << 20, nr_inodes=400) as mount:
@@ -214,11 +206,11 @@ def enospc_while_writing(tmp_path: Path, s3: MotoServer, bucket: Any, kind: str)
     )
 
 
-def test_enospc_while_writing_segments(tmp_path: Path, s3: MotoServer, bucket: Any) -> None:
+def test_enospc_while_writing_segments(tmp_path: Path, s3: LocalS3, bucket: Any) -> None:
     enospc_while_writing(tmp_path, s3, bucket, "bytes")
 
 
-def test_inode_exhaustion_while_writing_segments(tmp_path: Path, s3: MotoServer, bucket: Any) -> None:
+def test_inode_exhaustion_while_writing_segments(tmp_path: Path, s3: LocalS3, bucket: Any) -> None:
     enospc_while_writing(tmp_path, s3, bucket, "inodes")
 
 
@@ -250,9 +242,7 @@ def read_through_factory(cache_dir: Path, epoch: int) -> tuple[int, int, int]:
     return verified, wrong, skipped
 
 
-def test_corruption_behind_the_daemons_back_is_detected_never_served(
-    tmp_path: Path, s3: MotoServer, bucket: Any
-) -> None:
+def test_corruption_behind_the_daemons_back_is_detected_never_served(tmp_path: Path, s3: LocalS3, bucket: Any) -> None:
     paths = upload_sv(bucket, BUCKET, 60, OBJECT_BYTES)
     cache_dir = tmp_path / "cache"
     cache = {"max_bytes": "32MiB", "segment_bytes": "64KiB"}

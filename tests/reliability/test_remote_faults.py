@@ -29,15 +29,10 @@ from botocore.config import Config as BotoConfig
 from cachefeed.config import RemoteConfig
 from cachefeed.errors import RemoteError
 from cachefeed.remote import Remote
+from cachefeed.testing.daemon import BUCKET, StartDaemon
+from cachefeed.testing.local_s3 import LocalS3
+from cachefeed.testing.proxy import FaultProxy, RequestInfo, Rule
 from tests.reliability.common import check_cache, report, sv_body, sv_key, upload_sv, wait_until
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-)
-from tests.support.faultproxy import FaultProxy, RequestInfo, Rule
-from tests.support.moto_server import MotoServer
 
 OBJECT_BYTES = 8 << 10
 MAX_ATTEMPTS = 8
@@ -292,7 +287,7 @@ def test_outage_of_the_remote_keeps_the_cache_then_recovers(
 # ------------------------------------------------------------------------------------------------ corruption
 
 
-def corruption_in_transit(s3: MotoServer, fault_proxy: FaultProxy, *, with_checksum: bool) -> None:
+def corruption_in_transit(s3: LocalS3, fault_proxy: FaultProxy, *, with_checksum: bool) -> None:
     calculation = "when_supported" if with_checksum else "when_required"
     client = boto3.client(
         "s3",
@@ -362,9 +357,9 @@ def corruption_in_transit(s3: MotoServer, fault_proxy: FaultProxy, *, with_check
     assert detected == objects
 
 
-def test_corruption_in_transit_with_an_upload_checksum_is_detected(s3: MotoServer, fault_proxy: FaultProxy) -> None:
+def test_corruption_in_transit_with_an_upload_checksum_is_detected(s3: LocalS3, fault_proxy: FaultProxy) -> None:
     corruption_in_transit(s3, fault_proxy, with_checksum=True)
 
 
-def test_corruption_in_transit_without_an_upload_checksum_is_detected(s3: MotoServer, fault_proxy: FaultProxy) -> None:
+def test_corruption_in_transit_without_an_upload_checksum_is_detected(s3: LocalS3, fault_proxy: FaultProxy) -> None:
     corruption_in_transit(s3, fault_proxy, with_checksum=False)

@@ -20,16 +20,10 @@ from typing import Any
 
 import pytest
 
+from cachefeed.config import toml_text
+from cachefeed.testing.daemon import BUCKET, daemon_argv, start_daemon, write_config
+from cachefeed.testing.proxy import FaultProxy, Rule
 from tests.reliability.common import report, upload_sv
-from tests.support.daemon_harness import (
-    BUCKET,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    daemon_argv,
-    start_daemon,
-    toml_text,
-    write_config,
-)
-from tests.support.faultproxy import FaultProxy, Rule
 
 
 def sentinel(tag: str) -> str:

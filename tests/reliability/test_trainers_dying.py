@@ -22,14 +22,10 @@ from typing import Any
 
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
+from cachefeed.testing.daemon import BUCKET, StartDaemon
+from cachefeed.testing.samples import make_sample
 from tests.reliability.common import group_members, report, upload_sv, wait_until
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-)
-from tests.support.samples import cache_config, make_sample
+from tests.support.cache_helpers import cache_config
 
 RELEASE_LIMIT_S = 3.0  # the daemon sweeps once a second
 WORKER_WATCHDOG_S = 5.0  # torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL

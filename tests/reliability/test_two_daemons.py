@@ -7,14 +7,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from cachefeed.testing.daemon import BUCKET, StartDaemon
+from cachefeed.testing.samples import upload_arrays
 from tests.reliability.common import group_members, report, wait_until
-from tests.support.daemon_harness import (
-    BUCKET,
-    StartDaemon,
-    bucket_fixture,  # noqa: F401 (the "bucket" fixture)
-    daemon_fixture,  # noqa: F401 (the "daemon" fixture)
-    upload_arrays,
-)
 
 REFUSE_LIMIT_S = 10.0  # "at once": no wait on the lock; the time is interpreter start and imports
 

@@ -11,7 +11,7 @@ import traceback
 
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.records import SegmentReader
-from tests.support.samples import check_sample
+from cachefeed.testing.samples import check_sample
 
 
 def main() -> None:

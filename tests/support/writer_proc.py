@@ -13,7 +13,8 @@ from pathlib import Path
 
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
-from tests.support.samples import cache_config, make_sample
+from cachefeed.testing.samples import make_sample
+from tests.support.cache_helpers import cache_config
 
 
 def main() -> None:

@@ -1,50 +1,33 @@
-"""Run the real daemon (``python -m cachefeed daemon``) as a subprocess against the moto server, and look at it.
+"""The real daemon (``python -m cachefeed daemon``) as a subprocess on a test config, and a look at it.
 
-Used by ``tests/test_daemon*.py`` and ``benchmarks/ingest.py``. The daemon runs in its own session (process
-group), so a test can SIGKILL the whole group the way a crash or ``systemctl kill`` would.
+:func:`write_config` writes the config the tests and benchmarks start a daemon on (fast intervals, small segments,
+no fsync; sections override keys); :func:`start_daemon` starts the daemon on it in its own session (process
+group), so a test can SIGKILL the whole group the way a crash or ``systemctl kill`` would; :class:`DaemonProcess`
+reads its status document and stderr and stops it. :func:`wait_for` polls with a deadline.
 
-Fixtures ``bucket`` and ``daemon``: import ``bucket_fixture`` and ``daemon_fixture`` into a test module.
+The tests' ``bucket`` and ``daemon`` fixtures (``tests/conftest.py``) are built on these.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pytest
-
 from cachefeed.config import toml_text
-from cachefeed.records import SegmentReader
-from tests.support.moto_server import MotoServer
+from cachefeed.testing.local_s3 import storage_options
 
-__all__ = [
-    "BUCKET",
-    "DaemonProcess",
-    "StartDaemon",
-    "bucket_fixture",
-    "cache_samples",
-    "daemon_argv",
-    "daemon_fixture",
-    "npy_bytes",
-    "start_daemon",
-    "toml_text",
-    "upload_arrays",
-    "wait_for",
-    "write_config",
-]
-
+__all__ = ["BUCKET", "DaemonProcess", "StartDaemon", "daemon_argv", "start_daemon", "wait_for", "write_config"]
 
 BUCKET = "data"
+"""The bucket the tests' daemons read (the ``bucket`` fixture creates it)."""
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout_s: float, interval_s: float = 0.05, what: str = "") -> Any:
@@ -72,7 +55,7 @@ def write_config(
     document: dict[str, dict[str, Any]] = {
         "remote": {
             "url": f"s3://{bucket}/{prefix}",
-            "storage_options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"},
+            "storage_options": storage_options(endpoint),
             "refresh_interval": "2s",
             "backoff_base": "20ms",
             "backoff_max": "200ms",
@@ -93,40 +76,6 @@ def write_config(
         document.setdefault(section, {}).update(body)
     path.write_text(toml_text(document))
     return path
-
-
-def npy_bytes(array: np.ndarray[Any, Any]) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def upload_arrays(
-    client: Any, bucket: str, count: int, nbytes: int, *, prefix: str = "", start: int = 0, seed: int = 0
-) -> dict[str, np.ndarray[Any, Any]]:
-    """Put ``count`` .npy objects of ``nbytes`` uint8 each; returns ``{"bucket/key": array}``."""
-    rng = np.random.default_rng(seed + start)
-    uploaded = {}
-    for i in range(start, start + count):
-        array = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
-        key = f"{prefix}obj-{i:05d}.npy"
-        client.put_object(Bucket=bucket, Key=key, Body=npy_bytes(array))
-        uploaded[f"{bucket}/{key}"] = array
-    return uploaded
-
-
-def cache_samples(cache_dir: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every (segment name, sample) in the published segments, each segment verified first."""
-    for path in sorted((cache_dir / "segments").glob("*.seg")):
-        try:
-            reader = SegmentReader(path)
-        except FileNotFoundError:
-            continue  # evicted while we looked
-        with reader:
-            reader.verify_all()
-            for i in range(reader.count):
-                sample = reader.read(i)
-                yield path.name, {k: (np.array(v) if isinstance(v, np.ndarray) else v) for k, v in sample.items()}
 
 
 @dataclass
@@ -192,24 +141,9 @@ class DaemonProcess:
             return []
 
 
-# ``python -m cachefeed`` imports every subcommand's module; while one of them is still missing in the working tree,
-# run the same ``cli.main`` with the daemon subcommand only (same error handling, same exit statuses).
-_CLI = (
-    "import sys, cachefeed.cli as cli; "
-    "cli.COMMANDS = {'daemon': cli.COMMANDS['daemon']}; "
-    "sys.exit(cli.main(sys.argv[1:]))"
-)
-
-
 def daemon_argv(config_path: Path, *extra_args: str) -> list[str]:
     """The command line that starts the daemon (``python -m cachefeed daemon --config FILE``)."""
-    import importlib.util
-
-    if all(importlib.util.find_spec(m) for m in ("cachefeed.demo", "cachefeed.status")):
-        head = [sys.executable, "-m", "cachefeed"]
-    else:
-        head = [sys.executable, "-c", _CLI]
-    return [*head, "daemon", "--config", str(config_path), *extra_args]
+    return [sys.executable, "-m", "cachefeed", "daemon", "--config", str(config_path), *extra_args]
 
 
 def start_daemon(
@@ -220,6 +154,7 @@ def start_daemon(
     env: Mapping[str, str] | None = None,
     extra_args: tuple[str, ...] = (),
 ) -> DaemonProcess:
+    """Start ``cachefeed daemon --config config_path`` in a new session; its stderr goes to ``stderr_path``."""
     with stderr_path.open("wb") as stderr:
         process = subprocess.Popen(
             daemon_argv(config_path, *extra_args),
@@ -233,41 +168,4 @@ def start_daemon(
 
 
 StartDaemon = Callable[..., DaemonProcess]
-
-
-@pytest.fixture(name="bucket")
-def bucket_fixture(s3: MotoServer) -> Any:
-    """A boto3 client of the moto server, with the empty bucket ``BUCKET`` created."""
-    client = s3.client()
-    client.create_bucket(Bucket=BUCKET)
-    return client
-
-
-@pytest.fixture(name="daemon")
-def daemon_fixture(tmp_path: Path, s3: MotoServer) -> Iterator[StartDaemon]:
-    """``daemon(sections=..., endpoint=..., env=...)`` starts a daemon on ``tmp_path/cache`` (killed at teardown)."""
-    started: list[DaemonProcess] = []
-
-    def start(
-        *,
-        endpoint: str | None = None,
-        sections: Mapping[str, Mapping[str, Any]] | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> DaemonProcess:
-        cache_dir = tmp_path / "cache"
-        n = len(started)
-        config = write_config(
-            tmp_path / f"daemon-{n}.toml",
-            endpoint=endpoint or s3.endpoint,
-            bucket=BUCKET,
-            cache_dir=cache_dir,
-            sections=sections,
-        )
-        process = start_daemon(config, cache_dir, tmp_path / f"daemon-{n}.stderr", env=env)
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.process.poll() is None:
-            process.kill_group()
+"""The type of the tests' ``daemon`` fixture: ``daemon(endpoint=..., sections=..., env=...)``."""

@@ -1,4 +1,7 @@
-"""Self-verifying samples: the payload is a pure function of the key, so any reader can check what it got."""
+"""Helpers for the cache-store tests: a small cache config, the real size of a cache tree, writing until full.
+
+The self-verifying samples these write are ``cachefeed.testing.samples``.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +10,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import xxhash
-
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
 from cachefeed.config import CacheConfig
-
-
-def payload(key: str, nbytes: int) -> np.ndarray:
-    seed = xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
-    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
-
-
-def make_sample(key: str, nbytes: int = 256) -> dict[str, Any]:
-    return {"__key__": key, "data": payload(key, nbytes), "n": nbytes}
-
-
-def check_sample(sample: dict[str, Any]) -> None:
-    """Raise AssertionError unless the sample's bytes are exactly those its key implies."""
-    data = np.asarray(sample["data"])
-    expected = payload(sample["__key__"], int(sample["n"]))
-    if data.shape != expected.shape or not np.array_equal(data, expected):
-        raise AssertionError(f"sample {sample['__key__']!r} has wrong or partial content")
+from cachefeed.testing.samples import make_sample
 
 
 def cache_config(root: Path, **overrides: Any) -> CacheConfig:

@@ -1,6 +1,9 @@
-"""A fault-injecting S3 reverse proxy on loopback, in front of the moto server.
+"""The S3 reverse proxy on loopback, in front of the local S3 server: it counts requests and injects faults.
 
-Kernel netem is not available where the tests run, so this proxy is how the suite makes the network misbehave.
+moto's server neither counts what it serves per request nor misbehaves the way a real object store does, and
+kernel netem is not available where the tests run, so this proxy is how the tests and the benchmarks count S3
+requests and make the network misbehave.
+
 It is a real HTTP server on ``127.0.0.1`` (a free port): the test process, the daemon and its sampler
 subprocesses all reach it at :attr:`FaultProxy.endpoint` as they would reach S3.
 
@@ -14,7 +17,7 @@ fault. A rule that loses its roll lets the later rules try. The faults:
 ``slowdown``       503 with S3's ``SlowDown`` XML error body; never forwarded.
 ``error500``       500 ``InternalError``; never forwarded.
 ``status``         any ``status`` with an S3 XML error (404 ``NoSuchKey``, 403 ``AccessDenied``,
-                   412 ``PreconditionFailed``, ...; ``code`` overrides the default code).
+                   412 ``PreconditionFailed``, 429 ...; ``code`` overrides the default code).
 ``reset``          a TCP reset (``SO_LINGER`` 0). With no body position: before any response (the request is
                    not forwarded). With ``body_fraction``/``body_bytes``: after that much of the body.
 ``truncate``       the upstream's headers (its full ``Content-Length``), part of the body, then a clean close.
@@ -28,15 +31,16 @@ Body positions: ``body_bytes`` (absolute) wins over ``body_fraction`` (of the up
 Any rule's ``callback`` runs when the rule fires (``replace_midway``: at the body position), in a worker thread.
 
 Counting: every request is counted per ``(method, key)`` and per S3 operation, every injection per fault name;
-:meth:`FaultProxy.counts` returns a snapshot, :meth:`FaultProxy.reset_counts` zeroes it. ``key`` is the object
-key without the bucket (path-style addressing, which botocore uses for an IP endpoint); bucket-level requests
-(listings) count under key ``""``.
+:meth:`FaultProxy.counts` returns a snapshot (:class:`ProxyCounts`), :meth:`FaultProxy.reset_counts` zeroes it.
+``key`` is the object key without the bucket (path-style addressing, which botocore uses for an IP endpoint);
+bucket-level requests (listings) count under key ``""``.
 
 Why a thread and not a subprocess: rules carry Python callables (``callback``) and tests read counts
 synchronously, with no IPC to write. The proxy's event loop runs in a daemon thread; every public method is
 thread-safe (one lock guards rules and counters). Bodies are streamed chunk by chunk in both directions.
 
-Use ``with FaultProxy(upstream) as proxy:`` or the ``fault_proxy`` pytest fixture (in front of ``s3``).
+Use ``with FaultProxy(upstream) as proxy:``; the tests' ``fault_proxy`` fixture (``tests/conftest.py``) is one in
+front of their moto server.
 """
 
 from __future__ import annotations
@@ -51,20 +55,19 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 from urllib.parse import unquote
 from xml.sax.saxutils import escape
 
 import aiohttp
-import pytest
 import yarl
 from aiohttp import web
 
-from tests.support.moto_server import MotoServer
+from cachefeed.testing.local_s3 import DUMMY_ENV, storage_options
 
-__all__ = ["FAULTS", "FaultProxy", "ProxyCounts", "RequestInfo", "Rule", "fault_proxy"]
+__all__ = ["FAULTS", "FaultProxy", "ProxyCounts", "RequestInfo", "Rule", "classify"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +140,8 @@ class Rule:
         status: ``status``: the HTTP status to answer.
         code: the S3 error code for error faults (default from the status: 404 ``NoSuchKey`` ...).
         echo_auth: error faults copy the request's ``Authorization`` header and session token into the error
-            body, as S3's ``SignatureDoesNotMatch`` echoes the key id (to prove a client never logs it).
+            body, as S3's ``SignatureDoesNotMatch`` echoes the key id, and into its ``Message`` too (what a
+            client most likely prints), to prove that a client never repeats them.
         body_fraction: body position as a fraction of ``Content-Length``.
         body_bytes: body position in bytes (wins over ``body_fraction``).
         flip_bytes: ``corrupt``: how many bytes to invert.
@@ -226,9 +230,18 @@ class ProxyCounts:
         """All requests received."""
         return sum(self.requests.values())
 
+    @property
+    def objects(self) -> int:
+        """Requests received for objects (not bucket-level ones such as listings)."""
+        return sum(count for (_, key), count in self.requests.items() if key)
+
     def request(self, method: str, key: str) -> int:
         """Requests received for ``(method, key)`` (0 if none)."""
         return self.requests.get((method, key), 0)
+
+    def method(self, method: str) -> int:
+        """Requests received with HTTP ``method``, whatever the key (0 if none)."""
+        return sum(count for (name, _), count in self.requests.items() if name == method)
 
     def fault(self, name: str) -> int:
         """Injections of fault ``name`` (0 if none)."""
@@ -374,7 +387,7 @@ class FaultProxy:
 
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options that reach moto through this proxy."""
-        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+        return storage_options(self.endpoint)
 
     def client(self, *, max_attempts: int = 1, **config: Any) -> Any:
         """A boto3 S3 client through the proxy that makes ``max_attempts`` attempts in all (1: no retry).
@@ -390,9 +403,9 @@ class FaultProxy:
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
+            aws_access_key_id=DUMMY_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=DUMMY_ENV["AWS_SECRET_ACCESS_KEY"],
+            region_name=DUMMY_ENV["AWS_DEFAULT_REGION"],
             config=Config(retries=retries, **config),
         )
 
@@ -512,12 +525,13 @@ class FaultProxy:
         offset = 0
         async for chunk in upstream.content.iter_chunked(_CHUNK_BYTES):
             start, stop = max(position - offset, 0), min(position + flip_bytes - offset, len(chunk))
+            out = chunk
             if start < stop:
                 mutable = bytearray(chunk)
                 for index in range(start, stop):
                     mutable[index] ^= 0xFF
-                chunk = bytes(mutable)
-            await response.write(chunk)
+                out = bytes(mutable)
+            await response.write(out)
             offset += len(chunk)
 
     async def _sleep(self, delay_s: float) -> None:
@@ -568,6 +582,7 @@ def _error_response(request: web.Request, info: RequestInfo, rule: Rule) -> web.
     if rule.echo_auth:
         auth = request.headers.get("Authorization", "")
         token = request.headers.get("X-Amz-Security-Token", "")
+        message += f" Authorization={auth}; token={token}"
         extra = f"<AWSAccessKeyId>{escape(auth)}</AWSAccessKeyId><StringToSign>{escape(token)}</StringToSign>"
     resource = "/" + "/".join(part for part in (info.bucket, info.key) if part)
     body = (
@@ -577,10 +592,3 @@ def _error_response(request: web.Request, info: RequestInfo, rule: Rule) -> web.
     ).encode()
     headers = {"x-amz-request-id": "faultproxy"}
     return web.Response(status=status, body=body, content_type="application/xml", headers=headers)
-
-
-@pytest.fixture
-def fault_proxy(s3: MotoServer) -> Iterator[FaultProxy]:
-    """A :class:`FaultProxy` in front of the (freshly reset) moto server, with no rules."""
-    with FaultProxy(s3.endpoint) as proxy:
-        yield proxy
