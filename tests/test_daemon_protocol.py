@@ -1,32 +1,13 @@
-"""The supervisor-sampler protocol: every message survives the wire, the channel keeps boundaries and reports EOF."""
+"""The supervisor-sampler and grant protocols: every message survives the wire, the channel keeps boundaries and
+reports EOF, and a tag is registered once."""
 
 from __future__ import annotations
 
 import pytest
 
-from cachefeed.daemon.protocol import (
-    MAX_MESSAGE_BYTES,
-    Abort,
-    Channel,
-    ChannelClosed,
-    Credit,
-    Done,
-    Drain,
-    Drained,
-    Failed,
-    GrantReply,
-    Init,
-    Message,
-    Publish,
-    PublishReply,
-    Reserve,
-    Stats,
-    Work,
-    WorkItem,
-    decode,
-    encode,
-    socket_pair,
-)
+from cachefeed.daemon.grants import Abort, GrantReply, Publish, PublishReply, Reserve
+from cachefeed.daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
+from cachefeed.daemon.wire import MAX_MESSAGE_BYTES, Channel, ChannelClosed, Message, decode, encode, socket_pair
 
 EXAMPLES: list[Message] = [
     Init(0, 0.5, "info", {"url": "s3://b/p", "storage_options": {"key": "k"}}, {"concurrency": 4}, {"fsync": False}),
@@ -91,3 +72,13 @@ def test_a_peer_that_does_not_read_makes_send_time_out() -> None:
             sender.send(big)
     sender.close()
     b.close()
+
+
+def test_a_message_tag_is_registered_once() -> None:
+    from cachefeed.daemon.wire import message
+
+    class Impostor(Message):
+        TAG = "publish"
+
+    with pytest.raises(ValueError, match="taken by Publish"):
+        message(Impostor)

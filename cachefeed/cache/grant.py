@@ -1,7 +1,7 @@
 """Grants: the room the store hands a writer for one segment, and the interface of whoever hands them out.
 
 The contract between ``CacheStore`` (which keeps the budget) and ``CacheWriter`` (which fills segments), whether
-they share a process or a sampler asks the supervisor over its socket (``cachefeed/daemon/protocol.py`` carries
+they share a process or a sampler asks the supervisor over its socket (``cachefeed/daemon/grants.py`` carries
 these same fields). A writer imports this module alone, not the store.
 """
 

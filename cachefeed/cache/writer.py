@@ -2,7 +2,7 @@
 
 ``CacheWriter`` is used the same way in-process (a test, the demo, a benchmark: the provider is a ``CacheStore``)
 and inside a sampler subprocess (the provider is a client that asks the supervisor over its socket; see
-``cachefeed/daemon/protocol.py``).
+``cachefeed/daemon/grants.py``).
 """
 
 from __future__ import annotations

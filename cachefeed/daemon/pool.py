@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachefeed.cache.grant import Grant
 from cachefeed.daemon.notify import child_env
-from cachefeed.daemon.protocol import Channel, ChannelClosed, Init, Message, socket_pair
+from cachefeed.daemon.protocol import Init
+from cachefeed.daemon.wire import Channel, ChannelClosed, Message, socket_pair
 
 __all__ = ["SamplerHandle", "SamplerPool", "SamplerState"]
 
@@ -44,7 +44,7 @@ class SamplerState(enum.Enum):
 
 @dataclass(slots=True)
 class SamplerHandle:
-    """One sampler slot. ``assigned`` and ``grants`` are what a death must undo."""
+    """One sampler slot. ``assigned`` (and the grants it holds, ``grants.py``) are what a death must undo."""
 
     index: int
     state: SamplerState = SamplerState.STARTING
@@ -53,7 +53,6 @@ class SamplerHandle:
     restarts: int = 0
     credits: int = 0
     assigned: set[int] = field(default_factory=set)
-    grants: dict[int, Grant] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)  # the latest Stats message's remote counters
     objects_total: int = 0
     base_objects_total: int = 0  # objects of earlier incarnations

@@ -29,24 +29,11 @@ from typing import Any
 
 from cachefeed.codecs import get_decoder, get_preprocess
 from cachefeed.config import RemoteConfig
-from cachefeed.daemon.protocol import (
-    Channel,
-    ChannelClosed,
-    Credit,
-    Done,
-    Drain,
-    Drained,
-    Failed,
-    GrantReply,
-    Init,
-    Message,
-    PublishReply,
-    Stats,
-    Work,
-    WorkItem,
-)
-from cachefeed.daemon.sink import RpcGrantProvider, SegmentSink, SinkSettings
-from cachefeed.errors import RemoteError
+from cachefeed.daemon.grants import GrantReply, PublishReply, RpcGrantProvider
+from cachefeed.daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
+from cachefeed.daemon.sink import SegmentSink, SinkSettings
+from cachefeed.daemon.wire import Channel, Message
+from cachefeed.errors import ChannelClosed, RemoteError
 from cachefeed.logs import secrets_from_options, setup_logging
 from cachefeed.remote import Remote, RemoteObject, RemoteStats
 

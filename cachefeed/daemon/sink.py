@@ -1,8 +1,8 @@
-"""Inside a sampler: the writer thread (decode, preprocess, append to segments) and its RPC ``GrantProvider``.
+"""Inside a sampler: the writer thread (decode, preprocess, append to segments).
 
 The event loop fetches; this thread does the CPU work (decode, preprocess, encode, write) so that fetching never
 waits on it, and it is the only thread that touches the segment being written. It talks to the supervisor's
-``CacheStore`` through ``RpcGrantProvider`` (see NOTE [ Supervisor-sampler protocol ] in ``protocol.py``).
+``CacheStore`` through ``RpcGrantProvider`` (see NOTE [ Grant protocol ] in ``grants.py``).
 
 Sources: a segment holds samples of one source only (its tag in the trailer, ``records.py``): an object of another
 source than the open segment's first publishes that segment.
@@ -20,33 +20,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from cachefeed.cache.grant import Grant
 from cachefeed.cache.writer import CacheWriter, WriterStopped
 from cachefeed.codecs import Decoder, Sample
-from cachefeed.daemon.protocol import (
-    Abort,
-    Channel,
-    ChannelClosed,
-    GrantReply,
-    Message,
-    Publish,
-    PublishReply,
-    Reserve,
-    WorkItem,
-)
-from cachefeed.errors import CorruptRecordError, DecodeError, GrantTooLarge
+from cachefeed.daemon.grants import RpcGrantProvider
+from cachefeed.daemon.protocol import WorkItem
+from cachefeed.errors import ChannelClosed, CorruptRecordError, DecodeError, GrantTooLarge
 
-__all__ = ["RpcGrantProvider", "SegmentSink", "SinkSettings"]
+__all__ = ["SegmentSink", "SinkSettings"]
 
 log = logging.getLogger(__name__)
 
-_REPLY_TIMEOUT_S = 60.0
 _FLUSH = "flush"
 
 
@@ -57,76 +44,6 @@ def _writable(sample: Sample) -> Sample:
         name: value.copy() if isinstance(value, np.ndarray) and not value.flags.writeable else value
         for name, value in sample.items()
     }
-
-
-class RpcGrantProvider:
-    """``GrantProvider`` over the protocol channel. Called from the writer thread; replies arrive on the loop.
-
-    ``completed`` lists the objects whose samples have all been added to the writer; ``publish`` sends them with
-    the segment and clears the list (they are done once it is published).
-    """
-
-    def __init__(self, channel: Channel) -> None:
-        self._channel = channel
-        self._lock = threading.Lock()
-        self._pending: dict[int, Future[Message]] = {}
-        self._next_req = 0
-        self._closed: BaseException | None = None
-        self.completed: list[int] = []
-
-    def _call(self, message_for: Callable[[int], Message]) -> Message:
-        future: Future[Message] = Future()
-        with self._lock:
-            if self._closed is not None:
-                raise ChannelClosed(str(self._closed))
-            req = self._next_req
-            self._next_req += 1
-            self._pending[req] = future
-        self._channel.send(message_for(req))
-        return future.result(timeout=_REPLY_TIMEOUT_S)
-
-    def on_reply(self, message: GrantReply | PublishReply) -> None:
-        """Route a reply to the waiting call (loop thread)."""
-        with self._lock:
-            future = self._pending.pop(message.req, None)
-        if future is None:
-            log.warning("reply to unknown request %d", message.req)
-        else:
-            future.set_result(message)
-
-    def close(self, reason: BaseException) -> None:
-        """Fail every waiting call and every later one (the supervisor is gone)."""
-        with self._lock:
-            self._closed = reason
-            pending, self._pending = self._pending, {}
-        for future in pending.values():
-            future.set_exception(ChannelClosed(str(reason)))
-
-    def reserve(self, nbytes: int) -> Grant | None:
-        reply = self._call(lambda req: Reserve(req, nbytes))
-        if not isinstance(reply, GrantReply):
-            raise TypeError(f"expected a grant reply, got {reply!r}")
-        if reply.error:
-            raise GrantTooLarge(reply.error)
-        if reply.wait:
-            return None
-        return Grant(reply.seq, Path(reply.path), reply.nbytes)
-
-    def publish(self, grant: Grant) -> object:
-        done, self.completed = self.completed, []
-        reply = self._call(lambda req: Publish(req, grant.seq, done))
-        if not isinstance(reply, PublishReply):
-            raise TypeError(f"expected a publish reply, got {reply!r}")
-        if reply.error:
-            raise CorruptRecordError(reply.error)  # the supervisor re-queued ``done``
-        return grant.seq
-
-    def abort(self, grant: Grant) -> None:
-        grant.path.unlink(missing_ok=True)
-        try:
-            self._channel.send(Abort(grant.seq))
-        except ChannelClosed:
-            pass  # the supervisor is gone; its successor's recovery removes tmp/ anyway
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,28 +34,14 @@ from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.store import CacheStore
 from cachefeed.codecs import get_decoder, get_preprocess
 from cachefeed.config import Config
+from cachefeed.daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed.daemon.notify import SystemdNotifier
 from cachefeed.daemon.pool import SamplerHandle, SamplerPool, SamplerState
-from cachefeed.daemon.protocol import (
-    Abort,
-    Credit,
-    Done,
-    Drain,
-    Drained,
-    Failed,
-    GrantReply,
-    Init,
-    Message,
-    Publish,
-    PublishReply,
-    Reserve,
-    Stats,
-    Work,
-    WorkItem,
-)
+from cachefeed.daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
 from cachefeed.daemon.reporter import StatusReporter
 from cachefeed.daemon.sources import Inputs
-from cachefeed.errors import ConfigError, CorruptRecordError
+from cachefeed.daemon.wire import Message
+from cachefeed.errors import ConfigError
 from cachefeed.labels import ClassIndex
 from cachefeed.logs import safe_url
 from cachefeed.metrics import MetricsExporter
@@ -89,6 +75,7 @@ class Supervisor:
         self.started_at = time.time()
         self.inputs = Inputs(config)  # per source: a catalog and a sampling plan (sources.py)
         self._store: CacheStore | None = None
+        self._grants: GrantServer | None = None  # room for segments, on the store (NOTE in grants.py)
         self._pool: SamplerPool | None = None
         self._metrics: MetricsExporter | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -152,6 +139,7 @@ class Supervisor:
             self.preflight()
             store = CacheStore(config.cache)  # CacheLockedError (exit 75); recovery happens here
             self._store = store
+            self._grants = GrantServer(store)
             if self.inputs.is_named:  # eviction keeps each source near its share (cache/store.py)
                 store.source_weights = {entry.tag: entry.weight for entry in self.inputs.inputs}
             dropped = store.drop_sources({entry.tag for entry in self.inputs.inputs})
@@ -347,27 +335,16 @@ class Supervisor:
 
     def _dispatch(self, handle: SamplerHandle, message: Message) -> None:
         pool = self._require_pool()
-        store = self._require_store()
+        grants = self._require_grants()
         if isinstance(message, Credit):
             handle.credits += message.n
         elif isinstance(message, Reserve):
-            try:
-                grant = store.reserve(message.nbytes)
-            except ValueError as exc:
-                pool.send(handle, GrantReply(message.req, error=str(exc)))
-                return
-            if grant is None:
-                pool.send(handle, GrantReply(message.req, wait=True))
-            else:
-                handle.grants[grant.seq] = grant
-                pool.send(handle, GrantReply(message.req, grant.seq, str(grant.path), grant.nbytes))
+            pool.send(handle, grants.reserve(handle.index, message))
             self._check_evictions()
         elif isinstance(message, Publish):
             self._publish(handle, message)
         elif isinstance(message, Abort):
-            aborted = handle.grants.pop(message.seq, None)
-            if aborted is not None:
-                store.abort(aborted)
+            grants.abort(handle.index, message)
         elif isinstance(message, Done):
             handle.assigned.difference_update(message.oids)
             self.inputs.done(message.oids, None)
@@ -387,26 +364,19 @@ class Supervisor:
 
     def _publish(self, handle: SamplerHandle, message: Publish) -> None:
         pool = self._require_pool()
-        grant = handle.grants.pop(message.seq, None)
         done = [oid for oid in message.done if oid in handle.assigned]
         handle.assigned.difference_update(done)
-        if grant is None:
+        reply, segment = self._require_grants().publish(handle.index, message)
+        if segment is None:
             self.inputs.requeue(done)
-            pool.send(handle, PublishReply(message.req, error=f"unknown grant {message.seq}"))
-            return
-        try:
-            segment = self._require_store().publish(grant)
-        except (CorruptRecordError, OSError, ValueError) as exc:
-            log.error("sampler %d: segment %d not published: %s", handle.index, message.seq, exc)
-            self.inputs.requeue(done)
-            pool.send(handle, PublishReply(message.req, error=str(exc)))
+            pool.send(handle, reply)
             return
         self.inputs.done(done, message.seq)
         self.inputs.published(segment.source, segment.samples, segment.nbytes)
         self.inputs.segment_published(handle.index)  # it may be pointed at another source now
         log.debug("sampler %d published segment %d with %d objects done", handle.index, message.seq, len(done))
         handle.backoff_s = self.config.sampler.restart_backoff_s  # it works: a later crash restarts fast
-        pool.send(handle, PublishReply(message.req))
+        pool.send(handle, reply)
         self._check_evictions()
 
     def _undo(self, handle: SamplerHandle) -> None:
@@ -416,10 +386,7 @@ class Supervisor:
         self.inputs.requeue(sorted(handle.assigned))
         self.inputs.forget_sampler(handle.index)
         handle.assigned.clear()
-        store = self._require_store()
-        for grant in handle.grants.values():
-            store.abort(grant)
-        handle.grants.clear()
+        self._require_grants().abort_all(handle.index)
         handle.credits = 0
 
     # -- draining -------------------------------------------------------------------------------------------
@@ -434,7 +401,11 @@ class Supervisor:
         for catalog in self.inputs.catalogs():
             catalog.stop()
         for handle in pool.live():
-            if handle.state is SamplerState.STARTING and not handle.assigned and not handle.grants:
+            if (
+                handle.state is SamplerState.STARTING
+                and not handle.assigned
+                and not self._require_grants().holds(handle.index)
+            ):
                 pool.terminate(handle)  # still starting up: nothing to drain, no reason to wait for its imports
             else:
                 pool.send(handle, Drain())
@@ -507,6 +478,11 @@ class Supervisor:
         if self._store is None:
             raise RuntimeError("the cache store is not open")
         return self._store
+
+    def _require_grants(self) -> GrantServer:
+        if self._grants is None:
+            raise RuntimeError("the cache store is not open")
+        return self._grants
 
     def _require_pool(self) -> SamplerPool:
         if self._pool is None:
