@@ -22,9 +22,9 @@ from cachefeed.codecs import msgpack_default
 from cachefeed.config import parse_config, toml_text
 from cachefeed.errors import ConfigError
 from cachefeed.metrics import render_metrics
+from cachefeed.testing.daemon import DaemonProcess, start_daemon
+from cachefeed.testing.samples import payload
 from cachefeed.trainer.partition import source_shares, weighted_order
-from tests.support.daemon_harness import DaemonProcess, start_daemon
-from tests.support.samples import payload
 
 # name -> (id, weight, objects). The curated set (2,000 samples) is smaller than its 30% of the cache (~2,400 of
 # ~8,000 samples): the daemon caches all of it and every epoch upsamples it; the crawl (10,000) must be evicted.
@@ -146,7 +146,8 @@ def test_source_tables_are_checked_key_by_key(tmp_path: Path) -> None:
 def test_eviction_takes_from_the_source_above_its_share_and_spares_the_one_below(tmp_path: Path) -> None:
     from cachefeed.cache.store import CacheStore
     from cachefeed.cache.writer import CacheWriter
-    from tests.support.samples import cache_config, make_sample
+    from cachefeed.testing.samples import make_sample
+    from tests.support.cache_helpers import cache_config
 
     small, large = source_tag("small"), source_tag("large")
     store = CacheStore(cache_config(tmp_path / "cache", max_bytes=8 << 20, segment_bytes=64 << 10))
@@ -247,7 +248,8 @@ def rank_main(root: str, port: int, rank: int, out: str) -> None:
 
 
 def test_two_nodes_each_give_every_epoch_the_weighted_shares_of_their_own_objects(tmp_path: Path, data: Path) -> None:
-    from tests.test_trainer_distributed import free_port, python
+    from cachefeed.testing.local_s3 import free_port
+    from tests.test_trainer_distributed import python
 
     daemons = [start(tmp_path, rank=rank, count=2) for rank in range(2)]
     try:

@@ -35,12 +35,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from cachefeed.cache.grant import Grant
-from cachefeed.cache.store import CacheStore, PublishedSegment
 from cachefeed.daemon.wire import Channel, Message, message
 from cachefeed.errors import ChannelClosed, CorruptRecordError, GrantTooLarge
+
+if TYPE_CHECKING:  # the server's side only: a sampler imports this module for the client, never the store
+    from cachefeed.cache.store import CacheStore, PublishedSegment
 
 __all__ = ["Abort", "GrantReply", "GrantServer", "Publish", "PublishReply", "Reserve", "RpcGrantProvider"]
 
