@@ -24,12 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from cachefeed.cache.eviction import POLICIES
+from cachefeed.cache.records import COMPRESSIONS
+from cachefeed.cache.settings import (
+    DEFAULT_SEGMENT_BYTES,
+    DEFAULT_TURNOVER_PERCENT,
+    METADATA_RESERVE_BYTES,
+    MIN_SEGMENTS_IN_BUDGET,
+    CacheConfig,
+)
 from cachefeed.cache.sources import MAX_SOURCES, source_tag
 from cachefeed.codecs import BUILTIN_DECODERS
 from cachefeed.errors import ConfigError
 from cachefeed.images import image_size, require_pillow
 from cachefeed.labels import LABEL_RULES
-from cachefeed.records import COMPRESSIONS
 from cachefeed.units import parse_duration, parse_size
 
 __all__ = [
@@ -46,12 +53,8 @@ __all__ = [
     "toml_text",
 ]
 
-DEFAULT_TURNOVER_PERCENT = 25  # cache.turnover's default: room kept for fresh samples while epochs pin the rest
 EVICTION_POLICIES = tuple(POLICIES)  # names come from the registries that define them
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MIN_SEGMENTS_IN_BUDGET = 4
-METADATA_RESERVE_BYTES = 1 << 20  # lock, tag, status.json, snapshot dirs: part of max_bytes (see cache/store.py)
-_DEFAULT_SEGMENT_BYTES = 64 << 20
 _DEFAULT_PROCESSES = 2
 
 
@@ -92,26 +95,6 @@ class SourceConfig:
     def tag(self) -> int:
         """The tag its segments carry (``cache/sources.py``)."""
         return source_tag(self.name)
-
-
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    dir: Path
-    max_bytes: int
-    min_free_bytes: int = 1 << 30
-    segment_bytes: int = _DEFAULT_SEGMENT_BYTES
-    eviction: str = "fifo"
-    evict_after_reads: int = 1
-    snapshot_grace_s: float = 300.0
-    turnover_bytes: int = -1  # -1: DEFAULT_TURNOVER_PERCENT of max_bytes, as in a config file
-    compression: str = "none"
-    fsync: bool = True
-    file_mode: int = 0o640
-    dir_mode: int = 0o750
-
-    def __post_init__(self) -> None:
-        if self.turnover_bytes < 0:  # the one default, whether the config comes from TOML or from code
-            object.__setattr__(self, "turnover_bytes", self.max_bytes * DEFAULT_TURNOVER_PERCENT // 100)
 
 
 @dataclass(frozen=True, slots=True)
@@ -595,7 +578,7 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
     sampler = sections["sampler"]
     node = sections["node"]
     max_bytes = int(cache["max_bytes"])  # type: ignore[call-overload]
-    segment_bytes = int(cache.get("segment_bytes", _DEFAULT_SEGMENT_BYTES))  # type: ignore[call-overload]
+    segment_bytes = int(cache.get("segment_bytes", DEFAULT_SEGMENT_BYTES))  # type: ignore[call-overload]
     processes = int(sampler.get("processes", _DEFAULT_PROCESSES))  # type: ignore[call-overload]
     floor = max(MIN_SEGMENTS_IN_BUDGET, 2 * processes) * segment_bytes + METADATA_RESERVE_BYTES
     if max_bytes < floor:
