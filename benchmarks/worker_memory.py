@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.common.results import provenance_line, save
 from benchmarks.common.static_cache import write_static_cache
+from cachefeed.cache.records import SegmentReader
 from cachefeed.cache.snapshots import Snapshot
-from cachefeed.records import SegmentReader
 from cachefeed.trainer import EpochLoaderFactory
 
 FIELDS = ("Rss", "Pss", "Private_Clean", "Private_Dirty", "Anonymous", "Pss_Shmem", "Pss_File")

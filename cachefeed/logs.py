@@ -40,6 +40,7 @@ from typing import Any, TextIO
 
 __all__ = [
     "CHATTY_LOGGERS",
+    "LOG_LEVELS",
     "REDACTED",
     "OneLineFormatter",
     "RedactingFilter",
@@ -51,6 +52,7 @@ __all__ = [
     "setup_logging",
 ]
 
+LOG_LEVELS = ("debug", "info", "warning", "error")  # the registry: config validates log.level against it
 REDACTED = "***"
 CHATTY_LOGGERS = ("botocore", "boto3", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp", "s3transfer")
 MIN_SECRET_CHARS = 4  # shorter values would redact ordinary words; same threshold as remote.py
@@ -228,7 +230,7 @@ def setup_logging(
     """Configure this process's logging (see the module docstring). Idempotent: replaces its own handler.
 
     Args:
-        level: "debug", "info", "warning", "error" (config ``log.level``) or a ``logging`` level number.
+        level: one of ``LOG_LEVELS`` (config ``log.level``) or a ``logging`` level number.
         secrets: extra values to redact (e.g. ``secrets_from_options(config.remote.storage_options)``);
             credentials found in the environment are always added.
         stream: where to write (default ``sys.stderr``).
@@ -240,7 +242,7 @@ def setup_logging(
     env = os.environ if env is None else env
     numeric = level if isinstance(level, int) else logging.getLevelName(str(level).upper())
     if not isinstance(numeric, int):
-        raise ValueError(f"log level {level!r}: expected debug, info, warning or error")
+        raise ValueError(f"log level {level!r}: expected {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}")
     add_secrets(secrets_from_env(env))
     add_secrets(secrets)
     target = sys.stderr if stream is None else stream

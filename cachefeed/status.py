@@ -55,10 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from cachefeed.cache.layout import CacheLayout, allocated_bytes
+from cachefeed.cache.records import segment_count
 from cachefeed.cache.snapshots import live_snapshots, pinned_inodes
 from cachefeed.config import load_config
 from cachefeed.errors import CachefeedError, StatusUnreadable
-from cachefeed.records import segment_count
 from cachefeed.status_schema import STATUS_SCHEMA, STATUS_VERSION, shape_error
 from cachefeed.units import format_bytes, format_duration
 

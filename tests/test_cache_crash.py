@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.records import SegmentReader
 from cachefeed.cache.store import CacheStore
-from cachefeed.records import SegmentReader
 from cachefeed.testing.samples import check_sample
 from tests.support.cache_helpers import cache_config
 

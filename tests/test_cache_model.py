@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.records import SegmentReader
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter, WriterStopped
-from cachefeed.records import SegmentReader
 from cachefeed.testing.samples import check_sample, make_sample
 from tests.support.cache_helpers import cache_config, tree_bytes
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.records import SegmentReader
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import METADATA_RESERVE_BYTES, CacheStore
 from cachefeed.cache.writer import CacheWriter
-from cachefeed.records import SegmentReader
 from cachefeed.testing.samples import check_sample, make_sample
 from tests.support.cache_helpers import cache_config, write_until_full
 

@@ -334,7 +334,7 @@ def test_a_bad_value_in_a_file_names_the_file(tmp_path: Path) -> None:
     assert info.value.__cause__ is None and info.value.__suppress_context__  # no parser traceback noise
 
 
-# --- known gaps in cachefeed/config.py, reported to the lead; strict xfail turns green-to-red when fixed -------
+# --- known gaps in cachefeed/config/, reported to the lead; strict xfail turns green-to-red when fixed ---------
 
 
 def test_did_you_mean_for_a_short_key() -> None:

@@ -1,7 +1,7 @@
 """The example configs in configs/: they load, and the reference one documents every key with its default.
 
 The documented defaults are checked against the parser: writing a key with the value its comment calls the
-default must parse to the same Config as leaving the key out, so the comments cannot drift from config.py.
+default must parse to the same Config as leaving the key out, so the comments cannot drift from the schema.
 The examples are also checked against the units in systemd/ (cache dirs writable by the sandbox, the tmpfs big
 enough for the config that uses it).
 """

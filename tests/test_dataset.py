@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from cachefeed.cache.records import SegmentReader
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
 from cachefeed.errors import CorruptRecordError, SnapshotError
-from cachefeed.records import SegmentReader
 from cachefeed.testing.samples import check_sample, make_sample
 from cachefeed.trainer.dataset import SnapshotDataset
 from tests.support.cache_helpers import cache_config

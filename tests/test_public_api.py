@@ -1,11 +1,13 @@
-"""The curated public API: a sorted __all__ that resolves, a CLI that does not import torch, and the import graph
-around ``cachefeed.testing`` (the tests', benchmarks' and demo's helpers)."""
+"""The curated public API: a sorted __all__ that resolves, a CLI that does not import torch, and the import graph:
+``cachefeed/cache/`` as the ground floor, and who imports ``cachefeed.testing`` (the tests', benchmarks' and demo's
+helpers)."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import cachefeed
@@ -67,3 +69,38 @@ def test_only_the_demo_imports_the_testing_helpers() -> None:
             if any(name == "cachefeed.testing" or name.startswith("cachefeed.testing.") for name in names):
                 importers.add(path.relative_to(package).as_posix())
     assert importers == {"demo.py"}
+
+
+# The cache layer's modules may import torch only inside these functions (module, function): a tensor field of a
+# sample is encoded and decoded where the segment format is, and torch is loaded only when a sample holds one.
+_CACHE_LAZY_TORCH = {("records.py", "_to_payload"), ("records.py", "_decode_field")}
+_ABOVE_THE_CACHE = ("cachefeed.config", "cachefeed.daemon", "cachefeed.trainer", "torch")
+
+
+def _imports(node: ast.AST, function: str = "") -> Iterator[tuple[str, str]]:
+    """Every module an import under ``node`` names, with the function it sits in ("" at module level)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import):
+            yield from ((alias.name, function) for alias in child.names)
+        elif isinstance(child, ast.ImportFrom) and child.module is not None:
+            yield child.module, function
+            yield from ((f"{child.module}.{alias.name}", function) for alias in child.names)
+        inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+        yield from _imports(child, inner)
+
+
+def test_the_cache_layer_imports_nothing_above_it() -> None:
+    """``cachefeed/cache/`` is the ground floor: it imports neither the config, the daemon, the trainer nor torch."""
+    cache = Path(cachefeed.__file__).parent / "cache"
+    offences = []
+    for path in sorted(cache.rglob("*.py")):
+        for name, function in _imports(ast.parse(path.read_text(), str(path))):
+            above = any(name == top or name.startswith(f"{top}.") for top in _ABOVE_THE_CACHE)
+            is_lazy_torch = name.partition(".")[0] == "torch" and (path.name, function) in _CACHE_LAZY_TORCH
+            if above and not is_lazy_torch:
+                offences.append(f"{path.relative_to(cache.parent).as_posix()}: {function or '<module>'} imports {name}")
+    assert offences == []
+    modules = sorted(f"cachefeed.cache.{path.stem}" for path in cache.glob("*.py") if path.stem != "__init__")
+    code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

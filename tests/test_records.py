@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from cachefeed.cache.records import SegmentReader, SegmentWriter
 from cachefeed.errors import CorruptRecordError
-from cachefeed.records import SegmentReader, SegmentWriter
 
 
 def write_segment(path: Path, samples: list[dict], **kwargs) -> int:

@@ -29,9 +29,9 @@ import pytest
 
 from cachefeed import cli
 from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.records import SegmentWriter
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.fsutil import atomic_write
-from cachefeed.records import SegmentWriter
 from cachefeed.status import WIDTH, Health, read_report, render_human, stale_after_s
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,11 +13,11 @@ import pytest
 from torch.utils.data import DataLoader
 
 from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.records import SegmentReader
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
 from cachefeed.errors import NoSuchCacheError, SnapshotError
-from cachefeed.records import SegmentReader
 from cachefeed.testing.samples import check_sample, make_sample
 from cachefeed.trainer import EpochLoaderFactory
 from cachefeed.trainer.wait import wait_for_samples

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.settings import CacheConfig
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
-from cachefeed.config import CacheConfig
 
 __all__ = ["write_static_cache"]
 

@@ -44,10 +44,10 @@ import msgpack
 
 from cachefeed.cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
 from cachefeed.cache.reads import READ_MARK, RECEIPT_SUFFIX, read_counts, write_receipt
+from cachefeed.cache.records import segment_trailer
 from cachefeed.cache.sources import read_sources
 from cachefeed.errors import SnapshotError
 from cachefeed.fsutil import atomic_write, remove_tree
-from cachefeed.records import segment_trailer
 
 __all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale"]
 

@@ -1,6 +1,6 @@
 """Named, weighted sources: the tag each segment carries, and the cache's ``sources.json`` that names the tags.
 
-A daemon configured with ``[[source]]`` tables (``cachefeed/config.py``) reads several remotes. Every segment holds
+A daemon configured with ``[[source]]`` tables (``cachefeed/config/``) reads several remotes. Every segment holds
 samples of one source only and names it by a **tag** in its trailer (``records.py``): a u32 derived from the
 source's name (``source_tag``), so the same name gives the same tag on every node, across restarts and config
 edits. Tag 0 means "the one unnamed remote" of the single ``[remote]`` form.

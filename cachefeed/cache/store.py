@@ -82,11 +82,11 @@ from cachefeed.cache.layout import (
     segment_seq,
 )
 from cachefeed.cache.reads import ReadLedger
+from cachefeed.cache.records import SegmentReader
+from cachefeed.cache.settings import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed.cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
-from cachefeed.config import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed.errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
 from cachefeed.fsutil import fsync_dir, remove_tree
-from cachefeed.records import SegmentReader
 
 __all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "PublishedSegment", "Usage"]
 

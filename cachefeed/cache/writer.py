@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cachefeed.cache.grant import Grant, GrantProvider
+from cachefeed.cache.records import RecordEncoder, SegmentWriter
 from cachefeed.errors import WriterStopped
-from cachefeed.records import RecordEncoder, SegmentWriter
 
 __all__ = ["CacheWriter", "GrantProvider", "WriterStopped"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cachefeed.config import LOG_LEVELS, load_config
+from cachefeed.config import load_config
 from cachefeed.daemon.supervisor import Supervisor
-from cachefeed.logs import secrets_from_options, setup_logging
+from cachefeed.logs import LOG_LEVELS, secrets_from_options, setup_logging
 
 __all__ = ["add_arguments", "run"]
 

@@ -4,7 +4,7 @@ The event loop fetches; this thread does the CPU work (decode, preprocess, encod
 waits on it, and it is the only thread that touches the segment being written. It talks to the supervisor's
 ``CacheStore`` through ``RpcGrantProvider`` (see NOTE [ Grant protocol ] in ``grants.py``).
 
-Sources: a segment holds samples of one source only (its tag in the trailer, ``records.py``): an object of another
+Sources: a segment holds samples of one source only (its tag in the trailer, ``cache/records.py``): an object of another
 source than the open segment's first publishes that segment.
 
 Flushing: a segment is published when full, when the sampler has nothing in flight (``request_flush``: the tail

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from cachefeed.records import SegmentReader
+from cachefeed.cache.records import SegmentReader
 
 __all__ = ["cache_samples", "check_sample", "make_sample", "npy_bytes", "payload", "upload_arrays"]
 

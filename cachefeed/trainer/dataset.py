@@ -20,7 +20,7 @@ processes that read the same segment.
 
 Tensors handed out are ``torch.from_numpy`` views of the copy-on-write map (writable, so torch does not warn; a
 write changes only the writer's private copy of that page, never the cache). Arrays are stored contiguous and
-aligned (64 bytes from 4 KiB, 16 below: ``records.py``), so every tensor is contiguous.
+aligned (64 bytes from 4 KiB, 16 below: ``cache/records.py``), so every tensor is contiguous.
 
 Corrupt records: ``__getitems__`` (the batched path the DataLoader uses) skips a record that fails verification
 (``CorruptRecordError``), logs it and counts it in ``skipped``; the batch then holds *fewer* samples (never a
@@ -43,10 +43,10 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from cachefeed.cache.records import SegmentReader
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.sources import SOURCE_FIELD
 from cachefeed.errors import CorruptRecordError, SnapshotError
-from cachefeed.records import SegmentReader
 from cachefeed.trainer.counters import SlotCounters
 
 __all__ = ["Sample", "SnapshotDataset", "Transform"]

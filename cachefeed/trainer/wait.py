@@ -20,8 +20,8 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
 from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.records import segment_count
 from cachefeed.errors import NoSuchCacheError, SnapshotError
-from cachefeed.records import segment_count
 
 __all__ = ["SampleCounter", "parse_fill", "wait_for_cache", "wait_for_fill", "wait_for_samples"]
 

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.records import SegmentReader
 from cachefeed.errors import CorruptRecordError
-from cachefeed.records import SegmentReader
 from cachefeed.testing.daemon import wait_for
 from cachefeed.testing.samples import npy_bytes, payload
 from tests.support.cache_helpers import tree_bytes

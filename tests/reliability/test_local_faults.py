@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from cachefeed.records import SegmentReader
+from cachefeed.cache.records import SegmentReader
 from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
 from cachefeed.testing.local_s3 import LocalS3
 from cachefeed.trainer import EpochLoaderFactory

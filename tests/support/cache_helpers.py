@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from cachefeed.cache.settings import CacheConfig
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
-from cachefeed.config import CacheConfig
 from cachefeed.testing.samples import make_sample
 
 

@@ -9,8 +9,8 @@ import sys
 import time
 import traceback
 
+from cachefeed.cache.records import SegmentReader
 from cachefeed.cache.snapshots import Snapshot
-from cachefeed.records import SegmentReader
 from cachefeed.testing.samples import check_sample
 
 

@@ -28,8 +28,8 @@ bytes per array field, the inline values), padding to 16 (64 before a large payl
 float32 vector with an int label and an int id under a 30-character key: 1,128 bytes in the segment (10% over the
 payload; format 2 took 1,240, with 64-byte headers and alignment for everything; ``tests/test_records.py`` pins it).
 
-The trailer's **source tag** (u32) says which configured source (``[[source]]``, see ``cachefeed/sources.py``)
-every record of the segment came from; 0 when the daemon reads one unnamed remote. A segment never mixes sources.
+The trailer's **source tag** (u32) says which configured source (``[[source]]``, see ``cache/sources.py``) every
+record of the segment came from; 0 when the daemon reads one unnamed remote. A segment never mixes sources.
 (The field was padding before, always 0: segments written before it read as untagged.)
 
 **Sources** name the remote objects whose last sample the segment holds (path and version). They let a restarted
@@ -41,6 +41,11 @@ Only an array's own bytes are stored: a slice of a large array stores the slice 
 Reading is zero-copy for uncompressed arrays: ``SegmentReader.read(i)`` returns numpy arrays that are views of
 a private (copy-on-write) memory map: the pages are the page cache's until someone writes to an array, and a write
 changes only that process's copy, never the file. A compressed record is decompressed into one fresh buffer.
+
+Part of the cache layer (``cachefeed/cache/``): the store, the writer and the snapshots use it, and the trainer and
+the daemon read segments through it. It imports nothing of the config, the daemon or the trainer; torch only inside
+the two functions that encode and decode a tensor field, when a sample holds one. One module over 400 lines because
+it is one concept: the writer and the reader of one format, whose offsets, padding and checksums must agree.
 """
 
 from __future__ import annotations
