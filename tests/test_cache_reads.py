@@ -107,6 +107,23 @@ def test_ranks_sharing_a_snapshot_leave_one_receipt(tmp_path: Path) -> None:
     assert len(receipts(root)) == 1
 
 
+def test_a_static_cache_read_for_many_epochs_collects_no_receipts(tmp_path: Path) -> None:
+    """No daemon (the writer lock is free): nobody would consume receipts, so none are left to pile up."""
+    root = tmp_path / "c"
+    store = paced_store(root)
+    write_until_paced(store)
+    store.close()  # the cache stays, its writer is gone
+    for epoch in range(20):
+        read_one_epoch(root, f"static-e{epoch:06d}")
+    assert receipts(root) == []
+    assert not CacheLayout(root).has_writer()
+    again = paced_store(root)
+    assert CacheLayout(root).has_writer()
+    read_one_epoch(root, "daemon-back")
+    assert len(receipts(root)) == 1, "with a writer again, reads are reported"
+    again.close()
+
+
 @pytest.mark.parametrize("required", [2, 3])
 def test_a_segment_waits_for_the_configured_number_of_reads(tmp_path: Path, required: int) -> None:
     root = tmp_path / "c"

@@ -105,6 +105,31 @@ def test_a_callable_that_cannot_be_loaded_is_named_with_its_file_and_key(tmp_pat
     assert f"{config}: sampler.{key} = 'no.such.module:fn': cannot import 'no.such.module'" in line
 
 
+def test_a_source_decoder_that_cannot_be_loaded_is_named_with_its_table(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        f'[cache]\ndir = "{tmp_path / "c"}"\nmax_bytes = "64MiB"\nsegment_bytes = "1MiB"\n'
+        f'[[source]]\nname = "a"\nurl = "file://{tmp_path}"\n'
+        f'[[source]]\nname = "b"\nurl = "file://{tmp_path}"\ndecode = "no.such.module:fn"\n'
+    )
+    result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 78
+    [line] = result.stderr.strip().splitlines()
+    assert f"{config}: source[1].decode = 'no.such.module:fn': cannot import 'no.such.module'" in line
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_url_of_an_unknown_protocol_is_named_with_its_file_and_key(tmp_path: Path, named: bool) -> None:
+    config = tmp_path / "bad.toml"
+    data = '[[source]]\nname = "a"\nurl = "nosuch://b/x"\n' if named else '[remote]\nurl = "nosuch://b/x"\n'
+    config.write_text(f'[cache]\ndir = "{tmp_path / "c"}"\nmax_bytes = "64MiB"\nsegment_bytes = "1MiB"\n{data}')
+    result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 78
+    [line] = result.stderr.strip().splitlines()
+    key = "source[0].url" if named else "remote.url"
+    assert f"{config}: {key} = 'nosuch://b/x': Protocol not known: nosuch" in line
+
+
 def test_a_cache_dir_that_cannot_be_created_exits_73_with_the_path_and_cause(tmp_path: Path) -> None:
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("not a directory")

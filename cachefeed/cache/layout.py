@@ -21,6 +21,7 @@ files are never followed or served.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import stat
@@ -91,6 +92,24 @@ class CacheLayout:
     @property
     def status_file(self) -> Path:
         return self.root / "status.json"
+
+    def has_writer(self) -> bool:
+        """Whether a daemon (or any ``CacheStore``) holds the cache's writer lock now. Read-only: a shared,
+        non-blocking ``flock`` that fails while the writer holds its exclusive one; a cache that cannot be
+        checked counts as having one (the caller then behaves as with a daemon)."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
     @property
     def tag_file(self) -> Path:

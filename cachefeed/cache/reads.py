@@ -16,6 +16,9 @@ daemon's sweep, when that holder died), the daemon consumes it.
   is there, it writes ``snapshots/<id>.<token>.receipt`` atomically: the segment names of the snapshot's MANIFEST.
   So one receipt per snapshot however many ranks shared it, and a snapshot nobody read (the job ended before the
   epoch began) leaves none. The token is random: snapshot ids repeat across runs (``<run_id>-e<epoch>``).
+  While no daemon holds the cache's writer lock (a static cache, written once and read for ever; or a daemon
+  restarting), no receipt is written: nobody would collect it, and receipts would pile up one per epoch. The
+  reads missed count as fewer reads, which only keeps data longer.
 * The daemon (``ReadLedger``) reads every receipt, credits one read to each named segment it still publishes,
   writes its ledger ``reads`` (counts per segment name and the names of the receipts it just applied) atomically,
   and only then unlinks the receipts. After a crash between the two steps, a receipt named in the ledger is

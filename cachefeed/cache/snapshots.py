@@ -310,8 +310,11 @@ def _remove_if_unheld(
 
 
 def _leave_receipt(directory: Path) -> None:
-    """If an epoch marked the snapshot in ``directory`` read, write its receipt (NOTE [ Read receipts ])."""
+    """If an epoch marked the snapshot in ``directory`` read, write its receipt (NOTE [ Read receipts ]) for the
+    daemon; without a daemon (a static cache) there is nobody to collect it, so none is left (see the NOTE)."""
     if not (directory / READ_MARK).is_file():
+        return
+    if not CacheLayout(directory.parent.parent).has_writer():
         return
     try:
         manifest = msgpack.unpackb((directory / MANIFEST).read_bytes(), raw=False)

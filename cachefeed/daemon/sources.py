@@ -29,6 +29,7 @@ from cachefeed.cache.sources import SourceEntry, write_sources
 from cachefeed.config import Config, SourceConfig
 from cachefeed.daemon.catalog import Catalog, CatalogState
 from cachefeed.daemon.plan import PlanCounters, SamplingPlan
+from cachefeed.errors import ConfigError
 from cachefeed.logs import safe_url
 from cachefeed.remote import RemoteObject
 
@@ -87,10 +88,17 @@ class Inputs:
     # -- set-up -----------------------------------------------------------------------------------------------
 
     def open_catalogs(self) -> None:
-        """Create each input's catalog (validates its URL: a ConfigError names the source)."""
+        """Create each input's catalog. Its URL is validated here: a ConfigError names the config file and the
+        key (``remote.url``, or ``source[i].url`` for a named source)."""
         for entry in self.inputs:
-            if entry.catalog is None:
+            if entry.catalog is not None:
+                continue
+            try:
                 entry.catalog = Catalog(self.config.remote_for(entry.config), name=entry.name)
+            except ConfigError as exc:
+                key = f"source[{entry.index}].url" if self.is_named else "remote.url"
+                reason = str(exc).removeprefix("remote.url = ")
+                raise ConfigError(f"{self.config.source}: {key} = {reason}") from None
 
     def write_table(self, path: str, *, mode: int) -> None:
         """Tell trainers the named sources (``sources.json``); without named sources, remove a stale table."""

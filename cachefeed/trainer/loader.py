@@ -32,6 +32,10 @@ Failures of a background build are re-raised by ``loader(e + 1)`` on the trainin
 With several nodes, every rank's build thread joins one all-reduce per epoch on a dedicated gloo group (created
 by the constructor, which every rank calls), in epoch order, so the training thread's collectives are never
 interleaved with ours.
+
+This module is longer than most (one concept: the factory's epochs and the handover schedule above); what has a
+contract of its own lives beside it: ``partition.py`` (who reads what), ``resume.py`` (checkpoints), ``epoch.py``
+(one epoch's state and loader), ``pool.py``/``arena.py`` (the feed), ``wait.py`` (the first fill).
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, cast
@@ -57,7 +60,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.sources import read_sources
-from cachefeed.errors import SnapshotError
 from cachefeed.labels import read_classes
 from cachefeed.trainer.background import SerialWorker
 from cachefeed.trainer.dataset import SnapshotDataset, Transform
@@ -66,27 +68,17 @@ from cachefeed.trainer.partition import (
     EpochBatchSampler,
     RankInfo,
     detect_ranks,
-    epoch_share,
-    fixed_size_order,
     launcher_run_id,
+    rank_share,
     sanitize_run_id,
-    weighted_order,
 )
 from cachefeed.trainer.pool import WorkerPool
+from cachefeed.trainer.resume import ResumePoint, checkpoint, resume_point, resumed_snapshot
 from cachefeed.trainer.wait import parse_fill, wait_for_cache, wait_for_fill, wait_for_samples
 
 __all__ = ["EpochLoaderFactory"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Resume:
-    """Where a checkpointed run stopped (``load_state_dict``)."""
-
-    epoch: int
-    snapshot_id: str
-    batches_consumed: int
 
 
 _RESERVED_OPTIONS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "num_workers")
@@ -205,7 +197,7 @@ class EpochLoaderFactory:
         self.collate_fn = collate_fn or default_collate
         self.verify = verify
         self.samples_per_epoch = samples_per_epoch
-        self._resume: _Resume | None = None
+        self._resume: ResumePoint | None = None
         self._current: EpochState | None = None
         self.min_samples = min_samples
         self.wait_timeout_s = wait_timeout_s
@@ -357,21 +349,18 @@ class EpochLoaderFactory:
     def state_dict(self) -> dict[str, Any]:
         """Where the training loop is: a plain dict to store in a checkpoint (``load_state_dict`` resumes it).
 
-        Holds the epoch, the batches of it the loop has taken, the seed and the snapshot the epoch reads. Save it
-        together with the model, after the step on the last batch taken.
+        Holds the epoch, the batches of it the loop has taken, the seed and the snapshot the epoch reads
+        (``resume.py``). Save it together with the model, after the step on the last batch taken.
         """
         state = self._current
-        if state is None:
-            return {"version": 1, "epoch": 0, "batches_consumed": 0, "seed": self.seed, "snapshot_id": None}
-        return {
-            "version": 1,
-            "epoch": state.epoch,
-            "batches_consumed": state.batches_consumed,
-            "seed": self.seed,
-            "snapshot_id": state.snapshot.snap_id,
-            "batch_size": self.batch_size,
-            "samples_per_epoch": self.samples_per_epoch,
-        }
+        return checkpoint(
+            epoch=state.epoch if state is not None else 0,
+            batches_consumed=state.batches_consumed if state is not None else 0,
+            seed=self.seed,
+            snapshot_id=state.snapshot.snap_id if state is not None else None,
+            batch_size=self.batch_size,
+            samples_per_epoch=self.samples_per_epoch,
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         """Resume from ``state_dict()``: returns the epoch to continue with (call ``loader(epoch)`` for it).
@@ -381,23 +370,12 @@ class EpochLoaderFactory:
         a fresh snapshot, skipping as many batches as were consumed (so step counts stay right), and one log line
         says so. Call before the first ``loader()``; the factory's ``seed`` and ``batch_size`` must match.
         """
-        for key in ("version", "epoch", "batches_consumed", "seed", "snapshot_id"):
-            if key not in state:
-                raise ValueError(f"load_state_dict: {key!r} is missing: pass what state_dict() returned")
-        if state["version"] != 1:
-            raise ValueError(f"load_state_dict: version {state['version']!r}, this cachefeed reads version 1")
-        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size)):
-            if key in state and state[key] != mine:
-                raise ValueError(
-                    f"load_state_dict: the checkpoint's {key} is {state[key]!r}, this factory's {mine!r}: "
-                    "build the factory with the same settings to resume exactly"
-                )
+        epoch, resume = resume_point(state, seed=self.seed, batch_size=self.batch_size)
         with self._lock:
             if self._has_built:
                 raise RuntimeError("load_state_dict must be called before the first loader()")
-        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
-        if state["snapshot_id"] is not None:
-            self._resume = _Resume(epoch, str(state["snapshot_id"]), consumed)
+        if resume is not None:
+            self._resume = resume
         return epoch
 
     @property
@@ -425,62 +403,18 @@ class EpochLoaderFactory:
 
     def _share(self, snapshot: Snapshot, epoch: int) -> npt.NDArray[np.int64]:
         """This rank's indices into ``snapshot`` for ``epoch`` (see partition.py)."""
-        ranks = self.ranks
-        if snapshot.sources:  # named sources: every epoch gives each its weight's share
-            if self.samples_per_epoch is not None:
-                per_rank = self.samples_per_epoch // ranks.local_world_size
-            else:
-                per_rank = self._agree_min(snapshot.samples // ranks.local_world_size)
-            order = weighted_order(
-                snapshot.counts,
-                snapshot.reads,
-                snapshot.tags,
-                {tag: weight for tag, (_name, weight) in snapshot.sources.items()},
-                per_rank * ranks.local_world_size,
-                seed=self.seed,
-                epoch=epoch,
-                shuffle=self.shuffle,
-            )
-            return order[ranks.local_rank * per_rank : (ranks.local_rank + 1) * per_rank]
-        if self.samples_per_epoch is not None:
-            per_rank = self.samples_per_epoch // ranks.local_world_size
-            order = fixed_size_order(
-                snapshot.counts,
-                snapshot.reads,
-                per_rank * ranks.local_world_size,
-                seed=self.seed,
-                epoch=epoch,
-                shuffle=self.shuffle,
-            )
-            return order[ranks.local_rank * per_rank : (ranks.local_rank + 1) * per_rank]
-        per_rank = self._agree_min(snapshot.samples // ranks.local_world_size)
-        return epoch_share(
-            snapshot.samples,
-            seed=self.seed,
+        return rank_share(
+            snapshot.counts,
+            snapshot.reads,
+            snapshot.tags,
+            {tag: weight for tag, (_name, weight) in snapshot.sources.items()},
             epoch=epoch,
+            seed=self.seed,
             shuffle=self.shuffle,
-            local_rank=ranks.local_rank,
-            local_world_size=ranks.local_world_size,
-            per_rank=per_rank,
+            ranks=self.ranks,
+            samples_per_epoch=self.samples_per_epoch,
+            agree_min=self._agree_min,
         )
-
-    def _resumed_snapshot(self, resume: _Resume) -> Snapshot | None:
-        """The interrupted epoch's snapshot, if the daemon still keeps it; else None (and the log line)."""
-        try:
-            snapshot = Snapshot.join(self.layout.root, resume.snapshot_id, timeout_s=0.5)
-        except SnapshotError:
-            log.warning(
-                "resuming epoch %d on a fresh snapshot: %s is gone (a dead trainer's snapshot is kept for "
-                "cache.snapshot_grace); the epoch skips its first %d batches but reads other samples than before",
-                resume.epoch,
-                resume.snapshot_id,
-                resume.batches_consumed,
-            )
-            return None
-        log.info(
-            "resuming epoch %d on snapshot %s after %d batches", resume.epoch, snapshot.snap_id, resume.batches_consumed
-        )
-        return snapshot
 
     def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
         """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
@@ -500,7 +434,7 @@ class EpochLoaderFactory:
         snap_id = f"{self.run_id}-e{epoch:06d}"
         resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
         skip_batches = resume.batches_consumed if resume is not None else 0
-        snapshot = self._resumed_snapshot(resume) if resume is not None else None
+        snapshot = resumed_snapshot(self.layout.root, resume) if resume is not None else None
         if snapshot is not None:
             snap_id = snapshot.snap_id
         elif self.ranks.is_creator:

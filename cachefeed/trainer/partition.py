@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,7 @@ __all__ = [
     "epoch_share",
     "fixed_size_order",
     "launcher_run_id",
+    "rank_share",
     "sanitize_run_id",
     "source_shares",
     "weighted_order",
@@ -253,6 +254,44 @@ def weighted_order(
     if shuffle:
         order = order[np.random.default_rng([seed, epoch]).permutation(len(order))]
     return order
+
+
+def rank_share(
+    counts: Sequence[int],
+    reads: Sequence[int],
+    tags: Sequence[int],
+    weights: Mapping[int, float],
+    *,
+    epoch: int,
+    seed: int,
+    shuffle: bool,
+    ranks: RankInfo,
+    samples_per_epoch: int | None,
+    agree_min: Callable[[int], int],
+) -> npt.NDArray[np.int64]:
+    """This rank's indices into a snapshot (its segments' ``counts``, ``reads`` and source ``tags``) for ``epoch``,
+    by the rules of the module docstring: weighted over named sources (``weights`` by tag, empty without), of a
+    set size (``samples_per_epoch``) or one pass. ``agree_min`` agrees a per-rank size across nodes (a MIN
+    all-reduce; identity on one node)."""
+    local, world = ranks.local_rank, ranks.local_world_size
+    samples = int(sum(counts))
+    per_rank = samples_per_epoch // world if samples_per_epoch is not None else agree_min(samples // world)
+    n = per_rank * world
+    if weights:
+        order = weighted_order(counts, reads, tags, weights, n, seed=seed, epoch=epoch, shuffle=shuffle)
+    elif samples_per_epoch is not None:
+        order = fixed_size_order(counts, reads, n, seed=seed, epoch=epoch, shuffle=shuffle)
+    else:
+        return epoch_share(
+            samples,
+            seed=seed,
+            epoch=epoch,
+            shuffle=shuffle,
+            local_rank=local,
+            local_world_size=world,
+            per_rank=per_rank,
+        )
+    return order[local * per_rank : (local + 1) * per_rank]
 
 
 class EpochBatchSampler(Sampler[npt.NDArray[np.int64]]):
