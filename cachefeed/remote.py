@@ -17,7 +17,8 @@ Contract of ``fetch(obj)``:
   retried); 412/ETag or length mismatch -> ``RemoteChangedError`` (not retried: the listing is stale);
   5xx, throttling, resets, timeouts, truncated bodies -> ``RemoteTransientError`` (retried). Messages are built
   from those structured fields and the object path only, then scrubbed of every credential found in
-  ``storage_options``; the backend exception is not chained, so tracebacks cannot leak what its text held.
+  ``storage_options`` (by ``cachefeed.scrub``, the scrubber the logs use too); the backend exception is not
+  chained, so tracebacks cannot leak what its text held.
 
 NOTE [ One retry layer ]
     Retries happen here and only here: full-jitter exponential backoff, ``sleep = uniform(0, min(backoff_max,
@@ -62,7 +63,7 @@ from cachefeed.errors import (
     RemoteNotFoundError,
     RemoteTransientError,
 )
-from cachefeed.logs import safe_url, secrets_from_options
+from cachefeed.scrub import Scrubber, safe_url, secrets_from_options
 
 __all__ = [
     "Remote",
@@ -387,7 +388,7 @@ class Remote:
         self.config = config
         self.stats = RemoteStats()
         self._rng = rng or random.Random()
-        self._secrets = secrets_from_options(config.storage_options)
+        self._scrub = Scrubber(secrets_from_options(config.storage_options))
         try:
             self._fs_class: type[Any] = fsspec.get_filesystem_class(get_protocol(config.url))
         except (ValueError, ImportError) as exc:
@@ -429,11 +430,6 @@ class Remote:
             options["config_kwargs"] = config_kwargs
             options["use_listings_cache"] = False
         return options
-
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
 
     def _error(self, exc: BaseException, path: str) -> RemoteError:
         error = translate_error(exc, path)
