@@ -9,7 +9,7 @@ The tree::
     ├── CacheUnusableError              the daemon cannot create or write its cache dir; exit 73 (EX_CANTCREAT)
     ├── CorruptRecordError              a record or segment failed verification (never served)
     ├── SnapshotError                   an epoch snapshot could not be created, joined or read
-    ├── RemoteError                     the remote failed for one object (translated in remote.py only)
+    ├── RemoteError                     the remote failed for one object (translated in remote/errors.py only)
     │   ├── RemoteNotFoundError         404: counted, never retried
     │   ├── RemoteForbiddenError        401/403: counted, never retried
     │   ├── RemoteTransientError        5xx, throttling, resets, timeouts: retried with backoff

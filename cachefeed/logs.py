@@ -10,10 +10,9 @@ starts) before anything logs. It installs on the root logger a single stderr han
   timestamp is left to journald; otherwise lines start with a local ISO timestamp;
 - redacts, through ``RedactingFilter`` (a handler filter, so it sees every record, its formatted arguments, its
   traceback and its stack), every known secret *value* (AWS keys, secrets and session tokens from the environment,
-  plus the values passed in ``secrets``, e.g. from ``remote.storage_options``) and every secret *pattern*
-  (``Authorization`` headers, ``X-Amz-Signature=``/``X-Amz-Credential=``/``X-Amz-Security-Token``,
-  ``aws_secret_access_key = ...`` and friends, AWS access key ids ``AKIA...``/``ASIA...``), replacing them with
-  ``***``.
+  plus the values passed in ``secrets``, e.g. from ``remote.storage_options``) and every secret *pattern*, replacing
+  them with ``***``. Which values and patterns are secret, and the scrubbing itself, belong to ``cachefeed.scrub``
+  (shared with the remote's error messages); this module keeps the process's registry of values.
 
 Uncaught exceptions (``sys.excepthook``, ``threading.excepthook``) and warnings (``logging.captureWarnings``)
 go through the same handler, so an interpreter-printed traceback cannot bypass the redaction either.
@@ -21,9 +20,9 @@ go through the same handler, so an interpreter-printed traceback cannot bypass t
 It also caps the chatty third-party loggers (botocore, boto3, aiobotocore, s3fs, fsspec, urllib3, aiohttp) at
 WARNING whatever ``level`` is: at DEBUG they print signed request headers and full request parameters.
 
-Redaction is a second line of defence: messages should not carry secrets in the first place (``remote.py`` scrubs
-its errors and never chains backend exceptions). ``add_secrets`` registers more values later (e.g. once a config
-is loaded).
+Redaction is a second line of defence: messages should not carry secrets in the first place (``Remote`` scrubs
+its errors with the same ``Scrubber`` and never chains backend exceptions). ``add_secrets`` registers more values
+later (e.g. once a config is loaded).
 """
 
 from __future__ import annotations
@@ -36,127 +35,38 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any, TextIO
+from typing import TextIO
+
+from cachefeed.scrub import Scrubber, secrets_from_env
 
 __all__ = [
     "CHATTY_LOGGERS",
     "LOG_LEVELS",
-    "REDACTED",
     "OneLineFormatter",
     "RedactingFilter",
     "add_secrets",
     "redact",
-    "safe_url",
-    "secrets_from_env",
-    "secrets_from_options",
     "setup_logging",
 ]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")  # the registry: config validates log.level against it
-REDACTED = "***"
 CHATTY_LOGGERS = ("botocore", "boto3", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp", "s3transfer")
-MIN_SECRET_CHARS = 4  # shorter values would redact ordinary words; same threshold as remote.py
-_MIN_GUESSED_SECRET_CHARS = 8
-
-# Environment variables whose values are credentials. Names containing one of the words below count too.
-_ENV_SECRET_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-_ENV_SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "CREDENTIAL", "ACCESS_KEY", "CONNECTION_STRING", "SAS_KEY")
-_OPTION_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "sas", "connection_string", "username")
-
-_QUOTE = r"""['"]?"""
-_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    # Authorization: AWS4-HMAC-SHA256 Credential=..., Signature=...   and   'Authorization': b'AWS4-...'
-    (
-        re.compile(
-            r"((?:proxy-)?authorization" + _QUOTE + r"\s*[:=]\s*b?" + _QUOTE + r")[^'\"\r\n]+",
-            re.IGNORECASE,
-        ),
-        r"\1" + REDACTED,
-    ),
-    # presigned URLs and signed headers
-    (
-        re.compile(
-            r"(x-amz-(?:signature|credential|security-token)" + _QUOTE + r"\s*[:=]\s*b?" + _QUOTE + r")[^&'\"\s,;]+",
-            re.IGNORECASE,
-        ),
-        r"\1" + REDACTED,
-    ),
-    # aws_secret_access_key = ..., "secret": "...", password: ..., token=...
-    (
-        re.compile(
-            r"((?:aws_secret_access_key|aws_session_token|aws_security_token|secret_access_key|session_token"
-            r"|secret_key|secret|password|passwd|token)" + _QUOTE + r"\s*[:=]\s*b?" + _QUOTE + r")[^'\"\s,;&}]+",
-            re.IGNORECASE,
-        ),
-        r"\1" + REDACTED,
-    ),
-    # AWS access key ids (long-term AKIA..., temporary ASIA...)
-    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), REDACTED),
-)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u0085\u2028\u2029]")
 
 _lock = threading.Lock()
-_secret_values: set[str] = set()
-_secret_regex: re.Pattern[str] | None = None
-
-
-def secrets_from_env(env: Mapping[str, str] | None = None) -> list[str]:
-    """Credential values found in the environment (AWS_* keys, and any ``*SECRET*``/``*TOKEN*``-like name)."""
-    env = os.environ if env is None else env
-    found = []
-    for name, value in env.items():
-        upper = name.upper()
-        if upper in _ENV_SECRET_NAMES and len(value) >= MIN_SECRET_CHARS:
-            found.append(value)
-        elif any(word in upper for word in _ENV_SECRET_WORDS) and len(value) >= _MIN_GUESSED_SECRET_CHARS:
-            found.append(value)  # a guess by name: a longer minimum keeps flags like "true" out
-    return found
-
-
-def secrets_from_options(options: Mapping[str, Any]) -> list[str]:
-    """Credential values in fsspec ``storage_options`` (nested tables included), by key name; longest first, so
-    that a scrubber replacing them in order replaces a secret that contains another whole. The one list both the
-    log filter and the remote's error messages scrub."""
-    found: list[str] = []
-    for name, value in options.items():
-        if isinstance(value, Mapping):
-            found += secrets_from_options(value)
-        elif isinstance(value, str) and any(word in str(name).lower() for word in _OPTION_SECRET_WORDS):
-            found.append(value)
-    return sorted({value for value in found if len(value) >= MIN_SECRET_CHARS}, key=len, reverse=True)
-
-
-def safe_url(url: str) -> str:
-    """The URL with any ``user:password@`` part replaced by ``***@``, for logs, status and error messages."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        authority = REDACTED + "@" + authority.rpartition("@")[2]
-    return f"{scheme}://{authority}{slash}{path}"
+_scrubber = Scrubber()  # replaced, never changed in place: ``redact`` reads it without the lock
 
 
 def add_secrets(values: Iterable[str]) -> None:
     """Register more secret values to redact from every log record (thread-safe, idempotent)."""
-    global _secret_regex
+    global _scrubber
     with _lock:
-        before = len(_secret_values)
-        _secret_values.update(v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS)
-        if len(_secret_values) != before:
-            # longest first, so a secret that contains another is replaced whole
-            ordered = sorted(_secret_values, key=len, reverse=True)
-            _secret_regex = re.compile("|".join(re.escape(value) for value in ordered))
+        _scrubber = _scrubber.with_values(values)
 
 
 def redact(text: str) -> str:
     """``text`` with every registered secret value and every secret pattern replaced by ``***``."""
-    regex = _secret_regex
-    if regex is not None:
-        text = regex.sub(REDACTED, text)
-    for pattern, replacement in _PATTERNS:
-        text = pattern.sub(replacement, text)
-    return text
+    return _scrubber(text)
 
 
 def _one_line(text: str) -> str:
@@ -231,7 +141,7 @@ def setup_logging(
 
     Args:
         level: one of ``LOG_LEVELS`` (config ``log.level``) or a ``logging`` level number.
-        secrets: extra values to redact (e.g. ``secrets_from_options(config.remote.storage_options)``);
+        secrets: extra values to redact (e.g. ``scrub.secrets_from_options(config.remote.storage_options)``);
             credentials found in the environment are always added.
         stream: where to write (default ``sys.stderr``).
         env: the environment to read (default ``os.environ``).

@@ -20,10 +20,9 @@ from cachefeed.logs import (
     RedactingFilter,
     add_secrets,
     redact,
-    secrets_from_env,
-    secrets_from_options,
     setup_logging,
 )
+from cachefeed.scrub import secrets_from_env, secrets_from_options
 from cachefeed.testing.local_s3 import LocalS3
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,8 +221,37 @@ def test_real_botocore_debug_run_leaks_nothing(s3: LocalS3) -> None:
 
 def test_one_scrubber_for_urls_in_logs_status_and_errors() -> None:
     """The daemon's logs, its status document and the remote's error messages share one URL scrubber."""
-    from cachefeed.logs import safe_url
+    from cachefeed.scrub import safe_url
 
     assert safe_url("s3://AKIDEXAMPLE:s3cr3t@bucket/prefix") == "s3://***@bucket/prefix"
     assert safe_url("https://user:pw@host:9000/a/b") == "https://***@host:9000/a/b"
     assert safe_url("file:///data") == "file:///data" and safe_url("no-scheme") == "no-scheme"
+
+
+def test_the_remote_and_the_logs_scrub_the_same_url_and_options_alike(restore_logging: None) -> None:
+    """One scrubber: a remote error and a log line saying the same thing, given the same storage_options, read the
+    same (values, a value inside a longer one, and patterns such as ``token=`` alike)."""
+    import fsspec
+
+    from cachefeed.config import RemoteConfig
+    from cachefeed.errors import ConfigError
+    from cachefeed.remote import Remote
+    from cachefeed.scrub import safe_url
+
+    key, secret = sentinel("KEY"), sentinel("SECRET")
+    options = {"key": key, "secret": secret, "client_kwargs": {"aws_session_token": f"{secret}-token"}}
+    url = f"nosuchproto://user:{secret}@host/{key}/{secret}-token/run/token=t0k3nvalue/x.npy"
+    with pytest.raises(ValueError) as backend:
+        fsspec.get_filesystem_class("nosuchproto")
+    with pytest.raises(ConfigError) as caught:
+        Remote(RemoteConfig(url=url, storage_options=options))
+
+    stream = io.StringIO()
+    setup_logging("info", secrets=secrets_from_options(options), stream=stream, env={})
+    logging.getLogger("cachefeed.test").error("remote.url = %r: %s", safe_url(url), backend.value)
+    logged = stream.getvalue().rstrip("\n").split("]: ", 1)[1]
+
+    assert str(caught.value) == logged
+    assert logged.startswith("remote.url = 'nosuchproto://***@host/***/***/run/token=***'")
+    for value in (key, secret, "t0k3nvalue"):
+        assert value not in logged

@@ -28,7 +28,9 @@ from cachefeed.errors import (
     RemoteNotFoundError,
     RemoteTransientError,
 )
-from cachefeed.remote import Remote, RemoteObject, backoff_delay, translate_error
+from cachefeed.remote import Remote, RemoteObject
+from cachefeed.remote.errors import translate_error
+from cachefeed.remote.limits import backoff_delay
 from cachefeed.testing.local_s3 import LocalS3
 from cachefeed.testing.proxy import FaultProxy, Rule
 
@@ -568,6 +570,6 @@ def test_remote_refuses_pickling_bad_share_and_unknown_protocols() -> None:
     ],
 )
 def test_the_etag_is_used_as_an_md5_only_where_it_is_one(response: dict, checked: bool) -> None:
-    from cachefeed.remote import _etag_is_md5
+    from cachefeed.remote.integrity import etag_is_md5
 
-    assert _etag_is_md5(response) is checked
+    assert etag_is_md5(response) is checked

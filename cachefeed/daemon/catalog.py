@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from cachefeed.config import RemoteConfig
 from cachefeed.errors import CachefeedError
-from cachefeed.logs import safe_url
 from cachefeed.remote import Remote, RemoteObject
+from cachefeed.scrub import safe_url
 
 __all__ = ["Catalog", "CatalogState"]
 

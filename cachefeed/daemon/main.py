@@ -13,7 +13,8 @@ import logging
 
 from cachefeed.config import load_config
 from cachefeed.daemon.supervisor import Supervisor
-from cachefeed.logs import LOG_LEVELS, secrets_from_options, setup_logging
+from cachefeed.logs import LOG_LEVELS, setup_logging
+from cachefeed.scrub import secrets_from_options
 
 __all__ = ["add_arguments", "run"]
 

@@ -34,8 +34,9 @@ from cachefeed.daemon.protocol import Credit, Done, Drain, Drained, Failed, Init
 from cachefeed.daemon.sink import SegmentSink, SinkSettings
 from cachefeed.daemon.wire import Channel, Message
 from cachefeed.errors import ChannelClosed, RemoteError
-from cachefeed.logs import secrets_from_options, setup_logging
+from cachefeed.logs import setup_logging
 from cachefeed.remote import Remote, RemoteObject, RemoteStats
+from cachefeed.scrub import secrets_from_options
 
 __all__ = ["Sampler", "main"]
 

@@ -30,8 +30,8 @@ from cachefeed.config import Config, SourceConfig
 from cachefeed.daemon.catalog import Catalog, CatalogState
 from cachefeed.daemon.plan import PlanCounters, SamplingPlan
 from cachefeed.errors import ConfigError
-from cachefeed.logs import safe_url
 from cachefeed.remote import RemoteObject
+from cachefeed.scrub import safe_url
 
 __all__ = ["Input", "Inputs"]
 

@@ -43,8 +43,8 @@ from cachefeed.daemon.sources import Inputs
 from cachefeed.daemon.wire import Message
 from cachefeed.errors import ConfigError
 from cachefeed.labels import ClassIndex
-from cachefeed.logs import safe_url
 from cachefeed.metrics import MetricsExporter
+from cachefeed.scrub import safe_url
 
 __all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
 
