@@ -24,7 +24,7 @@ from cachefeed.daemon.pool import SamplerPool, SamplerState
 from cachefeed.daemon.sources import Inputs
 from cachefeed.daemon.status_doc import RateMeter, RemoteTotals, build_status, write_status
 from cachefeed.logs import safe_url
-from cachefeed.metrics import MetricsExporter
+from cachefeed.status.metrics import MetricsExporter
 from cachefeed.units import format_bytes
 
 __all__ = ["RATE_WINDOW_S", "StatusReporter"]

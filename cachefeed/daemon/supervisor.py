@@ -44,7 +44,7 @@ from cachefeed.daemon.wire import Message
 from cachefeed.errors import ConfigError
 from cachefeed.labels import ClassIndex
 from cachefeed.logs import safe_url
-from cachefeed.metrics import MetricsExporter
+from cachefeed.status.metrics import MetricsExporter
 
 __all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
 
