@@ -122,7 +122,7 @@ class DecodeError(CachefeedError):
 class StatusUnreadable(CachefeedError):
     """status.json exists but cannot be used: unreadable, not JSON, or not the documented shape."""
 
-    exit_code = 4  # cachefeed.status.Health.UNREADABLE
+    exit_code = 4  # cachefeed.status.verdict.Health.UNREADABLE
 
 
 class WriterStopped(CachefeedError):

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cachefeed.status import load_document
-from cachefeed.status_schema import undeclared_keys
+from cachefeed.status.document import load_document
+from cachefeed.status.schema import undeclared_keys
 from cachefeed.testing.daemon import BUCKET, StartDaemon, wait_for
 from cachefeed.testing.proxy import FaultProxy
 from cachefeed.testing.samples import cache_samples, upload_arrays
@@ -40,7 +40,7 @@ def test_free_running_fill_to_budget_then_keep_sampling_with_eviction(bucket: An
     assert doc["ingest"]["objects_total"] > 300  # more than one pass' worth was ingested
     assert doc["remote"]["errors_total"] == 0
     assert load_document(proc.cache_dir / "status.json") is not None  # the documented shape
-    assert undeclared_keys(doc) == [], "every key the daemon writes is declared in status_schema.py"
+    assert undeclared_keys(doc) == [], "every key the daemon writes is declared in status/schema.py"
 
     assert proc.stop() == 0
     final = load_document(proc.cache_dir / "status.json")
@@ -128,7 +128,8 @@ def test_sigterm_to_the_whole_group_is_a_clean_stop_not_a_death(bucket: Any, dae
 def test_a_remote_that_lists_nothing_makes_the_daemon_degraded_naming_url_and_pattern(
     tmp_path: Path, url_suffix: str
 ) -> None:
-    from cachefeed.status import Health, read_report
+    from cachefeed.status.report import read_report
+    from cachefeed.status.verdict import Health
     from cachefeed.testing.daemon import start_daemon
 
     data = tmp_path / "data"
@@ -161,8 +162,9 @@ def test_brace_lists_in_the_pattern_select_each_alternative(tmp_path: Path) -> N
 def test_an_object_too_large_for_the_cache_is_counted_in_status_json_and_metrics(
     bucket: Any, daemon: StartDaemon
 ) -> None:
-    from cachefeed.metrics import render_metrics
-    from cachefeed.status import read_report, render_human
+    from cachefeed.status.metrics import render_metrics
+    from cachefeed.status.render import render_human
+    from cachefeed.status.report import read_report
 
     upload_arrays(bucket, BUCKET, 5, 8 << 10)
     upload_arrays(bucket, BUCKET, 1, 3 << 20, start=5)  # larger than the cache's room for segments

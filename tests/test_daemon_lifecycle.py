@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cachefeed.status import load_document
+from cachefeed.status.document import load_document
 from cachefeed.testing.daemon import BUCKET, StartDaemon, wait_for
 from cachefeed.testing.proxy import FaultProxy, Rule
 from cachefeed.testing.samples import cache_samples, upload_arrays

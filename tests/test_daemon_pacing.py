@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from cachefeed.cache.snapshots import Snapshot
-from cachefeed.status import Health, read_report
+from cachefeed.status.report import read_report
+from cachefeed.status.verdict import Health
 from cachefeed.testing.daemon import BUCKET, StartDaemon
 from cachefeed.testing.proxy import FaultProxy
 from cachefeed.testing.samples import upload_arrays

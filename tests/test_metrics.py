@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachefeed.config import StatusConfig
 from cachefeed.errors import ConfigError
-from cachefeed.metrics import _SCALARS, MetricsExporter, render_metrics
-from cachefeed.status_schema import STATUS_SCHEMA
+from cachefeed.status.metrics import _SCALARS, MetricsExporter, render_metrics
+from cachefeed.status.schema import STATUS_SCHEMA
 from cachefeed.testing.local_s3 import free_port
 from tests.test_status import make_document
 
@@ -136,7 +136,7 @@ def test_textfile_problems(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> 
     directory.mkdir()
     exporter = MetricsExporter(StatusConfig(metrics_textfile=str(directory / "x.prom")))
     directory.rmdir()  # removed under the running daemon: logged once, never raised
-    with caplog.at_level(logging.WARNING, logger="cachefeed.metrics"):
+    with caplog.at_level(logging.WARNING, logger="cachefeed.status.metrics"):
         for _ in range(3):
             exporter.update(make_document(tmp_path))
     assert len([r for r in caplog.records if "metrics textfile" in r.getMessage()]) == 1

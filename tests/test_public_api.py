@@ -41,6 +41,16 @@ def test_the_status_command_does_not_import_torch() -> None:
     assert result.stdout.strip() == "False"
 
 
+def test_the_status_package_imports_no_daemon_trainer_cli_or_torch() -> None:
+    """``status/`` is the document's contract and its readers: the daemon, the trainer and the CLI import it."""
+    package = Path(cachefeed.__file__).parent / "status"
+    modules = sorted(f"cachefeed.status.{path.stem}" for path in package.glob("*.py") if path.stem != "__init__")
+    above = ("cachefeed.daemon", "cachefeed.trainer", "cachefeed.cli", "torch")
+    code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith({above})))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_a_sampler_imports_the_grant_contract_not_the_store() -> None:
     code = "import sys, cachefeed.daemon.sampler; print('cachefeed.cache.store' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -68,7 +78,7 @@ def test_only_the_demo_imports_the_testing_helpers() -> None:
                 names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
             if any(name == "cachefeed.testing" or name.startswith("cachefeed.testing.") for name in names):
                 importers.add(path.relative_to(package).as_posix())
-    assert importers == {"demo.py"}
+    assert importers == {"cli/demo.py"}
 
 
 # The cache layer's modules may import torch only inside these functions (module, function): a tensor field of a

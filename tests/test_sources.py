@@ -21,7 +21,7 @@ from cachefeed.cache.sources import read_sources, source_tag
 from cachefeed.codecs import msgpack_default
 from cachefeed.config import parse_config, toml_text
 from cachefeed.errors import ConfigError
-from cachefeed.metrics import render_metrics
+from cachefeed.status.metrics import render_metrics
 from cachefeed.testing.daemon import DaemonProcess, start_daemon
 from cachefeed.testing.samples import payload
 from cachefeed.trainer.partition import source_shares, weighted_order

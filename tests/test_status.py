@@ -32,10 +32,12 @@ from cachefeed.cache.layout import CacheLayout
 from cachefeed.cache.records import SegmentWriter
 from cachefeed.cache.snapshots import Snapshot
 from cachefeed.fsutil import atomic_write
-from cachefeed.status import WIDTH, Health, read_report, render_human, stale_after_s
+from cachefeed.status.render import WIDTH, render_human
+from cachefeed.status.report import read_report
+from cachefeed.status.verdict import Health, stale_after_s
 
 REPO = Path(__file__).resolve().parents[1]
-# ``cachefeed status`` through the real CLI, with only the status subcommand registered: cli.py imports every
+# ``cachefeed status`` through the real CLI, with only the status subcommand registered: the CLI imports every
 # subcommand's module to build its parser, and the status command must not depend on the others.
 _ONLY_STATUS = (
     "import sys\nfrom cachefeed import cli\ncli.COMMANDS = {'status': cli.COMMANDS['status']}\nsys.exit(cli.main())\n"

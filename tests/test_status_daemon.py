@@ -23,13 +23,15 @@ import numpy as np
 import pytest
 
 from cachefeed.errors import NoSuchCacheError
-from cachefeed.status import WIDTH, Health, StatusReport, read_report
+from cachefeed.status.render import WIDTH
+from cachefeed.status.report import StatusReport, read_report
+from cachefeed.status.verdict import Health
 from cachefeed.testing.local_s3 import LocalS3, free_port
 from tests.test_metrics import parse, value
 
 REPO = Path(__file__).resolve().parents[1]
 OBJECTS = 40
-# The real CLI entry point, with only the subcommands these tests use registered (cli.py imports every
+# The real CLI entry point, with only the subcommands these tests use registered (the CLI imports every
 # subcommand's module to build its parser; these tests must not depend on the others).
 _RUNNER = (
     "import sys\n"

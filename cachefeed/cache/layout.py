@@ -5,7 +5,7 @@
     <root>/                 mode cache.dir_mode (0750): the trainers' group may read
       CACHEDIR.TAG          marks the directory as a cache for backup tools; also cachefeed's "this is a cache"
       lock                  the writer lock: flock(LOCK_EX) held by the daemon; its text names the holder
-      status.json           the daemon's status document (see cachefeed/status.py)
+      status.json           the daemon's status document (see cachefeed/status/schema.py)
       sources.json          the named sources ([[source]]), their tags and weights (see cache/sources.py)
       classes.json          the class index of sampler.label (see cachefeed/labels.py)
       segments/<seq>.seg    published segments; <seq> is 16 hex digits, increasing: the name orders by age

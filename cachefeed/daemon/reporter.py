@@ -23,8 +23,8 @@ from cachefeed.config import Config
 from cachefeed.daemon.pool import SamplerPool, SamplerState
 from cachefeed.daemon.sources import Inputs
 from cachefeed.daemon.status_doc import RateMeter, RemoteTotals, build_status, write_status
-from cachefeed.metrics import MetricsExporter
 from cachefeed.scrub import safe_url
+from cachefeed.status.metrics import MetricsExporter
 from cachefeed.units import format_bytes
 
 __all__ = ["RATE_WINDOW_S", "StatusReporter"]

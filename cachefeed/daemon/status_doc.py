@@ -1,4 +1,4 @@
-"""Building and writing the daemon's status document (the contract is ``STATUS_SCHEMA`` in ``status_schema.py``).
+"""Building and writing the daemon's status document (the contract is ``STATUS_SCHEMA`` in ``status/schema.py``).
 
 ``build_status`` is a pure function of what the supervisor knows at one instant, so tests and other writers can
 reuse it; ``write_status`` replaces ``<cache>/status.json`` atomically (mode 0640: group-readable). No secrets go
@@ -19,7 +19,7 @@ from typing import Any
 from cachefeed.cache.snapshots import SnapshotInfo
 from cachefeed.cache.store import Counters, Usage
 from cachefeed.fsutil import atomic_write
-from cachefeed.status_schema import STATUS_VERSION  # the contract's owner
+from cachefeed.status.schema import STATUS_VERSION  # the contract's owner
 
 __all__ = ["STATUS_VERSION", "RateMeter", "RemoteTotals", "build_status", "write_status"]
 
@@ -86,7 +86,7 @@ def build_status(
     sources: Sequence[Mapping[str, Any]] | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
-    """The status document (see ``cachefeed.status_schema.STATUS_SCHEMA``).
+    """The status document (see ``cachefeed.status.schema.STATUS_SCHEMA``).
 
     ``rates``: ingest bytes, samples and objects per second. ``turnover_s``: how long the last evicted segment
     stayed in the cache (None before the first eviction). Freshness and epoch reads (see "Epoch reads" in

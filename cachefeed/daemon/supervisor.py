@@ -43,8 +43,8 @@ from cachefeed.daemon.sources import Inputs
 from cachefeed.daemon.wire import Message
 from cachefeed.errors import ConfigError
 from cachefeed.labels import ClassIndex
-from cachefeed.metrics import MetricsExporter
 from cachefeed.scrub import safe_url
+from cachefeed.status.metrics import MetricsExporter
 
 __all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
 

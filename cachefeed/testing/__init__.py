@@ -10,6 +10,6 @@ same one (the benchmarks never import ``tests/``):
 - :mod:`cachefeed.testing.samples`: self-verifying samples, and the ``.npy`` objects the tests upload.
 
 Nothing here imports pytest (a test extra only); the pytest fixtures built on these live in ``tests/conftest.py``.
-moto comes with the ``demo`` and ``test`` extras. Only ``cachefeed.demo`` may import this package from inside
+moto comes with the ``demo`` and ``test`` extras. Only ``cachefeed.cli.demo`` may import this package from inside
 cachefeed; everything else in cachefeed stays independent of it.
 """

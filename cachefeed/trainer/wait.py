@@ -196,7 +196,8 @@ def _fill_reached(layout: CacheLayout, fraction: float, have: int) -> tuple[bool
     remote lists (a dataset smaller than the cache). Without a running daemon (a static cache) what is cached is
     all there will be.
     """
-    from cachefeed.status import Health, read_report  # the reader of the daemon's document
+    from cachefeed.status.report import read_report  # the reader of the daemon's document
+    from cachefeed.status.verdict import Health
 
     report = read_report(layout.root)
     document = report.document

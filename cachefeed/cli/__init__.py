@@ -1,8 +1,9 @@
-"""The ``cachefeed`` command: ``daemon``, ``status``, ``demo``.
+"""The ``cachefeed`` command: ``daemon``, ``status``, ``demo``; ``main`` is the console entry point.
 
-Each subcommand lives in its own module and exposes ``add_arguments(parser)`` and ``run(args) -> int``; this
-module only wires them up. A ``CachefeedError`` becomes one line on stderr and its ``exit_code``; no traceback for
-user mistakes. ``KeyboardInterrupt`` exits 130.
+Each subcommand lives in its own module of this package (``cli/daemon.py``, ``cli/status.py``, ``cli/demo.py``)
+and exposes ``add_arguments(parser)`` and ``run(args) -> int``; this module only wires them up. A
+``CachefeedError`` becomes one line on stderr and its ``exit_code``; no traceback for user mistakes.
+``KeyboardInterrupt`` exits 130. ``python -m cachefeed`` (``cachefeed/__main__.py``) runs the same ``main``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ __all__ = ["main"]
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "daemon": ("cachefeed.daemon.main", "run the cache daemon in the foreground (what systemd starts)"),
-    "status": ("cachefeed.status", "show what the cache and its daemon are doing"),
-    "demo": ("cachefeed.demo", "run the whole system end to end on a local S3 server, no set-up needed"),
+    "daemon": ("cachefeed.cli.daemon", "run the cache daemon in the foreground (what systemd starts)"),
+    "status": ("cachefeed.cli.status", "show what the cache and its daemon are doing"),
+    "demo": ("cachefeed.cli.demo", "run the whole system end to end on a local S3 server, no set-up needed"),
 }
 
 
@@ -68,7 +69,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from cachefeed.config import StatusConfig
 from cachefeed.errors import ConfigError
 from cachefeed.fsutil import atomic_write
-from cachefeed.status_schema import SOURCE_ROW, Scalar, metric_scalars
+from cachefeed.status.schema import SOURCE_ROW, Scalar, metric_scalars
 
 __all__ = ["STATES", "MetricsExporter", "StatusCollector", "render_metrics"]
 
@@ -46,7 +46,7 @@ STATES = ("starting", "running", "degraded", "stopping", "stopped")
 SAMPLER_STATES = ("starting", "running", "restarting", "stopped")
 TEXTFILE_MODE = 0o644  # node-exporter runs as its own user
 
-# (section, key, metric name, kind, help): declared with the document's fields in status_schema.py.
+# (section, key, metric name, kind, help): declared with the document's fields in status/schema.py.
 _SCALARS: tuple[tuple[str, str, str, str, str], ...] = tuple(
     (section, key, metric.name, metric.kind, metric.help) for section, key, metric in metric_scalars()
 )
@@ -137,7 +137,7 @@ class StatusCollector:
 
     @staticmethod
     def _sources(sources: object) -> Iterator[Metric]:
-        """Each named source's numbers, labelled by its name (declared in ``status_schema.SOURCE_ROW``)."""
+        """Each named source's numbers, labelled by its name (declared in ``status/schema.py``'s ``SOURCE_ROW``)."""
         rows = [row for row in sources if isinstance(row, Mapping)] if isinstance(sources, list) else []
         if not rows:
             return

@@ -155,7 +155,8 @@ def _write_config(path: Path, sections: dict[str, dict[str, Any]]) -> None:
 
 
 def _status_document(cache_dir: Path) -> dict[str, Any] | None:
-    from cachefeed.status import StatusUnreadable, load_document
+    from cachefeed.errors import StatusUnreadable
+    from cachefeed.status.document import load_document
 
     try:
         return load_document(cache_dir / "status.json")
@@ -279,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
             _wait_running(daemon, cache_dir, log_path)
         _train(args, cache_dir)
         _wait_for_reads(cache_dir, args.epochs)
-        from cachefeed.status import read_report, render_human
+        from cachefeed.status.render import render_human
+        from cachefeed.status.report import read_report
 
         _say("\n$ cachefeed status --cache-dir " + str(cache_dir), out=sys.stdout)
         _say(render_human(read_report(cache_dir)), out=sys.stdout)

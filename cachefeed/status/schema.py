@@ -1,8 +1,9 @@
 """The status document's contract, declared once: its version, its shape, and which of its numbers are metrics.
 
 The daemon writes ``<cache>/status.json`` (built in ``daemon/status_doc.py``); ``cachefeed status`` validates and
-renders it (``status.py``), trainers read their fill level from it (``trainer/wait.py``), and the Prometheus
-exporter turns it into metric families (``metrics.py``). All of them read this declaration: a key is added here,
+renders it (``status/document.py``, ``status/render.py``), trainers read their fill level from it
+(``trainer/wait.py``), and the Prometheus exporter turns it into metric families (``status/metrics.py``). All of
+them read this declaration: a key is added here,
 with its metric if it should be one, and the builder fills it (``tests/test_daemon.py`` checks a real daemon's
 document against ``STATUS_SCHEMA``: every declared key present with its shape, no undeclared key).
 
@@ -93,7 +94,7 @@ def _counter(name: str, help_text: str) -> Scalar:
 
 BOOL = (bool, int)
 
-# One row of ``sources`` (named sources only). Its Scalars are exported with a ``source`` label (metrics.py).
+# One row of ``sources`` (named sources only). Its Scalars are exported with a ``source`` label (status/metrics.py).
 SOURCE_ROW: dict[str, Any] = {
     "name": str,
     "url": str,
@@ -184,7 +185,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "passes_completed": _counter("cachefeed_remote_passes_completed", "Passes over the catalog."),
         "requests_total": _counter("cachefeed_remote_requests", "Requests sent to the remote."),
         "retries_total": _counter("cachefeed_remote_retries", "Requests that were retries."),
-        "errors_total": NUM,  # exported by kind (metrics.py), with the remainder as "other"
+        "errors_total": NUM,  # exported by kind (status/metrics.py), with the remainder as "other"
         "errors_by_kind": {str: NUM},
         "quarantined_total": _counter("cachefeed_remote_quarantined_objects", "Objects quarantined."),
         "not_cached": {str: NUM},
