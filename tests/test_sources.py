@@ -249,7 +249,7 @@ def rank_main(root: str, port: int, rank: int, out: str) -> None:
 
 def test_two_nodes_each_give_every_epoch_the_weighted_shares_of_their_own_objects(tmp_path: Path, data: Path) -> None:
     from cachefeed.testing.local_s3 import free_port
-    from tests.test_trainer_distributed import python
+    from tests.trainer.test_distributed import python
 
     daemons = [start(tmp_path, rank=rank, count=2) for rank in range(2)]
     try:

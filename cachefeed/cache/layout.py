@@ -48,7 +48,7 @@ _TMP_NAME = re.compile(r"^[0-9a-f]{16}\.tmp$")
 # (ext4: 8 bytes + the 20-byte name, in leaf blocks an htree split may leave half empty) and its MANIFEST entry
 # (msgpack [name, count, reads, tag] <= 37 bytes); per snapshot its directory's first and index blocks, the
 # MANIFEST's last partial block and source table (at most MAX_SOURCES x ~80 bytes, cache/sources.py), the lock file
-# and the READ mark. Measured on ext4 with 9,000 segments: see tests/test_cache_bound.py, which fails if either
+# and the READ mark. Measured on ext4 with 9,000 segments: see tests/cache/test_bound.py, which fails if either
 # constant is too small.
 SNAPSHOT_ENTRY_BYTES = 128
 SNAPSHOT_FIXED_BYTES = 32 << 10

@@ -26,7 +26,8 @@ it), and its payload area on that same boundary, so an array read from the page-
 alignment in memory too. What a record costs beyond its payload: 16 bytes of header, the meta (the key, about 10
 bytes per array field, the inline values), padding to 16 (64 before a large payload) and 24 bytes of index. A 1 KiB
 float32 vector with an int label and an int id under a 30-character key: 1,128 bytes in the segment (10% over the
-payload; format 2 took 1,240, with 64-byte headers and alignment for everything; ``tests/test_records.py`` pins it).
+payload; format 2 took 1,240, with 64-byte headers and alignment for everything; ``tests/cache/test_records.py``
+pins it).
 
 The trailer's **source tag** (u32) says which configured source (``[[source]]``, see ``cache/sources.py``) every
 record of the segment came from; 0 when the daemon reads one unnamed remote. A segment never mixes sources.

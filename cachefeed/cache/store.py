@@ -4,7 +4,7 @@ Exactly one ``CacheStore`` exists per cache directory, in the daemon's superviso
 process). It owns every decision that changes what is published; segment *bytes* may be written by other processes
 (the samplers) into ``tmp/`` under a ``Grant`` it handed out.
 
-The budget (what ``tests/test_cache_bound.py`` checks by sampling the directory's real size with thousands of
+The budget (what ``tests/cache/test_bound.py`` checks by sampling the directory's real size with thousands of
 segments and two live snapshots)::
 
     published + pinned_only + reserved + metadata + next_snapshot <= max_bytes - METADATA_RESERVE_BYTES
@@ -26,7 +26,7 @@ Hence the bound users can rely on: **the real size of the cache directory never 
 trainers create at most one snapshot between two of the daemon's scans (a job's handover does). Snapshots beyond
 that (several jobs on one node pinning within the same half second, or while writers already wait) each add their
 metadata (32 KiB + 128 B per segment at most) on top of what was charged, inside the 1 MiB reserve: a few such
-snapshots of a few thousand segments fit it; ``tests/test_cache_model.py`` pins at random and checks the real
+snapshots of a few thousand segments fit it; ``tests/cache/test_model.py`` pins at random and checks the real
 size at every step.
 With small segments the metadata is a visible share of the budget (4 KiB segments: about 3% per live snapshot);
 with the default 64 MiB segments it is negligible.

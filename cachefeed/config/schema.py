@@ -3,7 +3,7 @@
 ``SCHEMA`` maps section -> key -> (field name, parser, doc); ``SOURCE_SCHEMA`` does the same for the keys of a
 ``[[source]]`` table (an array of tables, so not a section). A key without a default in its dataclass is required.
 ``configs/*.toml`` and the README's config reference are written from these (``tests/test_readme.py`` and
-``tests/test_configs_examples.py`` check both).
+``tests/config/test_examples.py`` check both).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The daemon writes ``<cache>/status.json`` (built in ``daemon/status_doc.py``); `
 renders it (``status/document.py``, ``status/render.py``), trainers read their fill level from it
 (``trainer/wait.py``), and the Prometheus exporter turns it into metric families (``status/metrics.py``). All of
 them read this declaration: a key is added here,
-with its metric if it should be one, and the builder fills it (``tests/test_daemon.py`` checks a real daemon's
+with its metric if it should be one, and the builder fills it (``tests/daemon/test_daemon.py`` checks a real daemon's
 document against ``STATUS_SCHEMA``: every declared key present with its shape, no undeclared key).
 
 Shapes: ``NUM`` any JSON number (bool excluded), ``INT`` an integer, ``OPT_*`` also null, a Python type or tuple

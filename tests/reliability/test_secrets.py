@@ -1,4 +1,4 @@
-"""Credentials never leak: what ``tests/test_logs_daemon.py`` does not already cover.
+"""Credentials never leak: what ``tests/daemon/test_logs.py`` does not already cover.
 
 That test runs a daemon at DEBUG with sentinel credentials in ``storage_options`` and the environment, answers
 403s that echo the Authorization header, and checks logs, status, ``cachefeed status``, metrics and command lines.

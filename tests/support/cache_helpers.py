@@ -18,7 +18,7 @@ from cachefeed.testing.samples import make_sample
 
 def cache_config(root: Path, **overrides: Any) -> CacheConfig:
     """A small cache for tests. ``evict_after_reads`` is 0 (evict by age, without trainers) because most store
-    tests write more than the budget with no reader; the read contract has its own tests (test_cache_reads.py).
+    tests write more than the budget with no reader; the read contract has its own tests (tests/cache/test_reads.py).
     ``snapshot_grace_s`` is 0 (a dead trainer's snapshot goes at the next sweep): the resume grace has its own."""
     values: dict[str, Any] = {
         "evict_after_reads": 0,

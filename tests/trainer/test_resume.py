@@ -18,9 +18,9 @@ import pytest
 from cachefeed.cache.store import CacheStore
 from cachefeed.trainer import EpochLoaderFactory
 from tests.support.cache_helpers import cache_config
-from tests.test_trainer_loader import build_cache, check_batch
+from tests.trainer.test_loader import build_cache, check_batch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = 300
 BATCH = 10
 
@@ -41,7 +41,7 @@ def trainer_main(root: str, progress: str, workers: int = 0) -> None:
 
 def start_trainer(root: Path, progress: Path, workers: int = 0) -> subprocess.Popen[bytes]:
     code = (
-        f"from tests.test_trainer_resume import trainer_main; trainer_main({str(root)!r}, {str(progress)!r}, {workers})"
+        f"from tests.trainer.test_resume import trainer_main; trainer_main({str(root)!r}, {str(progress)!r}, {workers})"
     )
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
 

@@ -10,7 +10,7 @@ import torch
 
 from cachefeed.trainer import DevicePrefetcher, EpochLoaderFactory
 from cachefeed.trainer.device import move_to
-from tests.test_trainer_loader import build_cache
+from tests.trainer.test_loader import build_cache
 
 Pair = namedtuple("Pair", ["x", "y"])
 

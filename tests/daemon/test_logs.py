@@ -20,7 +20,7 @@ from cachefeed.status.report import StatusReport
 from cachefeed.status.verdict import Health
 from cachefeed.testing.local_s3 import LocalS3, free_port
 from cachefeed.testing.proxy import FaultProxy, Rule
-from tests.test_status_daemon import Daemon, put_objects, write_config
+from tests.status.test_daemon import Daemon, put_objects, write_config
 
 
 def sentinel(tag: str) -> str:

@@ -1,4 +1,4 @@
-"""``cachefeed status`` on status documents written by the test (the daemon's side: test_status_daemon.py).
+"""``cachefeed status`` on status documents written by the test (the daemon's side: test_daemon.py here).
 
 Every document here follows the contract (tests/api brief, ``STATUS_SCHEMA``); each test changes one thing and
 checks the verdict (exit status), the human output and the JSON output, through the real CLI entry point.
@@ -36,7 +36,7 @@ from cachefeed.status.render import WIDTH, render_human
 from cachefeed.status.report import read_report
 from cachefeed.status.verdict import Health, stale_after_s
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # ``cachefeed status`` through the real CLI, with only the status subcommand registered: the CLI imports every
 # subcommand's module to build its parser, and the status command must not depend on the others.
 _ONLY_STATUS = (

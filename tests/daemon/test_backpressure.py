@@ -24,7 +24,7 @@ def test_a_cache_full_of_pinned_data_pauses_fetching_until_released(
     upload_arrays(bucket, BUCKET, 300, 64 << 10)
     max_bytes = 8 << 20
     # evict_after_reads = 0: the cache turns over without readers, so that only pins can stop it (the read
-    # contract's own waiting is tested in test_daemon_pacing.py)
+    # contract's own waiting is tested in tests/daemon/test_pacing.py)
     proc = daemon(endpoint=fault_proxy.endpoint, sections={"cache": {"max_bytes": max_bytes, "evict_after_reads": 0}})
     proc.wait_status(lambda d: d["evicted"]["segments_total"] > 0, timeout_s=30, what="a full cache")
     # Pin everything, again and again, until no room is left: each round holds the GETs until every writer has

@@ -18,7 +18,7 @@ from cachefeed.errors import ConfigError
 from cachefeed.status.metrics import _SCALARS, MetricsExporter, render_metrics
 from cachefeed.status.schema import STATUS_SCHEMA
 from cachefeed.testing.local_s3 import free_port
-from tests.test_status import make_document
+from tests.status.test_status import make_document
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -18,7 +18,7 @@ import pytest
 
 from cachefeed.testing.local_s3 import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 2
 BATCH = 32
 
@@ -154,7 +154,7 @@ def run_ranks(tmp_path: Path, roots: list[Path], world: int, local_world: int, s
     sizes = f"{samples_per_epoch}, {min(samples_per_epoch, 100)}"  # samples_per_epoch, min_samples (0: defaults)
     ranks = [
         python(
-            f"from tests.test_trainer_distributed import node_rank_main; node_rank_main("
+            f"from tests.trainer.test_distributed import node_rank_main; node_rank_main("
             f"{str(roots[r // local_world])!r}, {port}, {r}, {str(outs[r])!r}, {world}, {sizes})",
             extra_env={
                 "LOCAL_RANK": str(r % local_world),
@@ -203,7 +203,7 @@ def test_every_sample_of_each_snapshot_is_delivered_exactly_once_across_ranks_an
 ) -> None:
     root = tmp_path / "cache"
     writer = python(
-        f"from tests.test_trainer_distributed import writer_main; writer_main({str(root)!r}, 6000)",
+        f"from tests.trainer.test_distributed import writer_main; writer_main({str(root)!r}, 6000)",
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -214,7 +214,7 @@ def test_every_sample_of_each_snapshot_is_delivered_exactly_once_across_ranks_an
         outs = [tmp_path / f"rank{r}.json" for r in range(2)]
         ranks = [
             python(
-                "from tests.test_trainer_distributed import rank_main; "
+                "from tests.trainer.test_distributed import rank_main; "
                 f"rank_main({str(root)!r}, {port}, {r}, {context!r}, {str(outs[r])!r}, {epochs})"
             )
             for r in range(2)
@@ -248,7 +248,7 @@ def test_every_sample_of_each_snapshot_is_delivered_exactly_once_across_ranks_an
 
 
 def test_nodes_with_different_caches_agree_on_equal_shares(tmp_path: Path) -> None:
-    from tests.test_trainer_loader import build_cache
+    from tests.trainer.test_loader import build_cache
 
     caches = [build_cache(tmp_path / "nodeA", 300), build_cache(tmp_path / "nodeB", 250)]
     reports = run_ranks(tmp_path, caches, world=4, local_world=2)
@@ -269,7 +269,7 @@ def test_two_ranks_get_epochs_of_the_set_size_known_before_training(
     """``samples_per_epoch`` on two ranks of a node: ``len(loader)`` is per_epoch / 2 / batch for every epoch, the
     first included, and known before it; the ranks never share a sample within an epoch while the snapshot holds
     ``per_epoch`` samples, and reuse it evenly when it holds fewer."""
-    from tests.test_trainer_loader import build_cache
+    from tests.trainer.test_loader import build_cache
 
     reports = run_ranks(
         tmp_path, [build_cache(tmp_path / "node", cached)], world=2, local_world=1 * 2, samples_per_epoch=per_epoch

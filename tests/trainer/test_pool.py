@@ -23,7 +23,7 @@ from cachefeed.trainer import EpochLoaderFactory
 from cachefeed.trainer.arena import Allocator, Nest, Slot, collate_into, place
 from cachefeed.trainer.dataset import SnapshotDataset
 from cachefeed.trainer.pool import WorkerPool
-from tests.test_trainer_loader import build_cache, check_batch, wait_until
+from tests.trainer.test_loader import build_cache, check_batch, wait_until
 
 Pair = namedtuple("Pair", ["image", "label"])
 

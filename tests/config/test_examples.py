@@ -18,7 +18,7 @@ from cachefeed.config import SCHEMA, load_config, parse_config
 from cachefeed.errors import ConfigError
 from cachefeed.units import parse_size
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 REFERENCE = ROOT / "configs" / "s3-ssd.toml"
 SERVICE = ROOT / "systemd" / "cachefeed@.service"

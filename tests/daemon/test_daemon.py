@@ -24,7 +24,7 @@ from tests.support.cache_helpers import tree_bytes
 
 def test_free_running_fill_to_budget_then_keep_sampling_with_eviction(bucket: Any, daemon: StartDaemon) -> None:
     """``evict_after_reads = 0``: without readers the daemon keeps sampling, evicting the oldest (the opt-in
-    free-running mode; the paced default is tested in test_daemon_pacing.py)."""
+    free-running mode; the paced default is tested in tests/daemon/test_pacing.py)."""
     uploaded = upload_arrays(bucket, BUCKET, 300, 64 << 10)
     max_bytes = 8 << 20  # about a third of the 19 MiB dataset
     proc = daemon(sections={"cache": {"max_bytes": max_bytes, "evict_after_reads": 0}})
@@ -104,7 +104,7 @@ def add_one_in_place(sample: dict[str, Any]) -> dict[str, Any]:
 
 def test_preprocess_runs_once_per_sample_in_the_daemon(bucket: Any, daemon: StartDaemon) -> None:
     uploaded = upload_arrays(bucket, BUCKET, 20, 4 << 10)
-    proc = daemon(sections={"sampler": {"preprocess": "tests.test_daemon:add_one_in_place"}})
+    proc = daemon(sections={"sampler": {"preprocess": "tests.daemon.test_daemon:add_one_in_place"}})
     proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 20, timeout_s=30, what="20 objects")
     assert proc.stop() == 0
     found = {sample["__key__"]: sample for _, sample in cache_samples(proc.cache_dir)}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachefeed.trainer import EpochLoaderFactory
-from tests.test_trainer_loader import build_cache, check_batch
+from tests.trainer.test_loader import build_cache, check_batch
 
 EPOCHS = 4
 

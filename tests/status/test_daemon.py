@@ -27,9 +27,9 @@ from cachefeed.status.render import WIDTH
 from cachefeed.status.report import StatusReport, read_report
 from cachefeed.status.verdict import Health
 from cachefeed.testing.local_s3 import LocalS3, free_port
-from tests.test_metrics import parse, value
+from tests.status.test_metrics import parse, value
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OBJECTS = 40
 # The real CLI entry point, with only the subcommands these tests use registered (the CLI imports every
 # subcommand's module to build its parser; these tests must not depend on the others).
