@@ -25,7 +25,7 @@ python="${PYTHON:-.venv/bin/python}"
 [[ -x "$python" ]] || python=python3
 
 status=0
-"$python" -m pytest tests/reliability -s -q -rxXs --timeout=3600 "${marker[@]}" "$@" 2>&1 | tee "$log" || status=$?
+"$python" -m pytest tests/reliability -n 0 -s -q -rxXs --timeout=3600 "${marker[@]}" "$@" 2>&1 | tee "$log" || status=$?
 
 echo
 echo "=== figures: $(date -u +%Y-%m-%dT%H:%M:%SZ), $(uname -srm), $(nproc) cores, pytest ${marker[*]} $* ==="
