@@ -39,6 +39,9 @@ _LABEL = 10
 _MAX_LISTED = 8  # snapshots or samplers shown one per line; beyond that, only a count (and unhealthy samplers)
 
 
+_REASON_CHARS = 600  # a reason names a path (the cache's can be long) before saying what is wrong: keep it whole
+
+
 def _clean(text: object, limit: int = 160) -> str:
     """A document string made safe for a terminal: no control characters, bounded length."""
     shown = "".join(ch if ch.isprintable() else "?" for ch in str(text))
@@ -83,7 +86,7 @@ def render_human(report: StatusReport, *, now: float | None = None) -> str:
     verdict = report.health.name.replace("_", " ")
     out.add("health", verdict if report.health == Health.RUNNING else f"{verdict} (exit {int(report.health)})")
     for reason in report.reasons:
-        out.add("", f"- {_clean(reason)}")
+        out.add("", f"- {_clean(reason, _REASON_CHARS)}")
     if report.document is not None:
         _render_document(
             out, report.document, report.heartbeat_age_s or 0.0, now, is_gone=report.health == Health.NOT_RUNNING

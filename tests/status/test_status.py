@@ -359,7 +359,7 @@ def test_wrong_types_are_reported_by_key(
 
 
 def test_status_symlink_is_not_followed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    layout = make_cache(tmp_path / "cache")
+    layout = make_cache(tmp_path / ("a-long-directory-name-" * 6) / "cache")  # the reason is shown whole
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text(json.dumps(make_document(layout.root)))
     layout.status_file.symlink_to(elsewhere)
