@@ -8,6 +8,9 @@ each) and measures, on this machine:
 * **decode rate per core** (one process): ``cachefeed.images.decode_image`` to ``--size`` (Pillow with
   ``draft``: the JPEG decodes at a reduced scale when the target is at most half as large), next to the plain
   Pillow transform people write (``open``, ``convert("RGB")``, ``resize``, ``crop``: full-size decode);
+* **the decoder choice**: a full-size decode to RGB alone with Pillow and, when it is installed
+  (``pip install simplejpeg``: a libjpeg-turbo binding with wheels), with simplejpeg, and simplejpeg's decode
+  followed by the same resize and crop; a decoder not installed is reported as such, not skipped silently;
 * **bytes per cached sample** for each placement: pixels (daemon-decoded, ``3 x size x size``) or the JPEG's bytes
   (decoded in the workers), record overhead included (measured in the segments written);
 * **images per second through a 2-worker loader**, every epoch from a warm tmpfs cache: the daemon-decoded cache
@@ -20,6 +23,7 @@ Writes ``benchmarks/results/decode.json`` (``--no-save`` to skip).
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import os
 import shutil
@@ -62,6 +66,38 @@ def plain_pillow(body: bytes, size: int) -> np.ndarray[Any, Any]:
     rgb = rgb.resize((width, height), Image.Resampling.BILINEAR)
     left, top = (width - size) // 2, (height - size) // 2
     return np.asarray(rgb.crop((left, top, left + size, top + size))).transpose(2, 0, 1)
+
+
+def pillow_rgb(body: bytes) -> np.ndarray[Any, Any]:
+    with Image.open(io.BytesIO(body)) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def decoder_choices(bodies: list[bytes], size: int) -> dict[str, float | str]:
+    """Full-size decodes to RGB per decoder (and simplejpeg + the same resize/crop), images/s on one core."""
+    choices: dict[str, float | str] = {"Pillow: full decode to RGB": rate(bodies, pillow_rgb)}
+    try:
+        simplejpeg: Any = importlib.import_module("simplejpeg")  # optional: only this comparison uses it
+    except ImportError:
+        choices["simplejpeg: full decode to RGB"] = "not installed (pip install simplejpeg)"
+        return choices
+
+    def simplejpeg_resized(body: bytes) -> np.ndarray[Any, Any]:
+        rgb = Image.fromarray(simplejpeg.decode_jpeg(body, colorspace="RGB"))
+        scale = size / min(rgb.size)
+        width, height = max(size, round(rgb.width * scale)), max(size, round(rgb.height * scale))
+        rgb = rgb.resize((width, height), Image.Resampling.BILINEAR)
+        left, top = (width - size) // 2, (height - size) // 2
+        return np.asarray(rgb.crop((left, top, left + size, top + size))).transpose(2, 0, 1)
+
+    version = getattr(simplejpeg, "__version__", "?")
+    choices[f"simplejpeg {version}: full decode to RGB"] = rate(
+        bodies, lambda b: simplejpeg.decode_jpeg(b, colorspace="RGB")
+    )
+    choices[f"simplejpeg {version}: decode + resize + crop"] = rate(bodies, simplejpeg_resized)
+    same = np.array_equal(simplejpeg.decode_jpeg(bodies[0], colorspace="RGB"), pillow_rgb(bodies[0]))
+    choices["simplejpeg and Pillow give identical pixels"] = "yes" if same else "no"
+    return choices
 
 
 def rate(bodies: list[bytes], decode: Any) -> float:
@@ -128,6 +164,7 @@ def main() -> None:
             "cachefeed decode_image (draft + resize + crop)": rate(bodies, lambda b: decode_image(b, "k", size=size)),
             "plain Pillow (full decode + resize + crop)": rate(bodies, lambda b: plain_pillow(b, args.size)),
         }
+        choices = decoder_choices(bodies, args.size)
         named = list(zip([p.name for p in paths], bodies, strict=True))
         pixels = [{"__key__": name, "image": decode_image(body, name, size=size)} for name, body in named]
         stored = [{"__key__": name, "data": body} for name, body in named]
@@ -152,13 +189,14 @@ def main() -> None:
         "workers": args.workers,
         "cpus": os.cpu_count(),
         "per_core_images_per_s": {k: round(v, 1) for k, v in per_core.items()},
+        "decoder_choices": {k: round(v, 1) if isinstance(v, float) else v for k, v in choices.items()},
         "bytes_per_cached_sample": per_sample,
         "loader_images_per_s": {k: round(v, 1) for k, v in loaders.items()},
     }
-    for group in ("per_core_images_per_s", "bytes_per_cached_sample", "loader_images_per_s"):
+    for group in ("per_core_images_per_s", "decoder_choices", "bytes_per_cached_sample", "loader_images_per_s"):
         print(group)
         for name, value in figures[group].items():
-            print(f"  {name:<52} {value:>12,}")
+            print(f"  {name:<52} {value:>12,}" if not isinstance(value, str) else f"  {name:<52} {value}")
     if not args.no_save:
         print(f"wrote {save('decode', figures, work_dir=args.dir)}")
 
@@ -174,6 +212,8 @@ def readme_table(doc: dict[str, Any]) -> str:
         "|---|---|",
     ]
     lines += [f"| decode, one core: {k} | {v:,.0f} images/s |" for k, v in figures["per_core_images_per_s"].items()]
+    for k, v in figures.get("decoder_choices", {}).items():
+        lines.append(f"| decoder, one core: {k} | {v if isinstance(v, str) else f'{v:,.0f} images/s'} |")
     lines += [f"| cache bytes per sample: {k} | {v:,} |" for k, v in figures["bytes_per_cached_sample"].items()]
     lines += [f"| loader: {k} | {v:,.0f} images/s |" for k, v in figures["loader_images_per_s"].items()]
     lines += ["", "Measured with " + provenance_line(doc) + "."]
