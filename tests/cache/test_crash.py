@@ -83,8 +83,8 @@ def crash_loop(tmp_path: Path, kills: int) -> None:
     assert rounds_with_new_samples >= kills // 2, (rounds_with_new_samples, kills)
 
 
-def test_writer_killed_25_times_leaves_no_partial_state(tmp_path: Path) -> None:
-    crash_loop(tmp_path, 25)  # the slow run below kills 500 times
+def test_writer_killed_16_times_leaves_no_partial_state(tmp_path: Path) -> None:
+    crash_loop(tmp_path, 16)  # the slow run below kills 500 times
 
 
 @pytest.mark.slow
