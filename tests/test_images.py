@@ -199,6 +199,50 @@ def test_a_decompression_bomb_is_refused_before_any_pixel_is_allocated() -> None
     assert peak < 8 << 20, f"{peak} bytes allocated for a 10-gigapixel declaration"
 
 
+def jpeg_bytes(width: int, height: int, mode: str = "RGB", seed: int = 0) -> bytes:
+    """A noisy gradient (real JPEG content, not a flat colour) in ``mode``."""
+    y, x = np.mgrid[0:height, 0:width]
+    noise = np.random.default_rng(seed).normal(0, 12, (height, width, 3))
+    pixels = np.clip(np.stack([(x * 3) % 256, (y * 5) % 256, (x + y) % 256], -1) + noise, 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "mode", "size"),
+    [
+        (500, 375, "RGB", None),
+        (500, 375, "RGB", (224, 224)),  # no reduced scale fits
+        (2000, 1500, "RGB", (224, 224)),  # decoded at 1/4 scale
+        (333, 777, "L", (100, 50)),  # greyscale, 1/2 scale
+        (64, 48, "CMYK", (32, 32)),  # CMYK goes through Pillow
+    ],
+)
+def test_the_fast_jpeg_decoder_gives_exactly_pillows_pixels(
+    monkeypatch: pytest.MonkeyPatch, width: int, height: int, mode: str, size: tuple[int, int] | None
+) -> None:
+    pytest.importorskip("simplejpeg")  # the images extra installs it; without it every JPEG goes through Pillow
+    import cachefeed.images
+
+    body = jpeg_bytes(width, height, mode)
+    fast = decode_image(body, "k.jpg", size=size)
+    monkeypatch.setattr(cachefeed.images, "fast_jpeg", lambda: None)
+    assert np.array_equal(fast, decode_image(body, "k.jpg", size=size))
+
+
+def test_a_jpeg_declaring_a_huge_size_is_refused_by_either_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cachefeed.images
+
+    body = bytearray(jpeg_bytes(64, 48))
+    sof = body.index(b"\xff\xc0")  # baseline frame header: length, precision, then height and width
+    body[sof + 5 : sof + 9] = struct.pack(">HH", 60_000, 60_000)
+    for fast in (cachefeed.images.fast_jpeg, lambda: None):
+        monkeypatch.setattr(cachefeed.images, "fast_jpeg", fast)
+        with pytest.raises(DecodeError, match="decompression bomb"):
+            decode_image(bytes(body), "huge.jpg", size=(32, 32))
+
+
 def test_resize_and_crop_are_deterministic_and_keep_the_centre() -> None:
     half = Image.new("RGB", (100, 50), (255, 0, 0))
     half.paste((0, 0, 255), (50, 0, 100, 50))  # left red, right blue
