@@ -22,7 +22,7 @@ non-images raise ``DecodeError`` naming the key (the daemon quarantines the obje
 
 Decoders: Pillow for every format (it installs everywhere from a wheel, libjpeg-turbo and libpng inside), and for
 JPEG **simplejpeg** when it is installed (``pip install 'cachefeed[images]'`` brings both): a thin libjpeg-turbo
-binding that decoded the benchmark's JPEGs 1.55x faster than Pillow on one core, to identical pixels
+binding that decoded the benchmark's JPEGs about 1.6x faster than Pillow on one core, to identical pixels
 (``python -m benchmarks.decode``, ``benchmarks/results/decode.json``). Either decodes at a reduced scale (1/2, 1/4,
 1/8: DCT scaling) when the target is at most that large; from 500 x 375 to 224 it is not. The resize and crop are
 Pillow's in both cases, so the two paths give the same pixels.
