@@ -33,6 +33,9 @@ float, bool, None, or lists/dicts (string keys) of those scalars, nested at most
 are not allowed inside lists/dicts.
 
 Every failure raises ``DecodeError`` naming the key and the reason; the caller quarantines the object.
+
+Why one long module: it is the registry of decoders (``BUILTIN_DECODERS``: the config validates names against it)
+and the formats it names; each decoder is a few lines, and the one-object-many-samples rules are shared.
 """
 
 from __future__ import annotations

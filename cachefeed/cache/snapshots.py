@@ -24,6 +24,9 @@ leaves the epoch's read receipt if a trainer marked it read (NOTE [ Read receipt
 removes ``<id>/``, then ``<id>.lock``, while holding the lock. The last releaser does this; the daemon's
 ``sweep_stale`` does it for holders that died. Removing the directory before the lock means a directory without a
 lock is always garbage; a ``.partial`` lock older than ``PARTIAL_GRACE_S`` whose lock is free is garbage too.
+
+Why one long module: it is both sides of the pinning protocol (trainers pin and release, the daemon sweeps and
+counts pins), which must agree on every file name and lock.
 """
 
 from __future__ import annotations

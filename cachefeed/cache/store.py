@@ -55,6 +55,10 @@ Weighted sources (``source_weights``, from the daemon's ``[[source]]`` tables; s
 the evictable segments, a victim is taken from the source furthest *above* its share of the published samples, and
 only then by the policy's order within that source, so a source below its share (one smaller than its share of the
 budget, or one that fell behind) keeps what it has. With one source this changes nothing.
+
+Why one long module: the budget is one concept. Every rule above (the hard bound, turnover, read-gated eviction,
+weighted sources, recovery) decides on the same counts, owned by one object on one thread; split, each
+part would need the others' internals.
 """
 
 from __future__ import annotations

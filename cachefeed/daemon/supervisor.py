@@ -16,6 +16,10 @@ Lifecycle (what a test or systemd observes)::
   of the last seconds failed; the reasons are listed in the status document.
 
 Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``).
+
+Why one long module: it is the daemon's one loop (the lifecycle above); each job it delegates has a module of its
+own: grants (``grants.py``), sources and plans (``sources.py``, ``plan.py``), samplers (``pool.py``), status
+(``reporter.py``).
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ thread-safe (one lock guards rules and counters). Bodies are streamed chunk by c
 
 Use ``with FaultProxy(upstream) as proxy:``; the tests' ``fault_proxy`` fixture (``tests/conftest.py``) is one in
 front of their moto server.
+
+Why one long module: it is one fake server (rules, counts and the HTTP relay share its state and its lock).
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ never blocks on a send (a pipe holds 64 KiB; an epoch's index for thousands of s
 thread waits on the result pipe *and* the worker's sentinel, so a worker that dies raises ``RuntimeError`` naming
 its pid and exit code instead of hanging; the next pass (the next epoch) starts a new worker in its place. Arenas
 are memfds: nothing is left on any filesystem, whoever is killed.
+
+Why one long module: it is both sides of one protocol (NOTE [ Feed protocol ]): the training process's pool and
+the worker's loop must agree message for message, so they are read together.
 """
 
 from __future__ import annotations
