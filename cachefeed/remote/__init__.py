@@ -8,6 +8,8 @@
 - ``objects.py``: ``RemoteObject`` and ``RemoteStats``.
 
 Credentials are scrubbed from error messages by ``cachefeed.scrub``, the scrubber the logs use too.
+
+Internal: not a stable API (the daemon uses it; configure it through ``[remote]``/``[[source]]``).
 """
 
 from cachefeed.remote.client import Remote

@@ -13,4 +13,7 @@ One job per module, each importing only those above it in this list:
 
 The daemon builds the document from its own state in ``daemon/status_doc.py``; the ``cachefeed status`` command is
 ``cli/status.py``. Nothing here imports the daemon, the trainer or torch, and nothing here writes into a cache.
+
+Internal modules; the stable contract is the document itself (``schema.py``, ``STATUS_VERSION``) and
+``cachefeed status``.
 """
