@@ -25,19 +25,27 @@ README = REPO_ROOT / "README.md"
 _BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.DOTALL)
 
 
-def _renderer(name: str) -> Callable[[dict[str, Any]], str]:
-    """``benchmarks/<name>.py``'s ``readme_table``, imported when a block is rendered (benchmarks import torch)."""
+def _renderer(module: str) -> Callable[[dict[str, Any]], str]:
+    """``module``'s ``readme_table``, imported when a block is rendered (benchmarks import torch)."""
 
     def render_block(doc: dict[str, Any]) -> str:
-        table: Callable[[dict[str, Any]], str] = importlib.import_module(f"benchmarks.{name}").readme_table
+        table: Callable[[dict[str, Any]], str] = importlib.import_module(module).readme_table
         return table(doc)
 
     return render_block
 
 
-# Each benchmark whose figures the README quotes, with its block; its module defines readme_table(doc).
+# Each README block: (the committed result it renders, benchmarks/results/<result>.json; the module whose
+# readme_table(doc) renders it). A benchmark's block is named after it; "peers" is run_all's comparison.
+SOURCES: dict[str, tuple[str, str]] = {
+    **{
+        name: (name, f"benchmarks.{name}")
+        for name in ("decode", "egress", "feed", "handover", "read_throughput", "worker_memory")
+    },
+    "peers": ("results", "benchmarks.common.results_md"),
+}
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    name: _renderer(name) for name in ("decode", "egress", "feed", "handover", "read_throughput", "worker_memory")
+    name: _renderer(module) for name, (_r, module) in SOURCES.items()
 }
 
 
@@ -49,7 +57,7 @@ def render(text: str) -> tuple[str, list[str]]:
         name = match["name"]
         if name not in RENDERERS:
             raise KeyError(f"README figure block {name!r} has no renderer in benchmarks/readme.py")
-        body = RENDERERS[name](load(name)).rstrip("\n") + "\n"
+        body = RENDERERS[name](load(SOURCES[name][0])).rstrip("\n") + "\n"
         if body != match["body"]:
             changed.append(name)
         return match.group(1) + body + match.group(4)
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     rendered, changed = render(text)
     if args.check:
         for name in changed:
-            print(f"{args.readme}: figure block {name!r} differs from benchmarks/results/{name}.json")
+            print(f"{args.readme}: figure block {name!r} differs from benchmarks/results/{SOURCES[name][0]}.json")
         return 1 if changed else 0
     if changed:
         args.readme.write_text(rendered)

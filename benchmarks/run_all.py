@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         workloads = [w for w in workloads if w.name in args.workloads.split(",")]
     run_peers.EPOCH_CUTS[mode] = CUTS[mode]
     work = out / "tmp" / f"run-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from benchmarks.common.results import provenance
+
+    start_provenance = provenance(out)  # which commit is measured, and whether the tree differed from it
     started = time.monotonic()
     suite = Suite(
         mode,
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_ingest:
         log.info("figure 6: benchmarks/ingest.py %s", " ".join(INGEST_ARGS[mode]))
         doc["ingest"] = run_ingest(mode, work / "ingest.log")
+    doc["provenance"] = start_provenance  # the code measured is the tree at the start of the run
     doc["run_wall_s"] = round(time.monotonic() - started, 1)
     doc["work_dir"] = str(work.relative_to(REPO_ROOT)) if work.is_relative_to(REPO_ROOT) else str(work)
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common.results import RESULTS_DIR
-from benchmarks.readme import README, RENDERERS, blocks, render
+from benchmarks.readme import README, SOURCES, blocks, render
 
 
 def test_every_figure_block_of_the_readme_equals_its_committed_result() -> None:
@@ -18,8 +18,8 @@ def test_every_figure_block_of_the_readme_equals_its_committed_result() -> None:
 
 def test_every_renderer_has_a_committed_result_and_a_block_in_the_readme() -> None:
     present = blocks(README.read_text())
-    for name in RENDERERS:
-        assert (RESULTS_DIR / f"{name}.json").is_file(), f"no committed result for {name}"
+    for name, (result, _module) in SOURCES.items():
+        assert (RESULTS_DIR / f"{result}.json").is_file(), f"no committed result for {name}"
         assert name in present, f"the README quotes no block for {name}"
 
 

@@ -551,3 +551,104 @@ def _plot_throughput(doc: dict[str, Any], plt: Any) -> Any:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig if drawn else None
+
+
+# ------------------------------------------------------------------------------------------- the README's table
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's side-by-side table (block ``peers``), from ``results.json``'s ``summary`` rows."""
+    rows = {(row["workload"], row["system"]): row for row in doc.get("summary", [])}
+    names = [name for name, _entry in _workloads(doc)]
+    sizes = {name: _size(int(entry["workload"]["sample_bytes"])) for name, entry in _workloads(doc)}
+    small, rest = names[0], names[1:]
+
+    def cell(system: str, key: str, workloads: list[str], digits: int = 3) -> str:
+        values = [rows.get((name, system), {}).get(key) for name in workloads]
+        if all(v is None for v in values):
+            return "-"
+        return " / ".join(_fmt(v if not isinstance(v, list) else _mean(v), digits) for v in values)
+
+    systems = ("cachefeed", "mosaic", "litdata")
+    lines = [
+        "| | cachefeed | mosaicml-streaming | litdata | baseline |",
+        "|---|---|---|---|---|",
+    ]
+
+    def add(what: str, key: str, workloads: list[str], baseline: str, digits: int = 3) -> None:
+        lines.append(f"| {what} | " + " | ".join(cell(s, key, workloads, digits) for s in systems) + f" | {baseline} |")
+
+    add(
+        f"warm local read, {sizes[small]} (samples/s)",
+        "warm_samples_per_s",
+        [small],
+        f"local files {cell('local-files', 'warm_samples_per_s', [small])}; "
+        f"DataLoader over RAM {cell('memory', 'warm_samples_per_s', [small])}",
+    )
+    add(
+        f"warm local read, {' / '.join(sizes[n] for n in rest)} (MB/s)",
+        "warm_mb_per_s",
+        rest,
+        f"DataLoader over RAM {cell('memory', 'warm_mb_per_s', rest)}",
+    )
+    add(
+        f"cold first epoch from S3, {' / '.join(sizes[n] for n in names)} (s)",
+        "cold_epoch_s",
+        names,
+        f"s3fs {cell('s3fs', 'cold_epoch_s', names)}",
+    )
+    add("budget 30% of the dataset: peak on disk / budget", "budget_peak_disk_over_budget", names, "")
+    add("budget 30%: remote MB per epoch (mean of the epochs run)", "budget_remote_mb_per_epoch", names, "")
+
+    def distinct(system: str) -> str:
+        shares = []
+        for _name, entry in _workloads(doc):
+            epochs = _measure(entry.get("systems", {}).get(system, {}), "budget30").get("epochs") or []
+            counts = [e["unique_samples"] for e in epochs if e.get("unique_samples") is not None]
+            total = int(entry["workload"]["count"])
+            shares.append(f"{_mean(counts) / total:.0%}" if counts and total else "-")
+        return " / ".join(shares)
+
+    lines.append(
+        "| budget 30%: distinct samples per epoch, share of the dataset | "
+        + " | ".join(distinct(s) for s in systems)
+        + " | |"
+    )
+    handover = doc.get("extra", {}).get("handover_workload", rest[0] if rest else small)
+    fork = cell("memory", "handover-fork", [handover])
+    persistent = cell("memory", "handover-fork-persistent", [handover])
+    lines.append(
+        f"| handover wait, {sizes.get(handover, handover)}, fork / fork + persistent workers (s) | "
+        + " | ".join(
+            f"{cell(s, 'handover-fork', [handover])} / {cell(s, 'handover-fork-persistent', [handover])}"
+            for s in systems
+        )
+        + f" | new DataLoader {fork} / {persistent} |"
+    )
+    converts = {s: [rows.get((n, s), {}).get("convert_s") for n in names] for s in systems[1:]}
+    spans = {
+        s: f"{_fmt(min(v))}-{_fmt(max(v))}" if (v := [x for x in values if x is not None]) else "-"
+        for s, values in converts.items()
+    }
+    lines.append(f"| conversion before training (s) | 0 (none needed) | {spans['mosaic']} | {spans['litdata']} | |")
+    problems = [
+        f"{row['system']} on {sizes.get(row['workload'], row['workload'])}, {label}: {text}"
+        for row in doc.get("summary", [])
+        for label, text in (row.get("problems") or {}).items()
+    ]
+    machine = doc.get("machine", {})
+    prov = doc.get("provenance", {})
+    commit = (prov.get("commit") or "")[:10] or "an unrecorded commit"
+    commit += " with uncommitted changes" if prov.get("dirty") else ""
+    lines += [""] + [f"- {problem}" for problem in problems]
+    lines += [
+        "",
+        f"Measured with `{doc.get('extra', {}).get('command', 'benchmarks/run_all.py')}` at {commit}, "
+        f"{str(machine.get('time_utc', ''))[:10]}, {machine.get('usable_cpus')} CPUs ({machine.get('cpu_model')}), "
+        f"Python {machine.get('python')}, {doc.get('run_wall_s')} s wall.",
+    ]
+    return "\n".join(line for i, line in enumerate(lines) if line or (i and lines[i - 1]))
