@@ -514,14 +514,9 @@ def test_load_config_from_file(tmp_path: Path) -> None:
 
 
 def test_schema_matches_the_dataclasses() -> None:
-    types = {
-        "remote": RemoteConfig,
-        "cache": CacheConfig,
-        "sampler": SamplerConfig,
-        "node": NodeConfig,
-        "status": StatusConfig,
-        "log": LogConfig,
-    }
+    from cachefeed.config.schema import SECTION_TYPES as types
+
+    assert set(types.values()) == {RemoteConfig, CacheConfig, SamplerConfig, NodeConfig, StatusConfig, LogConfig}
     assert set(SCHEMA) == set(types)
     for section, keys in SCHEMA.items():
         field_names = {f.name for f in dataclasses.fields(types[section])}
