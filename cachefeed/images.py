@@ -1,4 +1,4 @@
-"""Images: encoded bytes -> contiguous ``uint8`` arrays of shape ``(3, H, W)`` (RGB, channels first), with Pillow.
+"""Images: encoded bytes -> contiguous ``uint8`` arrays ``(3, H, W)`` (RGB, channels first), with Pillow/simplejpeg.
 
 Two places to decode, the same code in both:
 
