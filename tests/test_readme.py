@@ -65,3 +65,14 @@ def test_the_readme_demo_command_works_in_a_fresh_clone(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "demo finished" in result.stdout
+
+
+def test_the_layout_of_the_code_names_every_module() -> None:
+    layout = README[README.index("## Layout of the code") :]
+    layout = layout[: layout.index("\n## ")] if "\n## " in layout else layout
+    package = ROOT / "cachefeed"
+    for path in sorted(package.rglob("*.py")):
+        if path.name != "__init__.py":
+            assert path.name in layout, f"{path.relative_to(ROOT)} is missing from the README's layout of the code"
+        elif path.parent != package:
+            assert f"{path.parent.name}/" in layout, f"package {path.parent.name}/ is missing from the layout"
