@@ -63,17 +63,20 @@ def check_labelled_batch(batch: dict[str, Any], classes: list[str], shape: tuple
     return len(labels)
 
 
-def daemon_on(tmp_path: Path, folder: Path, sampler: dict[str, Any], max_bytes: str = "64MiB") -> DaemonProcess:
-    cache_dir = tmp_path / "cache"
-    config = tmp_path / "images.toml"
+def daemon_on(
+    tmp_path: Path, folder: Path, sampler: dict[str, Any], max_bytes: str = "64MiB", node: tuple[int, int] = (0, 1)
+) -> DaemonProcess:
+    cache_dir = tmp_path / f"cache{node[0]}"
+    config = tmp_path / f"images{node[0]}.toml"
     document = {
         "remote": {"url": f"file://{folder}", "pattern": "**/*", "refresh_interval": "2s"},
         "cache": {"dir": str(cache_dir), "max_bytes": max_bytes, "segment_bytes": "32KiB", "fsync": False},
         "sampler": {"processes": 1, "concurrency": 4, **sampler},
+        "node": {"rank": node[0], "count": node[1]},
         "status": {"interval": "200ms"},
     }
     config.write_text(toml_text(document))
-    return start_daemon(config, cache_dir, tmp_path / "daemon.err")
+    return start_daemon(config, cache_dir, tmp_path / f"daemon{node[0]}.err")
 
 
 def test_a_folder_of_images_trains_decoded_in_the_daemon_with_labels_from_every_class(tmp_path: Path) -> None:
@@ -118,6 +121,37 @@ def test_the_same_folder_decoded_in_the_workers_from_compressed_bytes(tmp_path: 
             assert len(keys) == total and len(set(keys)) == total
     finally:
         assert daemon.stop() == 0
+
+
+def test_two_nodes_build_the_same_class_index_and_label_their_own_share_by_it(tmp_path: Path) -> None:
+    """Each node caches a disjoint half of the folder, and both number the classes the same way (from the whole
+    listing, not from what each caches), so a label means the same class on every node."""
+    from cachefeed.testing.samples import cache_samples
+
+    folder = image_folder(tmp_path / "data")
+    daemons = [daemon_on(tmp_path, folder, {"decode": "raw", "label": "parent"}, node=(r, 2)) for r in range(2)]
+    try:
+        for daemon in daemons:
+            daemon.wait_status(
+                lambda d: d["plan"]["owned"] > 0 and d["cache"]["samples"] == d["plan"]["owned"],
+                timeout_s=60,
+                what="each node's share cached",
+            )
+        indexes = [read_classes(daemon.cache_dir / "classes.json") for daemon in daemons]
+        assert indexes[0] == indexes[1] == CLASSES, "the same complete index on both nodes"
+        keys: list[set[str]] = []
+        for daemon in daemons:
+            held = set()
+            for _segment, sample in cache_samples(daemon.cache_dir):
+                key = str(sample["__key__"])
+                assert CLASSES[int(sample["label"])] == posixpath.basename(posixpath.dirname(key)), key
+                held.add(key)
+            keys.append(held)
+        assert not keys[0] & keys[1], "the nodes hold disjoint objects"
+        assert len(keys[0] | keys[1]) == len(CLASSES) * PER_CLASS and keys[0] and keys[1]
+    finally:
+        for daemon in daemons:
+            assert daemon.stop() == 0
 
 
 def test_webdataset_shards_decode_their_images_in_the_daemon(tmp_path: Path) -> None:
