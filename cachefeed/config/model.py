@@ -112,11 +112,12 @@ class Config:
     sources: tuple[SourceConfig, ...] = ()  # [[source]] tables; empty: the single [remote] form
 
     def inputs(self) -> tuple[SourceConfig, ...]:
-        """What the daemon reads: the ``[[source]]`` tables, or the single ``[remote]`` as one unnamed source."""
+        """What the daemon reads: the ``[[source]]`` tables, or the single ``[remote]`` as one unnamed source (whose
+        ``decode`` is empty: ``sampler.decode``, as for a table that names none)."""
         if self.sources:
             return self.sources
         remote = self.remote
-        return (SourceConfig("", remote.url, remote.pattern, remote.storage_options, self.sampler.decode, 1.0),)
+        return (SourceConfig("", remote.url, remote.pattern, remote.storage_options, "", 1.0),)
 
     def remote_for(self, source: SourceConfig) -> RemoteConfig:
         """The ``[remote]`` settings with ``source``'s URL, pattern and storage options."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from cachefeed.cache.sources import SourceEntry, write_sources
 from cachefeed.config import Config, SourceConfig
@@ -60,11 +60,6 @@ class Input:
         return self.samples_total / self.objects_done if self.objects_done else 1.0
 
 
-@dataclass(slots=True)
-class _Affinity:
-    inputs: dict[int, int] = field(default_factory=dict)  # sampler key -> input index it writes now
-
-
 class Inputs:
     """Every input of the daemon (see the module docstring). Main loop only, except the catalogs' threads."""
 
@@ -83,7 +78,7 @@ class Inputs:
         ]
         self.is_named = bool(config.sources)
         self._by_tag = {entry.tag: entry for entry in self.inputs}
-        self._affinity = _Affinity()
+        self._affinity: dict[int, int] = {}  # sampler key -> index of the input it writes now
 
     # -- set-up -----------------------------------------------------------------------------------------------
 
@@ -133,12 +128,12 @@ class Inputs:
 
     def draw(self, key: int, n: int, cached: Mapping[int, int]) -> tuple[Input, list[tuple[int, RemoteObject]]]:
         """Up to ``n`` objects for sampler ``key``, all of one input; ``cached`` is samples cached by tag."""
-        current = self._affinity.inputs.get(key)
+        current = self._affinity.get(key)
         for index in self._preference(current, cached):
             entry = self.inputs[index]
             drawn = entry.plan.next(n)
             if drawn:
-                self._affinity.inputs[key] = index
+                self._affinity[key] = index
                 return entry, [(self.gid(entry, oid), obj) for oid, obj in drawn]
         return self.inputs[0], []
 
@@ -156,10 +151,10 @@ class Inputs:
 
     def segment_published(self, key: int) -> None:
         """Sampler ``key`` published a segment: it may be pointed at another source now."""
-        self._affinity.inputs.pop(key, None)
+        self._affinity.pop(key, None)
 
     def forget_sampler(self, key: int) -> None:
-        self._affinity.inputs.pop(key, None)
+        self._affinity.pop(key, None)
 
     # -- outcomes (global ids) ----------------------------------------------------------------------------------
 

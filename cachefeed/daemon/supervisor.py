@@ -124,7 +124,7 @@ class Supervisor:
         config = self.config
         loads: list[tuple[str, str, Callable[[str], object]]] = [
             (f"source[{e.index}].decode", e.config.decode, get_decoder)
-            if self.inputs.is_named and e.config.decode
+            if e.config.decode
             else ("sampler.decode", config.sampler.decode, get_decoder)
             for e in self.inputs.inputs
         ]
