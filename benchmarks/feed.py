@@ -1,13 +1,15 @@
 """Feeding a busy training loop: what the batch path costs a training thread that holds the GIL.
 
-    python -m benchmarks.feed [--step-ms 4,8,16] [--samples 1536,4096] [--steps 300] [--repeats 3] [--workers 2]
+    python -m benchmarks.feed [--step-ms 4,8,16] [--samples 1536,4096] [--steps 300] [--block 100] [--repeats 3]
+                              [--workers 2]
 
 An eager model on a fast GPU keeps its training thread in Python (kernel launches) most of the time; any per-batch
 Python on that process (receiving the batch, rebuilding shared memory, helper threads that need the GIL) is paid by
 the accelerator. The proxy here is a training step that is a pure-Python loop holding the GIL for ``--step-ms``,
 fed ``--batch`` x 128 KiB uint8 samples per step by ``--workers`` DataLoader workers, in one run:
 
-* ``data-free``: the step alone (the ceiling, steps/s), measured right before each fed run;
+* ``data-free``: the step alone (the ceiling, steps/s), in blocks of ``--block`` steps alternating with the fed
+  blocks of the same run (``interleaved``: both rates see the same drift of this shared machine);
 * ``cachefeed``: ``EpochLoaderFactory`` over a static cache of ``--samples`` samples on tmpfs, shuffled, verified,
   epochs handed over as in training (``len`` = samples / batch batches an epoch);
 * ``plain DataLoader``: a batched in-memory dataset (one uint8 tensor in RAM, ``__getitems__``), persistent
@@ -76,25 +78,35 @@ def calibrate(seconds: float) -> int:
         iterations *= 2
 
 
-def run_steps(batches: Iterator[Any], steps: int, step: int, warmup: int) -> float:
-    """Steps per second over ``steps`` steps after ``warmup``, one batch taken per step."""
+def interleaved(batches: Iterator[Any], steps: int, step: int, warmup: int, block: int) -> tuple[float, float]:
+    """(fed steps/s, data-free steps/s), measured in alternating blocks of ``block`` steps: fed, then the same
+    number of steps without data, until ``steps`` of each ran.
+
+    Why interleaved: the speed of a pure-Python loop on a shared machine drifts by 10-20% within a minute (other
+    tenants, frequency), more than the effect measured; a data-free rate taken once, before or after, moves the
+    ratio by as much. Alternating blocks expose both rates to the same drift. The workers keep at most
+    ``prefetch_factor`` batches each ready, so a data-free block starts with them refilling (a few batches of
+    worker time, which a block of 100 steps dilutes), then idle."""
     for _ in range(warmup):
         next(batches)
         busy_step(step)
-    started = time.perf_counter()
-    for _ in range(steps):
-        batch = next(batches)
-        if batch["data"].shape[1] != SAMPLE_BYTES:
-            raise AssertionError(f"unexpected batch shape {tuple(batch['data'].shape)}")
-        busy_step(step)
-    return steps / (time.perf_counter() - started)
-
-
-def data_free(steps: int, step: int) -> float:
-    started = time.perf_counter()
-    for _ in range(steps):
-        busy_step(step)
-    return steps / (time.perf_counter() - started)
+    fed_s = free_s = 0.0
+    done = 0
+    while done < steps:
+        count = min(block, steps - done)
+        started = time.perf_counter()
+        for _ in range(count):
+            batch = next(batches)
+            if batch["data"].shape[1] != SAMPLE_BYTES:
+                raise AssertionError(f"unexpected batch shape {tuple(batch['data'].shape)}")
+            busy_step(step)
+        fed_s += time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(count):
+            busy_step(step)
+        free_s += time.perf_counter() - started
+        done += count
+    return steps / fed_s, steps / free_s
 
 
 def cachefeed_batches(factory: EpochLoaderFactory) -> Iterator[Any]:
@@ -129,15 +141,12 @@ def plain_batches(samples: int, batch: int, workers: int) -> Iterator[Any]:
 def measure(system: str, work: Path, samples: int, step_ms: float, args: argparse.Namespace) -> tuple[float, float]:
     """(fed steps/s, data-free steps/s measured just before it): a ratio taken in one stretch of one run."""
     step = calibrate(step_ms / 1000)
-    ceiling = data_free(args.steps, step)
     if system == "cachefeed":
         with EpochLoaderFactory(
             work / f"cache-{samples}", batch_size=args.batch, num_workers=args.workers, progress=None
         ) as factory:
-            rate = run_steps(cachefeed_batches(factory), args.steps, step, args.warmup)
-    else:
-        rate = run_steps(plain_batches(samples, args.batch, args.workers), args.steps, step, args.warmup)
-    return rate, ceiling
+            return interleaved(cachefeed_batches(factory), args.steps, step, args.warmup, args.block)
+    return interleaved(plain_batches(samples, args.batch, args.workers), args.steps, step, args.warmup, args.block)
 
 
 def main() -> None:
@@ -148,6 +157,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--block", type=int, default=100, help="steps per block; fed and data-free blocks alternate")
     parser.add_argument("--repeats", type=int, default=3, help="the median of this many runs is reported")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--no-save", action="store_true")
@@ -185,6 +195,7 @@ def main() -> None:
         "sample_bytes": SAMPLE_BYTES,
         "workers": args.workers,
         "steps": args.steps,
+        "block": args.block,
         "repeats": args.repeats,
         "rows": rows,
     }

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing import reduction
 from typing import Any, NamedTuple
 
@@ -31,7 +31,20 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import default_collate
 
-__all__ = ["ALIGN", "Allocator", "Arena", "Nest", "Slot", "collate_into", "place"]
+__all__ = [
+    "ALIGN",
+    "LEAF",
+    "Allocator",
+    "Arena",
+    "Builder",
+    "Leaf",
+    "Nest",
+    "Slot",
+    "collate_into",
+    "compile_skeleton",
+    "place",
+    "split",
+]
 
 ALIGN = 64  # every tensor in a region starts on a cache line (and on any dtype's alignment)
 HEADER_BYTES = 64
@@ -244,17 +257,56 @@ def _materialize(tree: Any) -> Any:
     return tree
 
 
-def place(layout: Any, region: torch.Tensor) -> Any:
-    """The batch a layout describes, its tensors views of ``region`` (a uint8 tensor over the region's bytes)."""
+class Leaf(NamedTuple):
+    """In a skeleton, where a value without tensors goes (the values travel with each batch, in order)."""
+
+
+LEAF = Leaf()
+
+
+def split(layout: Any, leaves: list[Any]) -> Any:
+    """A layout's *skeleton* (hashable: its Nests and Slots, ``LEAF`` for every value without tensors), appending
+    those values to ``leaves`` in order. Batches of one shape share a skeleton, so only the leaves vary per batch."""
     if type(layout) is Slot:
-        return region[layout.offset : layout.offset + layout.nbytes].view(layout.dtype).view(layout.shape)
+        return layout
     if type(layout) is Nest:
-        items = [place(item, region) for item in layout.items]
-        if layout.kind is dict:
-            return dict(zip(layout.keys or (), items, strict=True))
-        if layout.kind is list:
-            return items
-        if layout.kind is tuple:
-            return tuple(items)
-        return layout.kind(*items)  # a named tuple
-    return layout
+        return Nest(layout.kind, layout.keys, tuple(split(item, leaves) for item in layout.items))
+    leaves.append(layout)
+    return LEAF
+
+
+Builder = Callable[[npt.NDArray[np.uint8], Iterator[Any]], Any]
+
+
+def compile_skeleton(skeleton: Any) -> Builder:
+    """A function that turns ``(region, leaves)`` into the batch ``skeleton`` describes, its tensors views of
+    ``region`` (a uint8 array over the region's bytes). Compiled once per skeleton, so a batch costs a numpy array
+    and ``torch.from_numpy`` per tensor (no pickled dtypes, no slicing and reshaping through torch's dispatcher)."""
+    if type(skeleton) is Slot:
+        return _slot_builder(skeleton)
+    if type(skeleton) is Nest:
+        parts = tuple(compile_skeleton(item) for item in skeleton.items)
+        kind, keys = skeleton.kind, skeleton.keys or ()
+        if kind is dict:
+            return lambda region, leaves: {key: part(region, leaves) for key, part in zip(keys, parts, strict=True)}
+        if kind is list:
+            return lambda region, leaves: [part(region, leaves) for part in parts]
+        if kind is tuple:
+            return lambda region, leaves: tuple(part(region, leaves) for part in parts)
+        return lambda region, leaves: kind(*(part(region, leaves) for part in parts))  # a named tuple
+    return lambda _region, leaves: next(leaves)
+
+
+def _slot_builder(slot: Slot) -> Builder:
+    offset, nbytes, dtype, shape = slot
+    try:
+        np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    except TypeError:  # a dtype numpy has no equivalent for (bfloat16, ...): view the bytes through torch
+        return lambda region, _leaves: torch.from_numpy(region[offset : offset + nbytes]).view(dtype).view(shape)
+    return lambda region, _leaves: torch.from_numpy(np.ndarray(shape, np_dtype, region, offset))
+
+
+def place(layout: Any, region: npt.NDArray[np.uint8]) -> Any:
+    """The batch a layout describes, its tensors views of ``region`` (uncompiled: for one-off use and tests)."""
+    leaves: list[Any] = []
+    return compile_skeleton(split(layout, leaves))(region, iter(leaves))

@@ -25,9 +25,13 @@ training process), one arena (``arena.py``). Messages are pickled tuples; each p
   are unmapped by every worker before the daemon may delete them (its space is really free when it says so);
 * ``None``: exit.
 
-Replies, one per batch and in the order of that worker's tasks: ``("region", offset, nbytes, layout)``,
-``("inline", batch)`` (the arena was full: the batch itself, pickled), ``("empty",)`` (every record corrupt) or
-``("error", ExceptionWrapper)``.
+Replies, one per batch and in the order of that worker's tasks: ``("region", offset, nbytes, skeleton id, leaves,
+skeleton or None)``: the batch lies in that region of the arena; its layout (``arena.py``) travels split into a
+*skeleton* (the structure, the tensors' dtypes, shapes and offsets: the same for every full batch) and its *leaves*
+(the values without tensors, such as the samples' keys). A worker numbers the skeletons it sends and sends each
+one once, with the first batch that has it; the training process compiles it then (``worker.learn``, for every
+reply, read or dropped) and builds later batches from the id alone. ``("inline", batch)`` (the arena was full:
+the batch itself, pickled), ``("empty",)`` (every record corrupt) or ``("error", ExceptionWrapper)``.
 
 Order: batches are dealt round robin, at most ``prefetch_factor`` outstanding per worker, and read back in the order
 they were sent, so every pass yields its batches in its sampler's order (as a DataLoader with ``in_order=True``).
@@ -55,6 +59,7 @@ import os
 import pickle
 import queue
 import random
+import select
 import threading
 import time
 import weakref
@@ -71,7 +76,16 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as torch_worker
 
 from cachefeed.errors import SnapshotError
-from cachefeed.trainer.arena import ACK_WORD, HEADER_BYTES, Allocator, Arena, collate_into, place
+from cachefeed.trainer.arena import (
+    ACK_WORD,
+    HEADER_BYTES,
+    Allocator,
+    Arena,
+    Builder,
+    collate_into,
+    compile_skeleton,
+    split,
+)
 from cachefeed.trainer.dataset import SnapshotDataset
 
 __all__ = ["ARENA_BYTES", "EmptyBatch", "Pass", "WorkerPool"]
@@ -118,6 +132,7 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
     if worker_init_fn is not None:
         worker_init_fn(index)
     allocator = Allocator(HEADER_BYTES, arena.size)
+    skeletons: dict[Any, int] = {}  # the layouts' skeletons sent so far, by id (see the replies in the NOTE)
 
     def allocate(nbytes: int) -> tuple[int, Any]:
         offset = allocator.allocate(nbytes)
@@ -142,7 +157,7 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
                 for offset, nbytes in freed:
                     allocator.release(offset, nbytes)
                 indices = np.frombuffer(raw, dtype=np.int64)
-                reply = _read_batch(index, datasets[key], indices, collate, allocate)
+                reply = _read_batch(index, datasets[key], indices, collate, allocate, skeletons=skeletons)
                 results.send_bytes(pickle.dumps(reply, protocol=_PICKLE))
             elif kind == "epoch":
                 _kind, key, dataset = message
@@ -181,6 +196,8 @@ def _read_batch(
     indices: npt.NDArray[np.int64],
     collate: Callable[[list[Any]], Any] | None,
     allocate: Callable[[int], tuple[int, Any]],
+    *,
+    skeletons: dict[Any, int],
 ) -> tuple[Any, ...]:
     try:
         samples = dataset.__getitems__(indices)  # type: ignore[arg-type]  # int64 arrays: see partition.py
@@ -189,7 +206,13 @@ def _read_batch(
         offset, nbytes, layout = collate_into(samples, collate, allocate)
         if offset < 0:
             return ("inline", layout)
-        return ("region", offset, nbytes, layout)
+        leaves: list[Any] = []
+        skeleton = split(layout, leaves)
+        known = skeletons.get(skeleton)
+        if known is not None:
+            return ("region", offset, nbytes, known, leaves, None)
+        skeletons[skeleton] = len(skeletons)
+        return ("region", offset, nbytes, len(skeletons) - 1, leaves, skeleton)
     except Exception:
         return ("error", ExceptionWrapper(where=f"in cachefeed worker {index}"))  # type: ignore[no-untyped-call]
 
@@ -223,7 +246,19 @@ def _register_pinned(arena: Arena) -> None:
 class _Worker:
     """The training process's handle on one worker."""
 
-    __slots__ = ("arena", "freed", "index", "keys", "outstanding", "process", "results", "tasks")
+    __slots__ = (
+        "arena",
+        "builders",
+        "freed",
+        "index",
+        "keys",
+        "live",
+        "outstanding",
+        "poller",
+        "process",
+        "results",
+        "tasks",
+    )
 
     def __init__(self, index: int, process: Any, tasks: Connection, results: Connection, arena: Arena) -> None:
         self.index = index
@@ -234,6 +269,28 @@ class _Worker:
         self.outstanding = 0
         self.keys: set[int] = set()  # datasets this worker was sent and not told to forget
         self.freed: deque[tuple[int, int]] = deque()  # regions to give back with the next message
+        self.live: dict[int, weakref.ref[Any]] = {}  # regions handed out and still referenced, by id of their ref
+        self.builders: dict[int, Builder] = {}  # the worker's skeletons by id, compiled
+        self.poller = select.poll()  # made once: ``Connection.poll`` builds a selector on every call
+        self.poller.register(results.fileno(), select.POLLIN)
+
+    def hand_out(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        """Region ``offset`` as an array; once nothing references it, it is given back with the next message."""
+        region = self.arena.view(offset, nbytes)
+        live, freed = self.live, self.freed
+
+        def gone(ref: weakref.ref[Any]) -> None:
+            live.pop(id(ref), None)
+            freed.append((offset, nbytes))  # deque.append is atomic: this may run on any thread
+
+        ref = weakref.ref(region, gone)
+        live[id(ref)] = ref  # a ref must outlive its referent for its callback to run
+        return region
+
+    def learn(self, reply: tuple[Any, ...]) -> None:
+        """Compile the skeleton a region reply introduces (every reply, read or dropped, passes here)."""
+        if reply[0] == "region" and reply[5] is not None:
+            self.builders[reply[3]] = compile_skeleton(reply[5])
 
     def drain_freed(self) -> list[tuple[int, int]]:
         freed = []
@@ -497,7 +554,7 @@ class WorkerPool:
 
     def _receive(self, worker: _Worker) -> Any:
         conn = worker.results
-        if not conn.poll():
+        if not worker.poller.poll(0):
             started = time.monotonic()
             while True:
                 limit = 1.0 if not self._timeout_s else min(1.0, self._timeout_s)
@@ -509,17 +566,17 @@ class WorkerPool:
                 if self._timeout_s and time.monotonic() - started > self._timeout_s:
                     raise RuntimeError(f"cachefeed worker {worker.index} timed out after {self._timeout_s}s")
         try:
-            return pickle.loads(conn.recv_bytes())  # noqa: S301 (our own worker's pipe)
+            reply: tuple[Any, ...] = pickle.loads(conn.recv_bytes())  # noqa: S301 (our own worker's pipe)
         except EOFError:
             raise _died(worker) from None
+        worker.learn(reply)
+        return reply
 
     def _unpack(self, worker: _Worker, reply: tuple[Any, ...]) -> Any:
         kind = reply[0]
         if kind == "region":
-            _kind, offset, nbytes, layout = reply
-            base = worker.arena.view(offset, nbytes)
-            weakref.finalize(base, worker.freed.append, (offset, nbytes))  # back to the worker once unreferenced
-            return place(layout, torch.from_numpy(base))
+            _kind, offset, nbytes, skeleton, leaves, _new = reply
+            return worker.builders[skeleton](worker.hand_out(offset, nbytes), iter(leaves))
         if kind == "empty":
             return EmptyBatch()
         if kind == "inline":

@@ -210,7 +210,7 @@ def test_default_collation_in_place_matches_default_collate() -> None:
     offset, nbytes, layout = collate_into(samples, None, allocate)
     assert isinstance(layout, Nest) and layout.keys == ("x", "y", "k", "t")
     assert isinstance(layout.items[0], Slot) and layout.items[2] == [f"s{i}" for i in range(4)], "keys travel as is"
-    batch = place(layout, torch.from_numpy(arena[offset : offset + nbytes]))
+    batch = place(layout, arena[offset : offset + nbytes])
     expected = default_collate(samples)
     assert batch["k"] == expected["k"]
     for name in ("x", "y"):
