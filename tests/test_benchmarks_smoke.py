@@ -96,6 +96,27 @@ def test_a_baseline_measured_in_process(tmp_path: Path) -> None:
     assert result["sequential_read"]["warm"]["bytes"] == workload.total_bytes
 
 
+def test_the_in_memory_baselines_deliver_every_sample_in_process_and_through_a_worker(tmp_path: Path) -> None:
+    """The batched ceiling (one tensor, ``__getitems__``) and the per-sample path over RAM, every sample verified."""
+    from benchmarks.common.measures import Context, measure_local
+    from benchmarks.common.samples import write_samples
+    from benchmarks.peers.baselines import BatchedMemoryAdapter, MemoryAdapter
+
+    workload = Workload("tiny", 4 << 10, 100, 16)  # the last batch is short
+    write_samples(workload, tmp_path / "samples")
+    ctx = Context(
+        workload, "http://unused", "bench", tmp_path / "samples", "s3://bench/samples/tiny", tmp_path / "conv",
+        "s3://bench/memory/tiny", tmp_path / "scratch",
+    )  # fmt: skip
+    for adapter in (BatchedMemoryAdapter(), MemoryAdapter()):
+        for workers in (0, 1):
+            params = {"epochs": 2, "num_workers": workers, "sequential_read": False}
+            result = measure_local(adapter, ctx, params, lambda _data: None)
+            assert result["status"] == "ok", (adapter.name, workers, result)
+            assert [e["unique_samples"] for e in result["epochs"]] == [100, 100]
+            assert [e["batches"] for e in result["epochs"]] == [7, 7]
+
+
 def test_read_throughput_functions_at_tiny_size(tmp_path: Path) -> None:
     from benchmarks import read_throughput as rt
 

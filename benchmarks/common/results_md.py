@@ -126,7 +126,9 @@ def _header(doc: dict[str, Any]) -> str:
         "Systems: **cachefeed** (daemon + `EpochLoaderFactory`, reads the per-sample objects as they are), "
         "**mosaic** (mosaicml-streaming MDS), **litdata** (litdata `optimize` chunks), and baselines: "
         "**local-files** (one local file per sample, map-style Dataset), **s3fs** (one GET per sample, no "
-        "cache), **memory** (samples in RAM: the DataLoader's own ceiling).",
+        "cache), **memory-batched** (the samples in one tensor in RAM, `__getitems__` gathering each batch in one "
+        "copy, persistent workers: the DataLoader's ceiling for batched reads from RAM), **memory** (a per-sample "
+        "Dataset over the same RAM: the ceiling of the per-sample path).",
         "",
         f"Cuts (to fit the machine): epoch counts per system and measurement {extra.get('epoch_cuts')}; "
         f"handover measured on the `{extra.get('handover_workload')}` workload only, worker RSS on "
@@ -393,7 +395,8 @@ def _fig7(doc: dict[str, Any]) -> str:
         "## 7. Conversion time",
         "",
         "Time to write each system's format from the per-sample files, then to upload it (timed apart). "
-        "cachefeed, local-files, s3fs and memory read the per-sample objects as they are: no conversion (0 s).",
+        "cachefeed, local-files, s3fs and the in-memory baselines read the per-sample objects as they are: no "
+        "conversion (0 s).",
         "",
     ]
     rows = []
