@@ -4,8 +4,9 @@ They run inside a runner subprocess (``runner.py``), one system at a time, so a 
 measurement, not the run. Figures (numbered as in issue 7):
 
 - ``convert`` (7): time to write the system's format, then upload it to S3 (timed apart).
-- ``local`` (1, and the DataLoader ceiling with the in-memory system): warm local epochs, next to a plain
-  sequential read of the same files from the same filesystem.
+- ``local`` (1, and the DataLoader's ceilings with the in-memory systems): warm local epochs, next to a raw
+  sequential read of the same files from the same filesystem (``rawread``); with ``num_workers=0`` in the
+  params, the same read in the training process (the plans' ``inprocess`` label).
 - ``remote`` (2, 3, 4, 5): epochs from S3 into an empty cache with a budget (or none): per epoch, time,
   server-counted bytes and requests, peak on-disk size; handover waits; optional worker RSS.
 - ``s3_ceiling``: plain concurrent GETs of the same objects (no adapter).

@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.report import own_files_read_mb_per_s
+
 _MB = 1e6
 _WORKLOADS = ("small", "medium", "large")
 _HANDOVER = ("handover-fork", "handover-fork-persistent", "handover-spawn", "handover-spawn-persistent")
@@ -145,34 +147,42 @@ def _fig1(doc: dict[str, Any]) -> str:
         "## 1. Warm local read throughput",
         "",
         "Median of the warm epochs (epochs 2-4; epoch 1 warms the page cache and the system's own cache). "
-        "`seq MB/s (own files)`: a plain sequential read (1 MiB reads, warm page cache) of the files the loader "
-        "reads, on the same filesystem: the converted shards for mosaic/litdata, cachefeed's segment files (its "
-        "daemon cached the local per-sample files before the first epoch), the per-sample files for the "
-        "baselines; `ratio` = loader MB/s / that. The per-sample files' read is shown too. `memory` is the "
-        "DataLoader ceiling (no I/O).",
+        "`seq MB/s (own files)`: a raw sequential read (`readinto` one reused 1 MiB buffer, warm page cache: the "
+        "storage ceiling) of the files the loader reads, on the same filesystem: the converted shards for "
+        "mosaic/litdata, cachefeed's segment files (its daemon cached the local per-sample files before the first "
+        "epoch), the per-sample files for the baselines; `ratio` = loader MB/s / that. The per-sample files' read "
+        "is shown too. `memory-batched` is the DataLoader's ceiling for batched reads from RAM (no I/O, one copy "
+        "per byte), `memory` the per-sample path over RAM. `in-process samples/s`: the same warm read with "
+        "`num_workers=0` (its own run right after the warm one; median of its epochs after the first), the loader "
+        "in the training process.",
     ]
     for name, entry in _workloads(doc):
         rows = []
         for system, slot in entry.get("systems", {}).items():
             local = _measure(slot, "local")
+            inprocess = _measure(slot, "inprocess")
+            in_process = inprocess.get("warm_samples_per_s") if _ok(inprocess) else _status(inprocess)
             if not _ok(local):
-                rows.append([system, _status(local), "", "", "", "", "", ""])
+                rows.append([system, _status(local), "", "", in_process, "", "", "", ""])
                 continue
-            own = (local.get("sequential_read_own_files") or {}).get("warm", {}).get("mb_per_s")
-            seq = own or (local.get("sequential_read") or {}).get("warm", {}).get("mb_per_s")
+            seq = own_files_read_mb_per_s(local)
             per_sample = (local.get("sequential_read") or {}).get("warm", {}).get("mb_per_s")
             warm = local.get("warm_mb_per_s")
             ratio = warm / seq if warm and seq else None
+            status = _status(local)
+            if inprocess and _status(inprocess) != "ok":
+                status += f"; in-process: {_status(inprocess)}"
             rows.append(
                 [
                     system,
                     local.get("warm_samples_per_s"),
                     warm,
                     local.get("warm_steady_mb_per_s"),
+                    in_process,
                     seq,
                     ratio,
                     per_sample,
-                    _status(local),
+                    status,
                 ]
             )
         out += [
@@ -185,6 +195,7 @@ def _fig1(doc: dict[str, Any]) -> str:
                     "samples/s",
                     "MB/s",
                     "steady MB/s",
+                    "in-process samples/s",
                     "seq MB/s (own files)",
                     "ratio",
                     "seq MB/s (per-sample files)",
