@@ -596,18 +596,45 @@ def readme_table(doc: dict[str, Any]) -> str:
     def add(what: str, key: str, workloads: list[str], baseline: str, digits: int = 3) -> None:
         lines.append(f"| {what} | " + " | ".join(cell(s, key, workloads, digits) for s in systems) + f" | {baseline} |")
 
+    def baselines(key: str, workloads: list[str]) -> str:
+        """The read baselines: local files, the DataLoader's batched ceiling, the per-sample path over RAM."""
+        return (
+            f"local files {cell('local-files', key, workloads)}; "
+            f"DataLoader ceiling, batched from RAM {cell('memory-batched', key, workloads)}; "
+            f"per-sample Dataset over RAM {cell('memory', key, workloads)}"
+        )
+
+    def raw_read(system: str) -> str:
+        """The storage ceiling: a raw sequential read of the files ``system``'s loader reads (from ``local``)."""
+        values = [
+            own_files_read_mb_per_s(_measure(entry.get("systems", {}).get(system, {}), "local"))
+            for _name, entry in _workloads(doc)
+        ]
+        return "-" if all(v is None for v in values) else " / ".join(_fmt(v) for v in values)
+
     add(
         f"warm local read, {sizes[small]} (samples/s)",
         "warm_samples_per_s",
         [small],
-        f"local files {cell('local-files', 'warm_samples_per_s', [small])}; "
-        f"DataLoader over RAM {cell('memory', 'warm_samples_per_s', [small])}",
+        baselines("warm_samples_per_s", [small]),
     )
     add(
         f"warm local read, {' / '.join(sizes[n] for n in rest)} (MB/s)",
         "warm_mb_per_s",
         rest,
-        f"DataLoader over RAM {cell('memory', 'warm_mb_per_s', rest)}",
+        baselines("warm_mb_per_s", rest),
+    )
+    add(
+        f"warm local read in the training process (`num_workers=0`), {' / '.join(sizes[n] for n in names)} (samples/s)",
+        "inprocess_samples_per_s",
+        names,
+        baselines("inprocess_samples_per_s", names),
+    )
+    lines.append(
+        f"| raw sequential read of the files each loader reads (storage ceiling), "
+        f"{' / '.join(sizes[n] for n in names)} (MB/s) | "
+        + " | ".join(raw_read(s) for s in systems)
+        + f" | per-sample files {raw_read('local-files')} |"
     )
     add(
         f"cold first epoch from S3, {' / '.join(sizes[n] for n in names)} (s)",
