@@ -5,10 +5,10 @@
   epoch, nothing cached): "a DataLoader over s3fs".
 - ``BatchedMemoryAdapter`` (``memory-batched``): the DataLoader's ceiling for batched reads from RAM. The
   workload's samples lie in one ``[count, sample_bytes]`` uint8 tensor, filled before the workers start; the
-  dataset's ``__getitems__`` gathers a batch's rows with one ``index_select`` (in a worker, straight into shared
-  memory, as ``default_collate`` does: the batch then reaches the main process without another copy); the
-  collate function passes that tensor on; workers persist across epochs. One copy per byte and no per-sample
-  Python: no loader that hands the same batches to the training loop through a DataLoader does less.
+  dataset's ``__getitems__`` gathers a batch's rows in one copy (in a worker, straight into shared memory, as
+  ``default_collate`` does: the batch then reaches the main process without another copy); the collate function
+  passes that tensor on; workers persist across epochs. One copy per byte, no per-sample Python, nothing to read
+  or decode: what is left is what the DataLoader itself costs.
 - ``MemoryAdapter`` (``memory``): a per-sample map-style ``Dataset`` over the same array in RAM, collated by
   ``samples.collate`` like the readers of files. Kept next to the batched ceiling because it says two other
   things: how fast the per-sample path (what ``local-files`` and mosaicml-streaming go through) can be with
