@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from benchmarks.common.rawread import read_files
 from benchmarks.common.results import provenance_line, save
 from benchmarks.common.static_cache import write_static_cache
 from cachefeed.cache.layout import CacheLayout
@@ -54,15 +55,11 @@ def build_cache(root: Path, sample_bytes: int, total_bytes: int) -> int:
 
 
 def raw_read(root: Path, buffer: bytearray) -> float:
-    """Seconds to read every segment file sequentially."""
+    """Seconds to read every segment file sequentially (``rawread.read_files``: the same read as the peer harness)."""
     layout = CacheLayout(root)
     paths = [layout.segments / name for name, _info in layout.list_segments()]
-    view = memoryview(buffer)
     started = time.perf_counter()
-    for path in paths:
-        with open(path, "rb", buffering=0) as handle:
-            while handle.readinto(view):
-                pass
+    read_files(paths, buffer)
     return time.perf_counter() - started
 
 

@@ -96,6 +96,61 @@ def test_a_baseline_measured_in_process(tmp_path: Path) -> None:
     assert result["sequential_read"]["warm"]["bytes"] == workload.total_bytes
 
 
+def test_the_in_memory_baselines_deliver_every_sample_in_process_and_through_a_worker(tmp_path: Path) -> None:
+    """The batched ceiling (one tensor, ``__getitems__``) and the per-sample path over RAM, every sample verified."""
+    from benchmarks.common.measures import Context, measure_local
+    from benchmarks.common.samples import write_samples
+    from benchmarks.peers.baselines import BatchedMemoryAdapter, MemoryAdapter
+
+    workload = Workload("tiny", 4 << 10, 100, 16)  # the last batch is short
+    write_samples(workload, tmp_path / "samples")
+    ctx = Context(
+        workload, "http://unused", "bench", tmp_path / "samples", "s3://bench/samples/tiny", tmp_path / "conv",
+        "s3://bench/memory/tiny", tmp_path / "scratch",
+    )  # fmt: skip
+    for adapter in (BatchedMemoryAdapter(), MemoryAdapter()):
+        for workers in (0, 1):
+            params = {"epochs": 2, "num_workers": workers, "sequential_read": False}
+            result = measure_local(adapter, ctx, params, lambda _data: None)
+            assert result["status"] == "ok", (adapter.name, workers, result)
+            assert [e["unique_samples"] for e in result["epochs"]] == [100, 100]
+            assert [e["batches"] for e in result["epochs"]] == [7, 7]
+
+
+def test_the_readme_table_renders_the_new_rows_and_dashes_for_a_run_without_them() -> None:
+    from benchmarks.common.report import summary_rows
+    from benchmarks.common.results_md import readme_table
+
+    def local(samples_per_s: float, seq_mb_per_s: float | None = None) -> dict[str, Any]:
+        seq = {"warm": {"mb_per_s": seq_mb_per_s}}
+        return {"status": "ok", "epochs": [{}], "warm_samples_per_s": samples_per_s, "sequential_read": seq}
+
+    systems = {
+        "cachefeed": {"measures": {"local": local(100.0, 900.0), "inprocess": local(250.0)}},
+        "litdata": {"measures": {"local": local(120.0, 800.0)}},  # a results file from before the in-process row
+        "memory-batched": {"measures": {"local": local(300.0, 700.0), "inprocess": local(400.0)}},
+    }
+    doc: dict[str, Any] = {
+        "workloads": {
+            "small": {
+                "workload": {"name": "small", "sample_bytes": 4096, "count": 8, "batch_size": 4},
+                "systems": systems,
+            }
+        }
+    }
+    doc["summary"] = summary_rows(doc)
+    cells = [line.strip("| ").split(" | ") for line in readme_table(doc).splitlines()]
+    rows = {row[0]: row[1:] for row in cells}
+    inprocess = next(cells for what, cells in rows.items() if "num_workers=0" in what)
+    assert inprocess[:3] == ["250", "-", "-"]
+    assert "DataLoader ceiling, batched from RAM 400" in inprocess[3]
+    assert "per-sample Dataset over RAM -" in inprocess[3]
+    raw = next(cells for what, cells in rows.items() if "raw sequential read" in what)
+    assert raw == ["900", "-", "800", "per-sample files -"]
+    warm = next(cells for what, cells in rows.items() if "(samples/s)" in what and "num_workers" not in what)
+    assert "DataLoader ceiling, batched from RAM 300" in warm[3]
+
+
 def test_read_throughput_functions_at_tiny_size(tmp_path: Path) -> None:
     from benchmarks import read_throughput as rt
 

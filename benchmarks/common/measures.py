@@ -4,8 +4,9 @@ They run inside a runner subprocess (``runner.py``), one system at a time, so a 
 measurement, not the run. Figures (numbered as in issue 7):
 
 - ``convert`` (7): time to write the system's format, then upload it to S3 (timed apart).
-- ``local`` (1, and the DataLoader ceiling with the in-memory system): warm local epochs, next to a plain
-  sequential read of the same files from the same filesystem.
+- ``local`` (1, and the DataLoader's ceilings with the in-memory systems): warm local epochs, next to a raw
+  sequential read of the same files from the same filesystem (``rawread``); with ``num_workers=0`` in the
+  params, the same read in the training process (the plans' ``inprocess`` label).
 - ``remote`` (2, 3, 4, 5): epochs from S3 into an empty cache with a budget (or none): per epoch, time,
   server-counted bytes and requests, peak on-disk size; handover waits; optional worker RSS.
 - ``s3_ceiling``: plain concurrent GETs of the same objects (no adapter).
@@ -25,6 +26,7 @@ from typing import Any
 
 from benchmarks.common.adapter import DataLocation, LoaderSettings, SystemAdapter
 from benchmarks.common.epochs import StopEpochs, run_epochs
+from benchmarks.common.rawread import DEFAULT_BUFFER_BYTES, read_files
 from benchmarks.common.s3server import fetch_stats, stats_delta
 from benchmarks.common.samplers import DiskSampler, RssSampler, tree_bytes
 from benchmarks.common.samples import Workload
@@ -297,17 +299,17 @@ MEASURES: dict[str, Callable[[SystemAdapter, Context, dict[str, Any], Progress],
 }
 
 
-def sequential_read(root: Path, chunk_bytes: int = 1 << 20) -> dict[str, Any]:
-    """Read every file under ``root`` front to back, twice (the first warms the page cache); time the second."""
+def sequential_read(root: Path, chunk_bytes: int = DEFAULT_BUFFER_BYTES) -> dict[str, Any]:
+    """Read every file under ``root`` front to back, twice (the first warms the page cache); time the second.
+
+    The read is ``rawread.read_files``: ``readinto`` one reused ``chunk_bytes`` buffer (the storage ceiling).
+    """
     files = sorted(p for p in root.rglob("*") if p.is_file())
+    buffer = bytearray(chunk_bytes)
     result: dict[str, Any] = {}
     for label in ("cold_or_partly_cached", "warm"):
         started = time.perf_counter()
-        total = 0
-        for path in files:
-            with path.open("rb", buffering=0) as handle:
-                while block := handle.read(chunk_bytes):
-                    total += len(block)
+        total = read_files(files, buffer)
         wall_s = time.perf_counter() - started
         result[label] = {"bytes": total, "wall_s": round(wall_s, 4), "mb_per_s": round(total / wall_s / 1e6, 1)}
     result["files"] = len(files)

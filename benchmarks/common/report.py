@@ -1,7 +1,8 @@
 """Turn a results document into summary rows (JSON) and a plain-text table.
 
-Labels the plans use, and the figure each one gives: ``convert`` (7), ``local`` (1; the ``memory`` system's
-row is the DataLoader ceiling), ``cold`` (2, and 5 where it ran with ``rss``), ``budget30`` (3),
+Labels the plans use, and the figure each one gives: ``convert`` (7), ``local`` (1; the ``memory-batched``
+system's row is the DataLoader's ceiling for batched reads from RAM, ``memory``'s the per-sample path over RAM),
+``inprocess`` (1, read with ``num_workers=0``), ``cold`` (2, and 5 where it ran with ``rss``), ``budget30`` (3),
 ``handover-<start method>[-persistent]`` (4). The S3 ceiling is per workload, per prefix.
 """
 
@@ -42,10 +43,15 @@ def _row(measures: dict[str, Any]) -> dict[str, Any]:
         row["warm_steady_mb_per_s"] = local.get("warm_steady_mb_per_s")
         seq = local.get("sequential_read", {}).get("warm", {})
         row["sequential_read_mb_per_s"] = seq.get("mb_per_s")
+        row["own_files_read_mb_per_s"] = own_files_read_mb_per_s(local)
         rss = local.get("rss") or {}
         if rss:
             row["local_peak_worker_rss_mb"] = _mb(rss.get("peak_worker_rss_bytes"))
             row["local_peak_workers_pss_sum_mb"] = _mb(rss.get("peak_workers_pss_sum_bytes"))
+    inprocess = measures.get("inprocess", {})
+    if inprocess.get("epochs"):
+        row["inprocess_samples_per_s"] = inprocess.get("warm_samples_per_s")
+        row["inprocess_mb_per_s"] = inprocess.get("warm_mb_per_s")
     cold = measures.get("cold", {})
     if cold.get("epochs"):
         first = cold["epochs"][0]
@@ -74,17 +80,28 @@ def _row(measures: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def own_files_read_mb_per_s(local: dict[str, Any]) -> float | None:
+    """The raw sequential read (warm) of the files a system's loader reads, from its ``local`` measurement.
+
+    The per-sample files for the baselines, the converted shards for the peers (their ``local_dir``), and for
+    cachefeed its own segment files (``sequential_read_own_files``: its daemon cached the per-sample files first).
+    """
+    own = (local.get("sequential_read_own_files") or {}).get("warm", {}).get("mb_per_s")
+    return own or (local.get("sequential_read") or {}).get("warm", {}).get("mb_per_s")
+
+
 def _mb(value: Any) -> float | None:
     return None if value is None else round(value / _MB, 2)
 
 
 _COLUMNS = (
-    ("system", "system", 11),
+    ("system", "system", 14),
     ("convert_s", "conv s", 7),
     ("warm_samples_per_s", "warm smp/s", 10),
     ("warm_mb_per_s", "warm MB/s", 9),
     ("warm_steady_mb_per_s", "steady MB/s", 11),
-    ("sequential_read_mb_per_s", "seq MB/s", 8),
+    ("inprocess_samples_per_s", "w=0 smp/s", 9),
+    ("own_files_read_mb_per_s", "seq MB/s", 8),
     ("cold_epoch_s", "cold s", 7),
     ("cold_remote_mb", "cold MB", 8),
     ("cached_epoch_s", "cached s", 8),
@@ -110,6 +127,8 @@ def summary_text(doc: dict[str, Any]) -> str:
     lines = [
         f"mode={doc.get('mode')} total_s={doc.get('total_s')} machine={_machine_line(doc)}",
         "RSS = peak RSS of one DataLoader worker, PSS = peak sum of the workers' PSS (MB), where measured.",
+        "w=0 = warm read in the training process (num_workers=0); seq = raw sequential read of the files the"
+        " loader reads (cachefeed: its segments).",
         "",
     ]
     rows = doc.get("summary") or summary_rows(doc)
@@ -130,7 +149,7 @@ def summary_text(doc: dict[str, Any]) -> str:
                 " (fork, epoch 0 -> 1)"
             )
             for row in handover:
-                lines.append(f"  {row['system']:<11} " + " ".join(_fmt(row.get(k)).rjust(12) for k in _HANDOVER))
+                lines.append(f"  {row['system']:<14} " + " ".join(_fmt(row.get(k)).rjust(12) for k in _HANDOVER))
         for url, ceiling in (entry.get("s3_ceiling", {}).get("s3_ceiling", {}).get("prefixes") or {}).items():
             lines.append(
                 f"S3 ceiling {url}: {ceiling['objects']} objects, {ceiling['requests_per_s']} req/s,"

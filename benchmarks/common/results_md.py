@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.report import own_files_read_mb_per_s
+
 _MB = 1e6
 _WORKLOADS = ("small", "medium", "large")
 _HANDOVER = ("handover-fork", "handover-fork-persistent", "handover-spawn", "handover-spawn-persistent")
@@ -126,7 +128,9 @@ def _header(doc: dict[str, Any]) -> str:
         "Systems: **cachefeed** (daemon + `EpochLoaderFactory`, reads the per-sample objects as they are), "
         "**mosaic** (mosaicml-streaming MDS), **litdata** (litdata `optimize` chunks), and baselines: "
         "**local-files** (one local file per sample, map-style Dataset), **s3fs** (one GET per sample, no "
-        "cache), **memory** (samples in RAM: the DataLoader's own ceiling).",
+        "cache), **memory-batched** (the samples in one tensor in RAM, `__getitems__` gathering each batch in one "
+        "copy, persistent workers: the DataLoader's ceiling for batched reads from RAM), **memory** (a per-sample "
+        "Dataset over the same RAM: the ceiling of the per-sample path).",
         "",
         f"Cuts (to fit the machine): epoch counts per system and measurement {extra.get('epoch_cuts')}; "
         f"handover measured on the `{extra.get('handover_workload')}` workload only, worker RSS on "
@@ -143,34 +147,42 @@ def _fig1(doc: dict[str, Any]) -> str:
         "## 1. Warm local read throughput",
         "",
         "Median of the warm epochs (epochs 2-4; epoch 1 warms the page cache and the system's own cache). "
-        "`seq MB/s (own files)`: a plain sequential read (1 MiB reads, warm page cache) of the files the loader "
-        "reads, on the same filesystem: the converted shards for mosaic/litdata, cachefeed's segment files (its "
-        "daemon cached the local per-sample files before the first epoch), the per-sample files for the "
-        "baselines; `ratio` = loader MB/s / that. The per-sample files' read is shown too. `memory` is the "
-        "DataLoader ceiling (no I/O).",
+        "`seq MB/s (own files)`: a raw sequential read (`readinto` one reused 1 MiB buffer, warm page cache: the "
+        "storage ceiling) of the files the loader reads, on the same filesystem: the converted shards for "
+        "mosaic/litdata, cachefeed's segment files (its daemon cached the local per-sample files before the first "
+        "epoch), the per-sample files for the baselines; `ratio` = loader MB/s / that. The per-sample files' read "
+        "is shown too. `memory-batched` is the DataLoader's ceiling for batched reads from RAM (no I/O, one copy "
+        "per byte), `memory` the per-sample path over RAM. `in-process samples/s`: the same warm read with "
+        "`num_workers=0` (its own run right after the warm one; median of its epochs after the first), the loader "
+        "in the training process.",
     ]
     for name, entry in _workloads(doc):
         rows = []
         for system, slot in entry.get("systems", {}).items():
             local = _measure(slot, "local")
+            inprocess = _measure(slot, "inprocess")
+            in_process = inprocess.get("warm_samples_per_s") if _ok(inprocess) else _status(inprocess)
             if not _ok(local):
-                rows.append([system, _status(local), "", "", "", "", "", ""])
+                rows.append([system, _status(local), "", "", in_process, "", "", "", ""])
                 continue
-            own = (local.get("sequential_read_own_files") or {}).get("warm", {}).get("mb_per_s")
-            seq = own or (local.get("sequential_read") or {}).get("warm", {}).get("mb_per_s")
+            seq = own_files_read_mb_per_s(local)
             per_sample = (local.get("sequential_read") or {}).get("warm", {}).get("mb_per_s")
             warm = local.get("warm_mb_per_s")
             ratio = warm / seq if warm and seq else None
+            status = _status(local)
+            if inprocess and _status(inprocess) != "ok":
+                status += f"; in-process: {_status(inprocess)}"
             rows.append(
                 [
                     system,
                     local.get("warm_samples_per_s"),
                     warm,
                     local.get("warm_steady_mb_per_s"),
+                    in_process,
                     seq,
                     ratio,
                     per_sample,
-                    _status(local),
+                    status,
                 ]
             )
         out += [
@@ -183,6 +195,7 @@ def _fig1(doc: dict[str, Any]) -> str:
                     "samples/s",
                     "MB/s",
                     "steady MB/s",
+                    "in-process samples/s",
                     "seq MB/s (own files)",
                     "ratio",
                     "seq MB/s (per-sample files)",
@@ -393,7 +406,8 @@ def _fig7(doc: dict[str, Any]) -> str:
         "## 7. Conversion time",
         "",
         "Time to write each system's format from the per-sample files, then to upload it (timed apart). "
-        "cachefeed, local-files, s3fs and memory read the per-sample objects as they are: no conversion (0 s).",
+        "cachefeed, local-files, s3fs and the in-memory baselines read the per-sample objects as they are: no "
+        "conversion (0 s).",
         "",
     ]
     rows = []
@@ -582,18 +596,45 @@ def readme_table(doc: dict[str, Any]) -> str:
     def add(what: str, key: str, workloads: list[str], baseline: str, digits: int = 3) -> None:
         lines.append(f"| {what} | " + " | ".join(cell(s, key, workloads, digits) for s in systems) + f" | {baseline} |")
 
+    def baselines(key: str, workloads: list[str]) -> str:
+        """The read baselines: local files, the DataLoader's batched ceiling, the per-sample path over RAM."""
+        return (
+            f"local files {cell('local-files', key, workloads)}; "
+            f"DataLoader ceiling, batched from RAM {cell('memory-batched', key, workloads)}; "
+            f"per-sample Dataset over RAM {cell('memory', key, workloads)}"
+        )
+
+    def raw_read(system: str) -> str:
+        """The storage ceiling: a raw sequential read of the files ``system``'s loader reads (from ``local``)."""
+        values = [
+            own_files_read_mb_per_s(_measure(entry.get("systems", {}).get(system, {}), "local"))
+            for _name, entry in _workloads(doc)
+        ]
+        return "-" if all(v is None for v in values) else " / ".join(_fmt(v) for v in values)
+
     add(
         f"warm local read, {sizes[small]} (samples/s)",
         "warm_samples_per_s",
         [small],
-        f"local files {cell('local-files', 'warm_samples_per_s', [small])}; "
-        f"DataLoader over RAM {cell('memory', 'warm_samples_per_s', [small])}",
+        baselines("warm_samples_per_s", [small]),
     )
     add(
         f"warm local read, {' / '.join(sizes[n] for n in rest)} (MB/s)",
         "warm_mb_per_s",
         rest,
-        f"DataLoader over RAM {cell('memory', 'warm_mb_per_s', rest)}",
+        baselines("warm_mb_per_s", rest),
+    )
+    add(
+        f"warm local read in the training process (`num_workers=0`), {' / '.join(sizes[n] for n in names)} (samples/s)",
+        "inprocess_samples_per_s",
+        names,
+        baselines("inprocess_samples_per_s", names),
+    )
+    lines.append(
+        f"| raw sequential read of the files each loader reads (storage ceiling), "
+        f"{' / '.join(sizes[n] for n in names)} (MB/s) | "
+        + " | ".join(raw_read(s) for s in systems)
+        + f" | per-sample files {raw_read('local-files')} |"
     )
     add(
         f"cold first epoch from S3, {' / '.join(sizes[n] for n in names)} (s)",

@@ -11,7 +11,9 @@ failures and child logs) and ``summary.txt``. Create the environment first: ``be
 Where the full run cuts counts (2-core machine, whole suite within about an hour): the datasets are 32 MiB
 (small), 128 MiB (medium), 256 MiB (large); handover is measured on medium only; worker RSS on small only;
 s3fs (no cache: every epoch is the same full download) runs 1 epoch cold, none under the budget (the same
-figure), 2 per handover variant. Smoke: 1024 samples of 16 KiB, persistent-fork handover only, no s3fs handover.
+figure), 2 per handover variant. The in-process read (``inprocess``: ``num_workers=0``, right after the warm
+``local`` read, same files) runs 3 to 5 epochs (``inprocess_epochs``) in every mode. Smoke: 1024 samples of
+16 KiB, persistent-fork handover only, no s3fs handover.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ PEERS = [
     System("local-files", "benchmarks.peers.baselines:LocalFilesAdapter"),
     System("s3fs", "benchmarks.peers.baselines:S3fsAdapter"),
     System("memory", "benchmarks.peers.baselines:MemoryAdapter"),
+    System("memory-batched", "benchmarks.peers.baselines:BatchedMemoryAdapter"),
 ]
 
 WORKLOADS = {
@@ -55,6 +58,10 @@ EPOCH_CUTS = {
     "smoke": {"s3fs": {"cold": 1, "budget30": 0, "handover": 0}},
 }
 _SKIP_REASON = "s3fs caches nothing: every epoch is the cold epoch again, whatever the budget"
+# Systems that take no part in figure 4 (not a cut for time: the figure would say nothing about them).
+NO_HANDOVER = {
+    "memory-batched": "the read ceiling always keeps its workers: the DataLoader's own handover is the memory row",
+}
 
 
 def make_plan(mode: str, workers: int) -> object:
@@ -80,10 +87,13 @@ def make_plan(mode: str, workers: int) -> object:
             MeasureSpec("describe", "describe", {}, 120.0),
             MeasureSpec("convert", "convert", {}, hang_s + 2 * epoch_s(workload)),
             epochs_spec("local", "local", 2 if smoke else 4, rss=rss),
+            epochs_spec("inprocess", "local", inprocess_epochs(workload), num_workers=0, sequential_read=False),
             epochs_spec("cold", "remote", cuts.get("cold", 2), rss=rss),
             epochs_spec("budget30", "remote", cuts.get("budget30", 2 if smoke else 3), budget_fraction=0.3),
         ]
-        if workload.name == HANDOVER_WORKLOAD[mode]:
+        if workload.name == HANDOVER_WORKLOAD[mode] and key in NO_HANDOVER:
+            specs.append(MeasureSpec("handover", "skipped", {"reason": NO_HANDOVER[key]}, 10.0))
+        elif workload.name == HANDOVER_WORKLOAD[mode]:
             # Smoke: the cold measurement's second epoch already gives the non-persistent fork handover.
             variants = (
                 [("fork", True)] if smoke else [("fork", False), ("fork", True), ("spawn", False), ("spawn", True)]
@@ -104,6 +114,12 @@ def make_plan(mode: str, workers: int) -> object:
         return [_skip_if_cut(spec, cuts) for spec in specs]
 
     return plan
+
+
+def inprocess_epochs(workload: Workload) -> int:
+    """Epochs of the in-process read (``num_workers=0``, issue 14): epoch 0 settles, the figure is the median of
+    the rest: 2 to 4 of them, more where an epoch is short (1024 samples of 128 KiB take well under a second)."""
+    return 1 + max(2, min(4, 4096 // workload.count))
 
 
 def _skip_if_cut(spec: MeasureSpec, cuts: dict[str, int]) -> MeasureSpec:
