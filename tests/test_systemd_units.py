@@ -93,6 +93,7 @@ def test_service_contract() -> None:
     assert "DynamicUser" not in settings  # implies RemoveIPC, and trainers could not join its group
     assert "MemoryDenyWriteExecute" not in settings  # breaks torch's oneDNN JIT
     assert "/mnt/cachefeed" in settings["RequiresMountsFor"]
+    assert settings["CPUSchedulingPolicy"] == "batch"  # ingest never preempts a training thread on wakeup
 
 
 def test_security_exposure_is_low(unit_dir: Path) -> None:

@@ -36,6 +36,7 @@ from cachefeed.daemon.wire import Channel, Message
 from cachefeed.errors import ChannelClosed, RemoteError
 from cachefeed.logs import setup_logging
 from cachefeed.remote import Remote, RemoteObject, RemoteStats
+from cachefeed.sched import yield_to_training
 from cachefeed.scrub import secrets_from_options
 
 __all__ = ["Sampler", "main"]
@@ -304,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True, help="this sampler's index")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield_to_training()  # a finished download never preempts a training thread on this node (sched.py)
     if not die_with_parent(args.parent_pid):
         return 0
     channel = Channel(socket.socket(fileno=args.fd))

@@ -39,6 +39,10 @@ Passes are queued: the next epoch's pass, opened by the build thread while the c
 as the current one has dealt all its batches, so the workers never idle at an epoch boundary. Results of a pass
 that was abandoned (a later pass began, or the epoch was released) are dropped when they arrive.
 
+Scheduling: workers run under ``SCHED_BATCH`` (``cachefeed/sched.py``, with the figures). Every task the training
+thread sends wakes a worker; under the default policy a woken worker may preempt the thread that woke it, inside
+its ``write``, when the worker lands on its core.
+
 Death: a worker exits on ``None``, when its parent changes (the trainer died: checked every 0.5 s while idle) or
 when a pipe breaks. A thread of each worker reads its task pipe as fast as tasks come, so the training process
 never blocks on a send (a pipe holds 64 KiB; an epoch's index for thousands of segments is more). The training
@@ -76,6 +80,7 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as torch_worker
 
 from cachefeed.errors import SnapshotError
+from cachefeed.sched import yield_to_training
 from cachefeed.trainer.arena import (
     ACK_WORD,
     HEADER_BYTES,
@@ -124,6 +129,7 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
     index, num_workers, collate, seed, parent = spec.index, spec.num_workers, spec.collate, spec.seed, spec.parent
     worker_init_fn = spec.worker_init_fn
     torch.set_num_threads(1)
+    yield_to_training()
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)

@@ -35,6 +35,7 @@ def test_a_killed_sampler_is_restarted_and_its_objects_requeued(
     doc = proc.status()
     assert doc is not None and doc["ingest"]["objects_total"] < 120
     victim = doc["samplers"][0]["pid"]
+    assert os.sched_getscheduler(victim) == os.SCHED_BATCH, "a woken sampler never preempts a training thread"
     os.kill(victim, signal.SIGKILL)
     doc = proc.wait_status(
         lambda d: d["state"] == "degraded" and d["samplers"][0]["state"] == "restarting",

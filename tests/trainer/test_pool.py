@@ -54,6 +54,16 @@ def test_workers_live_across_epochs_and_serve_every_sample_once(tmp_path: Path) 
         assert os.getpid() not in pids
 
 
+def test_workers_never_preempt_the_training_thread_when_woken(tmp_path: Path) -> None:
+    """Workers run under SCHED_BATCH (a woken worker waits for its slice instead of interrupting a training step);
+    the training process keeps its own policy."""
+    root = build_cache(tmp_path / "c", 40)
+    with EpochLoaderFactory(root, batch_size=8, num_workers=2, transform=with_pid, run_id="t", progress=None) as f:
+        pids = {pid for batch in f.loader(0) for pid in batch["pid"].tolist()}
+        assert pids and all(os.sched_getscheduler(pid) == os.SCHED_BATCH for pid in pids)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
 def test_an_epoch_left_early_does_not_leak_its_batches_into_the_next(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 300)
     with EpochLoaderFactory(root, batch_size=10, num_workers=2, run_id="t", progress=None) as f:
