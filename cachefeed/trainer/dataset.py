@@ -204,6 +204,7 @@ class SnapshotDataset(Dataset[Any]):
         return segment, flat - self._starts[segment]
 
     def _reader(self, segment: int) -> SegmentReader:
+        """This process's reader of a segment (opened on first use; a forked child opens its own)."""
         if self._pid != os.getpid():  # forked after readers were opened: reopen our own
             self._readers = {}
             self._pid = os.getpid()
@@ -222,15 +223,18 @@ class SnapshotDataset(Dataset[Any]):
 
     # -- reading -------------------------------------------------------------------------------------------
 
-    def _read(self, segment: int, record: int) -> Any:
-        sample = self._reader(segment).read(record, verify=self.verify)
+    def _read(self, reader: SegmentReader, segment: int, record: int) -> Any:
+        """One sample of ``reader`` (segment ``segment``), arrays as tensors. Raises CorruptRecordError.
+
+        Paid once per sample, by a worker or (``num_workers=0``) the training thread: kept to the reader's
+        decode, one ``torch.from_numpy`` per array and no per-sample checks the reader already guarantees
+        (its arrays are writable and C-contiguous, compressed records' too).
+        """
+        sample = reader.read(record, verify=self.verify)
         for name, value in sample.items():
-            if isinstance(value, np.ndarray):
-                array = value
-                if not array.flags.writeable or not array.flags.c_contiguous:
-                    array = np.array(array, order="C")  # compressed records decode into read-only bytes
+            if type(value) is np.ndarray:
                 try:
-                    sample[name] = torch.from_numpy(array)
+                    sample[name] = torch.from_numpy(value)
                 except TypeError:
                     pass  # a dtype torch has no tensor for (strings, ...): handed out as the numpy array
         if self._source_names:
@@ -240,15 +244,20 @@ class SnapshotDataset(Dataset[Any]):
     def __getitem__(self, index: int) -> Any:
         """One sample (a dict of tensors and scalars, ``"__key__"`` included). Raises CorruptRecordError."""
         segment, record = self.locate([index])
-        return self._read(int(segment[0]), int(record[0]))
+        return self._read(self._reader(int(segment[0])), int(segment[0]), int(record[0]))
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch of samples, corrupt records skipped and counted (see the module docstring)."""
         segments, records = self.locate(indices)
+        readers = self._readers if self._pid == os.getpid() else {}  # forked: ``_reader`` reopens our own
         batch: list[Any] = []
         for segment, record in zip(segments.tolist(), records.tolist(), strict=True):
             try:
-                batch.append(self._read(segment, record))
+                reader = readers.get(segment)
+                if reader is None:
+                    reader = self._reader(segment)  # a segment failing at open: each of its records is skipped
+                    readers = self._readers
+                batch.append(self._read(reader, segment, record))
             except CorruptRecordError as exc:
                 self._count_skip()
                 log.warning("skipping a corrupt record in snapshot %s: %s", self.snap_id, exc)
