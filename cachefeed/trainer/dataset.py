@@ -22,6 +22,13 @@ Tensors handed out are ``torch.from_numpy`` views of the copy-on-write map (writ
 write changes only the writer's private copy of that page, never the cache). Arrays are stored contiguous and
 aligned (64 bytes from 4 KiB, 16 below: ``cache/records.py``), so every tensor is contiguous.
 
+Per sample, a worker (or, with ``num_workers=0``, the training thread) pays the reader's decode and one
+``torch.from_numpy`` per array, nothing else. A one-off measurement (2026-11-23, 2 shared CPUs, Python 3.11.7,
+torch 2.13.0+cpu: ``python -m benchmarks.record_cost`` from the repository root, median of 20 passes):
+``__getitems__`` of 32 shuffled records of one 128 KiB array each, ``verify=False``, took 0.78-0.82 ms at 1023a54
+(format 3, flags checked per array) and 0.34-0.36 ms since (about 11 us a sample, of which about 5 the reader's
+and 2 ``torch.from_numpy``'s).
+
 Corrupt records: ``__getitems__`` (the batched path the DataLoader uses) skips a record that fails verification
 (``CorruptRecordError``), logs it and counts it in ``skipped``; the batch then holds *fewer* samples (never a
 replacement: a replacement would deliver another sample twice in the epoch). A batch whose every record is corrupt
