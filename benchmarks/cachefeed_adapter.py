@@ -44,8 +44,10 @@ from benchmarks.common.samples import Workload, collate
 from cachefeed.config import toml_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Rough per-sample overhead of a segment record (header, key, alignment); only used to size an unbounded cache.
-_RECORD_OVERHEAD = 256
+# Per-sample overhead of a segment record, only used to size an unbounded cache (``cache/records.py``, format 4):
+# 64 bytes of header, meta and padding before these payloads of 4 KiB or more (128 where a key of more than about
+# 40 characters shares no prefix with the previous one), and 4 bytes of index.
+_RECORD_OVERHEAD = 132
 _UNBOUNDED_FLOOR = 64 << 20
 _TURNOVER = 0.25  # the daemon's default cache.turnover
 _METADATA_RESERVE = 1 << 20  # cachefeed.cache.store.METADATA_RESERVE_BYTES

@@ -83,7 +83,7 @@ def test_only_the_demo_imports_the_testing_helpers() -> None:
 
 # The cache layer's modules may import torch only inside these functions (module, function): a tensor field of a
 # sample is encoded and decoded where the segment format is, and torch is loaded only when a sample holds one.
-_CACHE_LAZY_TORCH = {("records.py", "_to_payload"), ("records.py", "_decode_field")}
+_CACHE_LAZY_TORCH = {("descriptors.py", "_to_payload"), ("descriptors.py", "_tensor_step")}
 _ABOVE_THE_CACHE = ("cachefeed.config", "cachefeed.daemon", "cachefeed.trainer", "torch")
 
 

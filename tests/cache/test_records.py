@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import torch
+import xxhash
 
-from cachefeed.cache.records import SegmentReader, SegmentWriter
+from cachefeed.cache import records
+from cachefeed.cache.records import (
+    MAX_DESCRIPTORS,
+    MAX_PREFIXES,
+    SegmentReader,
+    SegmentWriter,
+    segment_count,
+    segment_trailer,
+)
 from cachefeed.errors import CorruptRecordError
+from tests.support.cache_helpers import FORMAT_3_SEGMENT
 
 
 def write_segment(path: Path, samples: list[dict], **kwargs) -> int:
@@ -82,18 +95,20 @@ def test_compressed_records_round_trip(tmp_path: Path) -> None:
         np.testing.assert_array_equal(reader.read(0)["data"], data)
 
 
-@pytest.mark.parametrize("where", ["payload", "meta", "header", "index", "trailer"])
+@pytest.mark.parametrize("where", ["payload", "meta", "checksum", "length", "index", "tables", "trailer"])
 def test_any_flipped_byte_is_detected(tmp_path: Path, where: str) -> None:
     path = tmp_path / "s.seg"
     write_segment(path, [{"__key__": f"k{i}", "data": np.arange(1000, dtype=np.int32)} for i in range(4)])
     with SegmentReader(path) as reader:
         offset, length = int(reader.offsets[2]), int(reader.lengths[2])
-        index_at = int(reader.offsets[-1] + reader.lengths[-1])
+        index_at = reader.index_offset
     position = {
         "payload": offset + length - 200,
-        "meta": offset + 70,
-        "header": offset + 20,
-        "index": index_at + 3,
+        "meta": offset + 18,
+        "checksum": offset + 3,
+        "length": offset + 9,
+        "index": index_at + 9,  # record 2's start
+        "tables": index_at + 16 + 5,  # a descriptor in the tables after the 4 starts
         "trailer": os.path.getsize(path) - 40,
     }[where]
     raw = bytearray(path.read_bytes())
@@ -121,16 +136,22 @@ def test_a_truncated_or_partial_segment_is_rejected_at_open(tmp_path: Path) -> N
 
 
 def test_a_record_moved_under_another_index_entry_is_detected(tmp_path: Path) -> None:
-    """Swap two same-length records: checksums pass, but the key check catches the misdirection."""
+    """Swap two same-length records, each intact: the checksum is seeded with the record's position, so neither
+    reads at the other's (it would be another key's sample served for this index entry)."""
     path = tmp_path / "s.seg"
     write_segment(path, [{"__key__": f"key-{i}", "data": np.full(64, i, np.uint8)} for i in range(2)])
     with SegmentReader(path) as reader:
         (a, b), length = (int(x) for x in reader.offsets), int(reader.lengths[0])
+        assert reader.key(0) == "key-0" and reader.key(1) == "key-1"
     raw = bytearray(path.read_bytes())
     raw[a : a + length], raw[b : b + length] = raw[b : b + length], raw[a : a + length]
     path.write_bytes(bytes(raw))
-    with SegmentReader(path) as reader, pytest.raises(CorruptRecordError, match="another key"):
-        reader.read(0)
+    with SegmentReader(path) as reader:
+        for i in range(2):
+            with pytest.raises(CorruptRecordError, match="not the record written there"):
+                reader.read(i)
+        with pytest.raises(CorruptRecordError):
+            reader.verify_all()
 
 
 def test_capacity_is_never_exceeded_except_by_a_lone_oversized_record(tmp_path: Path) -> None:
@@ -142,7 +163,8 @@ def test_capacity_is_never_exceeded_except_by_a_lone_oversized_record(tmp_path: 
     big = SegmentWriter(tmp_path / "big.seg", capacity=4096)
     record = big.encode({"__key__": "big", "data": np.zeros(100_000, np.uint8)})
     assert big.append(record)  # the first record is always accepted
-    assert big.finish(fsync=False) == SegmentWriter.size_for(record.nbytes)
+    bound = SegmentWriter.size_for(record.nbytes)
+    assert bound - 256 <= big.finish(fsync=False) <= bound
 
 
 def test_bad_samples_are_refused_with_a_clear_error(tmp_path: Path) -> None:
@@ -201,19 +223,167 @@ def test_a_segment_without_sources_has_none(tmp_path: Path) -> None:
 
 def test_small_samples_cost_little_beyond_their_payload(tmp_path: Path) -> None:
     """A 1 KiB float32 feature vector, an int label and an int id under a 30-character key: format 2 took 1,240
-    bytes per record (64-byte headers and alignment for everything); format 3 takes 1,128: 10% over the vector,
-    index included. Small arrays are 16-byte aligned, arrays of 4 KiB or more 64-byte aligned."""
-    samples = [
-        {"__key__": f"train/shard-{i // 1000:04d}.msgpack#{i % 1000}", "x": np.ones(256, np.float32), "label": i % 10,
-         "id": i}
-        for i in range(1000)
-    ]  # fmt: skip
-    size = write_segment(tmp_path / "s.seg", samples)
-    assert size / len(samples) <= 1130, f"{size / len(samples):.0f} bytes per record"
-    with SegmentReader(tmp_path / "s.seg") as reader:
-        got = reader.read(7)
-        assert got["x"].ctypes.data % 16 == 0 and got["label"] == 7 and got["id"] == 7
+    bytes per record (64-byte headers and alignment for everything), format 3 1,128 (the key and the field
+    descriptors in every record, 24 bytes of index); format 4 takes 1,060: 3.5% over the vector, index and tables
+    included, for ids of 1 to 5 bytes of msgpack alike. Small arrays are 16-byte aligned, arrays of 4 KiB or more
+    64-byte aligned."""
+    for first_id in (0, 10**6):
+        samples = [
+            {"__key__": f"train/shard-{i // 1000:04d}.msgpack#{i % 1000}", "x": np.ones(256, np.float32),
+             "label": i % 10, "id": first_id + i}
+            for i in range(1000)
+        ]  # fmt: skip
+        size = write_segment(tmp_path / "s.seg", samples)
+        assert size / len(samples) <= 1075, f"{size / len(samples):.0f} bytes per record"
+        with SegmentReader(tmp_path / "s.seg") as reader:
+            got = reader.read(7)
+            assert got["x"].ctypes.data % 16 == 0 and got["label"] == 7 and got["id"] == first_id + 7
+        os.unlink(tmp_path / "s.seg")
     write_segment(tmp_path / "big.seg", [{"__key__": f"k{i}", "a": np.ones(3, np.uint8), "b": np.ones(4096, np.uint8)}
                                          for i in range(3)])  # fmt: skip
     with SegmentReader(tmp_path / "big.seg") as reader:
         assert all(reader.read(i)["b"].ctypes.data % 64 == 0 for i in range(3))
+
+
+def test_arrays_read_are_writable_contiguous_and_keep_their_shape(tmp_path: Path) -> None:
+    """What the dataset relies on without checking each sample: writable, C-contiguous arrays, 0-d kept 0-d."""
+    sample = {"__key__": "k", "scalar": np.array(3.5), "grid": np.arange(6, dtype=">i2").reshape(2, 3).T,
+              "bytes": np.arange(300, dtype=np.uint8), "t0": torch.tensor(7)}  # fmt: skip
+    for compression in ("none", "zlib"):
+        write_segment(tmp_path / f"{compression}.seg", [sample], compression=compression)
+        with SegmentReader(tmp_path / f"{compression}.seg") as reader:
+            got = reader.read(0)
+        assert got["scalar"].shape == () and got["scalar"] == 3.5 and got["t0"].shape == () and int(got["t0"]) == 7
+        np.testing.assert_array_equal(got["grid"], sample["grid"])
+        assert got["grid"].dtype == np.dtype(">i2")
+        for name in ("scalar", "grid", "bytes"):
+            assert got[name].flags.writeable and got[name].flags.c_contiguous, (compression, name)
+
+
+def rewrite_tables(path: Path, edit: Callable[[list[bytes], list[str]], None]) -> None:
+    """Rewrite a segment's tables with ``edit(descriptors, prefixes)`` and make its index and trailer checksums
+    agree again: what a bug, not a damaged disk, would leave (the index checksum cannot tell)."""
+    raw = path.read_bytes()
+    magic, version, flags, source, count, index_offset, _hash, _len, _own = records._TRAILER.unpack_from(
+        raw, len(raw) - 64
+    )
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(raw[index_offset + 4 * count : len(raw) - 64])
+    descriptors, prefixes = unpacker.unpack()
+    assert not raw[index_offset + 4 * count + unpacker.tell() : len(raw) - 64].strip(b"\x00"), "no sources here"
+    edit(descriptors, prefixes)
+    region = raw[index_offset : index_offset + 4 * count] + msgpack.packb([descriptors, prefixes], use_bin_type=True)
+    region += bytes(-len(region) % 64)
+    file_len = index_offset + len(region) + 64
+    body = records._TRAILER.pack(
+        magic, version, flags, source, count, index_offset, xxhash.xxh3_64_intdigest(region), file_len, 0
+    )[:-8]
+    trailer = body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    path.write_bytes(raw[:index_offset] + region + trailer + bytes(64 - len(trailer)))
+
+
+def test_a_changed_descriptor_is_a_corrupt_record_never_a_wrong_sample(tmp_path: Path) -> None:
+    path = tmp_path / "s.seg"
+    write_segment(path, [{"__key__": f"k{i}", "x": np.full(256, i, np.float32), "label": i} for i in range(5)])
+
+    def change(field: int, to: object) -> Callable[[list[bytes], list[str]], None]:
+        def edit(descriptors: list[bytes], prefixes: list[str]) -> None:
+            fields = msgpack.unpackb(descriptors[0])
+            fields[0][field] = to
+            descriptors[0] = msgpack.packb(fields)
+
+        return edit
+
+    rewrite_tables(path, change(2, "<i4"))  # another dtype of the same size: only the binding tells
+    with SegmentReader(path) as reader:
+        for i in range(5):
+            with pytest.raises(CorruptRecordError, match="checksum"):
+                reader.read(i)
+    rewrite_tables(path, change(3, [255]))  # another shape: the record's size tells, verified or not
+    with SegmentReader(path) as reader:
+        for verify in (True, False):
+            with pytest.raises(CorruptRecordError):
+                reader.read(1, verify=verify)
+    rewrite_tables(path, lambda descriptors, prefixes: descriptors.clear())
+    with SegmentReader(path) as reader, pytest.raises(CorruptRecordError, match="metadata"):
+        reader.read(0, verify=False)
+
+
+def test_a_changed_key_prefix_is_a_corrupt_record_never_another_key(tmp_path: Path) -> None:
+    path = tmp_path / "s.seg"
+    keys = [f"train/shard-0000.msgpack#{i}" for i in range(5)]
+    write_segment(path, [{"__key__": key, "x": np.full(8, i, np.uint8)} for i, key in enumerate(keys)])
+    with SegmentReader(path) as reader:
+        assert [reader.key(i) for i in range(5)] == keys
+        assert reader._prefixes == ["", "train/shard-0000.msgpack#"]  # the first key is whole in its record
+    rewrite_tables(path, lambda descriptors, prefixes: prefixes.__setitem__(1, "train/shard-0001.msgpack#"))
+    with SegmentReader(path) as reader:
+        assert reader.read(0)["__key__"] == keys[0]
+        for i in range(1, 5):
+            with pytest.raises(CorruptRecordError, match="checksum"):
+                reader.read(i)
+        # without verification the tables are trusted (the index checksum vouched for them at open)
+        assert reader.key(1, verify=False) == "train/shard-0001.msgpack#1"
+
+
+def test_records_whose_arrays_change_shape_share_one_loose_descriptor(tmp_path: Path) -> None:
+    path = tmp_path / "s.seg"
+    samples = [
+        {"__key__": f"doc-{i}", "tokens": np.arange(i % 7 + 1, dtype=np.int32), "mask": np.ones((2, 3), bool),
+         "text": "é" * (300 + i), "n": i}
+        for i in range(100)
+    ]  # fmt: skip
+    size = write_segment(path, samples)
+    with SegmentReader(path) as reader:
+        assert len(reader._descriptors) == 2  # the first record's exact one; the loose one from the second shape
+        for i, sample in enumerate(samples):
+            got = reader.read(i)
+            np.testing.assert_array_equal(got["tokens"], sample["tokens"])
+            np.testing.assert_array_equal(got["mask"], sample["mask"])
+            assert got["text"] == sample["text"] and got["n"] == i and got["__key__"] == sample["__key__"]
+    payload = sum(s["tokens"].nbytes + 6 + len(s["text"].encode()) for s in samples)
+    assert size / payload < 1.15
+
+
+def test_more_field_sets_than_the_descriptor_table_holds_still_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "s.seg"
+    samples = [{"__key__": f"k{i}", f"field{i}": np.full(3, i, np.int16), "n": i} for i in range(MAX_DESCRIPTORS + 20)]
+    write_segment(path, samples, compression="zlib")
+    with SegmentReader(path) as reader:
+        assert len(reader._descriptors) == MAX_DESCRIPTORS  # the rest carry their own
+        for i in range(len(samples)):
+            got = reader.read(i)
+            np.testing.assert_array_equal(got[f"field{i}"], samples[i][f"field{i}"])
+            assert list(got) == ["__key__", "n", f"field{i}"]
+        reader.verify_all()
+
+
+def test_keys_round_trip_whatever_they_share(tmp_path: Path) -> None:
+    path = tmp_path / "s.seg"
+    keys = ["", "a", "", "ab", "abc/def/0001", "abc/def/0002", "abc/deg", "abc", "\x00nul", "é/ü/\u4e2d/1",
+            "é/ü/\u4e2d/2", "x" * 1000, "x" * 999 + "y"]  # fmt: skip
+    keys += [f"{i:04d}-shard/{j}" for i in range(MAX_PREFIXES) for j in range(2)]  # a new prefix every 2 keys
+    write_segment(path, [{"__key__": key} for key in keys])
+    with SegmentReader(path) as reader:
+        assert len(reader._prefixes) == MAX_PREFIXES
+        assert [reader.key(i) for i in range(len(keys))] == keys
+        assert [reader.read(i)["__key__"] for i in range(len(keys))] == keys
+        reader.verify_all()
+
+
+def test_the_writer_knows_the_size_of_the_file_it_will_finish(tmp_path: Path) -> None:
+    """``nbytes`` and ``fits`` count the tables exactly: what the grant of a segment relies on."""
+    writer = SegmentWriter(tmp_path / "s.seg", capacity=1 << 30)
+    for i in range(3 * MAX_DESCRIPTORS):
+        sample = {"__key__": f"{'ab'[i % 2]}/{i:05d}", "x": np.zeros(i % 5 + 1, np.float64), f"f{i % 80}": i}
+        assert writer.append(writer.encode(sample))
+    expected = writer.nbytes
+    assert writer.finish(fsync=False) == expected == (tmp_path / "s.seg").stat().st_size
+
+
+def test_a_segment_of_an_older_format_is_refused_cleanly(tmp_path: Path) -> None:
+    path = tmp_path / "old.seg"
+    path.write_bytes(FORMAT_3_SEGMENT)
+    with pytest.raises(CorruptRecordError, match="format 3"):
+        SegmentReader(path)
+    assert segment_trailer(path) == (-1, 0) and segment_count(path) == -1

@@ -17,7 +17,7 @@ from cachefeed.cache.snapshots import Snapshot
 from cachefeed.cache.store import METADATA_RESERVE_BYTES, CacheStore
 from cachefeed.cache.writer import CacheWriter
 from cachefeed.testing.samples import check_sample, make_sample
-from tests.support.cache_helpers import cache_config, write_until_full
+from tests.support.cache_helpers import FORMAT_3_SEGMENT, cache_config, write_until_full
 
 
 def fill(store: CacheStore, keys: range, nbytes: int = 4096) -> None:
@@ -84,6 +84,23 @@ def test_recovery_removes_temp_files_partial_and_foreign_entries(tmp_path: Path)
     assert sorted(p.name for p in layout.segments.iterdir()) == [p.name for p in good]
     assert outside.read_text() == "must survive"
     assert len(cached_keys(root)) == 500
+    store.close()
+
+
+def test_a_segment_of_an_older_format_is_left_out_of_snapshots_and_dropped_at_recovery(tmp_path: Path) -> None:
+    """An upgrade: the cache holds a segment written by an older cachefeed (format 3). A trainer of the new one
+    leaves it out of its snapshot; the daemon's start drops it (its samples are fetched again) and starts."""
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(50))
+    store.close()
+    old = CacheLayout(root).segments / "00000000000000f0.seg"
+    old.write_bytes(FORMAT_3_SEGMENT)
+    with Snapshot.create(root, "run-e000000") as snapshot:
+        assert old.name not in snapshot.names and snapshot.samples == 50
+    store = CacheStore(cache_config(root))
+    assert not old.exists() and store.counters.dropped_corrupt == 1
+    assert sorted(cached_keys(root)) == sorted(f"k{i}" for i in range(50))
     store.close()
 
 

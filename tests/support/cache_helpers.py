@@ -1,12 +1,15 @@
-"""Helpers for the cache-store tests: a small cache config, the real size of a cache tree, writing until full.
+"""Helpers for the cache-store tests: a small cache config, the real size of a cache tree, writing until full, and a
+segment of an older format.
 
 The self-verifying samples these write are ``cachefeed.testing.samples``.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,15 @@ from cachefeed.cache.settings import CacheConfig
 from cachefeed.cache.store import CacheStore
 from cachefeed.cache.writer import CacheWriter
 from cachefeed.testing.samples import make_sample
+
+# A real segment of format 3 (cachefeed at 1023a54, before the descriptor tables), 320 bytes: one record
+# {"__key__": "old/0001", "x": np.arange(4, dtype=np.int32), "label": 3}. What an upgraded daemon finds in a cache.
+FORMAT_3_SEGMENT = zlib.decompress(
+    base64.b64decode(
+        "eNpzdgt2dWdgYGRmIA84BzEzKAHpyR6L26w+9HtMWZGfk6JvYGBgOHHawopFeSkMAottMk0msjQuzUlMSs3BZg8jEDMBMTlucIDSAVBafMamNdvm"
+        "T6wl2v0g/7v6uTAjuQUEDkDp31Ln3FsD9TsdoBL6Jx+//vlI+CZMPwDCCyQk"
+    )
+)
 
 
 def cache_config(root: Path, **overrides: Any) -> CacheConfig:

@@ -126,6 +126,23 @@ def corrupt_record(path: Path, record: int) -> None:
         handle.write(bytes([byte[0] ^ 0xFF]))
 
 
+def test_the_records_of_a_segment_that_fails_at_open_are_skipped_and_counted(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 200)
+    with Snapshot.create(root, "t-e000000") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        lost = int(np.diff(dataset._starts)[1])
+        damaged = snapshot.paths[1]
+        raw = bytearray(damaged.read_bytes())
+        raw[-20] ^= 0xFF  # the trailer: the segment is refused at open
+        damaged.write_bytes(bytes(raw))
+        with pytest.raises(CorruptRecordError):
+            dataset[int(dataset._starts[1])]
+        batch = dataset.__getitems__(list(range(len(dataset))))
+        assert len(batch) == 200 - lost and dataset.skipped == lost  # __getitem__ raises, counts nothing
+        assert len({item["__key__"] for item in batch}) == len(batch)
+        dataset.close()
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_a_corrupt_record_is_skipped_and_counted_across_worker_processes(tmp_path: Path, context: str) -> None:
     root = build_cache(tmp_path / "c", 200)
@@ -137,7 +154,7 @@ def test_a_corrupt_record_is_skipped_and_counted_across_worker_processes(tmp_pat
         bad_keys = set()
         for segment, record in bad.items():
             with SegmentReader(snapshot.paths[segment]) as reader:
-                bad_keys.add(reader.record_view(record, verify=False)[0]["k"])
+                bad_keys.add(reader.key(record, verify=False))
         with pytest.raises(CorruptRecordError):
             dataset[10]
         loader = DataLoader(dataset, batch_size=16, num_workers=2, multiprocessing_context=context)

@@ -1,0 +1,97 @@
+"""What one record costs: bytes in the segment for a small sample, and Python time to read a record.
+
+    python -m benchmarks.record_cost [--dir /dev/shm] [--mib 64] [--repeats 20]
+
+Prints three figures (``cachefeed/cache/records.py`` and ``cachefeed/trainer/dataset.py`` quote them):
+
+* ``bytes/record``: a 1 KiB float32 vector, an int label and an int id under a 30-character key (index, padding
+  and trailer included), and its overhead over the 1,024-byte vector;
+* ``SegmentReader.read``: microseconds per record, ``verify=False``, for records of one 128 KiB uint8 array (a
+  cache of ``--mib`` MiB built by ``benchmarks.read_throughput.build_cache``, warm: one pass first);
+* ``SnapshotDataset.__getitems__``: milliseconds per shuffled batch of 32 of those records, ``verify=False``.
+
+Both times are the median, and the best, of ``--repeats`` passes over every record, after one pass that is not
+counted (on a shared machine the best is the steadier figure). No checksum is computed: what is measured is the
+Python per record, which a DataLoader worker (or, without workers, the training thread) pays on every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.read_throughput import build_cache
+from cachefeed.cache.layout import CacheLayout
+from cachefeed.cache.records import SegmentReader, SegmentWriter
+from cachefeed.cache.snapshots import Snapshot
+from cachefeed.trainer import SnapshotDataset
+
+BATCH = 32
+
+
+def small_record_bytes(directory: Path, count: int = 1000) -> float:
+    """Bytes per record of the small sample (see the module docstring), in a segment of ``count``."""
+    writer = SegmentWriter(directory / "small.seg", capacity=1 << 30)
+    for i in range(count):
+        sample = {"__key__": f"train/shard-{i // 1000:04d}.msgpack#{i % 1000}", "x": np.ones(256, np.float32)}
+        writer.append(writer.encode({**sample, "label": i % 10, "id": i}))
+    return writer.finish(fsync=False) / count
+
+
+def read_us(root: Path, repeats: int) -> tuple[float, float]:
+    """Median and best microseconds per ``SegmentReader.read(i, verify=False)``."""
+    layout = CacheLayout(root)
+    readers = [SegmentReader(layout.segments / name) for name, _info in layout.list_segments()]
+    runs = []
+    for _ in range(repeats + 1):  # the first pass faults the headers' pages in
+        started = time.perf_counter()
+        for reader in readers:
+            for i in range(reader.count):
+                reader.read(i, verify=False)
+        runs.append((time.perf_counter() - started) / sum(r.count for r in readers))
+    for reader in readers:
+        reader.close()
+    return statistics.median(runs[1:]) * 1e6, min(runs[1:]) * 1e6
+
+
+def getitems_ms(root: Path, repeats: int) -> tuple[float, float]:
+    """Median and best milliseconds per ``__getitems__`` of ``BATCH`` shuffled records, ``verify=False``."""
+    with Snapshot.create(root, "record-cost") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot, verify=False)
+        order = np.random.default_rng(1).permutation(len(dataset))
+        batches = [order[start : start + BATCH] for start in range(0, len(order) - BATCH + 1, BATCH)]
+        runs = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            for batch in batches:
+                dataset.__getitems__(batch)
+            runs.append((time.perf_counter() - started) / len(batches))
+        dataset.close()
+    return statistics.median(runs[1:]) * 1e3, min(runs[1:]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="cachefeed-record-cost-") as tmp:
+        root = Path(tmp)
+        per_record = small_record_bytes(root)
+        print(f"bytes/record (1 KiB float32 + 2 ints, 30-char key): {per_record:.0f} ({per_record / 1024 - 1:.1%})")
+        build_cache(root / "cache", 128 << 10, args.mib << 20)
+        median, best = read_us(root / "cache", args.repeats)
+        print(f"SegmentReader.read(verify=False), 128 KiB record: {median:.1f} us (best {best:.1f})")
+        median, best = getitems_ms(root / "cache", args.repeats)
+        print(f"SnapshotDataset.__getitems__ of {BATCH} x 128 KiB, verify=False: {median:.3f} ms (best {best:.3f})")
+
+
+if __name__ == "__main__":
+    main()
