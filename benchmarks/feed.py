@@ -1,6 +1,6 @@
 """Feeding a busy training loop: what the batch path costs a training thread that holds the GIL.
 
-    python -m benchmarks.feed [--step-ms 4,8,16] [--samples 1536,4096] [--steps 300] [--block 100] [--repeats 3]
+    python -m benchmarks.feed [--step-ms 4,8,16] [--samples 1536,4096] [--steps 300] [--block 20] [--repeats 5]
                               [--workers 2]
 
 An eager model on a fast GPU keeps its training thread in Python (kernel launches) most of the time; any per-batch
@@ -84,9 +84,9 @@ def interleaved(batches: Iterator[Any], steps: int, step: int, warmup: int, bloc
 
     Why interleaved: the speed of a pure-Python loop on a shared machine drifts by 10-20% within a minute (other
     tenants, frequency), more than the effect measured; a data-free rate taken once, before or after, moves the
-    ratio by as much. Alternating blocks expose both rates to the same drift. The workers keep at most
-    ``prefetch_factor`` batches each ready, so a data-free block starts with them refilling (a few batches of
-    worker time, which a block of 100 steps dilutes), then idle."""
+    ratio by as much. Short alternating blocks expose both rates to the same drift. The workers keep at most
+    ``prefetch_factor`` batches each ready, so a data-free block starts with them refilling a few batches, on the
+    other core, then idle."""
     for _ in range(warmup):
         next(batches)
         busy_step(step)
@@ -157,8 +157,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--block", type=int, default=100, help="steps per block; fed and data-free blocks alternate")
-    parser.add_argument("--repeats", type=int, default=3, help="the median of this many runs is reported")
+    parser.add_argument("--block", type=int, default=20, help="steps per block; fed and data-free blocks alternate")
+    parser.add_argument("--repeats", type=int, default=5, help="the median of this many runs is reported")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
