@@ -129,7 +129,8 @@ class SnapshotDataset(Dataset[Any]):
         names: segment file names inside ``directory``.
         counts: samples in each segment (``len(counts) == len(names)``).
         transform: optional per-sample function, run where the sample is read (in the DataLoader workers).
-        verify: check each record's checksum when reading (xxh3: cheap next to any training step).
+        verify: check each record's checksum when reading (xxh3: cheap next to any training step). The checksum
+            also binds the record to its key and position; with False nothing of a record's bytes is checked.
         snap_id: for messages only.
         sources: each segment's source name (named sources, ``cache/sources.py``): every sample read from segment
             ``i`` gets the field ``"__source__" = sources[i]``. Empty: no such field.

@@ -108,7 +108,8 @@ class EpochLoaderFactory:
         drop_last: drop this rank's last partial batch.
         transform: per-sample function run in the workers (picklable for spawn/forkserver).
         collate_fn: batches samples (default ``torch.utils.data.default_collate``).
-        verify: check every record's checksum when reading (a failing record is skipped, never served).
+        verify: check every record's checksum when reading (a failing record is skipped, never served); False
+            checks nothing of a record's bytes, not even which key it holds.
         samples_per_epoch: every epoch is exactly this many samples of the node's snapshot (split equally among
             the node's ranks), least-read first, reusing samples when fewer are cached: ``len(loader)`` and the
             number of steps are known before training starts (``batches_per_epoch``). None: each epoch is one pass
