@@ -41,10 +41,12 @@ machine; ``time.perf_counter`` around ``next()`` and cProfile, 300 steps):
   ``torch.from_numpy`` per tensor): 16 us in a tight loop, about 0.3 ms after 8 ms of other Python (cold caches;
   the mean of ``next()`` by position in the epoch over 10 epochs). Per-record reads in the workers cost a third of
   what they did (format 4, ``benchmarks/record_cost.py``).
-* what is left: a cost per epoch. Timing every step by its position in the epoch (1,536 samples: 48 batches), the
-  steps of one epoch take 30-45 ms more in all than data-free steps, spread over the epoch (the build and
-  teardown threads are idle after the first few batches; not yet found). That is why the committed run gives 0.88
-  at 1,536 samples and 0.95 at 4,096 (128 batches an epoch).
+* what is left: timing every step by its position in the epoch (1,536 samples: 48 batches, 10 epochs), the fed
+  steps of one epoch take 21-45 ms more in all than data-free steps: about 0.3 ms in each ``next()``, 2-5 ms at
+  the epoch's start (cProfile of ``loader()`` and the first three batches: 2.3 ms an epoch, half of it waiting
+  for the first batches), and the rest spread over the steps, with the build and teardown threads idle after the
+  first few batches and the garbage collector ruled out (``gc.disable()`` changed nothing). The committed run
+  gives 0.88 at 1,536 samples and 0.95 at 4,096 (128 batches an epoch); the difference is not explained yet.
 """
 
 from __future__ import annotations
