@@ -202,6 +202,27 @@ def test_a_pool_whose_memory_is_full_sends_batches_whole_instead(tmp_path: Path)
             dataset.close()
 
 
+def test_a_batch_shape_first_seen_in_a_dropped_batch_is_still_known_to_later_batches(tmp_path: Path) -> None:
+    """A worker sends each batch layout's skeleton once, with the first batch of that shape; when that batch belongs
+    to a pass that was abandoned (and is dropped unread), later batches naming the skeleton still build."""
+    root = build_cache(tmp_path / "c", 64)
+    from cachefeed.cache.snapshots import Snapshot
+
+    with Snapshot.create(root, "s") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        pool = WorkerPool(2, collate_fn=None, prefetch_factor=2)
+        try:
+            batches = [np.arange(i, i + 8) for i in range(0, 64, 8)]
+            key = pool.new_key()
+            abandoned = pool.open_pass(key, dataset, batches)
+            next(abandoned)  # worker 0's first batch; worker 1's first (its skeleton) is in flight
+            keys = [k for batch in pool.open_pass(key, dataset, batches) for k in batch["__key__"]]
+            assert sorted(keys) == sorted(f"k{i}" for i in range(64))
+        finally:
+            pool.close()
+            dataset.close()
+
+
 def test_default_collation_in_place_matches_default_collate() -> None:
     from torch.utils.data import default_collate
 
