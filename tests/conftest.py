@@ -1,6 +1,9 @@
 """Shared fixtures: a real S3 API on loopback (moto's server) reset between tests, the proxy in front of it, a
 bucket, and the real daemon as a subprocess.
 
+Property tests run without hypothesis's per-example deadline: CI runs three test processes on two cores, where
+a 200 ms budget for one example measures the machine's load, not the code.
+
 The components themselves are in ``cachefeed.testing`` (shared with the benchmarks and the demo); only the pytest
 fixtures built on them live here.
 """
@@ -13,10 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from cachefeed.testing.daemon import BUCKET, DaemonProcess, StartDaemon, start_daemon, write_config
 from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
 from cachefeed.testing.proxy import FaultProxy
+
+settings.register_profile("cachefeed", deadline=None)
+settings.load_profile("cachefeed")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -47,8 +47,11 @@ Death: a worker exits on ``None``, when its parent changes (the trainer died: ch
 when a pipe breaks. A thread of each worker reads its task pipe as fast as tasks come, so the training process
 never blocks on a send (a pipe holds 64 KiB; an epoch's index for thousands of segments is more). The training
 thread waits on the result pipe *and* the worker's sentinel, so a worker that dies raises ``RuntimeError`` naming
-its pid and exit code instead of hanging; the next pass (the next epoch) starts a new worker in its place. Arenas
-are memfds: nothing is left on any filesystem, whoever is killed.
+its pid and exit code instead of hanging. The pass being read when a death is found raises (again on every later
+``next``); the next pass read (the next epoch) starts a new worker in its place first, on the training thread, and
+every other pass that had batches dealt to the dead worker (the next epoch's, queued before this one ended) is
+dealt again from its first unread batch, so it is read whole. Arenas are memfds: nothing is left on any
+filesystem, whoever is killed.
 
 Why one long module: it is both sides of one protocol (NOTE [ Feed protocol ]): the training process's pool and
 the worker's loop must agree message for message, so they are read together.
@@ -319,6 +322,8 @@ class Pass:
         self.sent = 0
         self.received = 0
         self.closed = False
+        self.started = False  # the training thread has asked for a batch
+        self.failed: RuntimeError | None = None  # a worker died while this pass was read: every ``next`` raises it
 
     def __iter__(self) -> Pass:
         return self
@@ -417,10 +422,13 @@ class WorkerPool:
         return _Worker(index, process, task_send, result_recv, arena)
 
     def _replace_dead(self) -> None:
-        """Start a new worker in place of each one that died (under the lock, when a pass opens).
+        """Start a new worker in place of each one that died (under the lock, on the training thread, when it
+        starts reading a pass: only that thread waits on a worker's pipes, so closing them here is safe).
 
-        The pass that was reading when a worker died has raised already; what that worker still owed is dropped
-        from the batches in flight, so the next pass reads from the new worker's pipe only."""
+        What a dead worker still owed is taken out of the batches in flight. The pass the training thread was
+        reading then fails for good (it raised when it met the death, or raises on its next ``next``); any other
+        pass is dealt again from its first unread batch (its batches still due from live workers, dealt under its
+        old order, are dropped when they arrive), so it loses nothing."""
         for index, worker in enumerate(self._workers):
             if worker.process.is_alive():
                 continue
@@ -430,7 +438,18 @@ class WorkerPool:
                 worker.process.pid,
                 worker.process.exitcode,
             )
+            owed = {id(entry[0]): entry[0] for entry in self._inflight if entry[2] is worker}
             self._inflight = deque(entry for entry in self._inflight if entry[2] is not worker)
+            for owing in owed.values():
+                if owing.closed or owing.failed is not None:
+                    continue
+                if owing.started and owing.order == self._reading:
+                    owing.failed = _died(worker)
+                    continue
+                owing.order = next(self._orders)
+                owing.sent = owing.received
+                if owing not in self._passes:
+                    self._passes.append(owing)
             worker.tasks.close()
             worker.results.close()
             self._workers[index] = self._spawn(index)
@@ -471,7 +490,6 @@ class WorkerPool:
                 raise RuntimeError("the cachefeed worker pool is closed")
             if not self._workers:
                 self._start()
-            self._replace_dead()
             new = Pass(self, next(self._orders), key, dataset, list(batches))
             self._passes.append(new)
             self._deal()
@@ -536,6 +554,11 @@ class WorkerPool:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("the cachefeed worker pool is closed")
+                if not reading.started:
+                    self._replace_dead()
+                    reading.started = True
+                if reading.failed is not None:
+                    raise reading.failed
                 if reading.order < self._reading:  # a later pass was read meanwhile: deal the rest of this one anew
                     reading.order = next(self._orders)
                     reading.sent = reading.received

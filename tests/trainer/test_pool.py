@@ -125,6 +125,36 @@ def test_a_worker_that_dies_is_reported_not_waited_for_and_replaced_for_the_next
         assert f._pool._workers[1].process.pid != victim.pid
 
 
+def test_a_pass_dealt_before_a_worker_died_is_read_whole_from_its_replacement(tmp_path: Path) -> None:
+    """The factory queues the next epoch's pass before the current one ends, so batches of a pass not yet read can
+    be dealt to a worker that then dies: that pass is read whole all the same, its dead worker's share dealt again
+    to the worker that replaces it."""
+    root = build_cache(tmp_path / "c", 64)
+    from cachefeed.cache.snapshots import Snapshot
+
+    with Snapshot.create(root, "s") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        pool = WorkerPool(2, collate_fn=None, prefetch_factor=2)
+        try:
+            batches = [np.arange(i, i + 8) for i in range(0, 64, 8)]
+            current = pool.open_pass(pool.new_key(), dataset, batches[:2])
+            queued = pool.open_pass(pool.new_key(), dataset, batches)  # dealt at once: each worker has room
+            victim = pool._workers[1].process
+            next(current)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join()
+            try:
+                next(current)  # worker 1's batch: read if it was written before the kill, else an error
+            except RuntimeError as died:
+                assert f"pid {victim.pid}) exited unexpectedly" in str(died)
+            keys = [k for batch in queued for k in batch["__key__"]]
+            assert sorted(keys) == sorted(f"k{i}" for i in range(64))
+            assert pool._workers[1].process.pid != victim.pid
+        finally:
+            pool.close()
+            dataset.close()
+
+
 def test_a_released_epoch_is_unmapped_by_every_worker_before_its_pin_goes(tmp_path: Path) -> None:
     """Workers keep a segment mapped from one epoch to the next while both snapshots hold it, but a segment that only
     the released epoch held (evicted meanwhile) is unmapped by every worker before that epoch's pin goes."""
