@@ -41,16 +41,16 @@ import numpy as np
 
 from benchmarks.common.adapter import DataLocation, LoaderSettings
 from benchmarks.common.samples import Workload, collate
-from cachefeed.config import toml_text
+from cachefeed._config import toml_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Per-sample overhead of a segment record, only used to size an unbounded cache (``cache/records.py``, format 4):
+# Per-sample overhead of a segment record, only used to size an unbounded cache (``_cache/records.py``, format 4):
 # 64 bytes of header, meta and padding before these payloads of 4 KiB or more (128 where a key of more than about
 # 40 characters shares no prefix with the previous one), and 4 bytes of index.
 _RECORD_OVERHEAD = 132
 _UNBOUNDED_FLOOR = 64 << 20
 _TURNOVER = 0.25  # the daemon's default cache.turnover
-_METADATA_RESERVE = 1 << 20  # cachefeed.cache.store.METADATA_RESERVE_BYTES
+_METADATA_RESERVE = 1 << 20  # cachefeed._cache.store.METADATA_RESERVE_BYTES
 
 
 def decode_sample(key: str, body: bytes) -> list[dict[str, Any]]:
@@ -91,11 +91,11 @@ class CachefeedAdapter:
         return {
             "version": getattr(cachefeed, "__version__", "0.1.0"),
             "format": "cachefeed segments (records stored raw, 64-byte aligned, xxh3-verified on read)",
-            "loader": "cachefeed.trainer.EpochLoaderFactory (one worker pool for every epoch, each epoch queued ahead)",
+            "loader": "cachefeed.EpochLoaderFactory (one worker pool for every epoch, each epoch queued ahead)",
             "daemon": "python -m cachefeed daemon: 2 sampler processes x 16 requests in flight, fsync off",
             "segment_bytes": "1/20 of a 30% budget, at most the peers' shard size (segment_bytes_for)",
             "convert": "none: reads the reference per-sample objects as they are (conversion time 0)",
-            "persistent_workers": "no effect: the factory's workers always live across epochs (trainer/pool.py)",
+            "persistent_workers": "no effect: the factory's workers always live across epochs (_trainer/pool.py)",
             "first_epoch_waits_for": "the whole dataset without a budget; with one, half of (75% of it - 1 MiB)",
         }
 
@@ -236,7 +236,7 @@ class CachefeedSource:
 
     def _factory(self) -> Any:
         if self.factory is None:
-            from cachefeed.trainer import EpochLoaderFactory
+            from cachefeed._trainer import EpochLoaderFactory
 
             s = self.settings
             options: dict[str, Any] = {}

@@ -5,7 +5,7 @@
 Generates ``--images`` JPEGs of 500 x 375 (ImageNet's typical size; smooth content plus noise, about 40-60 KB
 each) and measures, on this machine:
 
-* **decode rate per core** (one process): ``cachefeed.images.decode_image`` to ``--size`` (Pillow with
+* **decode rate per core** (one process): ``cachefeed._images.decode_image`` to ``--size`` (Pillow with
   ``draft``: the JPEG decodes at a reduced scale when the target is at most half as large), next to the plain
   Pillow transform people write (``open``, ``convert("RGB")``, ``resize``, ``crop``: full-size decode);
 * **the decoder choice**: a full-size decode to RGB alone with Pillow and, when it is installed
@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.common.results import provenance_line, save
 from benchmarks.common.static_cache import write_static_cache
-from cachefeed.images import DecodeImages, decode_image
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._images import DecodeImages, decode_image
+from cachefeed._trainer import EpochLoaderFactory
 
 
 def make_jpegs(count: int, folder: Path) -> list[Path]:

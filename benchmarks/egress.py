@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.results import provenance_line, save
-from cachefeed.testing.daemon import BUCKET, start_daemon, write_config
-from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
-from cachefeed.testing.proxy import FaultProxy
-from cachefeed.testing.samples import upload_arrays
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._testing.daemon import BUCKET, start_daemon, write_config
+from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
+from cachefeed._testing.proxy import FaultProxy
+from cachefeed._testing.samples import upload_arrays
+from cachefeed._trainer import EpochLoaderFactory
 
 TRAINERS = ("no trainer", "slow trainer", "fast trainer")
 

@@ -28,7 +28,7 @@ machine; ``time.perf_counter`` around ``next()`` and cProfile, 300 steps):
   later unmaps it; the DataLoader's ``record_function`` added about 0.1 ms. Per epoch, two workers were forked
   (on the build thread, which then competes for the GIL) and mapped and faulted in the snapshot's pages again.
   Fed rate: 0.67 of data-free (the plain DataLoader, which pays the same per-batch transfer: 0.51).
-* after (``trainer/pool.py``): ``next()`` takes 0.33-0.44 ms (median): 0.10 ms to receive the batch's layout (a
+* after (``_trainer/pool.py``): ``next()`` takes 0.33-0.44 ms (median): 0.10 ms to receive the batch's layout (a
   few hundred bytes), 0.12 ms to rebuild it as views of the worker's shared memory, the rest to hand the next
   batch to a worker. Workers live across epochs and keep shared segments mapped: 1.2 ms of worker CPU per 4 MiB
   batch (read, checksum, stack). Nothing is forked at an epoch boundary; the next epoch's build (pin, index) runs
@@ -36,7 +36,7 @@ machine; ``time.perf_counter`` around ``next()`` and cProfile, 300 steps):
 * then (one-off profiles of 2026-11-23, 2 workers, 8 ms steps): most of what was left was not Python but the
   scheduler. cProfile of ``next()`` under load: the pipe ``write`` that hands a worker its next task took 0.46-0.75 s
   per 300 batches, because the worker it woke preempted the training thread on its core; with the workers under
-  ``SCHED_BATCH`` (``cachefeed/sched.py``) 0.01-0.19 s. The batch's layout now crosses as a skeleton id and its
+  ``SCHED_BATCH`` (``cachefeed/_sched.py``) 0.01-0.19 s. The batch's layout now crosses as a skeleton id and its
   leaves, and the training process builds the batch with a skeleton compiled once (a numpy array and
   ``torch.from_numpy`` per tensor): 16 us in a tight loop, about 0.3 ms after 8 ms of other Python (cold caches;
   the mean of ``next()`` by position in the epoch over 10 epochs). Per-record reads in the workers cost a third of
@@ -65,7 +65,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.common.results import provenance_line, save
 from benchmarks.read_throughput import build_cache
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._trainer import EpochLoaderFactory
 
 SAMPLE_BYTES = 128 << 10
 

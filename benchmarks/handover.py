@@ -38,8 +38,8 @@ from torch.utils.data import DataLoader
 
 from benchmarks.common.results import provenance_line, save
 from benchmarks.common.static_cache import write_static_cache
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.trainer import EpochLoaderFactory, SnapshotDataset
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._trainer import EpochLoaderFactory, SnapshotDataset
 
 SIDE = 64
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32) * 255
@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = max(4, int(args.epoch_s * 1000 / args.step_ms))
     count = batches * args.batch
-    multiprocessing.set_forkserver_preload(["torch", "cachefeed.trainer.dataset", "benchmarks.handover"])
+    multiprocessing.set_forkserver_preload(["torch", "cachefeed._trainer.dataset", "benchmarks.handover"])
     base = Path(tempfile.mkdtemp(prefix="cachefeed-handover-", dir=args.dir))
     results: dict[tuple[str, str], list[float]] = {}
     try:

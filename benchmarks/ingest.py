@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from cachefeed.testing.daemon import start_daemon, wait_for, write_config
-from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
-from cachefeed.testing.samples import npy_bytes
+from cachefeed._testing.daemon import start_daemon, wait_for, write_config
+from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
+from cachefeed._testing.samples import npy_bytes
 
 BUCKET = "bench"
 _STAMP = re.compile(r"^(\S+) INFO cachefeed\.daemon\.(?:supervisor|plan)\[\d+\]: (.*)$")

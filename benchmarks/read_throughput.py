@@ -36,9 +36,9 @@ from torch.utils.data import default_collate
 from benchmarks.common.rawread import read_files
 from benchmarks.common.results import provenance_line, save
 from benchmarks.common.static_cache import write_static_cache
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.trainer import EpochLoaderFactory, SnapshotDataset
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._trainer import EpochLoaderFactory, SnapshotDataset
 
 SIZES = [("4 KiB", 4 << 10, 256), ("128 KiB", 128 << 10, 32), ("2 MiB", 2 << 20, 4)]  # name, bytes, batch
 SEGMENT_BYTES = 64 << 20

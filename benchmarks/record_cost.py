@@ -2,7 +2,7 @@
 
     python -m benchmarks.record_cost [--dir /dev/shm] [--mib 64] [--repeats 20]
 
-Prints three figures (``cachefeed/cache/records.py`` and ``cachefeed/trainer/dataset.py`` quote them):
+Prints three figures (``cachefeed/_cache/records.py`` and ``cachefeed/_trainer/dataset.py`` quote them):
 
 * ``bytes/record``: a 1 KiB float32 vector, an int label and an int id under a 30-character key (index, padding
   and trailer included), and its overhead over the 1,024-byte vector;
@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.read_throughput import build_cache
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.records import SegmentReader, SegmentWriter
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.trainer import SnapshotDataset
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.records import SegmentReader, SegmentWriter
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._trainer import SnapshotDataset
 
 BATCH = 32
 

@@ -36,9 +36,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.common.results import provenance_line, save
 from benchmarks.common.static_cache import write_static_cache
-from cachefeed.cache.records import SegmentReader
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._trainer import EpochLoaderFactory
 
 FIELDS = ("Rss", "Pss", "Private_Clean", "Private_Dirty", "Anonymous", "Pss_Shmem", "Pss_File")
 CHECKPOINTS = (0.0, 0.05, 0.25, 0.5, 0.75, 1.0)  # 0.0: the first batch
@@ -150,7 +150,7 @@ def main() -> None:
         ) as factory:
             loader = factory.loader(0)
             batches = iter(loader)
-            assert factory._pool is not None  # the factory's worker pool (trainer/pool.py), started by loader(0)
+            assert factory._pool is not None  # the factory's worker pool (_trainer/pool.py), started by loader(0)
             pids = [worker.process.pid for worker in factory._pool._workers]
             started = time.perf_counter()
             samples = run_epoch(batches, len(loader), pids)

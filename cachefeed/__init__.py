@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from cachefeed.config import Config, load_config
-from cachefeed.errors import (
+from cachefeed._config import Config, load_config
+from cachefeed._errors import (
     CachefeedError,
     CacheLockedError,
     CacheUnusableError,
@@ -21,10 +21,10 @@ from cachefeed.errors import (
 )
 
 if TYPE_CHECKING:
-    from cachefeed.cache.snapshots import Snapshot
-    from cachefeed.codecs import msgpack_default
-    from cachefeed.images import DecodeImages
-    from cachefeed.trainer import DevicePrefetcher, EpochLoader, EpochLoaderFactory, EpochStats, SnapshotDataset
+    from cachefeed._cache.snapshots import Snapshot
+    from cachefeed._codecs import msgpack_default
+    from cachefeed._images import DecodeImages
+    from cachefeed._trainer import DevicePrefetcher, EpochLoader, EpochLoaderFactory, EpochStats, SnapshotDataset
 
 __all__ = [
     "CacheLockedError",
@@ -52,11 +52,11 @@ _LAZY = {"DevicePrefetcher", "EpochLoader", "EpochLoaderFactory", "EpochStats", 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module("cachefeed.trainer"), name)
-    if name == "Snapshot":  # an epoch pin, for loaders of your own (see cachefeed/cache/snapshots.py)
-        return importlib.import_module("cachefeed.cache.snapshots").Snapshot
+        return getattr(importlib.import_module("cachefeed._trainer"), name)
+    if name == "Snapshot":  # an epoch pin, for loaders of your own (see cachefeed/_cache/snapshots.py)
+        return importlib.import_module("cachefeed._cache.snapshots").Snapshot
     if name == "DecodeImages":  # a transform that decodes image bytes in the DataLoader workers (Pillow)
-        return importlib.import_module("cachefeed.images").DecodeImages
+        return importlib.import_module("cachefeed._images").DecodeImages
     if name == "msgpack_default":  # the writer's side of the msgpack array encoding the daemon decodes
-        return importlib.import_module("cachefeed.codecs").msgpack_default
+        return importlib.import_module("cachefeed._codecs").msgpack_default
     raise AttributeError(f"module 'cachefeed' has no attribute {name!r}")

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from cachefeed.cli import main
+from cachefeed._cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ bucket, and the real daemon as a subprocess.
 Property tests run without hypothesis's per-example deadline: CI runs three test processes on two cores, where
 a 200 ms budget for one example measures the machine's load, not the code.
 
-The components themselves are in ``cachefeed.testing`` (shared with the benchmarks and the demo); only the pytest
+The components themselves are in ``cachefeed._testing`` (shared with the benchmarks and the demo); only the pytest
 fixtures built on them live here.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-from cachefeed.testing.daemon import BUCKET, DaemonProcess, StartDaemon, start_daemon, write_config
-from cachefeed.testing.local_s3 import DUMMY_ENV, LocalS3
-from cachefeed.testing.proxy import FaultProxy
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, StartDaemon, start_daemon, write_config
+from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
+from cachefeed._testing.proxy import FaultProxy
 
 settings.register_profile("cachefeed", deadline=None)
 settings.load_profile("cachefeed")

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis.extra import numpy as hnp
 
-from cachefeed.codecs import (
+from cachefeed._codecs import (
     MSGPACK_NDARRAY_EXT,
     Sample,
     check_sample,
@@ -27,7 +27,7 @@ from cachefeed.codecs import (
     load_callable,
     msgpack_default,
 )
-from cachefeed.errors import ConfigError, DecodeError
+from cachefeed._errors import ConfigError, DecodeError
 
 KEY = "bucket/prefix/object-000"
 NOT_CALLABLE = 42

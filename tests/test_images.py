@@ -16,13 +16,13 @@ import pytest
 import torch
 from PIL import Image
 
-from cachefeed.codecs import get_decoder
-from cachefeed.config import toml_text
-from cachefeed.errors import ConfigError, DecodeError
-from cachefeed.images import DecodeImages, decode_image
-from cachefeed.labels import ClassIndex, read_classes
-from cachefeed.testing.daemon import DaemonProcess, start_daemon
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._codecs import get_decoder
+from cachefeed._config import toml_text
+from cachefeed._errors import ConfigError, DecodeError
+from cachefeed._images import DecodeImages, decode_image
+from cachefeed._labels import ClassIndex, read_classes
+from cachefeed._testing.daemon import DaemonProcess, start_daemon
+from cachefeed._trainer import EpochLoaderFactory
 
 CLASSES = [f"class_{c:02d}" for c in range(12)]
 PER_CLASS = 10
@@ -126,7 +126,7 @@ def test_the_same_folder_decoded_in_the_workers_from_compressed_bytes(tmp_path: 
 def test_two_nodes_build_the_same_class_index_and_label_their_own_share_by_it(tmp_path: Path) -> None:
     """Each node caches a disjoint half of the folder, and both number the classes the same way (from the whole
     listing, not from what each caches), so a label means the same class on every node."""
-    from cachefeed.testing.samples import cache_samples
+    from cachefeed._testing.samples import cache_samples
 
     folder = image_folder(tmp_path / "data")
     daemons = [daemon_on(tmp_path, folder, {"decode": "raw", "label": "parent"}, node=(r, 2)) for r in range(2)]
@@ -257,22 +257,22 @@ def test_the_fast_jpeg_decoder_gives_exactly_pillows_pixels(
     monkeypatch: pytest.MonkeyPatch, width: int, height: int, mode: str, size: tuple[int, int] | None
 ) -> None:
     pytest.importorskip("simplejpeg")  # the images extra installs it; without it every JPEG goes through Pillow
-    import cachefeed.images
+    import cachefeed._images
 
     body = jpeg_bytes(width, height, mode)
     fast = decode_image(body, "k.jpg", size=size)
-    monkeypatch.setattr(cachefeed.images, "fast_jpeg", lambda: None)
+    monkeypatch.setattr(cachefeed._images, "fast_jpeg", lambda: None)
     assert np.array_equal(fast, decode_image(body, "k.jpg", size=size))
 
 
 def test_a_jpeg_declaring_a_huge_size_is_refused_by_either_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
-    import cachefeed.images
+    import cachefeed._images
 
     body = bytearray(jpeg_bytes(64, 48))
     sof = body.index(b"\xff\xc0")  # baseline frame header: length, precision, then height and width
     body[sof + 5 : sof + 9] = struct.pack(">HH", 60_000, 60_000)
-    for fast in (cachefeed.images.fast_jpeg, lambda: None):
-        monkeypatch.setattr(cachefeed.images, "fast_jpeg", fast)
+    for fast in (cachefeed._images.fast_jpeg, lambda: None):
+        monkeypatch.setattr(cachefeed._images, "fast_jpeg", fast)
         with pytest.raises(DecodeError, match="decompression bomb"):
             decode_image(bytes(body), "huge.jpg", size=(32, 32))
 
@@ -299,7 +299,7 @@ def test_the_class_index_is_stable_and_new_classes_get_new_indices(tmp_path: Pat
 
 
 def test_image_settings_that_cannot_work_are_refused_naming_the_key(tmp_path: Path) -> None:
-    from cachefeed.config import parse_config
+    from cachefeed._config import parse_config
 
     base = {"remote": {"url": "file:///data"}, "cache": {"dir": "/dev/shm/x", "max_bytes": "1GiB"}}
     with pytest.raises(ConfigError, match=r"sampler.decode_images = true .* decode = \"tar\""):

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.logs import (
+from cachefeed._logs import (
     CHATTY_LOGGERS,
     RedactingFilter,
     add_secrets,
     redact,
     setup_logging,
 )
-from cachefeed.scrub import secrets_from_env, secrets_from_options
-from cachefeed.testing.local_s3 import LocalS3
+from cachefeed._scrub import secrets_from_env, secrets_from_options
+from cachefeed._testing.local_s3 import LocalS3
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def test_filter_on_any_handler_sees_exc_info_once() -> None:
 
 _UNCAUGHT = """
 import sys, threading
-from cachefeed.logs import setup_logging
+from cachefeed._logs import setup_logging
 setup_logging("info", secrets=[sys.argv[1]])
 thread = threading.Thread(target=lambda: 1 / 0 if sys.argv[1] else None, name="fetcher")
 thread.start()
@@ -175,7 +175,7 @@ def test_chatty_loggers_are_capped_even_at_debug(restore_logging: None) -> None:
 _BOTOCORE_RUN = """
 import logging, sys
 if sys.argv[1] == "cachefeed":
-    from cachefeed.logs import setup_logging
+    from cachefeed._logs import setup_logging
     setup_logging("debug", secrets=[sys.argv[3]])
 else:
     logging.basicConfig(level=logging.DEBUG)
@@ -221,7 +221,7 @@ def test_real_botocore_debug_run_leaks_nothing(s3: LocalS3) -> None:
 
 def test_one_scrubber_for_urls_in_logs_status_and_errors() -> None:
     """The daemon's logs, its status document and the remote's error messages share one URL scrubber."""
-    from cachefeed.scrub import safe_url
+    from cachefeed._scrub import safe_url
 
     assert safe_url("s3://AKIDEXAMPLE:s3cr3t@bucket/prefix") == "s3://***@bucket/prefix"
     assert safe_url("https://user:pw@host:9000/a/b") == "https://***@host:9000/a/b"
@@ -233,10 +233,10 @@ def test_the_remote_and_the_logs_scrub_the_same_url_and_options_alike(restore_lo
     same (values, a value inside a longer one, and patterns such as ``token=`` alike)."""
     import fsspec
 
-    from cachefeed.config import RemoteConfig
-    from cachefeed.errors import ConfigError
-    from cachefeed.remote import Remote
-    from cachefeed.scrub import safe_url
+    from cachefeed._config import RemoteConfig
+    from cachefeed._errors import ConfigError
+    from cachefeed._remote import Remote
+    from cachefeed._scrub import safe_url
 
     key, secret = sentinel("KEY"), sentinel("SECRET")
     options = {"key": key, "secret": secret, "client_kwargs": {"aws_session_token": f"{secret}-token"}}

@@ -1,5 +1,5 @@
 """The curated public API: a sorted __all__ that resolves, a CLI that does not import torch, and the import graph:
-``cachefeed/cache/`` as the ground floor, and who imports ``cachefeed.testing`` (the tests', benchmarks' and demo's
+``cachefeed/_cache/`` as the ground floor, and who imports ``cachefeed._testing`` (the tests', benchmarks' and demo's
 helpers)."""
 
 from __future__ import annotations
@@ -28,39 +28,52 @@ def test_the_public_names_are_exactly_these() -> None:
     }  # fmt: skip
 
 
+def test_every_module_but_the_package_itself_is_private() -> None:
+    """What a user may import is ``cachefeed``'s ``__all__``: every other module says it is internal by its name
+    (``_codecs.py``) or its package's (``_trainer/pool.py``), so nothing else looks like a stable API."""
+    package = Path(cachefeed.__file__).parent
+    public = [
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if not any(part.startswith("_") for part in path.relative_to(package).parts)
+    ]
+    assert public == []
+    assert sorted(path.name for path in package.glob("__*__.py")) == ["__init__.py", "__main__.py"]
+
+
 def test_the_factory_does_not_expose_its_handover_hooks() -> None:
-    from cachefeed.trainer import EpochLoaderFactory
+    from cachefeed._trainer import EpochLoaderFactory
 
     public = {name for name in vars(EpochLoaderFactory) if not name.startswith("_")}
     assert not {"on_progress", "on_wait", "on_exhausted"} & public
 
 
 def test_the_status_command_does_not_import_torch() -> None:
-    code = "import sys, cachefeed.cli; cachefeed.cli.build_parser(['status']); print('torch' in sys.modules)"
+    code = "import sys, cachefeed._cli; cachefeed._cli.build_parser(['status']); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 
 def test_the_status_package_imports_no_daemon_trainer_cli_or_torch() -> None:
-    """``status/`` is the document's contract and its readers: the daemon, the trainer and the CLI import it."""
-    package = Path(cachefeed.__file__).parent / "status"
-    modules = sorted(f"cachefeed.status.{path.stem}" for path in package.glob("*.py") if path.stem != "__init__")
-    above = ("cachefeed.daemon", "cachefeed.trainer", "cachefeed.cli", "torch")
+    """``_status/`` is the document's contract and its readers: the daemon, the trainer and the CLI import it."""
+    package = Path(cachefeed.__file__).parent / "_status"
+    modules = sorted(f"cachefeed._status.{path.stem}" for path in package.glob("*.py") if path.stem != "__init__")
+    above = ("cachefeed._daemon", "cachefeed._trainer", "cachefeed._cli", "torch")
     code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith({above})))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
 
 def test_a_sampler_imports_the_grant_contract_not_the_store() -> None:
-    code = "import sys, cachefeed.daemon.sampler; print('cachefeed.cache.store' in sys.modules)"
+    code = "import sys, cachefeed._daemon.sampler; print('cachefeed._cache.store' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 
 def test_the_testing_helpers_do_not_import_pytest() -> None:
-    """pytest is a test extra: the benchmarks and ``cachefeed demo`` import cachefeed.testing without it."""
-    helpers = Path(cachefeed.__file__).parent / "testing"
-    modules = sorted(f"cachefeed.testing.{path.stem}" for path in helpers.glob("*.py") if path.stem != "__init__")
+    """pytest is a test extra: the benchmarks and ``cachefeed demo`` import cachefeed._testing without it."""
+    helpers = Path(cachefeed.__file__).parent / "_testing"
+    modules = sorted(f"cachefeed._testing.{path.stem}" for path in helpers.glob("*.py") if path.stem != "__init__")
     code = f"import sys; import {', '.join(modules)}; print('pytest' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
@@ -70,21 +83,21 @@ def test_only_the_demo_imports_the_testing_helpers() -> None:
     package = Path(cachefeed.__file__).parent
     importers = set()
     for path in package.rglob("*.py"):
-        if package / "testing" in path.parents:
+        if package / "_testing" in path.parents:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module is not None:
                 names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-            if any(name == "cachefeed.testing" or name.startswith("cachefeed.testing.") for name in names):
+            if any(name == "cachefeed._testing" or name.startswith("cachefeed._testing.") for name in names):
                 importers.add(path.relative_to(package).as_posix())
-    assert importers == {"cli/demo.py"}
+    assert importers == {"_cli/demo.py"}
 
 
 # The cache layer's modules may import torch only inside these functions (module, function): a tensor field of a
 # sample is encoded and decoded where the segment format is, and torch is loaded only when a sample holds one.
 _CACHE_LAZY_TORCH = {("descriptors.py", "_to_payload"), ("descriptors.py", "_tensor_step")}
-_ABOVE_THE_CACHE = ("cachefeed.config", "cachefeed.daemon", "cachefeed.trainer", "torch")
+_ABOVE_THE_CACHE = ("cachefeed._config", "cachefeed._daemon", "cachefeed._trainer", "torch")
 
 
 def _imports(node: ast.AST, function: str = "") -> Iterator[tuple[str, str]]:
@@ -100,8 +113,8 @@ def _imports(node: ast.AST, function: str = "") -> Iterator[tuple[str, str]]:
 
 
 def test_the_cache_layer_imports_nothing_above_it() -> None:
-    """``cachefeed/cache/`` is the ground floor: it imports neither the config, the daemon, the trainer nor torch."""
-    cache = Path(cachefeed.__file__).parent / "cache"
+    """``cachefeed/_cache/`` is the ground floor: it imports neither the config, the daemon, the trainer nor torch."""
+    cache = Path(cachefeed.__file__).parent / "_cache"
     offences = []
     for path in sorted(cache.rglob("*.py")):
         for name, function in _imports(ast.parse(path.read_text(), str(path))):
@@ -110,7 +123,7 @@ def test_the_cache_layer_imports_nothing_above_it() -> None:
             if above and not is_lazy_torch:
                 offences.append(f"{path.relative_to(cache.parent).as_posix()}: {function or '<module>'} imports {name}")
     assert offences == []
-    modules = sorted(f"cachefeed.cache.{path.stem}" for path in cache.glob("*.py") if path.stem != "__init__")
+    modules = sorted(f"cachefeed._cache.{path.stem}" for path in cache.glob("*.py") if path.stem != "__init__")
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.config import SCHEMA, SOURCE_SCHEMA
-from cachefeed.status.schema import STATUS_SCHEMA
+from cachefeed._config import SCHEMA, SOURCE_SCHEMA
+from cachefeed._status.schema import STATUS_SCHEMA
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -52,7 +52,7 @@ def test_every_key_of_the_status_document_is_documented() -> None:
                 yield from keys(inner)
 
     for key in (*keys(STATUS_SCHEMA), "heartbeat_age_s"):
-        assert f"`{key}`" in README, f"status key {key!r} (status/schema.py) is missing from the README"
+        assert f"`{key}`" in README, f"status key {key!r} (_status/schema.py) is missing from the README"
 
 
 @pytest.mark.slow

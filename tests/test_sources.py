@@ -17,14 +17,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from cachefeed.cache.sources import read_sources, source_tag
-from cachefeed.codecs import msgpack_default
-from cachefeed.config import parse_config, toml_text
-from cachefeed.errors import ConfigError
-from cachefeed.status.metrics import render_metrics
-from cachefeed.testing.daemon import DaemonProcess, start_daemon
-from cachefeed.testing.samples import payload
-from cachefeed.trainer.partition import source_shares, weighted_order
+from cachefeed._cache.sources import read_sources, source_tag
+from cachefeed._codecs import msgpack_default
+from cachefeed._config import parse_config, toml_text
+from cachefeed._errors import ConfigError
+from cachefeed._status.metrics import render_metrics
+from cachefeed._testing.daemon import DaemonProcess, start_daemon
+from cachefeed._testing.samples import payload
+from cachefeed._trainer.partition import source_shares, weighted_order
 
 # name -> (id, weight, objects). The curated set (2,000 samples) is smaller than its 30% of the cache (~2,400 of
 # ~8,000 samples): the daemon caches all of it and every epoch upsamples it; the crawl (10,000) must be evicted.
@@ -144,9 +144,9 @@ def test_source_tables_are_checked_key_by_key(tmp_path: Path) -> None:
 
 
 def test_eviction_takes_from_the_source_above_its_share_and_spares_the_one_below(tmp_path: Path) -> None:
-    from cachefeed.cache.store import CacheStore
-    from cachefeed.cache.writer import CacheWriter
-    from cachefeed.testing.samples import make_sample
+    from cachefeed._cache.store import CacheStore
+    from cachefeed._cache.writer import CacheWriter
+    from cachefeed._testing.samples import make_sample
     from tests.support.cache_helpers import cache_config
 
     small, large = source_tag("small"), source_tag("large")
@@ -172,7 +172,7 @@ def test_eviction_takes_from_the_source_above_its_share_and_spares_the_one_below
 
 
 def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_path: Path, data: Path) -> None:
-    from cachefeed.trainer import EpochLoaderFactory
+    from cachefeed._trainer import EpochLoaderFactory
 
     (data / "curated" / "broken.msgpack").write_bytes(b"\xc1 not msgpack")  # quarantined, counted for curated
     daemon = start(tmp_path)
@@ -230,7 +230,7 @@ def rank_main(root: str, port: int, rank: int, out: str) -> None:
     """One node's rank (world 2, one rank per node): two epochs of 5,000 samples, every sample verified."""
     import torch.distributed as dist
 
-    from cachefeed.trainer import EpochLoaderFactory
+    from cachefeed._trainer import EpochLoaderFactory
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     epochs = []
@@ -248,7 +248,7 @@ def rank_main(root: str, port: int, rank: int, out: str) -> None:
 
 
 def test_two_nodes_each_give_every_epoch_the_weighted_shares_of_their_own_objects(tmp_path: Path, data: Path) -> None:
-    from cachefeed.testing.local_s3 import free_port
+    from cachefeed._testing.local_s3 import free_port
     from tests.trainer.test_distributed import python
 
     daemons = [start(tmp_path, rank=rank, count=2) for rank in range(2)]

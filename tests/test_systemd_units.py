@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.config import load_config
-from cachefeed.errors import CacheUnusableError, ConfigError
+from cachefeed._config import load_config
+from cachefeed._errors import CacheUnusableError, ConfigError
 
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 TEMPLATE = "cachefeed@.service"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachefeed.testing.local_s3 import DUMMY_ENV
+from cachefeed._testing.local_s3 import DUMMY_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _POLL_S = 0.1

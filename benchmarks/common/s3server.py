@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from cachefeed.testing.local_s3 import LocalS3
+from cachefeed._testing.local_s3 import LocalS3
 
 _STATS_PATH = "/__bench__/stats"
 _RESET_PATH = "/__bench__/reset"

@@ -6,10 +6,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.settings import CacheConfig
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.settings import CacheConfig
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
 
 __all__ = ["write_static_cache"]
 

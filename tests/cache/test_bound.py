@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.cache.layout import SNAPSHOT_ENTRY_BYTES, SNAPSHOT_FIXED_BYTES, metadata_bytes
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.testing.samples import make_sample
+from cachefeed._cache.layout import SNAPSHOT_ENTRY_BYTES, SNAPSHOT_FIXED_BYTES, metadata_bytes
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._testing.samples import make_sample
 from tests.support.cache_helpers import cache_config, tree_bytes, write_until_full
 from tests.support.tmpfs import small_tmpfs
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.records import SegmentReader
-from cachefeed.cache.store import CacheStore
-from cachefeed.testing.samples import check_sample
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.store import CacheStore
+from cachefeed._testing.samples import check_sample
 from tests.support.cache_helpers import cache_config
 
 

@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.records import SegmentReader
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter, WriterStopped
-from cachefeed.testing.samples import check_sample, make_sample
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter, WriterStopped
+from cachefeed._testing.samples import check_sample, make_sample
 from tests.support.cache_helpers import cache_config, tree_bytes
 
 
@@ -122,7 +122,7 @@ class CacheMachine(RuleBasedStateMachine):
         if keys:
             assert self.published[-len(keys) :] == keys, "FIFO: the cached samples are the newest published"
         # The model pins at will, several snapshots between two of the store's scans: beyond the one snapshot
-        # charged ahead, each lands in the 1 MiB reserve (cache/store.py), so the promise checked is max_bytes.
+        # charged ahead, each lands in the 1 MiB reserve (_cache/store.py), so the promise checked is max_bytes.
         assert self.store.usage().bytes <= self.config.max_bytes
         assert tree_bytes(self.config.dir) <= self.config.max_bytes, "the real size never exceeds max_bytes"
 

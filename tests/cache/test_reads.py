@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.reads import RECEIPT_SUFFIX, ReadLedger
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter, WriterStopped
-from cachefeed.testing.samples import make_sample
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.reads import RECEIPT_SUFFIX, ReadLedger
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter, WriterStopped
+from cachefeed._testing.samples import make_sample
+from cachefeed._trainer import EpochLoaderFactory
 from tests.support.cache_helpers import cache_config
 
 MAX_BYTES = 4 << 20

@@ -14,8 +14,8 @@ import pytest
 import torch
 import xxhash
 
-from cachefeed.cache import records
-from cachefeed.cache.records import (
+from cachefeed._cache import records
+from cachefeed._cache.records import (
     MAX_DESCRIPTORS,
     MAX_PREFIXES,
     SegmentReader,
@@ -23,7 +23,7 @@ from cachefeed.cache.records import (
     segment_count,
     segment_trailer,
 )
-from cachefeed.errors import CorruptRecordError
+from cachefeed._errors import CorruptRecordError
 from tests.support.cache_helpers import FORMAT_3_SEGMENT
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.records import SegmentReader
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import METADATA_RESERVE_BYTES, CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.testing.samples import check_sample, make_sample
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import METADATA_RESERVE_BYTES, CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._testing.samples import check_sample, make_sample
 from tests.support.cache_helpers import FORMAT_3_SEGMENT, cache_config, write_until_full
 
 
@@ -42,7 +42,7 @@ def test_a_second_writer_is_refused_at_once_naming_the_first(tmp_path: Path) -> 
     code = (
         "import sys; from pathlib import Path\n"
         "from tests.support.cache_helpers import cache_config\n"
-        "from cachefeed.cache.store import CacheStore\n"
+        "from cachefeed._cache.store import CacheStore\n"
         f"CacheStore(cache_config(Path({str(config.dir)!r})))\n"
     )
     started = time.monotonic()
@@ -163,7 +163,7 @@ def test_a_dead_holders_snapshot_is_swept(tmp_path: Path) -> None:
     store = CacheStore(cache_config(root))
     fill(store, range(200))
     code = (
-        "import sys, time\nfrom cachefeed.cache.snapshots import Snapshot\n"
+        "import sys, time\nfrom cachefeed._cache.snapshots import Snapshot\n"
         f"s = Snapshot.create({str(root)!r}, 'dead-e1')\nprint('pinned', flush=True)\ntime.sleep(60)\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -281,6 +281,6 @@ def test_most_read_eviction_keeps_what_no_epoch_has_read(tmp_path: Path) -> None
     [({}, 3), ({5: 1}, 5), ({4: 2, 5: 2}, 4), ({3: 1, 4: 3, 5: 2}, 4)],
 )
 def test_most_read_policy_order(reads: dict[int, int], expected: int) -> None:
-    from cachefeed.cache.eviction import make_policy
+    from cachefeed._cache.eviction import make_policy
 
     assert make_policy("most-read").choose([3, 4, 5], reads) == expected

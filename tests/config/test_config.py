@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cachefeed.config import (
+from cachefeed._config import (
     EVICTION_POLICIES,
     SCHEMA,
     CacheConfig,
@@ -27,7 +27,7 @@ from cachefeed.config import (
     load_config,
     parse_config,
 )
-from cachefeed.errors import ConfigError
+from cachefeed._errors import ConfigError
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -334,7 +334,7 @@ def test_a_bad_value_in_a_file_names_the_file(tmp_path: Path) -> None:
     assert info.value.__cause__ is None and info.value.__suppress_context__  # no parser traceback noise
 
 
-# --- known gaps in cachefeed/config/, reported to the lead; strict xfail turns green-to-red when fixed ---------
+# --- known gaps in cachefeed/_config/, reported to the lead; strict xfail turns green-to-red when fixed ---------
 
 
 def test_did_you_mean_for_a_short_key() -> None:
@@ -514,7 +514,7 @@ def test_load_config_from_file(tmp_path: Path) -> None:
 
 
 def test_schema_matches_the_dataclasses() -> None:
-    from cachefeed.config.schema import SECTION_TYPES as types
+    from cachefeed._config.schema import SECTION_TYPES as types
 
     assert set(types.values()) == {RemoteConfig, CacheConfig, SamplerConfig, NodeConfig, StatusConfig, LogConfig}
     assert set(SCHEMA) == set(types)
@@ -525,7 +525,7 @@ def test_schema_matches_the_dataclasses() -> None:
 
 def test_generated_configs_read_back_to_the_same_values(tmp_path: Path) -> None:
     """The one TOML writer (demo, tests, benchmarks): quotes, backslashes, non-ASCII and tables survive."""
-    from cachefeed.config import toml_text
+    from cachefeed._config import toml_text
 
     odd = 'C:\\data "quoted" ünïcode'
     document = {

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.config import SCHEMA, load_config, parse_config
-from cachefeed.errors import ConfigError
-from cachefeed.units import parse_size
+from cachefeed._config import SCHEMA, load_config, parse_config
+from cachefeed._errors import ConfigError
+from cachefeed._units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))

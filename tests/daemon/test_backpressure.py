@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.testing.daemon import BUCKET, StartDaemon
-from cachefeed.testing.proxy import FaultProxy, Rule
-from cachefeed.testing.samples import upload_arrays
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._testing.daemon import BUCKET, StartDaemon
+from cachefeed._testing.proxy import FaultProxy, Rule
+from cachefeed._testing.samples import upload_arrays
 from tests.support.cache_helpers import tree_bytes
 
 

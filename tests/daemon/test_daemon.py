@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cachefeed.status.document import load_document
-from cachefeed.status.schema import undeclared_keys
-from cachefeed.testing.daemon import BUCKET, StartDaemon, wait_for
-from cachefeed.testing.proxy import FaultProxy
-from cachefeed.testing.samples import cache_samples, upload_arrays
+from cachefeed._status.document import load_document
+from cachefeed._status.schema import undeclared_keys
+from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_for
+from cachefeed._testing.proxy import FaultProxy
+from cachefeed._testing.samples import cache_samples, upload_arrays
 from tests.support.cache_helpers import tree_bytes
 
 
@@ -40,7 +40,7 @@ def test_free_running_fill_to_budget_then_keep_sampling_with_eviction(bucket: An
     assert doc["ingest"]["objects_total"] > 300  # more than one pass' worth was ingested
     assert doc["remote"]["errors_total"] == 0
     assert load_document(proc.cache_dir / "status.json") is not None  # the documented shape
-    assert undeclared_keys(doc) == [], "every key the daemon writes is declared in status/schema.py"
+    assert undeclared_keys(doc) == [], "every key the daemon writes is declared in _status/schema.py"
 
     assert proc.stop() == 0
     final = load_document(proc.cache_dir / "status.json")
@@ -128,9 +128,9 @@ def test_sigterm_to_the_whole_group_is_a_clean_stop_not_a_death(bucket: Any, dae
 def test_a_remote_that_lists_nothing_makes_the_daemon_degraded_naming_url_and_pattern(
     tmp_path: Path, url_suffix: str
 ) -> None:
-    from cachefeed.status.report import read_report
-    from cachefeed.status.verdict import Health
-    from cachefeed.testing.daemon import start_daemon
+    from cachefeed._status.report import read_report
+    from cachefeed._status.verdict import Health
+    from cachefeed._testing.daemon import start_daemon
 
     data = tmp_path / "data"
     data.mkdir()
@@ -153,7 +153,7 @@ def test_a_remote_that_lists_nothing_makes_the_daemon_degraded_naming_url_and_pa
 
 
 def test_brace_lists_in_the_pattern_select_each_alternative(tmp_path: Path) -> None:
-    from cachefeed.remote.patterns import compile_pattern
+    from cachefeed._remote.patterns import compile_pattern
 
     matcher = compile_pattern("**/*.{jpg,png}")
     assert [name for name in ("a.jpg", "x/b.png", "c.gif", "d.jpeg") if matcher.match(name)] == ["a.jpg", "x/b.png"]
@@ -162,9 +162,9 @@ def test_brace_lists_in_the_pattern_select_each_alternative(tmp_path: Path) -> N
 def test_an_object_too_large_for_the_cache_is_counted_in_status_json_and_metrics(
     bucket: Any, daemon: StartDaemon
 ) -> None:
-    from cachefeed.status.metrics import render_metrics
-    from cachefeed.status.render import render_human
-    from cachefeed.status.report import read_report
+    from cachefeed._status.metrics import render_metrics
+    from cachefeed._status.render import render_human
+    from cachefeed._status.report import read_report
 
     upload_arrays(bucket, BUCKET, 5, 8 << 10)
     upload_arrays(bucket, BUCKET, 1, 3 << 20, start=5)  # larger than the cache's room for segments

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from cachefeed.testing.daemon import BUCKET, StartDaemon
-from cachefeed.testing.proxy import FaultProxy, Rule
-from cachefeed.testing.samples import cache_samples, upload_arrays
+from cachefeed._testing.daemon import BUCKET, StartDaemon
+from cachefeed._testing.proxy import FaultProxy, Rule
+from cachefeed._testing.samples import cache_samples, upload_arrays
 
 MAX_ATTEMPTS = 6
 N = 120

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from cachefeed.status.document import load_document
-from cachefeed.testing.daemon import BUCKET, StartDaemon, wait_for
-from cachefeed.testing.proxy import FaultProxy, Rule
-from cachefeed.testing.samples import cache_samples, upload_arrays
+from cachefeed._status.document import load_document
+from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_for
+from cachefeed._testing.proxy import FaultProxy, Rule
+from cachefeed._testing.samples import cache_samples, upload_arrays
 
 SLOW_GETS = [Rule("latency", op="GetObject", delay_s=0.15)]  # a fill that lasts a few seconds
 

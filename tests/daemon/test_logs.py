@@ -16,10 +16,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from cachefeed.status.report import StatusReport
-from cachefeed.status.verdict import Health
-from cachefeed.testing.local_s3 import LocalS3, free_port
-from cachefeed.testing.proxy import FaultProxy, Rule
+from cachefeed._status.report import StatusReport
+from cachefeed._status.verdict import Health
+from cachefeed._testing.local_s3 import LocalS3, free_port
+from cachefeed._testing.proxy import FaultProxy, Rule
 from tests.status.test_daemon import Daemon, put_objects, write_config
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.daemon.notify import NOTIFY_VARIABLES, SystemdNotifier, child_env
+from cachefeed._daemon.notify import NOTIFY_VARIABLES, SystemdNotifier, child_env
 
 
 class Listener:
@@ -177,7 +177,7 @@ def test_unset_environment_hides_the_socket_from_children(monkeypatch: pytest.Mo
         assert not set(NOTIFY_VARIABLES) & set(os.environ)
         assert notifier.watchdog_interval_s() == 30.0
         # A real child process: it sees no socket, so its notifier stays silent.
-        code = "from cachefeed.daemon.notify import SystemdNotifier as N; n = N(); n.ready(); print(n.is_enabled)"
+        code = "from cachefeed._daemon.notify import SystemdNotifier as N; n = N(); n.ready(); print(n.is_enabled)"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
         assert done.stdout.strip() == "False"
         listener.assert_empty()
@@ -187,7 +187,7 @@ def test_unset_environment_hides_the_socket_from_children(monkeypatch: pytest.Mo
 
 def test_child_env_silences_a_real_subprocess(monkeypatch: pytest.MonkeyPatch, listener: Listener) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", listener.env_value)
-    code = "from cachefeed.daemon.notify import SystemdNotifier as N; N().ready()"
+    code = "from cachefeed._daemon.notify import SystemdNotifier as N; N().ready()"
     subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=60, check=True)
     listener.assert_empty()
     # And without child_env the same child does reach the socket: the check above can fail.

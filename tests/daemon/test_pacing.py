@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.status.report import read_report
-from cachefeed.status.verdict import Health
-from cachefeed.testing.daemon import BUCKET, StartDaemon
-from cachefeed.testing.proxy import FaultProxy
-from cachefeed.testing.samples import upload_arrays
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._status.report import read_report
+from cachefeed._status.verdict import Health
+from cachefeed._testing.daemon import BUCKET, StartDaemon
+from cachefeed._testing.proxy import FaultProxy
+from cachefeed._testing.samples import upload_arrays
+from cachefeed._trainer import EpochLoaderFactory
 
 OBJECTS = 300
 OBJECT_BYTES = 64 << 10  # one uint8 array per object: a 19 MiB dataset

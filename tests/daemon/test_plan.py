@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefeed.daemon.plan import SamplingPlan, owner_of, pass_order_key
-from cachefeed.remote import RemoteObject
+from cachefeed._daemon.plan import SamplingPlan, owner_of, pass_order_key
+from cachefeed._remote import RemoteObject
 
 
 def objects(n: int, prefix: str = "b/k") -> list[RemoteObject]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cachefeed.daemon.grants import Abort, GrantReply, Publish, PublishReply, Reserve
-from cachefeed.daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
-from cachefeed.daemon.wire import MAX_MESSAGE_BYTES, Channel, ChannelClosed, Message, decode, encode, socket_pair
+from cachefeed._daemon.grants import Abort, GrantReply, Publish, PublishReply, Reserve
+from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
+from cachefeed._daemon.wire import MAX_MESSAGE_BYTES, Channel, ChannelClosed, Message, decode, encode, socket_pair
 
 EXAMPLES: list[Message] = [
     Init(0, 0.5, "info", {"url": "s3://b/p", "storage_options": {"key": "k"}}, {"concurrency": 4}, {"fsync": False}),
@@ -75,7 +75,7 @@ def test_a_peer_that_does_not_read_makes_send_time_out() -> None:
 
 
 def test_a_message_tag_is_registered_once() -> None:
-    from cachefeed.daemon.wire import message
+    from cachefeed._daemon.wire import message
 
     class Impostor(Message):
         TAG = "publish"

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from cachefeed.testing.daemon import BUCKET, StartDaemon, daemon_argv, wait_for
-from cachefeed.testing.samples import upload_arrays
+from cachefeed._testing.daemon import BUCKET, StartDaemon, daemon_argv, wait_for
+from cachefeed._testing.samples import upload_arrays
 
 
 class NotifyListener:

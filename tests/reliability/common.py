@@ -1,7 +1,7 @@
 """Shared pieces of the reliability suite.
 
 * **Self-verifying remote objects.** An object's key carries its payload size (``sv-00042-16384.npy``) and its
-  bytes are ``payload(path + version, size)`` (``cachefeed/testing/samples.py``), where ``path`` is the remote path
+  bytes are ``payload(path + version, size)`` (``cachefeed/_testing/samples.py``), where ``path`` is the remote path
   the daemon gives the sample as ``__key__`` (``"bucket/key"``). Any reader checks what it was served against
   the key alone: a wrong, spliced, truncated or misattributed sample is a violation.
 * **One line of counts per scenario**: ``report("crash-loop", kills=20, verified=..., violations=0)`` prints
@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.records import SegmentReader
-from cachefeed.errors import CorruptRecordError
-from cachefeed.testing.daemon import wait_for
-from cachefeed.testing.samples import npy_bytes, payload
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.records import SegmentReader
+from cachefeed._errors import CorruptRecordError
+from cachefeed._testing.daemon import wait_for
+from cachefeed._testing.samples import npy_bytes, payload
 from tests.support.cache_helpers import tree_bytes
 
 REPORT_PREFIX = "[reliability]"

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from cachefeed.config import toml_text
-from cachefeed.testing.daemon import daemon_argv
+from cachefeed._config import toml_text
+from cachefeed._testing.daemon import daemon_argv
 from tests.reliability.common import report
 
 GOOD: dict[str, dict[str, Any]] = {

@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 
-from cachefeed.cache.reads import RECEIPT_SUFFIX
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import METADATA_RESERVE_BYTES, CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
-from cachefeed.testing.local_s3 import LocalS3
-from cachefeed.testing.samples import make_sample
+from cachefeed._cache.reads import RECEIPT_SUFFIX
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import METADATA_RESERVE_BYTES, CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed._testing.local_s3 import LocalS3
+from cachefeed._testing.samples import make_sample
 from tests.reliability.common import (
     DiskWatch,
     NotifyListener,

@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
-from cachefeed.testing.local_s3 import LocalS3
-from cachefeed.testing.samples import payload
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed._testing.local_s3 import LocalS3
+from cachefeed._testing.samples import payload
 from tests.reliability.common import check_cache, read_status, report, tree_listing, upload_sv, wait_until
 from tests.support.cache_helpers import cache_config
 

@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 from botocore.exceptions import ClientError
 
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
-from cachefeed.testing.local_s3 import LocalS3
-from cachefeed.testing.samples import npy_bytes, payload
-from cachefeed.trainer import SnapshotDataset
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed._testing.local_s3 import LocalS3
+from cachefeed._testing.samples import npy_bytes, payload
+from cachefeed._trainer import SnapshotDataset
 from tests.reliability.common import check_cache, report, tree_listing
 from tests.support.cache_helpers import cache_config
 

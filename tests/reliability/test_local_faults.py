@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from cachefeed.cache.records import SegmentReader
-from cachefeed.testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
-from cachefeed.testing.local_s3 import LocalS3
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._cache.records import SegmentReader
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed._testing.local_s3 import LocalS3
+from cachefeed._trainer import EpochLoaderFactory
 from tests.reliability.common import DiskWatch, check_cache, report, sample_problem, upload_sv, wait_until
 from tests.support.tmpfs import small_tmpfs
 

@@ -26,12 +26,12 @@ import boto3
 import pytest
 from botocore.config import Config as BotoConfig
 
-from cachefeed.config import RemoteConfig
-from cachefeed.errors import RemoteError
-from cachefeed.remote import Remote
-from cachefeed.testing.daemon import BUCKET, StartDaemon
-from cachefeed.testing.local_s3 import LocalS3
-from cachefeed.testing.proxy import FaultProxy, RequestInfo, Rule
+from cachefeed._config import RemoteConfig
+from cachefeed._errors import RemoteError
+from cachefeed._remote import Remote
+from cachefeed._testing.daemon import BUCKET, StartDaemon
+from cachefeed._testing.local_s3 import LocalS3
+from cachefeed._testing.proxy import FaultProxy, RequestInfo, Rule
 from tests.reliability.common import check_cache, report, sv_body, sv_key, upload_sv, wait_until
 
 OBJECT_BYTES = 8 << 10

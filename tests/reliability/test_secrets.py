@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from cachefeed.config import toml_text
-from cachefeed.testing.daemon import BUCKET, daemon_argv, start_daemon, write_config
-from cachefeed.testing.proxy import FaultProxy, Rule
+from cachefeed._config import toml_text
+from cachefeed._testing.daemon import BUCKET, daemon_argv, start_daemon, write_config
+from cachefeed._testing.proxy import FaultProxy, Rule
 from tests.reliability.common import report, upload_sv
 
 

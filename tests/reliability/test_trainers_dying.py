@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.testing.daemon import BUCKET, StartDaemon
-from cachefeed.testing.samples import make_sample
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._testing.daemon import BUCKET, StartDaemon
+from cachefeed._testing.samples import make_sample
 from tests.reliability.common import group_members, report, upload_sv, wait_until
 from tests.support.cache_helpers import cache_config
 
@@ -143,8 +143,8 @@ def test_killed_trainers_pins_are_swept_and_eviction_resumes(tmp_path: Path, buc
 
 TEMP_PLACES = ("/tmp/", "/dev/shm/", "/var/tmp/", "/run/")
 # A DataLoader passes each batch through a shared-memory file (/dev/shm/torch_*) it creates and unlinks at once, so a
-# SIGKILL between the two leaves one behind. cachefeed's workers write batches into memfds (trainer/arena.py) and
-# count into memfds (trainer/counters.py): nothing of theirs has a name that could outlive them.
+# SIGKILL between the two leaves one behind. cachefeed's workers write batches into memfds (_trainer/arena.py) and
+# count into memfds (_trainer/counters.py): nothing of theirs has a name that could outlive them.
 
 
 def temp_files_of(pids: list[int], own: Path, since: float) -> set[str]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cachefeed.testing.daemon import BUCKET, StartDaemon
-from cachefeed.testing.samples import upload_arrays
+from cachefeed._testing.daemon import BUCKET, StartDaemon
+from cachefeed._testing.samples import upload_arrays
 from tests.reliability.common import group_members, report, wait_until
 
 REFUSE_LIMIT_S = 10.0  # "at once": no wait on the lock; the time is interpreter start and imports

@@ -25,8 +25,8 @@ import time
 import traceback
 from typing import Any
 
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.trainer import EpochLoaderFactory, SnapshotDataset
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._trainer import EpochLoaderFactory, SnapshotDataset
 from tests.reliability.common import sample_problem
 
 

@@ -19,8 +19,8 @@ import fsspec
 import pytest
 from botocore.exceptions import ClientError, ReadTimeoutError
 
-from cachefeed.config import RemoteConfig
-from cachefeed.errors import (
+from cachefeed._config import RemoteConfig
+from cachefeed._errors import (
     ConfigError,
     RemoteChangedError,
     RemoteError,
@@ -28,11 +28,11 @@ from cachefeed.errors import (
     RemoteNotFoundError,
     RemoteTransientError,
 )
-from cachefeed.remote import Remote, RemoteObject
-from cachefeed.remote.errors import translate_error
-from cachefeed.remote.limits import backoff_delay
-from cachefeed.testing.local_s3 import LocalS3
-from cachefeed.testing.proxy import FaultProxy, Rule
+from cachefeed._remote import Remote, RemoteObject
+from cachefeed._remote.errors import translate_error
+from cachefeed._remote.limits import backoff_delay
+from cachefeed._testing.local_s3 import LocalS3
+from cachefeed._testing.proxy import FaultProxy, Rule
 
 T = TypeVar("T")
 BUCKET = "data"
@@ -570,6 +570,6 @@ def test_remote_refuses_pickling_bad_share_and_unknown_protocols() -> None:
     ],
 )
 def test_the_etag_is_used_as_an_md5_only_where_it_is_one(response: dict, checked: bool) -> None:
-    from cachefeed.remote.integrity import etag_is_md5
+    from cachefeed._remote.integrity import etag_is_md5
 
     assert etag_is_md5(response) is checked

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cachefeed.errors import NoSuchCacheError
-from cachefeed.status.render import WIDTH
-from cachefeed.status.report import StatusReport, read_report
-from cachefeed.status.verdict import Health
-from cachefeed.testing.local_s3 import LocalS3, free_port
+from cachefeed._errors import NoSuchCacheError
+from cachefeed._status.render import WIDTH
+from cachefeed._status.report import StatusReport, read_report
+from cachefeed._status.verdict import Health
+from cachefeed._testing.local_s3 import LocalS3, free_port
 from tests.status.test_metrics import parse, value
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ OBJECTS = 40
 # subcommand's module to build its parser; these tests must not depend on the others).
 _RUNNER = (
     "import sys\n"
-    "from cachefeed import cli\n"
+    "from cachefeed import _cli as cli\n"
     "cli.COMMANDS = {name: cli.COMMANDS[name] for name in ('daemon', 'status')}\n"
     "sys.exit(cli.main())\n"
 )

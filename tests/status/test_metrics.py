@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefeed.config import StatusConfig
-from cachefeed.errors import ConfigError
-from cachefeed.status.metrics import _SCALARS, MetricsExporter, render_metrics
-from cachefeed.status.schema import STATUS_SCHEMA
-from cachefeed.testing.local_s3 import free_port
+from cachefeed._config import StatusConfig
+from cachefeed._errors import ConfigError
+from cachefeed._status.metrics import _SCALARS, MetricsExporter, render_metrics
+from cachefeed._status.schema import STATUS_SCHEMA
+from cachefeed._testing.local_s3 import free_port
 from tests.status.test_status import make_document
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -27,20 +27,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cachefeed import cli
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.records import SegmentWriter
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.fsutil import atomic_write
-from cachefeed.status.render import WIDTH, render_human
-from cachefeed.status.report import read_report
-from cachefeed.status.verdict import Health, stale_after_s
+from cachefeed import _cli as cli
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.records import SegmentWriter
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._fsutil import atomic_write
+from cachefeed._status.render import WIDTH, render_human
+from cachefeed._status.report import read_report
+from cachefeed._status.verdict import Health, stale_after_s
 
 REPO = Path(__file__).resolve().parents[2]
 # ``cachefeed status`` through the real CLI, with only the status subcommand registered: the CLI imports every
 # subcommand's module to build its parser, and the status command must not depend on the others.
 _ONLY_STATUS = (
-    "import sys\nfrom cachefeed import cli\ncli.COMMANDS = {'status': cli.COMMANDS['status']}\nsys.exit(cli.main())\n"
+    "import sys\nfrom cachefeed import _cli as cli\n"
+    "cli.COMMANDS = {'status': cli.COMMANDS['status']}\nsys.exit(cli.main())\n"
 )
 STATUS_CMD = [sys.executable, "-c", _ONLY_STATUS, "status"]
 
@@ -296,7 +297,7 @@ def test_dead_pid_with_an_advancing_heartbeat_is_alive(tmp_path: Path) -> None:
             sys.executable,
             "-c",
             "import json, sys, time\n"
-            "from cachefeed.fsutil import atomic_write\n"
+            "from cachefeed._fsutil import atomic_write\n"
             "doc = json.loads(open(sys.argv[1]).read())\n"
             "for _ in range(200):\n"
             "    doc['updated_at'] = time.time()\n"

@@ -1,7 +1,7 @@
 """Helpers for the cache-store tests: a small cache config, the real size of a cache tree, writing until full, and a
 segment of an older format.
 
-The self-verifying samples these write are ``cachefeed.testing.samples``.
+The self-verifying samples these write are ``cachefeed._testing.samples``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from cachefeed.cache.settings import CacheConfig
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.testing.samples import make_sample
+from cachefeed._cache.settings import CacheConfig
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._testing.samples import make_sample
 
 # A real segment of format 3 (cachefeed at 1023a54, before the descriptor tables), 320 bytes: one record
 # {"__key__": "old/0001", "x": np.arange(4, dtype=np.int32), "label": 3}. What an upgraded daemon finds in a cache.

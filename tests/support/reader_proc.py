@@ -9,9 +9,9 @@ import sys
 import time
 import traceback
 
-from cachefeed.cache.records import SegmentReader
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.testing.samples import check_sample
+from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._testing.samples import check_sample
 
 
 def main() -> None:

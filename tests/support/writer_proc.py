@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.testing.samples import make_sample
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._testing.samples import make_sample
 from tests.support.cache_helpers import cache_config
 
 

@@ -1,4 +1,4 @@
-"""The fault proxy (``cachefeed.testing.proxy``) and the tmpfs helpers, proved through real clients.
+"""The fault proxy (``cachefeed._testing.proxy``) and the tmpfs helpers, proved through real clients.
 
 Clients are boto3 with one attempt (no retries), so each test reads exactly what a client sees, and s3fs, which
 the daemon uses. Objects are put straight into moto, so the proxy's counts hold only what a test sends.
@@ -20,8 +20,8 @@ import botocore.exceptions
 import pytest
 import s3fs
 
-from cachefeed.testing.local_s3 import LocalS3
-from cachefeed.testing.proxy import FaultProxy, ProxyCounts, RequestInfo, Rule, classify
+from cachefeed._testing.local_s3 import LocalS3
+from cachefeed._testing.proxy import FaultProxy, ProxyCounts, RequestInfo, Rule, classify
 from tests.support.tmpfs import small_tmpfs
 
 BUCKET = "faults"

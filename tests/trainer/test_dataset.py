@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cachefeed.cache.records import SegmentReader
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.errors import CorruptRecordError, SnapshotError
-from cachefeed.testing.samples import check_sample, make_sample
-from cachefeed.trainer.dataset import SnapshotDataset
+from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._errors import CorruptRecordError, SnapshotError
+from cachefeed._testing.samples import check_sample, make_sample
+from cachefeed._trainer.dataset import SnapshotDataset
 from tests.support.cache_helpers import cache_config
 
 

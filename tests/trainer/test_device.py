@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachefeed.trainer import DevicePrefetcher, EpochLoaderFactory
-from cachefeed.trainer.device import move_to
+from cachefeed._trainer import DevicePrefetcher, EpochLoaderFactory
+from cachefeed._trainer.device import move_to
 from tests.trainer.test_loader import build_cache
 
 Pair = namedtuple("Pair", ["x", "y"])

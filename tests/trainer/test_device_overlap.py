@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from cachefeed.trainer.device import DevicePrefetcher
+from cachefeed._trainer.device import DevicePrefetcher
 
 STEPS = 16
 BATCH_FLOATS = 16 << 20  # 64 MiB of float32 per batch

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.testing.local_s3 import free_port
+from cachefeed._testing.local_s3 import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 2
@@ -34,9 +34,9 @@ def tag_worker(sample: dict) -> dict:
 
 def writer_main(root: str, samples_per_s: float) -> None:
     """Keep adding samples (keys ``w<n>``) through a real CacheStore, which evicts the oldest as it goes."""
-    from cachefeed.cache.store import CacheStore
-    from cachefeed.cache.writer import CacheWriter
-    from cachefeed.testing.samples import make_sample
+    from cachefeed._cache.store import CacheStore
+    from cachefeed._cache.writer import CacheWriter
+    from cachefeed._testing.samples import make_sample
     from tests.support.cache_helpers import cache_config
 
     config = cache_config(Path(root), max_bytes=6 << 20, segment_bytes=64 << 10, turnover_bytes=512 << 10)
@@ -59,9 +59,9 @@ def rank_main(root: str, port: int, rank: int, context: str, out: str, epochs: i
     import numpy as np
     import torch.distributed as dist
 
-    from cachefeed.cache.layout import CacheLayout
-    from cachefeed.testing.samples import check_sample
-    from cachefeed.trainer import EpochLoaderFactory
+    from cachefeed._cache.layout import CacheLayout
+    from cachefeed._testing.samples import check_sample
+    from cachefeed._trainer import EpochLoaderFactory
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     layout = CacheLayout(Path(root))
@@ -112,8 +112,8 @@ def node_rank_main(
     cache, or one); records each epoch's ``len(loader)`` before its first batch and every key served, verified."""
     import torch.distributed as dist
 
-    from cachefeed.testing.samples import check_sample
-    from cachefeed.trainer import EpochLoaderFactory
+    from cachefeed._testing.samples import check_sample
+    from cachefeed._trainer import EpochLoaderFactory
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     epochs = []

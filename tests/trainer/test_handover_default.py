@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._trainer import EpochLoaderFactory
 from tests.trainer.test_loader import build_cache, check_batch
 
 EPOCHS = 4

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader
 
-from cachefeed.cache.layout import CacheLayout
-from cachefeed.cache.records import SegmentReader
-from cachefeed.cache.snapshots import Snapshot
-from cachefeed.cache.store import CacheStore
-from cachefeed.cache.writer import CacheWriter
-from cachefeed.errors import NoSuchCacheError, SnapshotError
-from cachefeed.testing.samples import check_sample, make_sample
-from cachefeed.trainer import EpochLoaderFactory
-from cachefeed.trainer.wait import wait_for_samples
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import CacheStore
+from cachefeed._cache.writer import CacheWriter
+from cachefeed._errors import NoSuchCacheError, SnapshotError
+from cachefeed._testing.samples import check_sample, make_sample
+from cachefeed._trainer import EpochLoaderFactory
+from cachefeed._trainer.wait import wait_for_samples
 from tests.support.cache_helpers import cache_config
 
 
@@ -208,7 +208,7 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
 def test_forkserver_with_preload_works(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 120)
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "cachefeed.trainer.dataset"])
+    context.set_forkserver_preload(["torch", "cachefeed._trainer.dataset"])
     with EpochLoaderFactory(
         root, batch_size=10, num_workers=2, multiprocessing_context=context, run_id="t", epochs=1
     ) as factory:
@@ -284,7 +284,7 @@ def test_an_epoch_of_a_set_size_reads_the_least_read_samples_first(tmp_path: Pat
 
 
 def test_ranks_split_an_epoch_of_a_set_size_equally_and_disjointly() -> None:
-    from cachefeed.trainer.partition import fixed_size_order
+    from cachefeed._trainer.partition import fixed_size_order
 
     order = fixed_size_order((40, 40, 20), (1, 0, 0), 60, seed=3, epoch=2, shuffle=True)
     rank0, rank1 = order[:30], order[30:]
@@ -300,7 +300,7 @@ def test_a_0d_label_from_npz_batches_as_one_label_per_sample(tmp_path: Path) -> 
     import numpy as np
     import torch
 
-    from cachefeed.codecs import get_decoder
+    from cachefeed._codecs import get_decoder
 
     decode = get_decoder("npz")
     root = tmp_path / "c"
@@ -322,7 +322,7 @@ def test_a_0d_label_from_npz_batches_as_one_label_per_sample(tmp_path: Path) -> 
 
 def test_reading_an_epoch_shows_progress_on_its_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What tells the daemon a slow trainer from a stuck one: batches flowing touch the snapshot's lock file."""
-    import cachefeed.trainer.loader as loader_module
+    import cachefeed._trainer.loader as loader_module
 
     monkeypatch.setattr(loader_module, "_TOUCH_EVERY_S", 0.0)
     root = build_cache(tmp_path / "c", 100)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefeed.cache.layout import SNAPSHOT_ID
-from cachefeed.trainer.partition import (
+from cachefeed._cache.layout import SNAPSHOT_ID
+from cachefeed._trainer.partition import (
     EpochBatchSampler,
     RankInfo,
     default_run_id,

@@ -1,4 +1,4 @@
-"""The worker pool that feeds every epoch (cachefeed/trainer/pool.py, arena.py): what it promises the training loop.
+"""The worker pool that feeds every epoch (cachefeed/_trainer/pool.py, arena.py): what it promises the training loop.
 
 Workers live as long as the factory; batches are collated into shared memory the training process mapped once
 and are never overwritten while the caller can read them; a worker that dies or fails is reported, not waited for;
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from cachefeed.testing.samples import check_sample
-from cachefeed.trainer import EpochLoaderFactory
-from cachefeed.trainer.arena import Allocator, Nest, Slot, collate_into, place
-from cachefeed.trainer.dataset import SnapshotDataset
-from cachefeed.trainer.pool import WorkerPool
+from cachefeed._testing.samples import check_sample
+from cachefeed._trainer import EpochLoaderFactory
+from cachefeed._trainer.arena import Allocator, Nest, Slot, collate_into, place
+from cachefeed._trainer.dataset import SnapshotDataset
+from cachefeed._trainer.pool import WorkerPool
 from tests.trainer.test_loader import build_cache, check_batch, wait_until
 
 Pair = namedtuple("Pair", ["image", "label"])
@@ -130,7 +130,7 @@ def test_a_pass_dealt_before_a_worker_died_is_read_whole_from_its_replacement(tm
     be dealt to a worker that then dies: that pass is read whole all the same, its dead worker's share dealt again
     to the worker that replaces it."""
     root = build_cache(tmp_path / "c", 64)
-    from cachefeed.cache.snapshots import Snapshot
+    from cachefeed._cache.snapshots import Snapshot
 
     with Snapshot.create(root, "s") as snapshot:
         dataset = SnapshotDataset.from_snapshot(snapshot)
@@ -215,7 +215,7 @@ def pairs(samples: list[dict[str, Any]]) -> Pair:
 def test_a_pool_whose_memory_is_full_sends_batches_whole_instead(tmp_path: Path) -> None:
     """A caller that keeps more batches than the workers' shared memory holds still gets every one, intact."""
     root = build_cache(tmp_path / "c", 64, nbytes=4096)
-    from cachefeed.cache.snapshots import Snapshot
+    from cachefeed._cache.snapshots import Snapshot
 
     with Snapshot.create(root, "s") as snapshot:
         dataset = SnapshotDataset.from_snapshot(snapshot)
@@ -236,7 +236,7 @@ def test_a_batch_shape_first_seen_in_a_dropped_batch_is_still_known_to_later_bat
     """A worker sends each batch layout's skeleton once, with the first batch of that shape; when that batch belongs
     to a pass that was abandoned (and is dropped unread), later batches naming the skeleton still build."""
     root = build_cache(tmp_path / "c", 64)
-    from cachefeed.cache.snapshots import Snapshot
+    from cachefeed._cache.snapshots import Snapshot
 
     with Snapshot.create(root, "s") as snapshot:
         dataset = SnapshotDataset.from_snapshot(snapshot)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefeed.cache.store import CacheStore
-from cachefeed.trainer import EpochLoaderFactory
+from cachefeed._cache.store import CacheStore
+from cachefeed._trainer import EpochLoaderFactory
 from tests.support.cache_helpers import cache_config
 from tests.trainer.test_loader import build_cache, check_batch
 
@@ -27,7 +27,7 @@ BATCH = 10
 
 def trainer_main(root: str, progress: str, workers: int = 0) -> None:
     """Train epoch 0 slowly; after every batch, save the keys received and the factory's state together."""
-    from cachefeed.fsutil import atomic_write
+    from cachefeed._fsutil import atomic_write
 
     received: list[str] = []
     with EpochLoaderFactory(

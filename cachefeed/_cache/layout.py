@@ -1,0 +1,258 @@
+"""Where everything lives inside a cache directory, and how to list it without trusting it.
+
+::
+
+    <root>/                 mode cache.dir_mode (0750): the trainers' group may read
+      CACHEDIR.TAG          marks the directory as a cache for backup tools; also cachefeed's "this is a cache"
+      lock                  the writer lock: flock(LOCK_EX) held by the daemon; its text names the holder
+      status.json           the daemon's status document (see cachefeed/_status/schema.py)
+      sources.json          the named sources ([[source]]), their tags and weights (see _cache/sources.py)
+      classes.json          the class index of sampler.label (see cachefeed/_labels.py)
+      segments/<seq>.seg    published segments; <seq> is 16 hex digits, increasing: the name orders by age
+      tmp/<seq>.tmp         segments being written (removed at start-up: only the writer writes here)
+      snapshots/<id>.lock   an epoch pin's lock (see _cache/snapshots.py), created locked
+      snapshots/<id>/       hard links to the pinned segments, plus MANIFEST
+
+File names never derive from remote keys: segments are named by sequence number, snapshots by a name the trainer
+side builds from a run id and an epoch number (validated against ``SNAPSHOT_ID``). Listing functions here only
+return regular files whose names match the expected pattern, checked with ``lstat``: symlinks, FIFOs and foreign
+files are never followed or served.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachefeed._errors import CacheUnusableError, NoSuchCacheError
+
+__all__ = [
+    "SEGMENT_NAME",
+    "SNAPSHOT_ENTRY_BYTES",
+    "SNAPSHOT_FIXED_BYTES",
+    "SNAPSHOT_ID",
+    "CacheLayout",
+    "metadata_bytes",
+    "segment_name",
+    "segment_seq",
+]
+
+SEGMENT_NAME = re.compile(r"^[0-9a-f]{16}\.seg$")
+SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_TMP_NAME = re.compile(r"^[0-9a-f]{16}\.tmp$")
+# What one more snapshot of N segments costs on disk, at most: per segment a directory entry for its hard link
+# (ext4: 8 bytes + the 20-byte name, in leaf blocks an htree split may leave half empty) and its MANIFEST entry
+# (msgpack [name, count, reads, tag] <= 37 bytes); per snapshot its directory's first and index blocks, the
+# MANIFEST's last partial block and source table (at most MAX_SOURCES x ~80 bytes, _cache/sources.py), the lock file
+# and the READ mark. Measured on ext4 with 9,000 segments: see tests/cache/test_bound.py, which fails if either
+# constant is too small.
+SNAPSHOT_ENTRY_BYTES = 128
+SNAPSHOT_FIXED_BYTES = 32 << 10
+_TAG = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by cachefeed.\n"
+    "# For information about cache directory tags, see https://bford.info/cachedir/\n"
+)
+
+
+def segment_name(seq: int) -> str:
+    return f"{seq:016x}.seg"
+
+
+def segment_seq(name: str) -> int:
+    return int(name[:16], 16)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """The paths of one cache directory. Creating it is the writer's job (``create``); readers only ``check``."""
+
+    root: Path
+
+    @property
+    def segments(self) -> Path:
+        return self.root / "segments"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "snapshots"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / "lock"
+
+    @property
+    def status_file(self) -> Path:
+        return self.root / "status.json"
+
+    def has_writer(self) -> bool:
+        """Whether a daemon (or any ``CacheStore``) holds the cache's writer lock now. Read-only: a shared,
+        non-blocking ``flock`` that fails while the writer holds its exclusive one; a cache that cannot be
+        checked counts as having one (the caller then behaves as with a daemon)."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    @property
+    def tag_file(self) -> Path:
+        return self.root / "CACHEDIR.TAG"
+
+    @property
+    def sources_file(self) -> Path:
+        """The configured sources, their tags and weights (``cachefeed/sources.py``)."""
+        return self.root / "sources.json"
+
+    @property
+    def classes_file(self) -> Path:
+        """The class index of ``sampler.label`` (``cachefeed/_labels.py``)."""
+        return self.root / "classes.json"
+
+    def create(self, *, dir_mode: int = 0o750, file_mode: int = 0o640) -> None:
+        """Create the directories with explicit modes. Refuses a root or subdirectory that is a symlink.
+
+        Raises:
+            CacheUnusableError: the directory cannot be created or written (the message names path and cause).
+        """
+        try:
+            self._create(dir_mode, file_mode)
+        except OSError as exc:
+            raise CacheUnusableError(
+                f"cache.dir {self.root}: cannot create or write {exc.filename or self.root} "
+                f"({exc.strerror or exc}): fix the path or its permissions"
+            ) from None
+
+    def _create(self, dir_mode: int, file_mode: int) -> None:
+        self.root.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+        for directory in (self.root, self.segments, self.tmp, self.snapshots):
+            try:
+                directory.mkdir(mode=dir_mode)
+            except FileExistsError:
+                pass
+            info = os.lstat(directory)
+            if not stat.S_ISDIR(info.st_mode):
+                raise NoSuchCacheError(f"{directory} is not a directory (a symlink or a file): refusing to use it")
+            os.chmod(directory, self._mode_of(directory, dir_mode), follow_symlinks=False)
+        if not self.tag_file.exists():
+            fd = os.open(self.tag_file, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(_TAG)
+
+    def _mode_of(self, directory: Path, dir_mode: int) -> int:
+        """snapshots/ is where trainers write: if the group may read the cache, it may pin too.
+
+        Group write lets trainers of the cache's group create snapshots; setgid keeps their files in that group;
+        the sticky bit stops one trainer from deleting another's pins (the daemon owns the directory and sweeps).
+        """
+        if directory == self.snapshots and dir_mode & 0o050 == 0o050:
+            return dir_mode | 0o070 | stat.S_ISGID | stat.S_ISVTX
+        return dir_mode
+
+    def check(self) -> None:
+        """Raise NoSuchCacheError unless ``root`` is an existing cachefeed cache."""
+        try:
+            info = os.lstat(self.root)
+        except FileNotFoundError:
+            raise NoSuchCacheError(
+                f"no cache at {self.root}: start the daemon (cachefeed daemon --config FILE) or check the path"
+            ) from None
+        if not stat.S_ISDIR(info.st_mode):
+            raise NoSuchCacheError(f"{self.root} is not a directory")
+        if not (self.tag_file.is_file() and self.segments.is_dir()):
+            raise NoSuchCacheError(f"{self.root} is not a cachefeed cache (no CACHEDIR.TAG or segments/)")
+
+    def list_segments(self) -> list[tuple[str, os.stat_result]]:
+        """Published segments as (name, lstat), oldest first. Foreign entries are skipped, never followed."""
+        return list_regular(self.segments, SEGMENT_NAME)
+
+
+def list_regular(directory: Path, pattern: re.Pattern[str]) -> list[tuple[str, os.stat_result]]:
+    """Regular files in ``directory`` whose name matches ``pattern``, sorted by name, with their lstat."""
+    found: list[tuple[str, os.stat_result]] = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not pattern.match(entry.name):
+                    continue
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed while we listed
+                if stat.S_ISREG(info.st_mode):
+                    found.append((entry.name, info))
+    except FileNotFoundError:
+        return []
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def allocated_bytes(info: os.stat_result) -> int:
+    """Bytes a file really occupies (st_blocks is in 512-byte units on Linux)."""
+    return int(info.st_blocks) * 512
+
+
+def metadata_bytes(layout: CacheLayout) -> int:
+    """Allocated bytes of everything in the cache that is not segment data, each inode once.
+
+    That is the root, ``segments/``, ``tmp/`` and ``snapshots/`` directories themselves (on ext4 a directory keeps
+    the blocks it grew to), every snapshot's directory, MANIFEST, lock file and marks, receipts, the read ledger,
+    ``status.json``, the lock and the tag. Segment files (``segments/*.seg``, ``tmp/*.tmp`` and the snapshots'
+    links to them) are the budget's data terms and are skipped by name, without a ``stat``.
+    """
+    total = 0
+    seen: set[int] = set()
+
+    def charge(path: str) -> None:
+        nonlocal total
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return  # removed while we looked
+        if info.st_ino not in seen:
+            seen.add(info.st_ino)
+            total += allocated_bytes(info)
+
+    def walk(directory: str, data: re.Pattern[str] | None, depth: int) -> None:
+        charge(directory)
+        try:
+            with os.scandir(directory) as entries:
+                listed = [(e.path, e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for path, name, is_dir in listed:
+            if data is not None and data.match(name):
+                continue
+            if is_dir and depth > 0:
+                walk(path, SEGMENT_NAME, depth - 1)  # a snapshot's directory: links to segments, and its files
+            else:
+                charge(path)
+
+    charge(str(layout.root))
+    for name in os.listdir(layout.root):
+        path = os.path.join(layout.root, name)
+        if path == str(layout.segments):
+            walk(path, SEGMENT_NAME, 0)
+        elif path == str(layout.tmp):
+            walk(path, _TMP_NAME, 0)
+        elif path == str(layout.snapshots):
+            walk(path, None, 1)
+        else:
+            charge(path)
+    return total

@@ -1,0 +1,428 @@
+"""Epoch snapshots: a pinned, immutable set of segments that eviction cannot take away.
+
+NOTE [ Snapshot pinning protocol ]
+----------------------------------
+Processes: trainer ranks on a node (any number) pin; the daemon evicts and sweeps. No process trusts another to
+clean up after itself: every pin is a ``flock`` that the kernel drops when its holder dies.
+
+A snapshot ``<id>`` is two entries in ``snapshots/``:
+
+* ``<id>.lock``: a lock file. Every process using the snapshot holds ``flock(LOCK_SH)`` on it. It is *born
+  locked*: the creator makes ``.<id>.<pid>.<rand>.partial``, locks it, then hard-links it to ``<id>.lock``
+  (``link`` fails if the name exists, so two creators cannot both win) and unlinks the partial name. Nobody
+  ever sees an unlocked ``<id>.lock`` while its creator lives.
+* ``<id>/``: hard links to the segments, then ``MANIFEST`` (written atomically, last). A snapshot is complete
+  when ``MANIFEST`` exists. Hard links make the kernel count references: when the daemon evicts (unlinks) a
+  segment from ``segments/``, a snapshot's link keeps the data readable, and the bytes still count against the
+  budget (the daemon finds them by scanning ``snapshots/*/``) until the snapshot goes.
+
+Joining (another rank, same epoch): wait for ``MANIFEST``, open ``<id>.lock``, take ``LOCK_SH``, then check
+that the path still names the inode we locked (a remover may have unlinked it between our open and our lock).
+
+Removal: whoever gets ``flock(LOCK_EX | LOCK_NB)`` on ``<id>.lock`` knows nobody else holds the snapshot: it
+leaves the epoch's read receipt if a trainer marked it read (NOTE [ Read receipts ] in ``reads.py``), then
+removes ``<id>/``, then ``<id>.lock``, while holding the lock. The last releaser does this; the daemon's
+``sweep_stale`` does it for holders that died. Removing the directory before the lock means a directory without a
+lock is always garbage; a ``.partial`` lock older than ``PARTIAL_GRACE_S`` whose lock is free is garbage too.
+
+Why one long module: it is both sides of the pinning protocol (trainers pin and release, the daemon sweeps and
+counts pins), which must agree on every file name and lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import socket
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import msgpack
+
+from cachefeed._cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
+from cachefeed._cache.reads import READ_MARK, RECEIPT_SUFFIX, read_counts, write_receipt
+from cachefeed._cache.records import segment_trailer
+from cachefeed._cache.sources import read_sources
+from cachefeed._errors import SnapshotError
+from cachefeed._fsutil import atomic_write, remove_tree
+
+__all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale"]
+
+MANIFEST = "MANIFEST"
+PARTIAL_GRACE_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """What status shows about one live snapshot."""
+
+    snap_id: str
+    samples: int
+    segments: int
+    owner: str
+    created: float
+    names: tuple[str, ...] = ()  # its segment file names
+    active_at: float = 0.0  # when a holder last showed progress (``Snapshot.touch``: the lock file's mtime)
+
+
+class Snapshot:
+    """One pinned epoch snapshot held by this process. Use ``create``/``join``/``open``; ``release`` when done.
+
+    Attributes:
+        snap_id: the snapshot's name (validated: letters, digits, ``_.-``).
+        directory: ``snapshots/<id>/``; segment ``names[i]`` is ``directory / names[i]``.
+        names: segment file names, oldest first.
+        counts: samples in each segment.
+        reads: epochs that had read each segment when the snapshot was made (from the daemon's ledger; 0 if
+            unknown), so that every rank sharing the snapshot draws the same least-read-first order.
+        tags: each segment's source tag (0: the one unnamed remote; ``_cache/sources.py``).
+        sources: ``{tag: (name, weight)}`` of the daemon's named sources when the snapshot was made (empty for
+            the single ``[remote]`` form): every rank, and a resumed job, weighs the epoch the same way.
+    """
+
+    def __init__(self, layout: CacheLayout, snap_id: str, lock_fd: int, manifest: dict[str, object]) -> None:
+        self.layout = layout
+        self.snap_id = snap_id
+        self.directory = layout.snapshots / snap_id
+        self._lock_fd: int | None = lock_fd
+        self._owner_pid = os.getpid()
+        entries = manifest.get("segments", [])
+        if not isinstance(entries, list):
+            raise SnapshotError(f"snapshot {snap_id}: malformed MANIFEST")
+        self.names: tuple[str, ...] = tuple(str(entry[0]) for entry in entries)
+        self.counts: tuple[int, ...] = tuple(int(entry[1]) for entry in entries)
+        self.reads: tuple[int, ...] = tuple(int(entry[2]) if len(entry) > 2 else 0 for entry in entries)
+        self.tags: tuple[int, ...] = tuple(int(entry[3]) if len(entry) > 3 else 0 for entry in entries)
+        named = manifest.get("sources", [])
+        self.sources: dict[int, tuple[str, float]] = {
+            int(tag): (str(name), float(weight)) for tag, name, weight in (named if isinstance(named, list) else [])
+        }
+        self.created = float(manifest.get("created", 0.0))  # type: ignore[arg-type]
+
+    @property
+    def samples(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.directory / name for name in self.names]
+
+    # -- creation and joining -------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, root: str | os.PathLike[str], snap_id: str) -> Snapshot:
+        """Pin every segment published right now. If another process created ``snap_id`` first, join it."""
+        layout = _checked_layout(root, snap_id)
+        lock_path = layout.snapshots / f"{snap_id}.lock"
+        partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            owner = {"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
+            os.write(fd, json.dumps(owner).encode())
+            try:
+                if not _link_lock(partial, lock_path, layout.snapshots / snap_id):
+                    os.close(fd)
+                    fd = -1
+                    return cls.join(root, snap_id)
+            finally:
+                os.unlink(partial)
+            directory = layout.snapshots / snap_id
+            remove_tree(directory)  # a directory without its lock is garbage (see the NOTE)
+            directory.mkdir(mode=0o750)
+            entries = []
+            reads = read_counts(layout.root)
+            for name, _info in layout.list_segments():
+                try:
+                    os.link(layout.segments / name, directory / name, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # evicted between the listing and the link
+                count, tag = segment_trailer(directory / name)
+                if count > 0:
+                    entries.append([name, count, reads.get(name, 0), tag])
+                else:
+                    os.unlink(directory / name)
+            named = [[e.tag, e.name, e.weight] for e in read_sources(layout.sources_file)]
+            manifest = {"id": snap_id, "created": time.time(), "segments": entries, "sources": named}
+            atomic_write(directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
+            snapshot = cls(layout, snap_id, fd, manifest)
+            fd = -1
+            return snapshot
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    @classmethod
+    def join(cls, root: str | os.PathLike[str], snap_id: str, *, timeout_s: float = 60.0) -> Snapshot:
+        """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``."""
+        layout = _checked_layout(root, snap_id)
+        lock_path = layout.snapshots / f"{snap_id}.lock"
+        manifest_path = layout.snapshots / snap_id / MANIFEST
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pinned = _try_pin(lock_path, manifest_path)
+            if pinned is not None:
+                fd, manifest = pinned
+                return cls(layout, snap_id, fd, manifest)
+            if time.monotonic() > deadline:
+                raise SnapshotError(
+                    f"snapshot {snap_id!r} did not appear in {layout.snapshots} within {timeout_s:.0f}s: "
+                    "is the rank that creates it (local rank 0) running?"
+                )
+            time.sleep(0.02)
+
+    # -- reads and release ----------------------------------------------------------------------------------
+
+    def touch(self) -> None:
+        """Show that an epoch is reading this snapshot: sets its lock file's mtime to now, which the daemon reads
+        to tell a trainer that is slow but reading (paced: normal) from one that stopped (a stuck reader, a
+        fault). Trainers call it every few seconds while batches flow; best effort (a rank that may not write the
+        creator's lock file is silently skipped: another rank's touch counts for the snapshot)."""
+        if self._lock_fd is not None:
+            try:
+                os.utime(self._lock_fd)
+            except OSError:
+                pass
+
+    def mark_read(self) -> None:
+        """Record that an epoch has read this snapshot: its segments count one more read once the snapshot is
+        released by its last holder (NOTE [ Read receipts ] in ``reads.py``). Idempotent, any rank may call it."""
+        if self._lock_fd is None:
+            raise SnapshotError(f"snapshot {self.snap_id} was released: mark it read before releasing it")
+        fd = os.open(self.directory / READ_MARK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        os.close(fd)
+
+    def release(self) -> None:
+        """Drop this process's pin. The last holder removes the snapshot (idempotent)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        if os.getpid() != self._owner_pid:
+            # A forked child shares the parent's open lock: touching it would drop or convert the parent's pin.
+            os.close(fd)
+            return
+        try:
+            _remove_if_unheld(fd, self.layout.snapshots / f"{self.snap_id}.lock", self.directory)
+        finally:
+            os.close(fd)
+
+    @property
+    def is_held(self) -> bool:
+        return self._lock_fd is not None
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock_fd", None) is not None:
+            self.release()
+
+    def __reduce__(self) -> str:
+        raise TypeError("a Snapshot holds a lock and cannot be pickled; pass snap_id and names instead")
+
+
+def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:
+    """Give the born-locked ``partial`` its public name. False if a live snapshot of that id exists (join it).
+
+    A lock of that name that nobody holds is a leftover (say, of a restarted job reusing its run id): remove it
+    (see the NOTE: whoever gets the exclusive lock may) and take the name.
+    """
+    for _attempt in range(2):
+        try:
+            os.link(partial, lock_path)
+            return True
+        except FileExistsError:
+            try:
+                fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except FileNotFoundError:
+                continue
+            try:
+                if not _remove_if_unheld(fd, lock_path, directory):
+                    return False
+            finally:
+                os.close(fd)
+    return False
+
+
+def _checked_layout(root: str | os.PathLike[str], snap_id: str) -> CacheLayout:
+    if not SNAPSHOT_ID.match(snap_id):
+        raise SnapshotError(f"snapshot id {snap_id!r}: expected letters, digits, '_', '.', '-' (at most 128)")
+    layout = CacheLayout(Path(root))
+    layout.check()
+    return layout
+
+
+def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, object]] | None:
+    """One attempt to join: a held lock on the inode the path still names, and a complete manifest."""
+    if not manifest_path.exists():
+        return None
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None  # being removed right now
+    try:
+        if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
+            raise FileNotFoundError
+        manifest = msgpack.unpackb(manifest_path.read_bytes(), raw=False)
+    except (FileNotFoundError, ValueError):
+        os.close(fd)
+        return None
+    return fd, manifest
+
+
+def _remove_if_unheld(
+    fd: int, lock_path: Path, directory: Path, *, keep: Callable[[str], bool] | None = None, snap_id: str = ""
+) -> bool:
+    """If nobody else holds the lock on ``fd`` (and ``keep`` does not keep it), remove the snapshot (directory
+    first, then lock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    if keep is not None and keep(snap_id):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    try:
+        if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
+            return False  # someone else already removed it
+    except FileNotFoundError:
+        return False
+    try:
+        _leave_receipt(directory)
+        remove_tree(directory)
+        lock_path.unlink(missing_ok=True)
+    except PermissionError:
+        return False  # another user's snapshot in a sticky directory: the daemon's sweep removes it
+    return True
+
+
+def _leave_receipt(directory: Path) -> None:
+    """If an epoch marked the snapshot in ``directory`` read, write its receipt (NOTE [ Read receipts ]) for the
+    daemon; without a daemon (a static cache) there is nobody to collect it, so none is left (see the NOTE)."""
+    if not (directory / READ_MARK).is_file():
+        return
+    if not CacheLayout(directory.parent.parent).has_writer():
+        return
+    try:
+        manifest = msgpack.unpackb((directory / MANIFEST).read_bytes(), raw=False)
+        names = [str(entry[0]) for entry in manifest.get("segments", [])]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # an incomplete snapshot was never read
+    write_receipt(directory.parent, directory.name, names)
+
+
+# -- the daemon's side ------------------------------------------------------------------------------------------
+
+
+def sweep_stale(
+    layout: CacheLayout, *, now: float | None = None, keep: Callable[[str], bool] | None = None
+) -> list[str]:
+    """Remove snapshots whose holders are all gone, orphan directories and stale partial locks.
+
+    ``keep(snap_id)`` is asked about each snapshot nobody holds; True leaves it for now (a dead trainer's epoch,
+    kept for its job to resume). Safe to run at any time, concurrently with trainers (see the NOTE). Returns the
+    removed snapshot ids.
+    """
+    removed: list[str] = []
+    now = time.time() if now is None else now
+    locks: set[str] = set()
+    try:
+        entries = list(os.scandir(layout.snapshots))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if name.endswith(".lock") and SNAPSHOT_ID.match(name[:-5]):
+            snap_id = name[:-5]
+            locks.add(snap_id)
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a planted FIFO or device: never a lock of ours
+                    Path(entry.path).unlink(missing_ok=True)
+                    continue
+                if _remove_if_unheld(fd, Path(entry.path), layout.snapshots / snap_id, keep=keep, snap_id=snap_id):
+                    removed.append(snap_id)
+            finally:
+                os.close(fd)
+        elif name.endswith(".partial"):
+            try:
+                info = entry.stat(follow_symlinks=False)
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                if now - info.st_mtime > PARTIAL_GRACE_S:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.unlink(entry.path)
+            except (BlockingIOError, FileNotFoundError):
+                pass
+            finally:
+                os.close(fd)
+    for entry in entries:
+        if entry.name.endswith((".lock", ".partial", RECEIPT_SUFFIX)) or entry.name in locks:
+            continue  # receipts are the daemon's to consume (reads.py)
+        if (layout.snapshots / f"{entry.name}.lock").exists():
+            continue  # its creator linked the lock after our listing: live (the lock comes before the dir)
+        # a foreign entry, or a directory whose lock is gone: garbage by the protocol
+        remove_tree(entry.path)
+    return removed
+
+
+def pinned_inodes(layout: CacheLayout) -> dict[int, int]:
+    """Inode -> allocated bytes of every segment linked from any snapshot directory."""
+    found: dict[int, int] = {}
+    try:
+        directories = [e for e in os.scandir(layout.snapshots) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return found
+    for directory in directories:
+        for _name, info in list_regular(Path(directory.path), SEGMENT_NAME):
+            found[info.st_ino] = allocated_bytes(info)
+    return found
+
+
+def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
+    """Complete snapshots and their owners, for status (does not take any lock)."""
+    infos: list[SnapshotInfo] = []
+    for lock_name, _info in list_regular(layout.snapshots, SNAPSHOT_ID):
+        if not lock_name.endswith(".lock"):
+            continue
+        snap_id = lock_name[:-5]
+        try:
+            manifest = msgpack.unpackb((layout.snapshots / snap_id / MANIFEST).read_bytes(), raw=False)
+            owner = json.loads((layout.snapshots / lock_name).read_text() or "{}")
+            active_at = os.stat(layout.snapshots / lock_name).st_mtime
+        except (OSError, ValueError):
+            continue
+        segments = manifest.get("segments", [])
+        infos.append(
+            SnapshotInfo(
+                snap_id=snap_id,
+                samples=sum(int(entry[1]) for entry in segments),
+                segments=len(segments),
+                owner=f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}",
+                created=float(manifest.get("created", 0.0)),
+                names=tuple(str(entry[0]) for entry in segments),
+                active_at=active_at,
+            )
+        )
+    return infos

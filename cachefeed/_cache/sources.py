@@ -1,0 +1,65 @@
+"""Named, weighted sources: the tag each segment carries, and the cache's ``sources.json`` that names the tags.
+
+A daemon configured with ``[[source]]`` tables (``cachefeed/_config/``) reads several remotes. Every segment holds
+samples of one source only and names it by a **tag** in its trailer (``records.py``): a u32 derived from the
+source's name (``source_tag``), so the same name gives the same tag on every node, across restarts and config
+edits. Tag 0 means "the one unnamed remote" of the single ``[remote]`` form.
+
+``sources.json`` (written by the daemon at start, read by trainers) lists the configured sources::
+
+    {"version": 1, "sources": [{"name": "crawl", "tag": 123, "weight": 0.7}, ...]}
+
+Weights are normalised to sum to 1. Each epoch's snapshot copies ``{tag: weight}`` into its MANIFEST
+(``snapshots.py``), so every rank and a resumed job draw the same weighted order even if the daemon's config
+changes meanwhile. Samples of a named source carry its name in the field ``SOURCE_FIELD`` (added when a trainer
+reads them, not stored per record).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from cachefeed._fsutil import atomic_write
+
+__all__ = ["MAX_SOURCES", "SOURCE_FIELD", "SourceEntry", "read_sources", "source_tag", "write_sources"]
+
+SOURCE_FIELD = "__source__"
+MAX_SOURCES = 32  # bounds what a snapshot's MANIFEST copies (the budget's per-snapshot room, layout.py)
+_VERSION = 1
+
+
+def source_tag(name: str) -> int:
+    """The tag of source ``name``: xxh32 of its UTF-8 bytes, never 0 (0 is the unnamed remote)."""
+    return xxhash.xxh32_intdigest(name.encode()) or 1
+
+
+@dataclass(frozen=True, slots=True)
+class SourceEntry:
+    name: str
+    tag: int
+    weight: float  # normalised: the weights of a cache's sources sum to 1
+
+
+def write_sources(path: str | os.PathLike[str], entries: list[SourceEntry], *, mode: int = 0o640) -> None:
+    """Replace ``sources.json`` atomically (the daemon, at start)."""
+    document = {
+        "version": _VERSION,
+        "sources": [{"name": e.name, "tag": e.tag, "weight": e.weight} for e in entries],
+    }
+    atomic_write(path, json.dumps(document, indent=1).encode(), mode=mode)
+
+
+def read_sources(path: str | os.PathLike[str]) -> list[SourceEntry]:
+    """The sources a cache's daemon reads; ``[]`` without the file (one unnamed remote) or if it is unreadable."""
+    try:
+        document = json.loads(Path(path).read_bytes())
+        return [
+            SourceEntry(str(entry["name"]), int(entry["tag"]), float(entry["weight"])) for entry in document["sources"]
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []

@@ -1,0 +1,652 @@
+"""The writer side of one cache directory: exclusivity, recovery, the byte budget, publication and eviction.
+
+Exactly one ``CacheStore`` exists per cache directory, in the daemon's supervisor (or in a test or benchmark
+process). It owns every decision that changes what is published; segment *bytes* may be written by other processes
+(the samplers) into ``tmp/`` under a ``Grant`` it handed out.
+
+The budget (what ``tests/cache/test_bound.py`` checks by sampling the directory's real size with thousands of
+segments and two live snapshots)::
+
+    published + pinned_only + reserved + metadata + next_snapshot <= max_bytes - METADATA_RESERVE_BYTES
+
+* ``published``: allocated bytes of ``segments/*.seg``;
+* ``pinned_only``: segments already evicted from ``segments/`` but still linked by a live snapshot;
+* ``reserved``: the sum of outstanding grants; a grant is page-rounded and the writer never lets its file grow
+  past it, so ``tmp/`` never holds more than ``reserved``;
+* ``metadata``: the allocated bytes of everything else (directories and their blocks, snapshot links'
+  directories, MANIFESTs, locks, marks, receipts, the read ledger, status.json), measured at every pin scan
+  (``layout.metadata_bytes``; twice a second and before any grant that would not fit);
+* ``next_snapshot = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES x published segments`` (32 KiB + 128 B per
+  segment): the room one more snapshot takes, charged before a trainer creates it, so pinning the next epoch
+  between two scans (the handover) cannot push the directory over;
+* ``METADATA_RESERVE_BYTES`` (1 MiB) covers what changes between two scans: status.json and ledger rewrites,
+  a receipt, ``segments/`` growing by a block.
+
+Hence the bound users can rely on: **the real size of the cache directory never exceeds ``max_bytes``**, as long as
+trainers create at most one snapshot between two of the daemon's scans (a job's handover does). Snapshots beyond
+that (several jobs on one node pinning within the same half second, or while writers already wait) each add their
+metadata (32 KiB + 128 B per segment at most) on top of what was charged, inside the 1 MiB reserve: a few such
+snapshots of a few thousand segments fit it; ``tests/cache/test_model.py`` pins at random and checks the real
+size at every step.
+With small segments the metadata is a visible share of the budget (4 KiB segments: about 3% per live snapshot);
+with the default 64 MiB segments it is negligible.
+
+Epoch reads (the contract with trainers: reads, not time). Trainers leave a receipt for every epoch they read
+(NOTE [ Read receipts ] in ``reads.py``); each pin scan (at least once a second, and before every decision that
+needs it) credits one read per receipt to the segments it names and persists the counts. A segment becomes
+*evictable* once ``evict_after_reads`` epochs have read it (0: at once, the old free-running behaviour). Every rule
+below evicts evictable segments only: when the published set must shrink and none may go, ingest waits for the
+trainers to read (*paced*), which is the normal state of a daemon whose trainers are slower than its remote, and
+a daemon without trainers fills its budget and then fetches nothing. When a segment is evicted its reads are
+settled into ``Counters`` (sample-reads, and samples evicted unread: 0 at ``evict_after_reads >= 1``).
+
+Two rules keep the cache turning over while trainers pin it:
+
+* (A) hard: a grant is given only if the budget above still holds after it, and the filesystem keeps
+  ``min_free_bytes`` free (for that floor alone the store evicts *unpinned*, evictable segments: evicting a pinned
+  one frees nothing). Otherwise ``reserve`` returns None and the writer waits: back-pressure, never overshoot.
+* (B) turnover: the published set is kept at most ``max_bytes - turnover_bytes - metadata - next_snapshot`` by
+  evicting evictable published segments (policy order), pinned or not; if too few are evictable, ``reserve``
+  returns None (paced). A snapshot therefore pins at most that much, and while an epoch reads it at least
+  ``turnover_bytes`` of fresh samples can still arrive; evicted-but-pinned bytes stay with the snapshot until it
+  is released. Without this rule a snapshot of a full cache would freeze ingest for a whole epoch.
+
+Weighted sources (``source_weights``, from the daemon's ``[[source]]`` tables; segments carry a source tag): among
+the evictable segments, a victim is taken from the source furthest *above* its share of the published samples, and
+only then by the policy's order within that source, so a source below its share (one smaller than its share of the
+budget, or one that fell behind) keeps what it has. With one source this changes nothing.
+
+Why one long module: the budget is one concept. Every rule above (the hard bound, turnover, read-gated eviction,
+weighted sources, recovery) decides on the same counts, owned by one object on one thread; split, each
+part would need the others' internals.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachefeed._cache.eviction import EvictionPolicy, make_policy
+from cachefeed._cache.grant import Grant
+from cachefeed._cache.layout import (
+    SEGMENT_NAME,
+    SNAPSHOT_ENTRY_BYTES,
+    SNAPSHOT_FIXED_BYTES,
+    CacheLayout,
+    allocated_bytes,
+    metadata_bytes,
+    segment_name,
+    segment_seq,
+)
+from cachefeed._cache.reads import ReadLedger
+from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
+from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
+from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
+from cachefeed._fsutil import fsync_dir, remove_tree
+from cachefeed._logs import get_logger
+
+__all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "PublishedSegment", "Usage"]
+
+log = get_logger(__name__)
+
+PAGE_BYTES = 4096
+_PIN_RESCAN_S = 0.5
+_SWEEP_INTERVAL_S = 1.0
+
+
+def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
+    return -(-n // unit) * unit
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedSegment:
+    seq: int
+    name: str
+    nbytes: int
+    samples: int
+    inode: int
+    published_at: float
+    source: int = 0  # the segment's source tag (its trailer; see records.py): which [[source]] it came from
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A consistent picture of the budget at one instant. All sizes are allocated bytes."""
+
+    bytes: int
+    max_bytes: int
+    published_bytes: int
+    pinned_only_bytes: int
+    pinned_bytes: int
+    reserved_bytes: int
+    samples: int
+    segments: int
+    snapshots: int
+    free_bytes: int
+    min_free_bytes: int
+    is_backpressured: bool
+    unread_samples: int = 0  # published samples no epoch has read yet
+    is_paced: bool = False  # ingest waits for trainers to read (see "Epoch reads"): the normal state, not a fault
+    waiting_for_reads_samples: int = 0  # while paced: published samples read fewer than evict_after_reads times
+    max_reads: int = 0  # the most epochs any published segment has been read by
+    sample_reads: int = 0  # sum over published segments of samples x epochs that read them
+    oldest_published_at: float | None = None  # unix time of the oldest published segment (None: empty cache)
+    newest_published_at: float | None = None
+    fill: float = 0.0  # published bytes / what the daemon fills to without readers (max - turnover - metadata)
+
+
+@dataclass(slots=True)
+class Counters:
+    published_segments: int = 0
+    published_samples: int = 0
+    published_bytes: int = 0
+    evicted_segments: int = 0
+    evicted_samples: int = 0
+    evicted_bytes: int = 0
+    dropped_corrupt: int = 0
+    removed_foreign: int = 0
+    removed_temp: int = 0
+    stale_snapshots: int = 0
+    backpressure_events: int = 0
+    first_eviction_at: float = 0.0
+    evicted_published_at: list[float] = field(default_factory=list)
+    evicted_unread_samples: int = 0  # evicted before any epoch read them
+    evicted_sample_reads: int = 0  # sum over evicted segments of samples x epochs that read them
+    evicted_max_reads: int = 0  # the most epochs an evicted segment had been read by
+    epochs_seen: int = 0  # read receipts applied (every epoch read, since the ledger began)
+
+
+class CacheStore:
+    """The single writer of a cache directory (see the module docstring for the budget it keeps).
+
+    Not thread-safe: the daemon calls it from its main loop only.
+    """
+
+    def __init__(self, config: CacheConfig, *, policy: EvictionPolicy | None = None) -> None:
+        self.config = config
+        self.layout = CacheLayout(config.dir)
+        self.layout.create(dir_mode=config.dir_mode, file_mode=config.file_mode)
+        self.policy = policy or make_policy(config.eviction)
+        self.limit_bytes = config.max_bytes - METADATA_RESERVE_BYTES
+        self.counters = Counters()
+        self._published: dict[int, PublishedSegment] = {}
+        self._published_bytes = 0  # sum of their nbytes, kept as they come and go (the budget is checked per grant)
+        # seq -> (path, version) of the remote objects each recovered segment ends; the daemon's plan takes it
+        self.recovered_sources: dict[int, list[tuple[str, str | None]]] = {}
+        self._grants: dict[int, Grant] = {}
+        self._pinned_only: dict[int, int] = {}
+        self._pinned_published: set[int] = set()
+        self._epoch_reads: dict[int, int] = {}  # seq -> epochs that read it (see "Epoch reads")
+        self.source_weights: dict[int, float] = {}  # source tag -> share (see "Weighted sources"); {}: unweighted
+        self._samples_by_tag: dict[int, int] = {}  # published samples per source tag, kept as segments come and go
+        self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
+        self._live_snapshots = 0
+        self._metadata_bytes = 0  # measured at the last pin scan (see the budget above)
+        self._free_since: dict[str, float] = {}  # snap_id -> when a sweep first found nobody holding it
+        self._free_seen_now: set[str] = set()
+        self._pins_scanned_at = 0.0
+        self._swept_at = 0.0
+        self._next_seq = 0
+        self._is_backpressured = False
+        self._is_paced = False
+        self._lock_fd = self._take_lock()
+        try:
+            self._recover()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- exclusivity ----------------------------------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        path = self.layout.lock_file
+        try:
+            fd = os.open(
+                path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, self.config.file_mode
+            )
+        except OSError as exc:
+            raise NoSuchCacheError(f"{path}: cannot open the cache's lock file ({exc.strerror}): remove it") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NoSuchCacheError(f"{path} is not a regular file (a FIFO or device was planted there): remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            os.close(fd)
+            try:
+                who = json.loads(holder)
+                name = f"pid {who['pid']} on host {who['host']} (since {who['since']})"
+            except (ValueError, KeyError, TypeError):
+                name = "another process"
+            raise CacheLockedError(
+                f"cache dir {self.layout.root} is in use by {name}: stop that daemon first, "
+                "or give this one another cache.dir"
+            ) from None
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        return fd
+
+    @property
+    def lock_fd(self) -> int:
+        """The writer lock's descriptor. Children that inherit it keep the cache locked until they exit too."""
+        return self._lock_fd
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- recovery -------------------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Bring the directory to a consistent state after any crash. Cost: one small read per segment."""
+        started = time.monotonic()
+        for entry in os.scandir(self.layout.tmp):
+            remove_tree(entry.path)
+            self.counters.removed_temp += 1
+        self.counters.stale_snapshots += len(sweep_stale(self.layout, keep=self._keep_for_resume))
+        highest = -1
+        for entry in os.scandir(self.layout.segments):
+            path = Path(entry.path)
+            if not SEGMENT_NAME.match(entry.name) or not entry.is_file(follow_symlinks=False):
+                log.warning("removing foreign entry %s from the cache", path)
+                remove_tree(path)
+                self.counters.removed_foreign += 1
+                continue
+            try:
+                with SegmentReader(path) as reader:
+                    count = reader.count
+                    sources = reader.sources()
+                    tag = reader.source
+            except CorruptRecordError as exc:
+                log.warning("dropping invalid segment at recovery: %s", exc)
+                path.unlink()
+                self.counters.dropped_corrupt += 1
+                continue
+            info = os.lstat(path)
+            seq = segment_seq(entry.name)
+            if sources:
+                self.recovered_sources[seq] = sources
+            self._add_published(
+                PublishedSegment(seq, entry.name, allocated_bytes(info), count, info.st_ino, info.st_mtime, tag)
+            )
+            highest = max(highest, seq)
+        for name in self._snapshot_segment_names():
+            highest = max(highest, segment_seq(name))
+        self._next_seq = highest + 1
+        by_name = {segment.name: seq for seq, segment in self._published.items()}
+        self._epoch_reads = {by_name[name]: n for name, n in self._ledger.load().items() if name in by_name and n}
+        self.counters.epochs_seen = self._ledger.epochs_total
+        self._rescan_pins()
+        log.info(
+            "cache %s recovered in %.3fs: %d segments, %d samples, %d temp files removed, %d stale snapshots",
+            self.layout.root,
+            time.monotonic() - started,
+            len(self._published),
+            sum(s.samples for s in self._published.values()),
+            self.counters.removed_temp,
+            self.counters.stale_snapshots,
+        )
+
+    def _snapshot_segment_names(self) -> set[str]:
+        names: set[str] = set()
+        for directory in self.layout.snapshots.iterdir():
+            if directory.is_dir() and not directory.is_symlink():
+                try:
+                    names.update(n for n in os.listdir(directory) if SEGMENT_NAME.match(n))
+                except FileNotFoundError:
+                    continue  # a trainer released it while we listed
+        return names
+
+    # -- pins -----------------------------------------------------------------------------------------------
+
+    def _rescan_pins(self) -> None:
+        """Recompute which bytes snapshots hold. Authoritative at the instant of the scan (see snapshots NOTE)."""
+        found = pinned_inodes(self.layout)
+        by_inode = {segment.inode: seq for seq, segment in self._published.items()}
+        self._pinned_published = {by_inode[ino] for ino in found if ino in by_inode}
+        self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
+        self._live_snapshots = len(live_snapshots(self.layout))
+        self._collect_receipts()
+        self._metadata_bytes = metadata_bytes(self.layout)
+        self._pins_scanned_at = time.monotonic()
+
+    def _collect_receipts(self) -> None:
+        """Credit the epochs trainers have read since the last scan, and persist the counts (NOTE in reads.py)."""
+        receipts = self._ledger.pending()
+        if not receipts:
+            return
+        for receipt in receipts:
+            for name in receipt.segments:
+                if SEGMENT_NAME.match(name) and segment_seq(name) in self._published:
+                    seq = segment_seq(name)
+                    self._epoch_reads[seq] = self._epoch_reads.get(seq, 0) + 1
+        names = {seq: segment.name for seq, segment in self._published.items()}
+        self._ledger.commit(receipts, {names[seq]: n for seq, n in self._epoch_reads.items() if seq in names})
+        self.counters.epochs_seen = self._ledger.epochs_total
+
+    def _is_evictable(self, seq: int) -> bool:
+        return self._epoch_reads.get(seq, 0) >= self.config.evict_after_reads
+
+    def _evictable(self, *, unpinned: bool = False) -> list[int]:
+        """Published segments the read contract lets go (oldest first), optionally only those no snapshot pins.
+
+        O(segments) per call (a caller evicting several computes it once): cheap enough per grant with thousands.
+        """
+        order = sorted(self._published)  # nearly sorted already: publication follows grant order
+        reads, enough = self._epoch_reads, self.config.evict_after_reads
+        if enough:
+            order = [seq for seq in order if reads.get(seq, 0) >= enough]
+        if unpinned:
+            pinned = self._pinned_published
+            order = [seq for seq in order if seq not in pinned]
+        return order
+
+    def _maybe_rescan_pins(self, *, force: bool = False) -> None:
+        if force or time.monotonic() - self._pins_scanned_at > _PIN_RESCAN_S:
+            self._rescan_pins()
+
+    def _keep_for_resume(self, snap_id: str) -> bool:
+        """Keep a snapshot nobody holds for ``snapshot_grace_s`` after the sweep first found it so (its trainer
+        died; a restarted job may resume the epoch on it, see ``EpochLoaderFactory.load_state_dict``)."""
+        now = time.monotonic()
+        first = self._free_since.setdefault(snap_id, now)
+        self._free_seen_now.add(snap_id)
+        return now - first < self.config.snapshot_grace_s
+
+    @property
+    def orphaned_snapshots(self) -> list[str]:
+        """Snapshots kept for resume whose trainers are gone (they still count against the budget)."""
+        return sorted(self._free_since)
+
+    def collect_reads(self) -> None:
+        """Apply the trainers' read receipts now (``enforce`` and ``reserve`` do it at least twice a second)."""
+        self._rescan_pins()
+
+    def sweep(self) -> list[str]:
+        """Remove snapshots whose holders died (rate-limited to once a second). Returns removed ids."""
+        if time.monotonic() - self._swept_at < _SWEEP_INTERVAL_S:
+            return []
+        self._swept_at = time.monotonic()
+        seen_free = set(self._free_since)
+        self._free_seen_now = set()
+        removed = sweep_stale(self.layout, keep=self._keep_for_resume)
+        for snap_id in seen_free - self._free_seen_now:  # held again (a job resumed it) or gone: forget
+            self._free_since.pop(snap_id, None)
+        if removed:
+            self.counters.stale_snapshots += len(removed)
+            log.info("released %d stale snapshots: %s", len(removed), ", ".join(removed))
+            self._rescan_pins()
+        return removed
+
+    # -- the budget -----------------------------------------------------------------------------------------
+
+    @property
+    def published_bytes(self) -> int:
+        return self._published_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(grant.nbytes for grant in self._grants.values())
+
+    @property
+    def metadata_bytes(self) -> int:
+        """What the budget charges for everything but segment data: measured, plus the next snapshot's room."""
+        return self._metadata_bytes + SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published)
+
+    def _data_bytes(self) -> int:
+        return self.published_bytes + sum(self._pinned_only.values()) + self.reserved_bytes
+
+    def _used(self) -> int:
+        """What the cache directory holds by the store's accounting (measured metadata, no room charged ahead)."""
+        return self._data_bytes() + self._metadata_bytes
+
+    def _total(self) -> int:
+        """What decisions charge: ``_used`` plus the room of the next snapshot (see the budget above)."""
+        return self._data_bytes() + self.metadata_bytes
+
+    def _free_bytes(self) -> int:
+        stats = os.statvfs(self.layout.root)
+        return int(stats.f_bavail * stats.f_frsize)
+
+    def _published_target(self) -> int:
+        """Rule (B)'s ceiling for published + reserved: the budget less turnover room and metadata."""
+        return self.limit_bytes - self.config.turnover_bytes - self.metadata_bytes
+
+    def reserve(self, nbytes: int) -> Grant | None:
+        """Grant room for one segment of up to ``nbytes``, evicting as the rules allow; None means wait.
+
+        Raises ValueError if ``nbytes`` could never fit (larger than the budget left for the published set).
+        """
+        need = _round_up(nbytes)
+        if need > self.limit_bytes - self.config.turnover_bytes:
+            raise ValueError(
+                f"a segment of {need} bytes cannot fit a cache of {self.config.max_bytes} bytes "
+                f"(turnover {self.config.turnover_bytes}): the sample is too large for this cache"
+            )
+        self._maybe_rescan_pins()
+        if not (self._evict_for_turnover(need) and self._make_room(need)):
+            self._maybe_rescan_pins(force=True)
+            if not self._evict_for_turnover(need):
+                if not self._is_paced:
+                    log.info(
+                        "cache full of samples trainers have not read yet: fetching waits for them "
+                        "(cache.evict_after_reads = %d)",
+                        self.config.evict_after_reads,
+                    )
+                self._is_paced = True
+                return None
+            self._is_paced = False
+            if not self._make_room(need):
+                if not self._is_backpressured:
+                    self.counters.backpressure_events += 1
+                    log.info("cache full of pinned segments: writers wait until a snapshot is released")
+                self._is_backpressured = True
+                return None
+        self._is_backpressured = False
+        self._is_paced = False
+        seq = self._next_seq
+        self._next_seq += 1
+        grant = Grant(seq, self.layout.tmp / f"{seq:016x}.tmp", need)
+        self._grants[seq] = grant
+        return grant
+
+    def _has_free_space(self, need: int) -> bool:
+        unwritten = self.reserved_bytes  # conservative: counts grants as if none of their bytes were written yet
+        return self._free_bytes() - unwritten - need >= self.config.min_free_bytes
+
+    def _make_room(self, need: int) -> bool:
+        """Rule (A): True if ``need`` fits the budget and the free-space floor.
+
+        Over budget means pinned bytes fill it (rule B already trimmed the published set): wait. Evicting unpinned
+        segments here would throw away the freshest samples, which no trainer has seen yet, to make room for even
+        fresher ones: downloads wasted. Only the free-space floor (a filesystem shared with others running low)
+        evicts here, oldest unpinned first.
+        """
+        if self._total() + need > self.limit_bytes:
+            return False
+        candidates: list[int] | None = None
+        while not self._has_free_space(need):
+            if candidates is None:
+                candidates = self._evictable(unpinned=True)
+            if not candidates:
+                return False
+            victim = self._choose(candidates)
+            candidates.remove(victim)
+            if self._is_pinned_now(victim):
+                self._pinned_published.add(victim)  # pinned since the last scan: evicting it frees nothing
+                continue
+            self._evict(victim)
+        return True
+
+    def _is_pinned_now(self, seq: int) -> bool:
+        try:
+            return os.lstat(self.layout.segments / self._published[seq].name).st_nlink > 1
+        except FileNotFoundError:
+            return False
+
+    def _evict_for_turnover(self, need: int) -> bool:
+        """Rule (B): keep the published set (plus grants) below ``max_bytes - turnover - metadata``, evicting only
+        what the read contract lets go. False if that is not enough (paced: the writer waits for trainers to read)."""
+        candidates: list[int] | None = None
+        while self.published_bytes + self.reserved_bytes + need > self._published_target():
+            if candidates is None:
+                candidates = self._evictable()
+            if not candidates:
+                return False
+            victim = self._choose(candidates)
+            candidates.remove(victim)
+            self._evict(victim)
+        return True
+
+    def _choose(self, candidates: list[int]) -> int:
+        """The next victim among ``candidates``: the policy's, within the source most above its share."""
+        weights = self.source_weights
+        if weights:
+            by_tag = self._samples_by_tag
+            total = sum(by_tag.values())
+            tags = {self._published[seq].source for seq in candidates}
+            worst = max(sorted(tags), key=lambda tag: by_tag.get(tag, 0) - weights.get(tag, 0.0) * total)
+            candidates = [seq for seq in candidates if self._published[seq].source == worst]
+        return self.policy.choose(candidates, self._epoch_reads)
+
+    def _add_published(self, segment: PublishedSegment) -> None:
+        self._published[segment.seq] = segment
+        self._published_bytes += segment.nbytes
+        self._samples_by_tag[segment.source] = self._samples_by_tag.get(segment.source, 0) + segment.samples
+
+    def _evict(self, seq: int) -> None:
+        segment = self._published.pop(seq)
+        self._published_bytes -= segment.nbytes
+        self._samples_by_tag[segment.source] -= segment.samples
+        path = self.layout.segments / segment.name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            log.warning("segment %s vanished from the cache behind the daemon's back", segment.name)
+            return
+        try:
+            path.unlink()
+            links_left = os.fstat(fd).st_nlink
+        finally:
+            os.close(fd)
+        if links_left > 0:
+            self._pinned_only[segment.inode] = segment.nbytes  # lives on in a snapshot (see the NOTE there)
+        self._pinned_published.discard(seq)
+        counters = self.counters
+        counters.evicted_segments += 1
+        counters.evicted_samples += segment.samples
+        counters.evicted_bytes += segment.nbytes
+        reads = self._epoch_reads.pop(seq, 0)
+        counters.evicted_sample_reads += reads * segment.samples
+        counters.evicted_max_reads = max(counters.evicted_max_reads, reads)
+        if not reads:
+            counters.evicted_unread_samples += segment.samples
+        counters.first_eviction_at = counters.first_eviction_at or time.time()
+        counters.evicted_published_at.append(segment.published_at)
+        del counters.evicted_published_at[:-64]
+        log.debug("evicted %s (%d samples, pinned=%s)", segment.name, segment.samples, links_left > 0)
+
+    def drop_sources(self, keep: set[int]) -> int:
+        """Evict every published segment whose source tag is not in ``keep`` (at start, when the config no longer
+        names that source: epochs would never read its samples, so read-gated eviction would keep them forever).
+        Returns the number of segments dropped; snapshots that pin them keep them until released."""
+        gone = [seq for seq, segment in self._published.items() if segment.source not in keep]
+        for seq in gone:
+            self._evict(seq)
+        return len(gone)
+
+    def enforce(self) -> None:
+        """Periodic upkeep: sweep stale snapshots, refresh pins, and the turnover target."""
+        self.sweep()
+        self._maybe_rescan_pins()
+        self._evict_for_turnover(0)
+
+    # -- publication ----------------------------------------------------------------------------------------
+
+    def publish(self, grant: Grant) -> PublishedSegment:
+        """Verify the finished file of ``grant`` and publish it by an atomic rename. The grant is consumed.
+
+        Raises CorruptRecordError (and deletes the file) if the file is not a complete, valid segment or is
+        larger than its grant.
+        """
+        if self._grants.pop(grant.seq, None) is None:
+            raise ValueError(f"unknown or already used grant {grant.seq}")
+        try:
+            info = os.lstat(grant.path)
+            if info.st_size > grant.nbytes:
+                raise CorruptRecordError(f"segment {grant.seq} outgrew its grant ({info.st_size} > {grant.nbytes})")
+            with SegmentReader(grant.path) as reader:
+                samples, tag = reader.count, reader.source
+            name = segment_name(grant.seq)
+            os.rename(grant.path, self.layout.segments / name)
+        except BaseException:
+            grant.path.unlink(missing_ok=True)
+            raise
+        if self.config.fsync:
+            fsync_dir(self.layout.segments)
+        segment = PublishedSegment(grant.seq, name, allocated_bytes(info), samples, info.st_ino, time.time(), tag)
+        self._add_published(segment)
+        self.counters.published_segments += 1
+        self.counters.published_samples += samples
+        self.counters.published_bytes += segment.nbytes
+        return segment
+
+    def abort(self, grant: Grant) -> None:
+        """Give a grant back and delete whatever was written under it (idempotent)."""
+        self._grants.pop(grant.seq, None)
+        grant.path.unlink(missing_ok=True)
+
+    # -- views ----------------------------------------------------------------------------------------------
+
+    @property
+    def samples(self) -> int:
+        return sum(segment.samples for segment in self._published.values())
+
+    def samples_by_source(self) -> dict[int, int]:
+        """Published samples per source tag."""
+        return {tag: n for tag, n in self._samples_by_tag.items() if n}
+
+    @property
+    def segments(self) -> list[PublishedSegment]:
+        return [self._published[seq] for seq in sorted(self._published)]
+
+    def usage(self) -> Usage:
+        self._maybe_rescan_pins()
+        pinned_only = sum(self._pinned_only.values())
+        pinned_published = sum(self._published[s].nbytes for s in self._pinned_published if s in self._published)
+        return Usage(
+            bytes=self._used(),
+            max_bytes=self.config.max_bytes,
+            published_bytes=self.published_bytes,
+            pinned_only_bytes=pinned_only,
+            pinned_bytes=pinned_only + pinned_published,
+            reserved_bytes=self.reserved_bytes,
+            samples=self.samples,
+            segments=len(self._published),
+            snapshots=self._live_snapshots,
+            free_bytes=self._free_bytes(),
+            min_free_bytes=self.config.min_free_bytes,
+            is_backpressured=self._is_backpressured,
+            unread_samples=sum(s.samples for seq, s in self._published.items() if seq not in self._epoch_reads),
+            is_paced=self._is_paced,
+            waiting_for_reads_samples=(
+                sum(s.samples for seq, s in self._published.items() if not self._is_evictable(seq))
+                if self._is_paced
+                else 0
+            ),
+            max_reads=max(self._epoch_reads.values(), default=0),
+            sample_reads=sum(self._published[seq].samples * n for seq, n in self._epoch_reads.items()),
+            oldest_published_at=min((s.published_at for s in self._published.values()), default=None),
+            newest_published_at=max((s.published_at for s in self._published.values()), default=None),
+            fill=min(1.0, self.published_bytes / max(1, self._published_target())),
+        )

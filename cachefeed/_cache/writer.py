@@ -1,0 +1,142 @@
+"""Turn a stream of samples into published segments, under grants from whoever keeps the budget.
+
+``CacheWriter`` is used the same way in-process (a test, the demo, a benchmark: the provider is a ``CacheStore``)
+and inside a sampler subprocess (the provider is a client that asks the supervisor over its socket; see
+``cachefeed/_daemon/grants.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from cachefeed._cache.grant import Grant, GrantProvider
+from cachefeed._cache.records import RecordEncoder, SegmentWriter
+from cachefeed._errors import WriterStopped
+
+__all__ = ["CacheWriter", "GrantProvider", "WriterStopped"]
+
+
+class CacheWriter:
+    """Appends samples to the current segment and publishes it when full (or on ``flush``).
+
+    Contract: a sample passed to ``add`` is either in a published segment after the next ``flush``/``close``, or
+    lost with the whole unpublished segment if the process dies or ``abort`` is called; never partially visible.
+    While the provider says the cache is full, ``add`` waits (back-pressure), polling every ``poll_s``, until room
+    appears or ``stop`` is set (then it raises ``WriterStopped``). ``on_wait(seconds_waited)`` is called while
+    waiting, for progress reporting.
+    """
+
+    def __init__(
+        self,
+        provider: GrantProvider,
+        *,
+        segment_bytes: int,
+        compression: str = "none",
+        file_mode: int = 0o640,
+        fsync: bool = True,
+        poll_s: float = 0.05,
+        stop: threading.Event | None = None,
+        on_wait: Callable[[float], None] | None = None,
+    ) -> None:
+        self._provider = provider
+        self._segment_bytes = segment_bytes
+        self._compression = compression
+        self._file_mode = file_mode
+        self._fsync = fsync
+        self._poll_s = poll_s
+        self._stop = stop or threading.Event()
+        self._on_wait = on_wait
+        self._writer: SegmentWriter | None = None
+        self._grant: Grant | None = None
+        self._encoder = RecordEncoder(compression=compression)
+        self.published: list[object] = []
+        self.source = 0  # the source tag of segments opened from now on (records.py); set it between segments
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples in the current, unpublished segment."""
+        return self._writer.count if self._writer else 0
+
+    def add(self, sample: Mapping[str, Any]) -> None:
+        """Append one sample (a dict with a string ``__key__``); may block while the cache is full."""
+        record = self._encoder.encode(sample)
+        if self._writer is not None and self._writer.append(record):
+            return
+        self.flush()
+        writer = self._open(max(self._segment_bytes, SegmentWriter.size_for(record.nbytes)))
+        writer.append(record)  # the first record of a fresh segment is always accepted
+
+    def add_source(self, path: str, version: str | None) -> bool:
+        """Name the remote object whose last sample was just added (see "Sources" in ``records.py``).
+
+        Returns False if it was left out: no open segment (the object had no samples) or no room left in it.
+        """
+        return self._writer is not None and self._writer.add_source(path, version)
+
+    def _open(self, nbytes: int) -> SegmentWriter:
+        waited_from = time.monotonic()
+        while True:
+            grant = self._provider.reserve(nbytes)
+            if grant is not None:
+                break
+            if self._stop.wait(self._poll_s):
+                raise WriterStopped("stopped while waiting for room in the cache")
+            if self._on_wait is not None:
+                self._on_wait(time.monotonic() - waited_from)
+        try:
+            writer = SegmentWriter(
+                grant.path,
+                capacity=grant.nbytes,
+                compression=self._compression,
+                file_mode=self._file_mode,
+                source=self.source,
+            )
+        except BaseException:
+            self._provider.abort(grant)
+            raise
+        self._writer, self._grant = writer, grant
+        return writer
+
+    def flush(self) -> object | None:
+        """Finish and publish the current segment, if it holds any sample. Returns what the provider returned."""
+        writer, grant = self._writer, self._grant
+        self._writer = self._grant = None
+        if writer is None or grant is None:
+            return None
+        if writer.count == 0:
+            writer.abort()
+            self._provider.abort(grant)
+            return None
+        try:
+            writer.finish(fsync=self._fsync)
+        except BaseException:
+            writer.abort()
+            self._provider.abort(grant)
+            raise
+        result = self._provider.publish(grant)
+        self.published.append(result)
+        return result
+
+    def abort(self) -> None:
+        """Drop the current unpublished segment."""
+        writer, grant = self._writer, self._grant
+        self._writer = self._grant = None
+        if writer is not None:
+            writer.abort()
+        if grant is not None:
+            self._provider.abort(grant)
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> CacheWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,110 @@
+"""``cachefeed status``: read the daemon's status document, judge the daemon's health, show it.
+
+Usage::
+
+    cachefeed status --config /etc/cachefeed/train.toml     # or --cache-dir /dev/shm/cachefeed/train
+    cachefeed status --cache-dir DIR --json                 # the daemon's document + heartbeat_age_s + health
+    cachefeed status --cache-dir DIR --watch [SECONDS]      # refresh in place until Ctrl-C (exits 0)
+
+The exit status (one invocation, without ``--watch``) is the verdict: the table is in ``_status/verdict.py``, with
+``Health``; the staleness rule and the pid check are there too. The reading is ``_status/report.py``, the output
+``_status/render.py``; this module only parses the command line and prints.
+
+``--watch`` re-reads the file every SECONDS (a poll: the heartbeat age changes every second anyway). On a terminal
+each frame replaces the last (cursor home, clear); otherwise frames follow each other, and with ``--json`` each is
+one line (NDJSON). A cache that does not exist yet is reported and watched for. Ctrl-C exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from cachefeed._config import load_config
+from cachefeed._errors import EX_USAGE, CachefeedError, ConfigError, NoSuchCacheError
+from cachefeed._status.render import render_human, to_json
+from cachefeed._status.report import read_report
+from cachefeed._status.verdict import Health
+
+__all__ = ["add_arguments", "run"]
+
+# The exit statuses in --help: numbers from where they are declared, one short label each.
+_EXIT_STATUSES = (
+    (Health.RUNNING, "running"), (Health.DEGRADED, "degraded"), (Health.NOT_RUNNING, "not running"),
+    (Health.UNREADABLE, "status unreadable"), (Health.NOT_READY, "starting/stopping"), (EX_USAGE, "usage error"),
+    (NoSuchCacheError.exit_code, "no such cache"), (ConfigError.exit_code, "bad config"),
+)  # fmt: skip
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds such as 2 or 0.5") from None
+    if not 0.05 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected between 0.05 and 3600 seconds")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", metavar="FILE", help="the daemon's TOML config (gives the cache dir)")
+    where.add_argument("--cache-dir", metavar="DIR", type=Path, help="the cache directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON document (with --watch: one per line)")
+    parser.add_argument(
+        "--watch",
+        metavar="SECONDS",
+        nargs="?",
+        const=1.0,
+        type=_positive_seconds,
+        help="refresh every SECONDS (default 1) until Ctrl-C",
+    )
+    parser.epilog = "exit status: " + ", ".join(f"{int(code)} {label}" for code, label in _EXIT_STATUSES)
+
+
+def run(args: argparse.Namespace) -> int:
+    interval_s: float | None = None
+    if args.config:
+        config = load_config(args.config)
+        cache_dir, interval_s = config.cache.dir, config.status.interval_s
+    else:
+        cache_dir = args.cache_dir
+    if args.watch is not None:
+        return _watch(cache_dir, interval_s, period_s=args.watch, as_json=args.json)
+    report = read_report(cache_dir, interval_s=interval_s)
+    if args.json:
+        print(json.dumps(to_json(report), indent=2))
+    else:
+        print(render_human(report), end="")
+    return int(report.health)
+
+
+_HOME_CLEAR = "\x1b[H\x1b[2J"
+
+
+def _watch(cache_dir: Path, interval_s: float | None, *, period_s: float, as_json: bool) -> int:
+    """Redraw until interrupted. A missing cache is shown as such (the daemon may not have created it yet)."""
+    is_tty = sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            try:
+                report = read_report(cache_dir, interval_s=interval_s)
+                text = json.dumps(to_json(report)) + "\n" if as_json else render_human(report)
+            except CachefeedError as exc:
+                text = json.dumps({"error": str(exc)}) + "\n" if as_json else f"cachefeed status: {exc}\n"
+            if is_tty:
+                sys.stdout.write(_HOME_CLEAR + text)
+            else:
+                sys.stdout.write(text if as_json else text + "\n")
+            sys.stdout.flush()
+            time.sleep(period_s)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # the reader went away (``| head``): stop quietly, and keep Python from complaining at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

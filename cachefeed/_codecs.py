@@ -1,0 +1,422 @@
+"""Decoders: one remote object's bytes -> samples, plus the user's decode and preprocess callables.
+
+A sample is a ``dict[str, Any]`` of fields. Single-array formats put the array in ``"data"``; every sample carries
+``"__key__"``, the remote key (with ``#i`` or ``/basename`` appended where one object holds several samples).
+
+Built-in formats (``get_decoder(name)``):
+
+- ``npy``: one array (``allow_pickle=False``) -> ``{"data": array}``.
+- ``npz``: one sample, one field per array (``allow_pickle=False``).
+- ``pt``: ``torch.load(weights_only=True, map_location="cpu")``; a tensor -> ``{"data": tensor}``; a dict ->
+  its fields; a list of tensors or dicts -> one sample each.
+- ``msgpack``: a map -> its fields; a list of maps -> one sample each; any other value -> ``{"data": value}``.
+  Arrays are encoded either as the ext type ``MSGPACK_NDARRAY_EXT`` (78, "N") whose payload is the msgpack
+  array ``[dtype.str, shape, raw C-order bytes]`` (``msgpack.packb(obj, default=msgpack_default)`` writes it), or
+  as msgpack-numpy's map ``{"nd": true, "type": dtype.str, "shape": [...], "data": bytes}`` (read only). An ext
+  type is unambiguous, unlike a map with ``dtype``/``shape``/``data`` keys, which could be a user's own fields.
+- ``raw``: ``{"data": body}`` (bytes), e.g. encoded images to decode in the workers (``images.DecodeImages``).
+- ``image``: ``{"image": uint8 array (3, H, W)}``, decoded once in the daemon (``_images.py``: Pillow; resized and
+  centre-cropped to ``sampler.image_size`` if set).
+- ``tar``: webdataset layout. Regular members are grouped by directory + basename (the file name up to its first
+  dot); one sample per group, in order of first appearance; the field name is the rest of the file name
+  (``"jpg"``, ``"seg.png"``). Fields whose last extension is ``npy`` become arrays, ``cls`` an int, ``txt`` a
+  str, ``json`` the parsed value; images (``jpg``, ``png``, ...) become uint8 ``(3, H, W)`` arrays with
+  ``sampler.decode_images``; others stay bytes. ``__key__`` is ``f"{key}/{dir/basename}"``. Members with
+  absolute or ``..`` names, non-regular members (links, devices, directories) and names without an extension
+  are skipped; nothing is ever extracted to disk. Compressed tars (gz, bz2, xz) are read transparently. An
+  archive cut short (no end-of-archive zero block after the last member) is a ``DecodeError``, not fewer samples.
+
+What a decoder may return (the segment writer's contract, checked by ``check_sample`` for every decoder, user
+ones included): field names are ``str`` and may not start with ``__`` (except ``__key__``); values are numpy
+arrays (not of object dtype; numpy scalars become 0-d arrays), strided CPU torch tensors, bytes, str, int,
+float, bool, None, or lists/dicts (string keys) of those scalars, nested at most ``MAX_NESTING`` deep. Arrays
+are not allowed inside lists/dicts.
+
+Every failure raises ``DecodeError`` naming the key and the reason; the caller quarantines the object.
+
+Why one long module: it is the registry of decoders (``BUILTIN_DECODERS``: the config validates names against it)
+and the formats it names; each decoder is a few lines, and the one-object-many-samples rules are shared.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import io
+import json
+import math
+import posixpath
+import tarfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from cachefeed._errors import ConfigError, DecodeError
+from cachefeed._images import IMAGE_EXTENSIONS, decode_image
+from cachefeed._images import image_size as image_size_of
+
+__all__ = [
+    "MAX_NESTING",
+    "MSGPACK_NDARRAY_EXT",
+    "Decoder",
+    "Sample",
+    "check_sample",
+    "get_decoder",
+    "get_preprocess",
+    "load_callable",
+    "msgpack_default",
+]
+
+Sample = dict[str, Any]
+Decoder = Callable[[str, bytes], Iterable[Sample]]
+
+MSGPACK_NDARRAY_EXT = 78
+MAX_NESTING = 16
+_SCALARS = (bytes, str, int, float, bool, type(None))
+
+
+# ------------------------------------------------------------------------------------------------ the formats
+
+
+def _load_npy(payload: bytes) -> np.ndarray[Any, Any]:
+    """A read-only view of the array in an ``.npy`` body: the body's bytes are not copied (the segment writer
+    copies them once, into the cache). Object arrays (pickles) are refused."""
+    stream = io.BytesIO(payload)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version in ((2, 0), (3, 0)):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:
+        raise ValueError(f"unsupported .npy format version {version}")
+    if dtype.hasobject:
+        raise ValueError("an .npy of Python objects needs pickle, which is refused")
+    count = int(np.prod(shape, dtype=np.int64))
+    needed = count * dtype.itemsize
+    offset = stream.tell()
+    if len(payload) - offset < needed:
+        raise ValueError(f".npy body too short: {len(payload) - offset} bytes of data, the header says {needed}")
+    flat = np.frombuffer(payload, dtype=dtype, count=count, offset=offset) if count else np.empty(0, dtype)
+    return flat.reshape(shape, order="F" if fortran_order else "C")
+
+
+def decode_npy(key: str, body: bytes) -> list[Sample]:
+    return [{"data": _load_npy(body), "__key__": key}]
+
+
+def decode_npz(key: str, body: bytes) -> list[Sample]:
+    archive = np.load(io.BytesIO(body), allow_pickle=False)
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValueError(f"expected an .npz archive, found {type(archive).__name__}")
+    with archive:
+        sample: Sample = {name: _collatable(archive[name]) for name in archive.files}
+    return [{**sample, "__key__": key}]
+
+
+def _collatable(array: np.ndarray[Any, Any]) -> Any:
+    """A text array (``<U5``) as ``str`` (0-d) or a list of ``str``, which default_collate batches; arrays of any
+    other dtype as they are."""
+    if array.dtype.kind == "U":
+        return array.item() if array.ndim == 0 else array.tolist()
+    return array
+
+
+def decode_pt(key: str, body: bytes) -> list[Sample]:
+    import torch
+
+    value = torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
+    if isinstance(value, tuple) and not all(isinstance(item, dict) for item in value):
+        # torch.save((image, label)): one sample, fields named by position ("0", "1", ...)
+        return [{**{str(i): item for i, item in enumerate(value)}, "__key__": key}]
+    items = value if isinstance(value, list | tuple) else [value]
+    samples = []
+    for index, item in enumerate(items):
+        sample = dict(item) if isinstance(item, dict) else {"data": item}
+        sample["__key__"] = key if items is not value else f"{key}#{index}"
+        samples.append(sample)
+    return samples
+
+
+def msgpack_default(value: Any) -> Any:
+    """``default=`` hook for ``msgpack.packb``: numpy arrays and scalars -> the ndarray ext type."""
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        payload = msgpack.packb([value.dtype.str, list(value.shape), np.ascontiguousarray(value).tobytes()])
+        return msgpack.ExtType(MSGPACK_NDARRAY_EXT, payload)
+    raise TypeError(f"cannot msgpack-encode {type(value).__name__}")
+
+
+def _array(dtype: Any, shape: Any, data: Any) -> np.ndarray[Any, Any]:
+    if not isinstance(dtype, str | bytes) or not isinstance(data, bytes):
+        raise ValueError("array dtype must be a string and data bytes")
+    if not isinstance(shape, list | tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError("array shape must be a list of integers >= 0")
+    kind = np.dtype(dtype.decode() if isinstance(dtype, bytes) else dtype)
+    if kind.hasobject:
+        raise ValueError("object arrays are not allowed")
+    if len(data) != math.prod(shape) * kind.itemsize:
+        raise ValueError(f"array data is {len(data)} bytes, shape {list(shape)} of {kind} needs more or less")
+    return np.frombuffer(data, dtype=kind).reshape(shape)
+
+
+def _ext_hook(code: int, payload: bytes) -> Any:
+    if code != MSGPACK_NDARRAY_EXT:
+        raise ValueError(f"unknown msgpack ext type {code}")
+    fields = msgpack.unpackb(payload, raw=False)
+    if not isinstance(fields, list) or len(fields) != 3:
+        raise ValueError("ndarray ext payload must be [dtype, shape, data]")
+    return _array(*fields)
+
+
+def _object_hook(mapping: dict[Any, Any]) -> Any:
+    get = mapping.get
+    if (get("nd") is True or get(b"nd") is True) and ("type" in mapping or b"type" in mapping):
+        dtype = get("type", get(b"type"))
+        shape = get("shape", get(b"shape"))
+        return _array(dtype, shape, get("data", get(b"data")))
+    return mapping
+
+
+def decode_msgpack(key: str, body: bytes) -> list[Sample]:
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        ext_hook=_ext_hook,
+        object_hook=_object_hook,
+        strict_map_key=False,
+        max_buffer_size=max(1, len(body)),
+    )
+    unpacker.feed(body)
+    values = list(unpacker)
+    if not values or unpacker.tell() != len(body):
+        raise ValueError("truncated msgpack data")
+    if len(values) > 1:  # a stream of concatenated records: one sample per record
+        return [
+            {**(_str_keys(item) if isinstance(item, dict) else {"data": item}), "__key__": f"{key}#{index}"}
+            for index, item in enumerate(values)
+        ]
+    value = values[0]
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        return [{**_str_keys(item), "__key__": f"{key}#{index}"} for index, item in enumerate(value)]
+    if isinstance(value, dict):
+        return [{**_str_keys(value), "__key__": key}]
+    return [{"data": value, "__key__": key}]
+
+
+def _str_keys(mapping: dict[Any, Any]) -> Sample:
+    out: Sample = {}
+    for name, value in mapping.items():
+        out[name.decode() if isinstance(name, bytes) else name] = value
+    return out
+
+
+def decode_raw(key: str, body: bytes) -> list[Sample]:
+    return [{"data": bytes(body), "__key__": key}]
+
+
+def decode_image_object(key: str, body: bytes, *, size: tuple[int, int] | None = None) -> list[Sample]:
+    return [{"image": decode_image(body, key, size=size), "__key__": key}]
+
+
+def _tar_field(extension: str, payload: bytes, images: _Images | None = None, key: str = "") -> Any:
+    last = extension.rsplit(".", 1)[-1].lower()
+    if images is not None and last in IMAGE_EXTENSIONS:
+        return decode_image(payload, f"{key} member {extension}", size=images.size)
+    if last == "npy":
+        return _load_npy(payload)
+    if last == "cls":
+        return int(payload.decode().strip())
+    if last == "txt":
+        return payload.decode()
+    if last == "json":
+        return json.loads(payload)
+    return payload
+
+
+def _tar_group(name: str) -> tuple[str, str] | None:
+    """(group, field) of a member name, or None when the member must be skipped."""
+    if name.startswith("/") or ".." in name.split("/"):
+        return None
+    directory, filename = posixpath.split(posixpath.normpath(name))
+    basename, dot, extension = filename.partition(".")
+    if not basename or not dot or not extension:
+        return None
+    return posixpath.join(directory, basename), extension
+
+
+@dataclass(frozen=True, slots=True)
+class _Images:
+    """Decode tar members that are images (``sampler.decode_images``), to ``size`` if given."""
+
+    size: tuple[int, int] | None
+
+
+def decode_tar(key: str, body: bytes, *, images: _Images | None = None) -> list[Sample]:
+    groups: dict[str, Sample] = {}
+    with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as archive:
+        for member in archive:
+            if not member.isreg():
+                continue
+            where = _tar_group(member.name)
+            if where is None:
+                continue
+            group, extension = where
+            sample = groups.setdefault(group, {"__key__": f"{key}/{group}"})
+            if extension in sample:
+                raise ValueError(f"member {member.name!r}: field {extension!r} appears twice in {group!r}")
+            handle = archive.extractfile(member)
+            if handle is None:
+                continue
+            try:
+                sample[extension] = _tar_field(extension, handle.read(), images, f"{key}/{group}")
+            except ValueError as exc:
+                raise ValueError(f"member {member.name!r}: {exc}") from exc
+        _check_end_of_archive(archive)
+    return list(groups.values())
+
+
+def _check_end_of_archive(archive: tarfile.TarFile) -> None:
+    """tarfile stops quietly at a truncated header; a complete archive ends with a zero block there instead."""
+    stream = archive.fileobj
+    stream.seek(archive.offset)
+    if stream.read(tarfile.BLOCKSIZE) != tarfile.NUL * tarfile.BLOCKSIZE:
+        raise ValueError("truncated tar archive: no end-of-archive block after the last member")
+
+
+_BUILTINS: dict[str, Callable[[str, bytes], list[Sample]]] = {  # the registry: config validates names against it
+    "npy": decode_npy,
+    "npz": decode_npz,
+    "pt": decode_pt,
+    "msgpack": decode_msgpack,
+    "raw": decode_raw,
+    "tar": decode_tar,
+    "image": decode_image_object,
+}
+BUILTIN_DECODERS = tuple(_BUILTINS)
+
+
+# ------------------------------------------------------------------------------------------------ the contract
+
+
+def _check_value(value: Any, depth: int) -> str | None:
+    """None if ``value`` can be written, else why not."""
+    if isinstance(value, _SCALARS):
+        return None
+    if depth == 0 and isinstance(value, np.ndarray):
+        return "object arrays are not allowed" if value.dtype.hasobject else None
+    if depth == 0 and type(value).__module__.startswith("torch"):
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.device.type != "cpu":
+                return f"tensors must be dense CPU tensors, not {value.layout} on {value.device}"
+            return None
+    if depth >= MAX_NESTING:
+        return f"nested deeper than {MAX_NESTING} levels"
+    if isinstance(value, list | tuple):
+        for item in value:
+            if (reason := _check_value(item, depth + 1)) is not None:
+                return reason
+        return None
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if not isinstance(name, str):
+                return f"dict keys must be strings, not {type(name).__name__}"
+            if (reason := _check_value(item, depth + 1)) is not None:
+                return reason
+        return None
+    where = "inside a list or dict" if depth else "as a field"
+    return f"{type(value).__module__}.{type(value).__name__} cannot be stored {where}"
+
+
+def check_sample(key: str, sample: Any) -> Sample:
+    """Return ``sample`` with ``__key__`` set (defaulting to ``key``), or raise ``DecodeError``."""
+    if not isinstance(sample, dict):
+        raise DecodeError(f"{key}: a decoder must yield dicts of fields, got {type(sample).__name__}")
+    sample.setdefault("__key__", key)
+    if not isinstance(sample["__key__"], str):
+        raise DecodeError(f"{key}: __key__ must be a str, got {type(sample['__key__']).__name__}")
+    for name, value in list(sample.items()):
+        if not isinstance(name, str):
+            raise DecodeError(f"{key}: field names must be strings, got {name!r}")
+        if name == "__key__":
+            continue
+        if name.startswith("__"):
+            raise DecodeError(f"{key}: field {name!r}: names starting with '__' are reserved")
+        if isinstance(value, np.generic):
+            sample[name] = np.asarray(value)  # numpy scalars are stored as 0-d arrays
+        if (reason := _check_value(sample[name], 0)) is not None:
+            raise DecodeError(f"{key}: field {name!r}: {reason}")
+    return sample
+
+
+def _checked(name: str, decode: Callable[[str, bytes], Iterable[Any]]) -> Decoder:
+    def checked_decoder(key: str, body: bytes) -> list[Sample]:
+        try:
+            samples = list(decode(key, body))
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"{key}: not valid {name} data: {type(exc).__name__}: {exc}") from exc
+        return [check_sample(key, sample) for sample in samples]
+
+    checked_decoder.__name__ = f"decode_{name}"
+    return checked_decoder
+
+
+def get_decoder(name: str, *, decode_images: bool = False, image_size: Any = None) -> Decoder:
+    """The decoder for a built-in format name or a ``"package.module:function"`` spec (wrapped and checked).
+
+    ``image`` decodes each object as an image (``_images.py``); ``decode_images`` does the same for the image members
+    of ``tar`` shards; both resize and crop to ``image_size`` (``images.image_size`` forms) when given.
+    """
+    size = image_size_of(image_size)
+    if name == "image":
+        return _checked(name, functools.partial(decode_image_object, size=size))
+    if name == "tar" and decode_images:
+        return _checked(name, functools.partial(decode_tar, images=_Images(size)))
+    builtin = _BUILTINS.get(name)
+    if builtin is not None:
+        return _checked(name, builtin)
+    return _checked(name, load_callable(name))
+
+
+def get_preprocess(spec: str) -> Callable[[Sample], Sample] | None:
+    """The user's deterministic preprocess callable (checked like a decoder's output), or None for ""."""
+    if not spec:
+        return None
+    function = load_callable(spec)
+
+    def preprocess(sample: Sample) -> Sample:
+        key = str(sample.get("__key__", "?"))
+        try:
+            result = function(sample)
+        except Exception as exc:
+            raise DecodeError(f"{key}: preprocess {spec} failed: {type(exc).__name__}: {exc}") from exc
+        if isinstance(result, dict):
+            result.setdefault("__key__", key)
+        return check_sample(key, result)
+
+    return preprocess
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """Import ``"package.module:attr.path"`` and return it; ``ConfigError`` naming the spec if that fails."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ConfigError(f'{spec!r}: expected "package.module:function"')
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigError(f"{spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigError(f"{spec!r}: {module_name!r} has no attribute {attribute!r}") from None
+    if not callable(target):
+        raise ConfigError(f"{spec!r}: {attribute!r} is a {type(target).__name__}, not a callable")
+    return target  # type: ignore[no-any-return]

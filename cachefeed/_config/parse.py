@@ -1,0 +1,224 @@
+"""Parsing: a TOML document to a frozen ``Config``, key by key as ``schema.py`` says, then the cross-field checks.
+
+Every error is a ``ConfigError`` with a one-line message naming the key, the bad value (hidden for keys that may
+hold credentials) and the expected form. ``node.rank``/``node.count`` default from the launcher's environment
+variables when ``parse_config`` runs, never at import time.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+from cachefeed._cache.settings import (
+    DEFAULT_SEGMENT_BYTES,
+    DEFAULT_TURNOVER_PERCENT,
+    METADATA_RESERVE_BYTES,
+    MIN_SEGMENTS_IN_BUDGET,
+)
+from cachefeed._cache.sources import MAX_SOURCES
+from cachefeed._config.model import DEFAULT_PROCESSES, Config, SourceConfig
+from cachefeed._config.schema import (
+    REMOVED,
+    REQUIRED,
+    SCHEMA,
+    SECRET_KEYS,
+    SECTION_TYPES,
+    SOURCE_SCHEMA,
+    SOURCE_SECRET_KEYS,
+)
+from cachefeed._errors import ConfigError
+from cachefeed._images import require_pillow
+
+__all__ = ["load_config", "parse_config"]
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name.rpartition(".")[2], known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown {kind} {name!r} (expected one of: {', '.join(known)}){hint}"
+
+
+def _env_int(env: Mapping[str, str], source: str, *names: str) -> int | None:
+    """The first of ``names`` set in ``env``, as an int >= 0; a malformed value is an error, never ignored."""
+    for name in names:
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        if not raw.isdigit():
+            raise ConfigError(
+                f"{source}: environment variable {name} = {raw!r}: expected an integer >= 0 "
+                "(or set node.rank/node.count in the config)"
+            )
+        return int(raw)
+    return None
+
+
+def parse_config(
+    document: Mapping[str, Any], *, source: str = "<memory>", env: Mapping[str, str] | None = None
+) -> Config:
+    """Validate a parsed TOML document and return the frozen Config. Raises ConfigError (one line)."""
+    env = os.environ if env is None else env
+    sections: dict[str, dict[str, object]] = {name: {} for name in SCHEMA}
+    sources = _parse_sources(document.get("source"), source)
+    for section_name, body in document.items():
+        if section_name == "source":
+            continue
+        if section_name not in SCHEMA:
+            raise ConfigError(f"{source}: " + _unknown("section", section_name, list(SCHEMA)))
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: [{section_name}] must be a table of keys")
+        keys = SCHEMA[section_name]
+        for key, raw in body.items():
+            if (section_name, key) in REMOVED:
+                raise ConfigError(f"{source}: {section_name}.{key} = {raw!r}: {REMOVED[section_name, key]}")
+            if key not in keys:
+                raise ConfigError(f"{source}: " + _unknown("key", f"{section_name}.{key}", list(keys)))
+            field_name, parser, _doc = keys[key]
+            try:
+                sections[section_name][field_name] = parser(raw)
+            except ValueError as exc:
+                shown = "<hidden: may hold credentials>" if (section_name, key) in SECRET_KEYS else repr(raw)
+                raise ConfigError(f"{source}: {section_name}.{key} = {shown}: {exc}") from None
+    if sources and "url" in sections["remote"]:
+        raise ConfigError(
+            f"{source}: remote.url and [[source]] tables both name the data: move remote.url into a [[source]] "
+            "table (with a name) or remove the [[source]] tables"
+        )
+    for section_name, key in sorted(REQUIRED):
+        field_name = SCHEMA[section_name][key][0]
+        if sources and (section_name, key) == ("remote", "url"):
+            continue
+        if field_name not in sections[section_name]:
+            raise ConfigError(f"{source}: {section_name}.{key} is required ({SCHEMA[section_name][key][2]})")
+
+    node = sections["node"]
+    if "rank" not in node:
+        node["rank"] = _env_int(env, source, "NODE_RANK", "GROUP_RANK") or 0
+    if "count" not in node:
+        node["count"] = _env_int(env, source, "NNODES") or 1
+    _check_cross_field(sections, source)
+
+    for index, entry in enumerate(sources):
+        _check_decoder(entry.decode or str(sections["sampler"].get("decode", "npy")), f"source[{index}].decode", source)
+    built = {name: SECTION_TYPES[name](**values) for name, values in sections.items()}
+    return Config(**built, source=source, sources=tuple(sources))
+
+
+def _parse_sources(raw: object, source: str) -> list[SourceConfig]:
+    """The ``[[source]]`` tables, validated: each key as ``SOURCE_SCHEMA`` says, names and their tags unique."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(entry, dict) for entry in raw):
+        raise ConfigError(f"{source}: source must be written as [[source]] tables (name, url, ...), one per source")
+    if not raw:
+        return []
+    if len(raw) > MAX_SOURCES:
+        raise ConfigError(f"{source}: {len(raw)} [[source]] tables: at most {MAX_SOURCES} are supported")
+    parsed: list[SourceConfig] = []
+    tags: dict[int, str] = {}
+    for index, body in enumerate(raw):
+        values: dict[str, object] = {}
+        for key, value in body.items():
+            where = f"source[{index}].{key}"
+            if key not in SOURCE_SCHEMA:
+                raise ConfigError(f"{source}: " + _unknown("key", where, list(SOURCE_SCHEMA)))
+            field_name, parser, _doc = SOURCE_SCHEMA[key]
+            try:
+                values[field_name] = parser(value)
+            except ValueError as exc:
+                shown = "<hidden: may hold credentials>" if key in SOURCE_SECRET_KEYS else repr(value)
+                raise ConfigError(f"{source}: {where} = {shown}: {exc}") from None
+        for key in ("name", "url"):
+            if key not in values:
+                raise ConfigError(f"{source}: source[{index}].{key} is required ({SOURCE_SCHEMA[key][2]})")
+        entry = SourceConfig(**values)  # type: ignore[arg-type]
+        clash = tags.get(entry.tag)
+        if clash is not None:
+            what = "is used twice" if clash == entry.name else f"has the same tag as {clash!r}: rename one"
+            raise ConfigError(f"{source}: source[{index}].name = {entry.name!r} {what}")
+        tags[entry.tag] = entry.name
+        parsed.append(entry)
+    return parsed
+
+
+def _check_decoder(decode: str, key: str, source: str) -> None:
+    """A source's decoder that needs Pillow needs it installed (the other decoders load at preflight)."""
+    if decode == "image":
+        try:
+            require_pillow()
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {key}: {exc}") from None
+
+
+def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> None:
+    cache = sections["cache"]
+    sampler = sections["sampler"]
+    node = sections["node"]
+    max_bytes = int(cache["max_bytes"])  # type: ignore[call-overload]
+    segment_bytes = int(cache.get("segment_bytes", DEFAULT_SEGMENT_BYTES))  # type: ignore[call-overload]
+    processes = int(sampler.get("processes", DEFAULT_PROCESSES))  # type: ignore[call-overload]
+    floor = max(MIN_SEGMENTS_IN_BUDGET, 2 * processes) * segment_bytes + METADATA_RESERVE_BYTES
+    if max_bytes < floor:
+        raise ConfigError(
+            f"{source}: cache.max_bytes = {max_bytes} bytes is below {floor} bytes "
+            f"(max({MIN_SEGMENTS_IN_BUDGET}, 2 x sampler.processes) x cache.segment_bytes + 1 MiB metadata): "
+            "raise max_bytes or lower segment_bytes"
+        )
+    turnover = cache.get("turnover_bytes", ("percent", float(DEFAULT_TURNOVER_PERCENT)))
+    if isinstance(turnover, tuple):
+        turnover = int(max_bytes * float(turnover[1]) / 100)
+    turnover_bytes = int(turnover)  # type: ignore[call-overload]
+    if turnover_bytes > max_bytes - METADATA_RESERVE_BYTES - 2 * segment_bytes:
+        raise ConfigError(
+            f"{source}: cache.turnover = {turnover_bytes} bytes leaves less than two segments for the "
+            "cached set: lower turnover or raise max_bytes"
+        )
+    cache["turnover_bytes"] = turnover_bytes
+    decodes_images = sampler.get("decode") == "image" or sampler.get("decode_images") is True
+    if decodes_images:
+        try:
+            require_pillow()
+        except ConfigError as exc:
+            key = "sampler.decode" if sampler.get("decode") == "image" else "sampler.decode_images"
+            raise ConfigError(f"{source}: {key}: {exc}") from None
+    if sampler.get("decode_images") is True and sampler.get("decode") != "tar":
+        raise ConfigError(
+            f"{source}: sampler.decode_images = true decodes the image members of tar shards, but sampler.decode "
+            f'is {sampler.get("decode", "npy")!r}: use decode = "tar", or decode = "image" for one image per object'
+        )
+    for section, base, cap in (
+        ("remote", "backoff_base", "backoff_max"),
+        ("sampler", "restart_backoff", "restart_backoff_max"),
+    ):
+        values = sections[section]
+        base_s = values.get(SCHEMA[section][base][0])
+        cap_s = values.get(SCHEMA[section][cap][0])
+        if base_s is not None and cap_s is not None and float(base_s) > float(cap_s):  # type: ignore[arg-type]
+            raise ConfigError(
+                f"{source}: {section}.{base} = {base_s}s is above {section}.{cap} = {cap_s}s: expected {base} <= {cap}"
+            )
+    if int(node["rank"]) >= int(node["count"]):  # type: ignore[call-overload]
+        raise ConfigError(f"{source}: node.rank = {node['rank']} must be below node.count = {node['count']}")
+
+
+def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate a TOML config file. Raises ConfigError with a one-line message."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as handle:
+            document = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: is a directory, expected a TOML file") from None
+    except PermissionError:
+        raise ConfigError(f"{source}: permission denied reading the config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not valid UTF-8 text") from None
+    return parse_config(document, source=source, env=env)

@@ -1,0 +1,325 @@
+"""Which objects to fetch next: passes without replacement, a disjoint share per node, re-queues and skips.
+
+The plan lives in the supervisor and is driven by its main loop (not thread-safe).
+
+Contract:
+
+* **Node partition.** Node ``rank`` of ``count`` owns the objects whose ``xxh3_64(path) % count == rank``:
+  disjoint across nodes, deterministic, and stable when the catalog grows (an object never changes owner).
+* **Passes.** Each pass visits every owned object at most once, in a seeded order: objects sorted by
+  ``xxh3_64(path, seed=h(seed, pass))``. The same (seed, pass, catalog) gives the same order on every run.
+  Objects that a catalog refresh adds, and new versions (another ETag) of known ones, join the current pass,
+  appended in that same seeded order.
+* **Pass boundary.** A pass is completed when all its objects were drawn *and* resolved (done, failed or
+  skipped); only then does the next pass start, so an object is never in two passes at once. A pass that drew
+  nothing (everything is already cached) or cached nothing (every object failed) is followed by a wait
+  (``idle_backoff``) instead of spinning; an eviction or a catalog change ends the wait early.
+* **Skips.** An object is not drawn while it is in flight, while its samples are still cached (its segment
+  is published and not yet evicted: the cache never holds the same sample twice), after a 404/403 (dropped
+  until the listing shows a new version), after a decode failure (quarantined for that version: decoding the
+  same bytes again would fail again), or after any other failure in the same pass (retried next pass).
+* **Versions.** An outcome (done or failed) counts for the version that was drawn. If the listing shows a new
+  version while the old one is in flight, the old outcome is recorded as such (its samples stay cached: they are
+  another sample) and the new version is queued again in the current pass; it is never mistaken for cached.
+* **Re-queues.** Objects of a dead sampler go to the front and are drawn before anything else.
+* **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
+  from each segment's source list); an object listed at the same version is skipped as cached until that
+  segment is evicted, so a restarted daemon does not download what it already holds.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from cachefeed._logs import get_logger
+from cachefeed._remote import RemoteObject
+
+__all__ = ["PlanCounters", "SamplingPlan", "owner_of", "pass_order_key"]
+
+log = get_logger(__name__)
+
+_IDLE_BACKOFF_MIN_S = 0.5
+_IDLE_BACKOFF_MAX_S = 30.0
+_DROP_KINDS = frozenset({"not_found", "forbidden", "too_large"})
+
+
+def owner_of(path: str, count: int) -> int:
+    """The node (0..count-1) that owns ``path``."""
+    return xxhash.xxh3_64_intdigest(path.encode()) % count
+
+
+def _pass_seed(seed: int, pass_index: int) -> int:
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed & (2**64 - 1), pass_index))
+
+
+def pass_order_key(path: str, seed: int, pass_index: int) -> int:
+    """The sort key of ``path`` in pass ``pass_index``: a seeded permutation, stable under catalog growth."""
+    return xxhash.xxh3_64_intdigest(path.encode(), seed=_pass_seed(seed, pass_index))
+
+
+@dataclass(slots=True)
+class PlanCounters:
+    passes_completed: int = 0
+    drawn_total: int = 0
+    done_total: int = 0
+    requeued_total: int = 0
+    failed_total: int = 0
+    dropped_total: int = 0
+    quarantined_total: int = 0
+    skipped_cached_total: int = 0
+
+
+class SamplingPlan:
+    """The sampling plan of one node. See the module docstring for the contract."""
+
+    def __init__(
+        self, *, seed: int = 0, rank: int = 0, count: int = 1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not 0 <= rank < count:
+            raise ValueError(f"rank {rank} must be in [0, {count})")
+        self.seed = seed
+        self.rank = rank
+        self.count = count
+        self.counters = PlanCounters()
+        self._now = clock
+        self._objects: list[RemoteObject] = []
+        self._by_path: dict[str, int] = {}
+        self._listed: set[int] = set()  # owned oids present in the latest listing
+        self._pass = 0
+        self._queue: deque[int] = deque()
+        self._front: deque[int] = deque()
+        self._in_flight: dict[int, str | None] = {}  # oid -> the version (ETag) drawn
+        self._failed_this_pass: set[int] = set()
+        self._dropped: dict[int, str | None] = {}  # oid -> etag it was dropped at
+        self._quarantined: dict[int, str | None] = {}
+        self._reason: dict[int, str] = {}  # oid -> why it is dropped or quarantined (the failure kind)
+        self._segment_of: dict[int, int] = {}  # oid -> seq of the published segment holding its last sample
+        self._objects_in: dict[int, list[int]] = {}  # seq -> oids whose last sample it holds
+        self._adopted: dict[str, tuple[str | None, int]] = {}  # path -> (version, seq), from recovered segments
+        self._drawn_this_pass = 0
+        self._done_this_pass = 0
+        self._not_before = 0.0
+        self._is_waiting = False
+        self._idle_backoff_s = _IDLE_BACKOFF_MIN_S
+        self._is_changed = False
+
+    # -- the catalog ----------------------------------------------------------------------------------------
+
+    @property
+    def pass_index(self) -> int:
+        return self._pass
+
+    @property
+    def owned(self) -> int:
+        """Objects of this node in the latest listing."""
+        return len(self._listed)
+
+    def object(self, oid: int) -> RemoteObject:
+        return self._objects[oid]
+
+    def update_catalog(self, listing: Iterable[RemoteObject]) -> int:
+        """Apply a fresh listing; returns how many owned objects joined the current pass (new or new versions).
+
+        Objects missing from the listing are no longer drawn (until listed again).
+        """
+        listed: set[int] = set()
+        added: list[int] = []
+        for obj in listing:
+            if owner_of(obj.path, self.count) != self.rank:
+                continue
+            oid = self._by_path.get(obj.path)
+            if oid is None:
+                oid = len(self._objects)
+                self._objects.append(obj)
+                self._by_path[obj.path] = oid
+                self._adopt_listed(oid)
+                added.append(oid)
+            elif self._objects[oid] != obj:
+                # A new version is a new object: it joins the current pass, whatever happened to the old one.
+                self._objects[oid] = obj
+                self._dropped.pop(oid, None)
+                self._quarantined.pop(oid, None)
+                self._failed_this_pass.discard(oid)
+                self._segment_of.pop(oid, None)
+                added.append(oid)
+            elif oid not in self._listed:
+                added.append(oid)  # listed again after it vanished
+            listed.add(oid)
+        removed = len(self._listed - listed)
+        self._listed = listed
+        self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
+        if added:
+            added.sort(key=lambda i: pass_order_key(self._objects[i].path, self.seed, self._pass))
+            self._queue.extend(added)
+            self._is_changed = True
+        if removed:
+            log.info("%d objects vanished from the remote listing", removed)
+        return len(added)
+
+    # -- drawing --------------------------------------------------------------------------------------------
+
+    def _is_skipped(self, oid: int) -> bool:
+        etag = self._objects[oid].etag
+        if oid not in self._listed or oid in self._in_flight or oid in self._failed_this_pass:
+            return True
+        if oid in self._dropped and self._dropped[oid] == etag:
+            return True
+        if oid in self._quarantined and self._quarantined[oid] == etag:
+            return True
+        if oid in self._segment_of:
+            self.counters.skipped_cached_total += 1
+            return True
+        return False
+
+    def next(self, n: int) -> list[tuple[int, RemoteObject]]:
+        """Draw up to ``n`` objects and mark them in flight (maybe none: nothing to do right now)."""
+        out: list[tuple[int, RemoteObject]] = []
+        while len(out) < n:
+            if self._front:
+                oid = self._front.popleft()
+            elif self._queue:
+                oid = self._queue.popleft()
+            elif self._start_next_pass():
+                continue
+            else:
+                break
+            if self._is_skipped(oid):
+                continue
+            self._in_flight[oid] = self._objects[oid].etag
+            self._drawn_this_pass += 1
+            self.counters.drawn_total += 1
+            out.append((oid, self._objects[oid]))
+        return out
+
+    def _start_next_pass(self) -> bool:
+        if self._in_flight or not self._listed:
+            return False  # a pass ends when its last object is resolved
+        now: float = self._now()
+        is_productive = self._drawn_this_pass > 0 and self._done_this_pass > 0
+        if is_productive:
+            self._idle_backoff_s = _IDLE_BACKOFF_MIN_S
+        elif not self._is_changed:
+            if not self._is_waiting:  # the first look at an idle pass end: wait before the next one
+                self._is_waiting = True
+                self._not_before = now + self._idle_backoff_s
+                self._idle_backoff_s = min(_IDLE_BACKOFF_MAX_S, self._idle_backoff_s * 2)
+            if now < self._not_before:
+                return False
+        if self._drawn_this_pass > 0:
+            self.counters.passes_completed += 1
+            log.info(
+                "pass %d completed: %d objects drawn, %d done", self._pass, self._drawn_this_pass, self._done_this_pass
+            )
+        self._pass += 1
+        self._is_changed = self._is_waiting = False
+        self._failed_this_pass.clear()
+        self._drawn_this_pass = self._done_this_pass = 0
+        order = sorted(self._listed, key=lambda i: pass_order_key(self._objects[i].path, self.seed, self._pass))
+        self._queue = deque(order)
+        return True
+
+    # -- outcomes -------------------------------------------------------------------------------------------
+
+    def requeue(self, oids: Iterable[int]) -> None:
+        """Objects of a sampler that died before they were done: drawn again first."""
+        back = [oid for oid in oids if oid in self._in_flight]
+        for oid in back:
+            del self._in_flight[oid]
+        self._front.extendleft(reversed(back))
+        self.counters.requeued_total += len(back)
+
+    def _resolve(self, oid: int) -> bool:
+        """Take ``oid`` out of flight; False if the listing moved to another version meanwhile (queued again)."""
+        drawn = self._in_flight.pop(oid, None)
+        if drawn == self._objects[oid].etag:
+            return True
+        self._queue.append(oid)  # the new version, in this pass
+        self._is_changed = True
+        return False
+
+    def done(self, oids: Sequence[int], seq: int | None) -> None:
+        """Objects whose samples are all published, the last one in segment ``seq`` (None: no samples)."""
+        current = []
+        for oid in oids:
+            self._done_this_pass += 1
+            self.counters.done_total += 1
+            if oid not in self._in_flight or self._resolve(oid):
+                current.append(oid)
+        if seq is not None and current:
+            for oid in current:
+                self._segment_of[oid] = seq
+            self._objects_in.setdefault(seq, []).extend(current)
+
+    def failed(self, oid: int, kind: str) -> None:
+        """An object could not be cached; see the module docstring for what each ``kind`` implies."""
+        self.counters.failed_total += 1
+        if oid in self._in_flight and not self._resolve(oid):
+            return  # the failure concerned an old version; the new one is queued
+        etag = self._objects[oid].etag
+        if kind in _DROP_KINDS or kind == "decode":
+            self._reason[oid] = kind
+        if kind in _DROP_KINDS:
+            self._dropped[oid] = etag
+            self.counters.dropped_total += 1
+        elif kind == "decode":
+            self._quarantined[oid] = etag
+            self.counters.quarantined_total += 1
+        else:
+            self._failed_this_pass.add(oid)
+
+    def adopt(self, seq: int, sources: Iterable[tuple[str, str | None]]) -> None:
+        """Segment ``seq``, recovered at start, holds the last sample of each ``(path, version)`` in ``sources``.
+
+        Call before the first ``update_catalog``; objects listed later at the same version count as cached.
+        """
+        for path, version in sources:
+            known = self._adopted.get(path)
+            if known is None or known[1] < seq:
+                self._adopted[path] = (version, seq)
+
+    def _adopt_listed(self, oid: int) -> None:
+        obj = self._objects[oid]
+        adopted = self._adopted.pop(obj.path, None)
+        if adopted is None or adopted[0] != obj.etag:
+            return
+        seq = adopted[1]
+        self._segment_of[oid] = seq
+        self._objects_in.setdefault(seq, []).append(oid)
+
+    def evicted(self, seqs: Iterable[int]) -> None:
+        """Segments left the cache: their objects may be drawn again."""
+        gone = set(seqs)
+        if self._adopted:
+            self._adopted = {path: entry for path, entry in self._adopted.items() if entry[1] not in gone}
+        for seq in gone:
+            for oid in self._objects_in.pop(seq, ()):
+                if self._segment_of.get(oid) == seq:
+                    del self._segment_of[oid]
+                    self._is_changed = True
+
+    def cached_segments(self) -> set[int]:
+        """The segments the plan believes hold some object's last sample."""
+        return set(self._objects_in) | {seq for _, seq in self._adopted.values()}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def dropped(self) -> int:
+        return len(self._dropped)
+
+    @property
+    def not_cached(self) -> dict[str, int]:
+        """Objects listed now that are not cached for a reason (dropped or quarantined), by reason."""
+        counts: dict[str, int] = {}
+        for oid in (*self._dropped, *self._quarantined):
+            reason = self._reason.get(oid, "other")
+            counts[reason] = counts.get(reason, 0) + 1
+        return counts

@@ -1,0 +1,265 @@
+"""The sampler processes as the supervisor sees them: start, watch, restart with backoff, drain, kill.
+
+Each ``SamplerHandle`` holds one sampler's process, its end of the protocol socket, and what the supervisor must
+undo if it dies: the objects assigned and not done, and the grants outstanding (see NOTE [ Supervisor-sampler
+protocol ] in ``protocol.py``). The pool does not touch the plan or the store itself: ``reap`` returns the handles
+that died, and the supervisor re-queues and aborts for them before calling ``schedule_restart``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachefeed._daemon.notify import child_env
+from cachefeed._daemon.protocol import Init
+from cachefeed._daemon.wire import Channel, ChannelClosed, Message, socket_pair
+from cachefeed._logs import get_logger
+
+__all__ = ["SamplerHandle", "SamplerPool", "SamplerState"]
+
+log = get_logger(__name__)
+
+_SEND_TIMEOUT_S = 5.0
+_HEARTBEAT_TIMEOUT_S = 60.0
+_HEALTHY_AFTER_S = 30.0  # a sampler up this long has its restart backoff reset
+
+
+class SamplerState(enum.Enum):
+    """Life of a sampler slot. Transitions: STARTING -> RUNNING (first message) -> RESTARTING (died) ->
+    STARTING (respawned) ...; any -> STOPPED (drained or killed at shutdown)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+
+
+@dataclass(slots=True)
+class SamplerHandle:
+    """One sampler slot. ``assigned`` (and the grants it holds, ``grants.py``) are what a death must undo."""
+
+    index: int
+    state: SamplerState = SamplerState.STARTING
+    process: subprocess.Popen[bytes] | None = None
+    channel: Channel | None = None
+    restarts: int = 0
+    credits: int = 0
+    assigned: set[int] = field(default_factory=set)
+    stats: dict[str, Any] = field(default_factory=dict)  # the latest Stats message's remote counters
+    objects_total: int = 0
+    base_objects_total: int = 0  # objects of earlier incarnations
+    last_error: str = ""
+    started_at: float = 0.0
+    last_heard: float = 0.0
+    restart_at: float = 0.0
+    backoff_s: float = 0.0
+    is_drained: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process is not None else 0
+
+    @property
+    def is_alive(self) -> bool:
+        return self.channel is not None
+
+
+class SamplerPool:
+    """Starts and watches ``count`` samplers. Driven by the supervisor's main loop only.
+
+    Args:
+        count: number of sampler processes.
+        make_init: builds the ``Init`` message for sampler ``index``.
+        lock_fd: the cache writer lock, inherited by every sampler.
+        backoff_s / backoff_max_s: first and largest restart delay.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        make_init: Callable[[int], Init],
+        lock_fd: int,
+        backoff_s: float,
+        backoff_max_s: float,
+    ) -> None:
+        self.handles = [SamplerHandle(index, backoff_s=backoff_s) for index in range(count)]
+        self._make_init = make_init
+        self._lock_fd = lock_fd
+        self._backoff_s = backoff_s
+        self._backoff_max_s = backoff_max_s
+        self.retired_stats: list[dict[str, Any]] = []  # remote counters of dead incarnations
+
+    def __iter__(self) -> Iterator[SamplerHandle]:
+        return iter(self.handles)
+
+    def live(self) -> list[SamplerHandle]:
+        return [handle for handle in self.handles if handle.is_alive]
+
+    # -- start ----------------------------------------------------------------------------------------------
+
+    def start(self, handle: SamplerHandle) -> None:
+        """Spawn the process of ``handle`` and send it ``Init``. A failure to spawn schedules a restart."""
+        parent, child = socket_pair()
+        try:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "cachefeed._daemon.sampler",
+                    "--fd",
+                    str(child.fileno()),
+                    "--parent-pid",
+                    str(os.getpid()),
+                    "--index",
+                    str(handle.index),
+                ],
+                pass_fds=(child.fileno(), self._lock_fd),
+                env=child_env(),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            parent.close()
+            log.error("could not start sampler %d: %s", handle.index, exc)
+            handle.last_error = f"spawn failed: {exc}"
+            self.schedule_restart(handle)
+            return
+        finally:
+            child.close()
+        now = time.monotonic()
+        handle.process = process
+        handle.channel = Channel(parent, send_timeout_s=_SEND_TIMEOUT_S)
+        handle.state = SamplerState.STARTING
+        handle.credits = 0
+        handle.stats = {}
+        handle.objects_total = 0
+        handle.started_at = handle.last_heard = now
+        handle.is_drained = False
+        log.info("started sampler %d (pid %d)", handle.index, process.pid)
+        self.send(handle, self._make_init(handle.index))
+
+    def send(self, handle: SamplerHandle, message: Message) -> bool:
+        """Send to a live sampler; a dead or stuck one is killed (``reap`` will report it). True if sent."""
+        if handle.channel is None:
+            return False
+        try:
+            handle.channel.send(message)
+        except (ChannelClosed, TimeoutError) as exc:
+            log.warning("sampler %d does not take messages (%s): killing it", handle.index, exc)
+            handle.last_error = f"unresponsive: {exc}"
+            self.kill(handle)
+            return False
+        return True
+
+    # -- watch ----------------------------------------------------------------------------------------------
+
+    def heard_from(self, handle: SamplerHandle) -> None:
+        handle.last_heard = time.monotonic()
+        if handle.state is SamplerState.STARTING:
+            handle.state = SamplerState.RUNNING
+
+    def reap(self, *, lost: set[int] | None = None) -> list[SamplerHandle]:
+        """Handles whose process died, whose socket hit EOF (indexes in ``lost``) or that stopped answering.
+
+        Each returned handle is closed and reaped; the caller undoes its work, then calls ``schedule_restart``.
+        """
+        died = []
+        now = time.monotonic()
+        for handle in self.handles:
+            if handle.channel is None or handle.process is None:
+                continue
+            if now - handle.last_heard > _HEARTBEAT_TIMEOUT_S:
+                log.warning("sampler %d silent for %.0fs: killing it", handle.index, now - handle.last_heard)
+                handle.last_error = "heartbeat timeout"
+                self.kill(handle)
+            is_lost = lost is not None and handle.index in lost
+            if handle.process.poll() is None and not is_lost:
+                continue
+            self._close(handle)
+            died.append(handle)
+        return died
+
+    def _close(self, handle: SamplerHandle) -> None:
+        process, channel = handle.process, handle.channel
+        handle.channel = None
+        if channel is not None:
+            channel.close()
+        if process is None:
+            return
+        try:
+            code = process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        if handle.stats:
+            self.retired_stats.append(handle.stats)
+            handle.stats = {}
+        handle.base_objects_total += handle.objects_total
+        handle.objects_total = 0
+        if code == 0 and not handle.is_drained:
+            # A sampler exits 0 only when asked to (a drain, SIGTERM to the whole group, its supervisor gone):
+            # not a death. If the supervisor still runs, it starts it again like any exited sampler.
+            log.info("sampler %d (pid %d) exited (status 0)", handle.index, process.pid)
+        elif not handle.is_drained:
+            reason = f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
+            handle.last_error = handle.last_error or reason
+            log.warning("sampler %d (pid %d) died: %s", handle.index, process.pid, reason)
+
+    def schedule_restart(self, handle: SamplerHandle) -> None:
+        now = time.monotonic()
+        if handle.started_at and now - handle.started_at > max(_HEALTHY_AFTER_S, self._backoff_max_s):
+            handle.backoff_s = self._backoff_s
+        handle.state = SamplerState.RESTARTING
+        handle.restart_at = now + handle.backoff_s
+        log.info("restarting sampler %d in %.1fs", handle.index, handle.backoff_s)
+        handle.backoff_s = min(self._backoff_max_s, handle.backoff_s * 2)
+
+    def restart_due(self) -> None:
+        """Respawn every sampler whose restart delay has passed."""
+        now = time.monotonic()
+        for handle in self.handles:
+            if handle.state is SamplerState.RESTARTING and now >= handle.restart_at:
+                handle.restarts += 1
+                self.start(handle)
+
+    def next_restart_in(self) -> float | None:
+        due = [h.restart_at for h in self.handles if h.state is SamplerState.RESTARTING]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    # -- stop -----------------------------------------------------------------------------------------------
+
+    def terminate(self, handle: SamplerHandle) -> None:
+        """SIGTERM: the sampler exits at once, publishing nothing more (see ``sampler.py``)."""
+        handle.is_drained = True  # an expected exit: not logged as a death
+        if handle.process is not None and handle.process.poll() is None:
+            try:
+                handle.process.terminate()
+            except ProcessLookupError:
+                pass
+
+    def kill(self, handle: SamplerHandle) -> None:
+        if handle.process is not None and handle.process.poll() is None:
+            try:
+                handle.process.kill()
+            except ProcessLookupError:
+                pass
+
+    def stop_all(self) -> None:
+        """Mark every slot stopped (no restarts) after a drain."""
+        for handle in self.handles:
+            handle.state = SamplerState.STOPPED
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

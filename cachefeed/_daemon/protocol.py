@@ -1,0 +1,149 @@
+"""The messages between the supervisor and its sampler subprocesses (the wire and channel: ``wire.py``).
+
+NOTE [ Supervisor-sampler protocol ]
+------------------------------------
+Transport: one SEQPACKET socket pair per sampler, one message per datagram (``wire.py``). When either side dies
+the other reads EOF: the supervisor then restarts the sampler, a sampler exits (it also asks the kernel for
+SIGTERM when its parent dies, ``PR_SET_PDEATHSIG``, in case it is blocked elsewhere).
+
+Supervisor -> sampler:
+
+* ``Init``: always the first message: the remote and sampler config, the sources (URL, decoder, tag and weight
+  of each; one unnamed source for the single ``[remote]`` form), this sampler's index, its share of the node's
+  rate caps and the segment settings. A sampler never reads the config file itself.
+* ``Work``: objects to fetch, by object id (``oid``) with the listed path, size and ETag, and the index of their
+  source. Sent only against credit (below), so a slow sampler never hoards work. A segment holds one source's
+  samples: the writer publishes its open segment before it writes an object of another source.
+* ``GrantReply`` / ``PublishReply``: the answers to the writer's grant requests (NOTE [ Grant protocol ] in
+  ``grants.py``).
+* ``Drain``: stop. Take no more work, drop fetches in flight and queued bodies, finish the object being
+  written, publish the current segment (it holds only whole samples), send ``Drained`` and exit. An object
+  whose samples are not all in a published segment is simply not done: nothing partial is ever published.
+
+Sampler -> supervisor:
+
+* ``Credit(n)``: the sampler can take ``n`` more objects. It grants one credit per free slot: ``concurrency``
+  fetches plus a small queue of fetched bodies waiting for the writer thread. A slot frees when the object's
+  samples are handed to the segment writer (or the object failed), so when the writer waits for room
+  (back-pressure) credits stop, and fetching stops once the queue is full.
+* ``Reserve`` / ``Publish`` / ``Abort``: room for segments, asked by the writer thread and granted by the
+  supervisor's ``CacheStore`` (NOTE [ Grant protocol ] in ``grants.py``). ``Publish`` lists the objects that
+  became done with it: every object whose samples were all added before that segment was finished.
+* ``Done``: objects that produced no sample (done without a segment).
+* ``Failed``: one object could not be cached: ``kind`` is a ``RemoteError.kind`` (``not_found``, ``forbidden``,
+  ``changed``, ``transient``, ``error``), ``decode`` (quarantined) or ``too_large``.
+* ``Stats``: cumulative counters of this sampler process (remote requests, retries, errors by kind, bytes,
+  objects), about once a second; doubles as the heartbeat.
+* ``Drained``: the answer to ``Drain``, sent last.
+
+Invariants:
+
+* An object is *done* only once the segment holding its last sample is PUBLISHED. The supervisor keeps, per
+  sampler, every object assigned and not yet done or failed; when a sampler dies (EOF, exit, or killed for not
+  answering) those objects are re-queued at the front of the plan and the sampler's outstanding grants are
+  aborted (their tmp files deleted). So a crash loses work, never correctness, and never leaves partial output.
+* The supervisor never blocks on a sampler for long: its sends time out (the sampler is then killed), and its
+  reads are non-blocking. A message never exceeds ``MAX_MESSAGE_BYTES``.
+
+Referenced from: ``supervisor.py`` (dispatch), ``pool.py`` (death and re-queue), ``sampler.py`` and ``sink.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, field
+from typing import Any, ClassVar
+
+from cachefeed._daemon.wire import Message, message
+
+__all__ = ["Credit", "Done", "Drain", "Drained", "Failed", "Init", "Stats", "Work", "WorkItem"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One object to fetch: its id (``sources.py``), its listing entry, with ``sampler.label`` its class index,
+    and the index of its source in ``Init.sources``."""
+
+    oid: int
+    path: str
+    size: int
+    etag: str | None
+    label: int | None = None
+    source: int = 0
+
+
+# -- supervisor -> sampler -------------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Init(Message):
+    TAG: ClassVar[str] = "init"
+    index: int
+    share: float
+    log_level: str
+    remote: dict[str, Any]
+    sampler: dict[str, Any]
+    segment: dict[str, Any]
+    sources: list[dict[str, Any]] = field(default_factory=list)  # name, url, pattern, ..., tag, weight, decode
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Work(Message):
+    TAG: ClassVar[str] = "work"
+    items: list[WorkItem] = field(default_factory=list)
+
+    def wire(self) -> list[Any]:
+        return [self.TAG, [astuple(item) for item in self.items]]
+
+    @classmethod
+    def from_wire(cls, fields: list[Any]) -> Work:
+        return cls([WorkItem(*item) for item in fields[0]])
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Drain(Message):
+    TAG: ClassVar[str] = "drain"
+
+
+# -- sampler -> supervisor -------------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Credit(Message):
+    TAG: ClassVar[str] = "credit"
+    n: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Done(Message):
+    TAG: ClassVar[str] = "done"
+    oids: list[int]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Failed(Message):
+    TAG: ClassVar[str] = "failed"
+    oid: int
+    kind: str
+    error: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Stats(Message):
+    TAG: ClassVar[str] = "stats"
+    remote: dict[str, Any]
+    objects_total: int
+    samples_total: int
+    queued: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Drained(Message):
+    TAG: ClassVar[str] = "drained"

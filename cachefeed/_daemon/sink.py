@@ -1,0 +1,197 @@
+"""Inside a sampler: the writer thread (decode, preprocess, append to segments).
+
+The event loop fetches; this thread does the CPU work (decode, preprocess, encode, write) so that fetching never
+waits on it, and it is the only thread that touches the segment being written. It talks to the supervisor's
+``CacheStore`` through ``RpcGrantProvider`` (see NOTE [ Grant protocol ] in ``grants.py``).
+
+Sources: a segment holds samples of one source only (its tag in the trailer, ``_cache/records.py``): an object of
+another source than the open segment's first publishes that segment.
+
+Flushing: a segment is published when full, when the sampler has nothing in flight (``request_flush``: the tail
+of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow remote still reaches the
+cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of ``max_objects`` objects (which
+bounds the size of the ``Publish`` message).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachefeed._cache.writer import CacheWriter, WriterStopped
+from cachefeed._codecs import Decoder, Sample
+from cachefeed._daemon.grants import RpcGrantProvider
+from cachefeed._daemon.protocol import WorkItem
+from cachefeed._errors import ChannelClosed, CorruptRecordError, DecodeError, GrantTooLarge
+from cachefeed._logs import get_logger
+
+__all__ = ["SegmentSink", "SinkSettings"]
+
+log = get_logger(__name__)
+
+_FLUSH = "flush"
+
+
+def _writable(sample: Sample) -> Sample:
+    """The sample with writable arrays: decoders may return read-only views of the body (``.npy`` does, to save a
+    copy), and a user's preprocess may change its arrays in place."""
+    return {
+        name: value.copy() if isinstance(value, np.ndarray) and not value.flags.writeable else value
+        for name, value in sample.items()
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class SinkSettings:
+    segment_bytes: int
+    compression: str
+    file_mode: int
+    fsync: bool
+    idle_flush_s: float = 0.5
+    max_age_s: float = 10.0
+    max_objects: int = 8192
+
+
+class SegmentSink:
+    """The writer thread of a sampler. ``put`` from the loop; callbacks run on this thread.
+
+    Callbacks: ``on_handled(item, samples)`` when an object's samples are all in the writer (its slot is free;
+    ``samples == 0`` means done without a segment), ``on_failed(item, kind, message)`` when it cannot be cached.
+    """
+
+    def __init__(
+        self,
+        provider: RpcGrantProvider,
+        settings: SinkSettings,
+        *,
+        decoders: Sequence[Decoder],
+        tags: Sequence[int],
+        preprocess: Callable[[Sample], Sample] | None,
+        on_handled: Callable[[WorkItem, int], None],
+        on_failed: Callable[[WorkItem, str, str], None],
+    ) -> None:
+        self._provider = provider
+        self._settings = settings
+        self._decoders = list(decoders)  # by source index (WorkItem.source)
+        self._tags = list(tags)
+        self._preprocess = preprocess
+        self._on_handled = on_handled
+        self._on_failed = on_failed
+        self._queue: queue.SimpleQueue[tuple[WorkItem, bytes] | str | None] = queue.SimpleQueue()
+        self._stop = threading.Event()  # interrupts a wait for room
+        self._is_hard_stop = False
+        self._thread = threading.Thread(target=self._run, name="segment-writer", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, item: WorkItem, body: bytes) -> None:
+        self._queue.put((item, body))
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def request_flush(self) -> None:
+        """Publish the open segment once the objects queued before this call are written."""
+        self._queue.put(_FLUSH)
+
+    def drain(self) -> None:
+        """Finish the object in hand, skip queued bodies, publish the current segment, end the thread."""
+        self._stop.set()
+        self._queue.put(None)
+
+    def kill(self) -> None:
+        """End without publishing anything more: the current segment is aborted."""
+        self._is_hard_stop = True
+        self.drain()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        settings = self._settings
+        writer = CacheWriter(
+            self._provider,
+            segment_bytes=settings.segment_bytes,
+            compression=settings.compression,
+            file_mode=settings.file_mode,
+            fsync=settings.fsync,
+            poll_s=0.1,
+            stop=self._stop,
+        )
+        opened_at = 0.0
+        try:
+            while True:
+                timeout = settings.idle_flush_s if writer.pending_samples else None
+                try:
+                    entry = self._queue.get(timeout=timeout)
+                except queue.Empty:
+                    writer.flush()  # idle: publish what we have
+                    continue
+                if entry is None or self._stop.is_set():
+                    break
+                if isinstance(entry, str):  # _FLUSH
+                    writer.flush()
+                    continue
+                item, body = entry
+                tag = self._tags[item.source]
+                if writer.source != tag:
+                    writer.flush()  # one source per segment
+                    writer.source = tag
+                if not writer.pending_samples:
+                    opened_at = time.monotonic()
+                self._write_object(writer, item, body)
+                too_old = writer.pending_samples and time.monotonic() - opened_at > settings.max_age_s
+                if too_old or len(self._provider.completed) >= settings.max_objects:
+                    writer.flush()
+            if self._is_hard_stop:
+                writer.abort()
+            else:
+                writer.flush()
+        except (WriterStopped, ChannelClosed) as exc:
+            log.info("segment writer stopping: %s", exc)
+            writer.abort()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("segment writer failed")
+            writer.abort()
+
+    def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
+        try:
+            samples = list(self._decoders[item.source](item.path, body))
+            if item.label is not None:  # sampler.label: the class index of the object's path (_labels.py)
+                for sample in samples:
+                    sample["label"] = item.label
+            if self._preprocess is not None:
+                samples = [self._preprocess(_writable(sample)) for sample in samples]
+        except DecodeError as exc:
+            self._on_failed(item, "decode", str(exc))
+            return
+        except Exception as exc:  # a user decoder may raise anything: quarantine the object, keep going
+            self._on_failed(item, "decode", f"{item.path}: {type(exc).__name__}: {exc}")
+            return
+        del body
+        try:
+            for sample in samples:
+                writer.add(sample)
+        except GrantTooLarge as exc:
+            self._on_failed(item, "too_large", f"{item.path}: {exc}")
+            return
+        except CorruptRecordError as exc:  # publishing the previous segment failed; its objects were re-queued
+            log.warning("publishing a segment failed: %s", exc)
+            self._on_failed(item, "error", f"{item.path}: {exc}")
+            return
+        if samples:
+            writer.add_source(item.path, item.etag)  # best effort: lets a restarted daemon skip this object
+            self._provider.completed.append(item.oid)
+        self._on_handled(item, len(samples))

@@ -1,0 +1,494 @@
+"""The daemon's main process: cache store, catalog, plan, samplers, status and systemd notifications.
+
+Lifecycle (what a test or systemd observes)::
+
+    starting -> (lock taken, recovery done, samplers spawned) READY=1 -> running <-> degraded
+             -> SIGTERM/SIGINT: STOPPING=1, state "stopping", samplers drain -> state "stopped", exit 0
+
+* The ``CacheStore`` is created first: it takes the cache's writer lock (a second daemon fails with
+  ``CacheLockedError``, exit 75) and recovers the directory, all before READY.
+* The main loop waits on the samplers' sockets and a self-pipe woken by signals (``signal.set_wakeup_fd``),
+  with a timeout from the next timer (status, watchdog, restarts). Signal handlers only set flags; the loop acts.
+* Samplers and what happens when one dies: NOTE [ Supervisor-sampler protocol ] in ``protocol.py``.
+* Drain on SIGTERM: no new work; each sampler is told to drain; after ``DRAIN_TIMEOUT_S`` stragglers are
+  SIGKILLed and their grants aborted. A second SIGTERM/SIGINT kills at once. Nothing partial is ever published.
+* ``degraded`` while a sampler is down (restarting), while listing fails, or while nearly every remote request
+  of the last seconds failed; the reasons are listed in the status document.
+
+Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``).
+
+Why one long module: it is the daemon's one loop (the lifecycle above); each job it delegates has a module of its
+own: grants (``grants.py``), sources and plans (``sources.py``, ``plan.py``), samplers (``pool.py``), status
+(``reporter.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing.connection
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.store import CacheStore
+from cachefeed._codecs import get_decoder, get_preprocess
+from cachefeed._config import Config
+from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
+from cachefeed._daemon.notify import SystemdNotifier
+from cachefeed._daemon.pool import SamplerHandle, SamplerPool, SamplerState
+from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
+from cachefeed._daemon.reporter import StatusReporter
+from cachefeed._daemon.sources import Inputs
+from cachefeed._daemon.wire import Message
+from cachefeed._errors import ConfigError
+from cachefeed._labels import ClassIndex
+from cachefeed._logs import get_logger
+from cachefeed._scrub import safe_url
+from cachefeed._status.metrics import MetricsExporter
+
+__all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
+
+log = get_logger(__name__)
+
+DRAIN_TIMEOUT_S = 5.0
+_MAX_WAIT_S = 0.25
+_UPKEEP_INTERVAL_S = 0.5
+
+
+class Supervisor:
+    """Runs the daemon until SIGTERM/SIGINT. ``run()`` returns the exit status (0 after a clean drain).
+
+    Args:
+        config: the parsed config.
+        log_level: the level samplers log at (the CLI's ``--log-level`` or ``config.log.level``).
+        notifier: where READY/STATUS/WATCHDOG/STOPPING go (default: from ``NOTIFY_SOCKET``).
+    """
+
+    def __init__(self, config: Config, *, log_level: str | None = None, notifier: SystemdNotifier | None = None):
+        self.config = config
+        self.log_level = log_level or config.log.level
+        self.notifier = notifier if notifier is not None else SystemdNotifier(unset_environment=True)
+        self.should_exit = False
+        self.force_exit = False
+        self.should_refresh = False
+        self.state = "starting"
+        self.started_at = time.time()
+        self.inputs = Inputs(config)  # per source: a catalog and a sampling plan (sources.py)
+        self._store: CacheStore | None = None
+        self._grants: GrantServer | None = None  # room for segments, on the store (NOTE in grants.py)
+        self._pool: SamplerPool | None = None
+        self._metrics: MetricsExporter | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._lost: set[int] = set()
+        self._is_draining = False
+        self._drain_deadline = 0.0
+        self._evicted_seen = 0
+        self._turnover_s: float | None = None
+        self._reporter: StatusReporter | None = None
+        self._next_handle = 0
+        self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
+
+    # -- signals: handlers only set flags (and the wakeup fd wakes the loop) -----------------------------------
+
+    def handle_term(self, signum: int, frame: FrameType | None) -> None:
+        self.force_exit = self.should_exit
+        self.should_exit = True
+
+    handle_int = handle_term
+
+    def handle_hup(self, signum: int, frame: FrameType | None) -> None:
+        self.should_refresh = True
+
+    @contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        handlers = {signal.SIGTERM: self.handle_term, signal.SIGINT: self.handle_int, signal.SIGHUP: self.handle_hup}
+        previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+        self._wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(old_fd)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Load what the config names (decoder, preprocess, the URL's filesystem); ``ConfigError`` (exit 78) if any
+        cannot be. Touches neither the cache nor the remote, so it can run before logging starts."""
+        config = self.config
+        loads: list[tuple[str, str, Callable[[str], object]]] = [
+            (f"source[{e.index}].decode", e.config.decode, get_decoder)
+            if e.config.decode
+            else ("sampler.decode", config.sampler.decode, get_decoder)
+            for e in self.inputs.inputs
+        ]
+        loads.append(("sampler.preprocess", config.sampler.preprocess, get_preprocess))
+        for key, value, load in loads:
+            try:
+                load(value)
+            except ConfigError as exc:  # name the file and the key, as every other config error does
+                reason = str(exc).removeprefix(f"{value!r}: ")
+                raise ConfigError(f"{config.source}: {key} = {value!r}: {reason}") from None
+        self.inputs.open_catalogs()
+
+    def run(self) -> int:
+        config = self.config
+        with self._signal_handlers():
+            self.preflight()
+            store = CacheStore(config.cache)  # CacheLockedError (exit 75); recovery happens here
+            self._store = store
+            self._grants = GrantServer(store)
+            if self.inputs.is_named:  # eviction keeps each source near its share (_cache/store.py)
+                store.source_weights = {entry.tag: entry.weight for entry in self.inputs.inputs}
+            dropped = store.drop_sources({entry.tag for entry in self.inputs.inputs})
+            if dropped:
+                log.warning("evicted %d cached segments of sources the config no longer names", dropped)
+            tags = {segment.seq: segment.source for segment in store.segments}
+            for seq, sources in store.recovered_sources.items():
+                self.inputs.adopt(seq, tags.get(seq, 0), sources)  # what the cache holds is not fetched again
+            store.recovered_sources.clear()
+            self.inputs.write_table(str(store.layout.sources_file), mode=config.cache.file_mode)
+            if config.sampler.label:  # continues the index a previous run kept in the cache (_labels.py)
+                layout = CacheLayout(config.cache.dir)
+                self._classes = ClassIndex(layout.classes_file, config.sampler.label, file_mode=config.cache.file_mode)
+            try:
+                self._metrics = MetricsExporter(config.status)
+                self._pool = SamplerPool(
+                    config.sampler.processes,
+                    make_init=self._make_init,
+                    lock_fd=store.lock_fd,
+                    backoff_s=config.sampler.restart_backoff_s,
+                    backoff_max_s=config.sampler.restart_backoff_max_s,
+                )
+                return self._serve()
+            finally:
+                self._shutdown()
+
+    def _serve(self) -> int:
+        if self._pool is None:
+            raise RuntimeError("the supervisor is not set up")
+        for handle in self._pool:
+            self._pool.start(handle)
+        for catalog in self.inputs.catalogs():
+            catalog.start()
+        self.state = "running"
+        self._publish_status()
+        self.notifier.ready(self._status_line())
+        log.info(
+            "ready: cache %s, %d samplers, %s %s",
+            self.config.cache.dir,
+            len(self._pool.handles),
+            "sources" if self.inputs.is_named else "remote",
+            ", ".join(
+                (f"{e.name} ({e.weight:.0%}) " if self.inputs.is_named else "") + safe_url(e.config.url)
+                for e in self.inputs.inputs
+            ),
+        )
+        watchdog_s = self.notifier.watchdog_interval_s()
+        now = time.monotonic()
+        next_status = now + self.config.status.interval_s
+        next_watchdog = now
+        next_upkeep = now
+        while True:
+            now = time.monotonic()
+            timers = [next_status, next_upkeep] + ([next_watchdog] if watchdog_s else [])
+            self._poll(min(_MAX_WAIT_S, max(0.0, min(timers) - now)))
+            if self.should_exit and not self._is_draining:
+                self._begin_drain()
+            if self._is_draining:
+                if self._drain_step():
+                    break
+            else:
+                self._step()
+            now = time.monotonic()
+            if now >= next_upkeep and not self._is_draining:
+                next_upkeep = now + _UPKEEP_INTERVAL_S
+                self._upkeep()
+            if now >= next_status:
+                next_status = now + self.config.status.interval_s
+                self._publish_status()
+                self.notifier.status(self._status_line())
+            if watchdog_s and now >= next_watchdog:
+                next_watchdog = now + watchdog_s / 2
+                self.notifier.watchdog()
+        self.state = "stopped"
+        self._publish_status()
+        log.info("stopped")
+        return 0
+
+    def _shutdown(self) -> None:
+        """Whatever happened: no sampler outlives us, the catalog thread stops, the lock is released."""
+        if self._pool is not None:
+            for handle in self._pool:
+                self._pool.kill(handle)
+            for handle in self._pool.reap(lost={h.index for h in self._pool.handles}):
+                self._undo(handle)
+        for catalog in self.inputs.catalogs():
+            catalog.stop()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._store is not None:
+            self._store.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self.notifier.close()
+
+    # -- the loop's steps -----------------------------------------------------------------------------------
+
+    def _poll(self, timeout_s: float) -> None:
+        """Wait for messages or a signal; dispatch every message that arrived."""
+        pool = self._require_pool()
+        live = {handle.channel.sock: handle for handle in pool.live() if handle.channel is not None}
+        ready = multiprocessing.connection.wait([self._wake_r, *live], timeout_s)
+        for item in ready:
+            if item is self._wake_r:
+                try:
+                    self._wake_r.recv(4096)
+                except BlockingIOError:
+                    pass
+                continue
+            if not isinstance(item, socket.socket):
+                continue
+            handle = live[item]
+            channel = handle.channel
+            if channel is None:
+                continue
+            try:
+                messages = channel.recv_ready()
+            except ConnectionError:
+                self._lost.add(handle.index)
+                messages = []
+            pool.heard_from(handle)
+            for message in messages:
+                self._dispatch(handle, message)
+
+    def _step(self) -> None:
+        pool = self._require_pool()
+        for handle in pool.reap(lost=self._lost):
+            self._undo(handle)
+            pool.schedule_restart(handle)
+        self._lost.clear()
+        pool.restart_due()
+        if self.should_refresh:
+            self.should_refresh = False
+            log.info("SIGHUP: listing the remote now")
+            for catalog in self.inputs.catalogs():
+                catalog.refresh_now()
+        for entry in self.inputs.inputs:
+            listing = entry.catalog.take() if entry.catalog is not None else None
+            if listing is None:
+                continue
+            if self._classes is not None:  # before any of the listing's objects is handed out with a label
+                self._classes.update(obj.path for obj in listing)
+            added = entry.plan.update_catalog(listing)
+            if added:
+                of = f" of source {entry.name!r}" if self.inputs.is_named else ""
+                log.info("%d new objects%s join pass %d", added, of, entry.plan.pass_index)
+        self._assign()
+
+    def _assign(self) -> None:
+        pool = self._require_pool()
+        handles = pool.handles[self._next_handle :] + pool.handles[: self._next_handle]
+        self._next_handle = (self._next_handle + 1) % len(pool.handles)
+        cached = self._require_store().samples_by_source() if self.inputs.is_named else {}
+        for handle in handles:
+            if handle.channel is None or handle.credits <= 0:
+                continue
+            entry, drawn = self.inputs.draw(handle.index, handle.credits, cached)
+            if not drawn:
+                return
+            handle.credits -= len(drawn)
+            handle.assigned.update(oid for oid, _ in drawn)
+            classes = self._classes
+            items = [
+                WorkItem(
+                    oid,
+                    obj.path,
+                    obj.size,
+                    obj.etag,
+                    classes.label(obj.path) if classes is not None else None,
+                    entry.index,
+                )
+                for oid, obj in drawn
+            ]
+            pool.send(handle, Work(items))
+
+    def _upkeep(self) -> None:
+        store = self._require_store()
+        store.enforce()
+        self._check_evictions()
+
+    def _check_evictions(self) -> None:
+        store = self._require_store()
+        counters = store.counters
+        if counters.evicted_segments == self._evicted_seen:
+            return
+        self._evicted_seen = counters.evicted_segments
+        if counters.evicted_published_at:
+            self._turnover_s = max(0.0, time.time() - counters.evicted_published_at[-1])
+        published = {segment.seq for segment in store.segments}
+        self.inputs.evicted([seq for seq in self.inputs.cached_segments() if seq not in published])
+
+    # -- messages (NOTE [ Supervisor-sampler protocol ] in protocol.py) -----------------------------------------
+
+    def _dispatch(self, handle: SamplerHandle, message: Message) -> None:
+        pool = self._require_pool()
+        grants = self._require_grants()
+        if isinstance(message, Credit):
+            handle.credits += message.n
+        elif isinstance(message, Reserve):
+            pool.send(handle, grants.reserve(handle.index, message))
+            self._check_evictions()
+        elif isinstance(message, Publish):
+            self._publish(handle, message)
+        elif isinstance(message, Abort):
+            grants.abort(handle.index, message)
+        elif isinstance(message, Done):
+            handle.assigned.difference_update(message.oids)
+            self.inputs.done(message.oids, None)
+        elif isinstance(message, Failed):
+            handle.assigned.discard(message.oid)
+            self.inputs.failed(message.oid, message.kind)
+            catalog = self.inputs.split(message.oid)[0].catalog
+            if message.kind == "changed" and catalog is not None:
+                catalog.refresh_now()
+        elif isinstance(message, Stats):
+            handle.stats = message.remote
+            handle.objects_total = message.objects_total
+        elif isinstance(message, Drained):
+            handle.is_drained = True
+        else:
+            log.warning("sampler %d sent an unexpected %s message", handle.index, type(message).__name__)
+
+    def _publish(self, handle: SamplerHandle, message: Publish) -> None:
+        pool = self._require_pool()
+        done = [oid for oid in message.done if oid in handle.assigned]
+        handle.assigned.difference_update(done)
+        reply, segment = self._require_grants().publish(handle.index, message)
+        if segment is None:
+            self.inputs.requeue(done)
+            pool.send(handle, reply)
+            return
+        self.inputs.done(done, message.seq)
+        self.inputs.published(segment.source, segment.samples, segment.nbytes)
+        self.inputs.segment_published(handle.index)  # it may be pointed at another source now
+        log.debug("sampler %d published segment %d with %d objects done", handle.index, message.seq, len(done))
+        handle.backoff_s = self.config.sampler.restart_backoff_s  # it works: a later crash restarts fast
+        pool.send(handle, reply)
+        self._check_evictions()
+
+    def _undo(self, handle: SamplerHandle) -> None:
+        """A sampler is gone: re-queue what it had not finished, delete what it had not published."""
+        if handle.assigned:
+            log.info("re-queueing %d objects of sampler %d", len(handle.assigned), handle.index)
+        self.inputs.requeue(sorted(handle.assigned))
+        self.inputs.forget_sampler(handle.index)
+        handle.assigned.clear()
+        self._require_grants().abort_all(handle.index)
+        handle.credits = 0
+
+    # -- draining -------------------------------------------------------------------------------------------
+
+    def _begin_drain(self) -> None:
+        pool = self._require_pool()
+        log.info("stopping: draining %d samplers (at most %.0fs)", len(pool.live()), DRAIN_TIMEOUT_S)
+        self._is_draining = True
+        self.state = "stopping"
+        self.notifier.stopping()
+        self._publish_status()
+        for catalog in self.inputs.catalogs():
+            catalog.stop()
+        for handle in pool.live():
+            if (
+                handle.state is SamplerState.STARTING
+                and not handle.assigned
+                and not self._require_grants().holds(handle.index)
+            ):
+                pool.terminate(handle)  # still starting up: nothing to drain, no reason to wait for its imports
+            else:
+                pool.send(handle, Drain())
+        pool.stop_all()
+        self._drain_deadline = time.monotonic() + DRAIN_TIMEOUT_S
+
+    def _drain_step(self) -> bool:
+        """One step of the drain; True when every sampler is gone."""
+        pool = self._require_pool()
+        for handle in pool.reap(lost=self._lost):
+            self._undo(handle)
+        self._lost.clear()
+        if not pool.live():
+            return True
+        if self.force_exit or time.monotonic() > self._drain_deadline:
+            for handle in pool.live():
+                log.warning("sampler %d did not drain in time: killing it", handle.index)
+                pool.kill(handle)
+            for handle in pool.reap(lost={h.index for h in pool.live()}):
+                self._undo(handle)
+            return True
+        return False
+
+    # -- status ---------------------------------------------------------------------------------------------
+
+    def _publish_status(self) -> None:
+        if self._reporter is None:
+            self._reporter = StatusReporter(
+                self.config,
+                store=self._require_store(),
+                pool=self._require_pool(),
+                inputs=self.inputs,
+                metrics=self._metrics,
+                started_at=self.started_at,
+            )
+        self.state = self._reporter.publish(self.state, turnover_s=self._turnover_s)
+
+    def _status_line(self) -> str:
+        return self._reporter.line() if self._reporter is not None else self.state
+
+    # -- plumbing -------------------------------------------------------------------------------------------
+
+    def _make_init(self, index: int) -> Init:
+        config = self.config
+        cache = config.cache
+        return Init(
+            index=index,
+            share=1.0 / config.sampler.processes,
+            log_level=self.log_level,
+            remote=dataclasses.asdict(config.remote),
+            sampler=dataclasses.asdict(config.sampler),
+            sources=[
+                {
+                    **dataclasses.asdict(e.config),
+                    "tag": e.tag,
+                    "weight": e.weight,
+                    "decode": e.config.decode or config.sampler.decode,
+                }
+                for e in self.inputs.inputs
+            ],
+            segment={
+                "segment_bytes": cache.segment_bytes,
+                "compression": cache.compression,
+                "file_mode": cache.file_mode,
+                "fsync": cache.fsync,
+            },
+        )
+
+    def _require_store(self) -> CacheStore:
+        if self._store is None:
+            raise RuntimeError("the cache store is not open")
+        return self._store
+
+    def _require_grants(self) -> GrantServer:
+        if self._grants is None:
+            raise RuntimeError("the cache store is not open")
+        return self._grants
+
+    def _require_pool(self) -> SamplerPool:
+        if self._pool is None:
+            raise RuntimeError("the sampler pool is not set up")
+        return self._pool

@@ -1,0 +1,202 @@
+"""Images: encoded bytes -> contiguous ``uint8`` arrays ``(3, H, W)`` (RGB, channels first), with Pillow/simplejpeg.
+
+Two places to decode, the same code in both:
+
+* **in the daemon, once** (``sampler.decode = "image"``, or ``sampler.decode_images = true`` for the image
+  members of tar shards): the cache holds pixels, ready to batch, and the DataLoader workers only copy them. A
+  decoded 224 x 224 image takes 150,528 bytes of pixels in the cache, more than its JPEG (how much more depends on
+  the JPEGs: ``benchmarks/results/decode.json`` has both for its images), so the same budget holds fewer samples;
+  ``cachefeed status`` shows the bytes per cached sample.
+* **in the workers, every epoch** (``decode = "raw"`` or tar members kept as bytes, and ``DecodeImages`` as the
+  factory's ``transform``): the cache holds the compressed bytes (more samples per budget), the workers pay the
+  decode each time a sample is read.
+
+``size`` (``sampler.image_size`` in the daemon) makes every image the same shape, which batching needs when the
+images differ: the shorter side is resized to fit (bilinear, with Pillow's antialiasing) and the centre is cropped.
+It is deterministic: the same bytes give the same pixels on every node and every restart. Random augmentation
+belongs in the workers' ``transform``, on the decoded tensor.
+
+Safety: Pillow reads the header first; an image declaring more than ``MAX_PIXELS`` pixels (a decompression bomb,
+e.g. a tiny PNG claiming 100,000 x 100,000) is refused before anything is allocated. Truncated or corrupt files and
+non-images raise ``DecodeError`` naming the key (the daemon quarantines the object).
+
+Decoders: Pillow for every format (it installs everywhere from a wheel, libjpeg-turbo and libpng inside), and for
+JPEG **simplejpeg** when it is installed (``pip install 'cachefeed[images]'`` brings both): a thin libjpeg-turbo
+binding that decoded the benchmark's JPEGs about 1.6x faster than Pillow on one core, to identical pixels
+(``python -m benchmarks.decode``, ``benchmarks/results/decode.json``). Either decodes at a reduced scale (1/2, 1/4,
+1/8: DCT scaling) when the target is at most that large; from 500 x 375 to 224 it is not. The resize and crop are
+Pillow's in both cases, so the two paths give the same pixels.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import io
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from cachefeed._errors import ConfigError, DecodeError
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "MAX_PIXELS",
+    "DecodeImages",
+    "decode_image",
+    "fast_jpeg",
+    "image_size",
+    "require_pillow",
+]
+
+# Tar member extensions (the last one, lower case) that are images.
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm"})
+MAX_PIXELS = 89_478_485  # Pillow's own default (a 0.25 GB RGB image): larger declared sizes are refused
+_JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+@functools.cache
+def fast_jpeg() -> Any | None:
+    """The ``simplejpeg`` module if it is installed (the JPEG path of ``decode_image``), else None."""
+    try:
+        return importlib.import_module("simplejpeg")
+    except ImportError:
+        return None
+
+
+def require_pillow() -> Any:
+    """The ``PIL.Image`` module, or ``ConfigError`` saying how to install it."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ConfigError(
+            "decoding images needs Pillow, which is not installed: pip install 'cachefeed[images]' (or pillow)"
+        ) from None
+    return Image
+
+
+def image_size(value: int | Sequence[int] | None) -> tuple[int, int] | None:
+    """``(height, width)`` from ``224``, ``[224, 224]``, ``0`` or None (keep each image's own size)."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        sizes = [value, value]
+    elif isinstance(value, list | tuple) and len(value) == 2:
+        sizes = list(value)
+    else:
+        raise ValueError("expected an integer or [height, width]")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16384 for n in sizes):
+        raise ValueError("expected sizes between 1 and 16384 pixels")
+    return sizes[0], sizes[1]
+
+
+def decode_image(body: bytes, key: str, *, size: tuple[int, int] | None = None) -> np.ndarray[Any, Any]:
+    """The image in ``body`` as a ``uint8`` array ``(3, H, W)``, C-contiguous; resized and centre-cropped to
+    ``size`` (height, width) when given. Raises ``DecodeError`` naming ``key``."""
+    image_module = require_pillow()
+    jpeg = fast_jpeg() if body[:3] == _JPEG_MAGIC else None
+    pixels = _decode_jpeg(jpeg, body, key, size, image_module) if jpeg is not None else None
+    if pixels is None:
+        pixels = _decode_pillow(body, key, size, image_module)
+    if size is not None:
+        pixels = _resize_and_crop(pixels, size, image_module)
+    return np.ascontiguousarray(np.asarray(pixels, dtype=np.uint8).transpose(2, 0, 1))
+
+
+def _decode_jpeg(jpeg: Any, body: bytes, key: str, size: tuple[int, int] | None, image_module: Any) -> Any | None:
+    """A JPEG through simplejpeg, as a Pillow RGB image; None if simplejpeg cannot read its header or the image is
+    CMYK (Pillow then decodes it, or names what is wrong)."""
+    try:
+        height, width, colorspace, _subsampling = jpeg.decode_jpeg_header(body)
+    except ValueError:
+        return None
+    if colorspace not in ("YCbCr", "Gray"):
+        return None  # CMYK/YCCK (Adobe): Pillow converts them to RGB the way viewers do
+    if width * height > MAX_PIXELS:
+        raise DecodeError(
+            f"{key}: the image declares {width} x {height} pixels, more than {MAX_PIXELS:,} "
+            "(a decompression bomb?): refused"
+        )
+    scale = _draft_scale(width, height, _scaled(width, height, size)) if size is not None else 1
+    try:  # strict: a warning of libjpeg-turbo (truncated or corrupt data) is an error, as with Pillow
+        array = jpeg.decode_jpeg(body, colorspace="RGB", min_height=-(-height // scale), min_width=-(-width // scale))
+    except ValueError as exc:
+        raise DecodeError(f"{key}: not a readable image: {exc}") from exc
+    return image_module.fromarray(array)
+
+
+def _decode_pillow(body: bytes, key: str, size: tuple[int, int] | None, image_module: Any) -> Any:
+    """Any format Pillow reads, as an RGB image (a JPEG at a reduced scale when ``size`` allows)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", image_module.DecompressionBombWarning)
+            with image_module.open(io.BytesIO(body)) as image:
+                width, height = image.size
+                if width * height > MAX_PIXELS:
+                    raise DecodeError(
+                        f"{key}: the image declares {width} x {height} pixels, more than {MAX_PIXELS:,} "
+                        "(a decompression bomb?): refused"
+                    )
+                if size is not None:
+                    image.draft("RGB", _scaled(width, height, size))  # JPEG: decode at a reduced scale if it fits
+                pixels = image.convert("RGB")
+    except DecodeError:
+        raise
+    except (image_module.DecompressionBombError, image_module.DecompressionBombWarning) as exc:
+        raise DecodeError(f"{key}: refused as a decompression bomb: {exc}") from exc
+    except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, struct.error... for bad data
+        raise DecodeError(f"{key}: not a readable image: {type(exc).__name__}: {exc}") from exc
+    return pixels
+
+
+def _draft_scale(width: int, height: int, target: tuple[int, int]) -> int:
+    """The reduced scale (1, 2, 4 or 8) a JPEG decodes at for ``target`` (width, height): the largest that still
+    gives at least the target, as Pillow's ``draft`` picks it, so both decoders produce the same pixels."""
+    fits = min(width // target[0], height // target[1])
+    return next(scale for scale in (8, 4, 2, 1) if scale <= max(1, fits))
+
+
+def _scaled(width: int, height: int, size: tuple[int, int]) -> tuple[int, int]:
+    """The (width, height) the shorter side's resize will produce: what ``draft`` may not go below."""
+    scale = max(size[0] / height, size[1] / width)
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _resize_and_crop(image: Any, size: tuple[int, int], image_module: Any) -> Any:
+    width, height = _scaled(image.width, image.height, size)
+    if (width, height) != image.size:
+        image = image.resize((width, height), image_module.Resampling.BILINEAR, reducing_gap=None)
+    left = (width - size[1]) // 2
+    top = (height - size[0]) // 2
+    return image.crop((left, top, left + size[1], top + size[0]))
+
+
+class DecodeImages:
+    """A ``transform`` for ``EpochLoaderFactory`` that decodes image bytes in the DataLoader workers.
+
+    Each named field holding ``bytes`` becomes a ``uint8`` tensor ``(3, H, W)`` (resized and centre-cropped to
+    ``size`` when given; without it, images of different sizes cannot be batched by the default collate).
+    Picklable, so it works with every start method. A sample that cannot be decoded raises ``DecodeError``.
+
+    Args:
+        fields: the fields to decode, e.g. ``("data",)`` for ``decode = "raw"`` or ``("jpg",)`` for tar shards.
+        size: ``224`` or ``(height, width)``; None keeps each image's size.
+    """
+
+    def __init__(self, fields: Iterable[str] = ("data",), size: int | Sequence[int] | None = None) -> None:
+        self.fields = tuple(fields)
+        self.size = image_size(size)
+        require_pillow()
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        key = str(sample.get("__key__", "?"))
+        for name in self.fields:
+            value = sample.get(name)
+            if isinstance(value, bytes | bytearray | memoryview | np.ndarray):
+                raw = value.tobytes() if isinstance(value, np.ndarray) else bytes(value)
+                sample[name] = torch.from_numpy(decode_image(raw, key, size=self.size))
+        return sample

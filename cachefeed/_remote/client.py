@@ -1,0 +1,324 @@
+"""The remote client: list objects under an fsspec URL and fetch each one whole, through one retry layer.
+
+``Remote`` is created inside the process that uses it (the supervisor to list, each sampler to fetch) and is never
+pickled. ``list_objects`` is synchronous; ``fetch`` is a coroutine run on the sampler's event loop, many at a time.
+
+Contract of ``fetch(obj)``:
+
+- Normal case: exactly one request, a GET, per object. On S3 the GET is sent straight to the aiobotocore client
+  (s3fs's ``cat_file`` would HEAD first to learn the size, which the listing already gave us).
+- Pinned to the listed version, and the body whole: see ``integrity.py`` (``IfMatch``, ETag and length checks,
+  checksums and MD5, local file versions).
+- Errors are translated once, by ``errors.translate_error`` (status codes, S3 error codes and exception types,
+  never message text), scrubbed here of every credential found in ``storage_options`` (``cachefeed._scrub``, the
+  same scrubber as the logs') and raised ``from None``. ``RemoteNotFoundError``, ``RemoteForbiddenError`` and
+  ``RemoteChangedError`` are not retried; ``RemoteTransientError`` is.
+
+NOTE [ One retry layer ]
+    Retries happen here and only here: full-jitter exponential backoff before each retry, at most
+    ``max_attempts`` attempts per object, and a retry budget (the arithmetic is in ``limits.py``), so a failing
+    remote sees at most ``(1 + retry_budget)`` times the load plus a small burst. The layers below are turned off
+    on purpose: s3fs (``fs.retries = 1``; its wrapper is bypassed for GETs anyway) and botocore
+    (``retries={"total_max_attempts": 1}``; botocore's ``max_attempts`` counts *retries*, so ``max_attempts: 1``
+    would still retry once). One layer remains that we cannot turn off through a public API: aiohttp re-sends an
+    idempotent request once when the server drops the connection before answering (meant for stale keep-alive
+    connections). It is bounded (one extra request) and never fires on an HTTP error status.
+
+Each attempt first waits on the rate caps (``limits.py``), scaled by ``share``, this process's fraction of the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from typing import Any
+
+import fsspec
+from fsspec.utils import get_protocol
+
+from cachefeed._config import RemoteConfig
+from cachefeed._errors import ConfigError, RemoteError, RemoteTransientError
+from cachefeed._logs import get_logger
+from cachefeed._remote.errors import translate_error
+from cachefeed._remote.integrity import check_local, check_md5, check_s3_response, version_of
+from cachefeed._remote.limits import RetryBudget, backoff_delay, rate_bucket
+from cachefeed._remote.objects import RemoteObject, RemoteStats
+from cachefeed._remote.patterns import compile_pattern
+from cachefeed._scrub import Scrubber, safe_url, secrets_from_options
+
+__all__ = ["Remote"]
+
+logger = get_logger(__name__)
+
+_S3_NO_RETRIES = {"total_max_attempts": 1, "mode": "standard"}  # NOTE [ One retry layer ]
+
+
+def _is_utf8(name: str) -> bool:
+    """False for a name holding lone surrogates (how Python decodes file name bytes that are not UTF-8)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class Remote:
+    """List and fetch the objects under ``config.url`` matching ``config.pattern``. See the module docstring.
+
+    Args:
+        config: the ``[remote]`` section.
+        share: this process's fraction (0, 1] of the node's rate caps.
+        max_connections: HTTP connection pool size; at least the number of fetches in flight.
+        retry_budget_burst: initial and maximum retry-budget tokens (retries allowed before the budget bites).
+        rng: jitter source (tests pass a seeded one).
+
+    Lifecycle: construct in the process that uses it (it refuses pickling); ``list_objects`` from plain code,
+    ``fetch`` from one event loop; ``await aclose()`` on that loop when done (or ``close()`` outside any loop).
+    """
+
+    def __init__(
+        self,
+        config: RemoteConfig,
+        *,
+        share: float = 1.0,
+        max_connections: int = 64,
+        retry_budget_burst: float = 10.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {share!r}")
+        self.config = config
+        self.stats = RemoteStats()
+        self._rng = rng or random.Random()
+        self._scrub = Scrubber(secrets_from_options(config.storage_options))
+        try:
+            self._fs_class: type[Any] = fsspec.get_filesystem_class(get_protocol(config.url))
+        except (ValueError, ImportError) as exc:
+            raise ConfigError(self._scrub(f"remote.url = {safe_url(config.url)!r}: {exc}")) from None
+        self._is_s3 = any(c.__name__ == "S3FileSystem" for c in self._fs_class.__mro__)
+        self._is_local = any(c.__name__ == "LocalFileSystem" for c in self._fs_class.__mro__)
+        self._options = self._fs_options(max_connections)
+        root = self._fs_class._strip_protocol(config.url)
+        self._root = root.rstrip("/") or root
+        self._where = safe_url(config.url)
+        self._matcher = compile_pattern(config.pattern)
+        self._budget = RetryBudget(config.retry_budget, retry_budget_burst)
+        self._requests = rate_bucket(config.max_requests_per_s * share, minimum=1.0)
+        self._bytes = rate_bucket(config.max_bytes_per_s * share, minimum=1.0)
+        self._sync_fs: Any = None
+        self._async_fs: Any = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None
+        self._closing: asyncio.Task[None] | None = None
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Remote is not picklable: create it inside the process that uses it")
+
+    def _fs_options(self, max_connections: int) -> dict[str, Any]:
+        options = dict(self.config.storage_options)
+        options["skip_instance_cache"] = True
+        if self._is_s3:
+            config_kwargs = dict(options.get("config_kwargs") or {})
+            config_kwargs["retries"] = dict(_S3_NO_RETRIES)
+            config_kwargs["connect_timeout"] = self.config.connect_timeout_s
+            config_kwargs["read_timeout"] = self.config.read_timeout_s
+            config_kwargs.setdefault("max_pool_connections", max_connections)
+            # Verify the body against the checksum S3 stored at upload, where there is one (a mismatch is
+            # FlexibleChecksumError: transient, retried). Pinned here so an environment variable cannot drop it.
+            config_kwargs.setdefault("response_checksum_validation", "when_supported")
+            options["config_kwargs"] = config_kwargs
+            options["use_listings_cache"] = False
+        return options
+
+    def _error(self, exc: BaseException, path: str) -> RemoteError:
+        error = translate_error(exc, path)
+        if error is not exc:
+            error = type(error)(self._scrub(str(error)))
+        return error
+
+    def _make_fs(self, **extra: Any) -> Any:
+        try:
+            fs = self._fs_class(**self._options, **extra)
+        except Exception as exc:
+            raise ConfigError(
+                self._scrub(f"remote.storage_options rejected by {self._fs_class.__name__}: {type(exc).__name__}")
+            ) from None
+        if self._is_s3:
+            fs.retries = 1  # NOTE [ One retry layer ]
+        return fs
+
+    # -------------------------------------------------------------------------------------------------- listing
+
+    def list_objects(self) -> list[RemoteObject]:
+        """Every file under the URL whose path relative to it matches the pattern, sorted by path.
+
+        One listing request per page, no HEAD per object; sizes and versions come from the listing. Transient
+        failures are retried with the same backoff as fetches; the last error is raised as a ``RemoteError``.
+        """
+        if self._sync_fs is None:
+            self._sync_fs = self._make_fs()
+        fs = self._sync_fs
+        found: dict[str, dict[str, Any]] = {}
+        for attempt in range(self.config.max_attempts):
+            fs.invalidate_cache()  # a refresh must see new objects
+            self.stats.listings_total += 1
+            try:
+                found = fs.find(self._root, detail=True)
+                break
+            except Exception as exc:
+                error = self._error(exc, self._where)
+                self._count(error)
+                if not isinstance(error, RemoteTransientError) or attempt + 1 >= self.config.max_attempts:
+                    raise error from None
+                delay = backoff_delay(attempt, self.config.backoff_base_s, self.config.backoff_max_s, self._rng)
+                logger.warning("listing failed (%s); retrying in %.2fs", error, delay)
+                time.sleep(delay)
+        objects = []
+        unusable: list[str] = []
+        for name, info in found.items():
+            if info.get("type") != "file":
+                continue
+            if not _is_utf8(name):
+                unusable.append(ascii(name))  # a local file name of raw bytes: keys and messages need text
+                continue
+            relative = name[len(self._root) :].lstrip("/") if name.startswith(self._root) else None
+            if relative == "":
+                relative = name.rsplit("/", 1)[-1]  # the URL names one file
+            if relative is None or not self._matcher.match(relative):
+                continue
+            objects.append(RemoteObject(name, int(info.get("size") or 0), version_of(info)))
+        if unusable:
+            logger.warning(
+                "skipping %d objects whose names are not valid UTF-8 (rename them to cache them), e.g. %s",
+                len(unusable),
+                unusable[0],
+            )
+        objects.sort(key=lambda obj: obj.path)
+        return objects
+
+    # -------------------------------------------------------------------------------------------------- fetching
+
+    async def fetch(self, obj: RemoteObject) -> bytes:
+        """The whole body of ``obj`` at its listed version; raises a ``RemoteError`` (see the module docstring)."""
+        self._budget.deposit()
+        last: RemoteError | None = None
+        for attempt in range(self.config.max_attempts):
+            if attempt > 0:
+                if not self._budget.withdraw():
+                    self.stats.budget_exhausted_total += 1
+                    raise RemoteTransientError(f"{last} (retry budget exhausted, not retried)")
+                self.stats.retries_total += 1
+                retry = attempt - 1
+                await asyncio.sleep(
+                    backoff_delay(retry, self.config.backoff_base_s, self.config.backoff_max_s, self._rng)
+                )
+            if self._requests is not None:
+                self.stats.throttled_s += await self._requests.acquire(1)
+            if self._bytes is not None:
+                self.stats.throttled_s += await self._bytes.acquire(obj.size)
+            self.stats.requests_total += 1
+            try:
+                body = await self._fetch_once(obj)
+            except Exception as exc:
+                error = self._error(exc, obj.path)
+                self._count(error)
+                if not isinstance(error, RemoteTransientError):
+                    raise error from None
+                logger.debug("attempt %d of %s failed: %s", attempt + 1, obj.path, error)
+                last = error
+                continue
+            self.stats.bytes_total += len(body)
+            return body
+        raise RemoteTransientError(f"{last} (gave up after {self.config.max_attempts} attempts)")
+
+    def _count(self, error: RemoteError) -> None:
+        self.stats.errors_total[error.kind] = self.stats.errors_total.get(error.kind, 0) + 1
+
+    async def _fetch_once(self, obj: RemoteObject) -> bytes:
+        if self._is_s3:
+            body = await self._get_s3(obj)
+        elif self._fs_class.async_impl:
+            body = await (await self._get_async_fs())._cat_file(obj.path)
+        else:
+            body = await asyncio.to_thread(self._read_sync, obj)
+        if len(body) != obj.size:
+            raise RemoteTransientError(f"short body for {obj.path}: {len(body)} of {obj.size} bytes")
+        return bytes(body)
+
+    async def connect(self) -> None:
+        """Build the fetching client now (botocore loads its models: a second or more) instead of at the first
+        ``fetch``. Optional; errors surface again, translated, at the first fetch."""
+        await self._get_async_fs()
+
+    async def _get_async_fs(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._async_fs is None or self._async_loop is not loop:
+            self._async_fs = self._make_fs(asynchronous=True, loop=loop)
+            self._async_loop = loop
+            if self._is_s3:
+                await self._async_fs.set_session()
+        return self._async_fs
+
+    async def _get_s3(self, obj: RemoteObject) -> bytes:
+        fs = await self._get_async_fs()
+        bucket, key, version = fs.split_path(obj.path)
+        client = await fs.get_s3(bucket)
+        pins = {"IfMatch": obj.etag} if obj.etag else {}
+        if version:
+            pins["VersionId"] = version
+        # One GET, no HEAD: s3fs's cat_file would HEAD first. _get_s3_method_kwargs adds the user's
+        # s3_additional_kwargs (SSE-C keys, requester pays) that get_object accepts.
+        kwargs = fs._get_s3_method_kwargs(client.get_object, Bucket=bucket, Key=key, **pins)
+        response = await client.get_object(**kwargs)
+        async with response["Body"] as stream:
+            body: bytes = await stream.read()
+        check_s3_response(obj, response)
+        if self.config.verify_md5:
+            await check_md5(obj, response, body)
+        return body
+
+    def _read_sync(self, obj: RemoteObject) -> bytes:
+        if not self._is_local:
+            if self._sync_fs is None:
+                self._sync_fs = self._make_fs()
+            data: bytes = self._sync_fs.cat_file(obj.path)
+            return data
+        with open(obj.path, "rb") as handle:
+            check_local(obj, os.fstat(handle.fileno()))
+            data = handle.read()
+            check_local(obj, os.fstat(handle.fileno()))
+        return data
+
+    # -------------------------------------------------------------------------------------------------- closing
+
+    async def aclose(self) -> None:
+        """Close the HTTP sessions from inside the fetching event loop (preferred in samplers)."""
+        fs, self._async_fs, self._async_loop = self._async_fs, None, None
+        creator = getattr(fs, "_s3creator", None)
+        if creator is not None:
+            try:
+                await creator.__aexit__(None, None, None)
+            except Exception as exc:
+                logger.debug("closing the S3 session failed: %s", type(exc).__name__)
+        self._close_sync()
+
+    def close(self) -> None:
+        """Close what is open. Inside a running loop that fetched, prefer ``await aclose()``."""
+        loop = self._async_loop
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            loop.run_until_complete(self.aclose())
+            return
+        if loop is not None and loop.is_running():
+            self._closing = loop.create_task(self.aclose())  # keep a reference until it runs
+            return
+        if loop is not None:
+            logger.warning("the event loop that fetched is closed: await Remote.aclose() on it before it ends")
+        self._async_fs = self._async_loop = None
+        self._close_sync()
+
+    def _close_sync(self) -> None:
+        fs, self._sync_fs = self._sync_fs, None
+        creator = getattr(fs, "_s3creator", None)
+        if creator is not None:
+            fs.close_session(fs.loop, creator)

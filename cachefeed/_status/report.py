@@ -1,0 +1,128 @@
+"""Reading a cache's status: ``read_report`` turns a cache directory into a ``StatusReport`` (verdict and figures).
+
+The report is judged from the daemon's status document (``_status/document.py``, verdict in ``_status/verdict.py``),
+with one more check on the daemon's host: a daemon whose pid is gone is not running, even with a fresh heartbeat.
+Without a usable document, the report carries what the directory shows (``_status/directory.py``). A bad status
+file is a verdict (``Health.UNREADABLE``), never an exception. Nothing here writes into the cache or takes a lock.
+Its readers: ``cachefeed status`` (``_cli/status.py``), the trainer's wait for a full cache (``_trainer/wait.py``),
+the demo and the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._errors import StatusUnreadable
+from cachefeed._status.directory import DirectorySummary
+from cachefeed._status.document import load_document
+from cachefeed._status.verdict import DEFAULT_INTERVAL_S, Health, judge
+
+__all__ = ["StatusReport", "read_report"]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """One reading of a cache's status: the verdict and what it was judged from.
+
+    Invariants: ``document`` is a validated status document or None; ``heartbeat_age_s`` is None iff ``document``
+    is; ``directory`` may be set only if ``document`` is None (no status file, or an unreadable one), and is
+    None when the directory could not be listed either.
+    """
+
+    cache_dir: Path
+    health: Health
+    reasons: tuple[str, ...]
+    document: dict[str, Any] | None = None
+    heartbeat_age_s: float | None = None
+    directory: DirectorySummary | None = None
+    read_at: float = 0.0
+
+
+def _pid_is_gone(pid: int) -> bool:
+    """True if ``pid`` does not exist here or is a zombie (a killed daemon its parent has not reaped yet)."""
+    if pid <= 0:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # cannot tell: trust the heartbeat
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return bool(fields) and fields[0] in ("Z", "X")
+
+
+def read_report(
+    cache_dir: Path, *, interval_s: float | None = None, now: float | None = None, check_pid: bool = True
+) -> StatusReport:
+    """Read and judge ``cache_dir``'s status. A bad status file is a verdict (UNREADABLE), never an exception.
+
+    Args:
+        cache_dir: the cache root.
+        interval_s: the daemon's status interval (staleness); default: the document's hint, else 1 s.
+        now: the reading instant (tests).
+        check_pid: on the daemon's host, also check that its pid lives (the rule: ``_status/verdict.py``).
+
+    Raises:
+        NoSuchCacheError: ``cache_dir`` is not a cache (exit 66).
+        StatusUnreadable: this user may not read the cache directory (exit 4).
+    """
+    layout = CacheLayout(Path(cache_dir))
+    denied = StatusUnreadable(f"{layout.root}: permission denied (the cache is group-readable: join its group)")
+    try:
+        if layout.root.is_dir() and not os.access(layout.root, os.R_OK | os.X_OK):
+            raise denied
+        layout.check()
+    except PermissionError:
+        raise denied from None
+    now = time.time() if now is None else now
+    try:
+        document = load_document(layout.status_file)
+    except StatusUnreadable as exc:
+        directory = _scan_or_none(layout, now)
+        return StatusReport(layout.root, Health.UNREADABLE, (str(exc),), directory=directory, read_at=now)
+    if document is None:
+        directory = _scan_or_none(layout, now)
+        reason = "no status file: no daemon has run on this cache (content read from the directory)"
+        return StatusReport(layout.root, Health.NOT_RUNNING, (reason,), directory=directory, read_at=now)
+    if interval_s is None:
+        hinted = document.get("interval_s")
+        interval_s = DEFAULT_INTERVAL_S
+        if isinstance(hinted, int | float) and not isinstance(hinted, bool) and hinted > 0:
+            interval_s = float(hinted)
+    age = max(0.0, now - float(document["updated_at"]))
+    health, reasons = judge(document, age, interval_s)
+    is_here = document["host"] == socket.gethostname()
+    if check_pid and health != Health.NOT_RUNNING and is_here and _pid_is_gone(document["pid"]):
+        if _advances(layout.status_file, document["updated_at"], interval_s):
+            # someone keeps writing: a daemon in another pid namespace, or one that just restarted
+            return read_report(cache_dir, interval_s=interval_s, check_pid=False)
+        health, reasons = Health.NOT_RUNNING, (f"the daemon (pid {document['pid']}) is gone: killed or crashed",)
+    return StatusReport(layout.root, health, reasons, document=document, heartbeat_age_s=age, read_at=now)
+
+
+def _scan_or_none(layout: CacheLayout, now: float) -> DirectorySummary | None:
+    try:
+        return DirectorySummary.scan(layout, now=now)
+    except OSError:  # e.g. permission denied on segments/: say what we can without it
+        return None
+
+
+def _advances(path: Path, updated_at: float, interval_s: float) -> bool:
+    """Whether the document's ``updated_at`` moves within about one interval."""
+    deadline = time.monotonic() + 1.5 * interval_s + 0.5
+    while time.monotonic() < deadline:
+        time.sleep(min(0.1, interval_s / 4))
+        try:
+            document = load_document(path)
+        except StatusUnreadable:
+            continue
+        if document is not None and document["updated_at"] != updated_at:
+            return True
+    return False

@@ -1,0 +1,71 @@
+"""The health verdict on a daemon's status document, whose value is the exit status of ``cachefeed status``.
+
+Exit statuses of ``cachefeed status`` (one invocation, without ``--watch``), declared here once: the verdicts are
+``Health``'s values; 64, 66, 78 and 1 are the exit codes of ``cachefeed._errors`` (``EX_USAGE``,
+``NoSuchCacheError``, ``ConfigError``, ``CachefeedError``):
+
+====  ==========================================================================================================
+0     running: the daemon is alive, its heartbeat is fresh, state "running", no degraded reasons
+2     degraded: alive, but state "degraded" or degraded reasons listed (the reasons are printed)
+3     not running: no status file (no daemon ever ran here: the cache's content is read from the directory),
+      state "stopped", a stale heartbeat, or the daemon's pid is gone (same host only)
+4     status unreadable: status.json is corrupt, half-written, of another version or shape, or not readable
+5     not ready: alive, but "starting" (not ready yet) or "stopping"
+64    usage error: the command line could not be parsed (e.g. neither ``--cache-dir`` nor ``--config``)
+66    no such cache: the directory does not exist or is not a cachefeed cache
+78    bad ``--config`` file
+1     any other error
+====  ==========================================================================================================
+
+Staleness: the heartbeat (``updated_at``) is stale when older than ``max(5 s, 5 x status.interval)``; the interval
+is read from ``--config`` when given, else from the document's optional ``interval_s``, else 1 s. On the daemon's
+host (``host`` equals this host name) a pid that is gone or a zombie also means "not running", unless the document
+keeps advancing (a daemon in another pid namespace under the same host name): that case costs one status interval
+of waiting, only when the pid looks gone while the heartbeat is fresh. ``judge`` gives the verdict on the document
+alone; ``_status/report.py`` adds the pid check.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["DEFAULT_INTERVAL_S", "Health", "judge", "stale_after_s"]
+
+DEFAULT_INTERVAL_S = 1.0
+
+
+class Health(enum.IntEnum):
+    """The verdict, whose value is the exit status (see the module docstring)."""
+
+    RUNNING = 0
+    DEGRADED = 2
+    NOT_RUNNING = 3
+    UNREADABLE = 4
+    NOT_READY = 5
+
+
+def stale_after_s(interval_s: float) -> float:
+    """Age beyond which a heartbeat means the daemon is hung or dead."""
+    return max(5.0, 5.0 * interval_s)
+
+
+def judge(document: Mapping[str, Any], age_s: float, interval_s: float) -> tuple[Health, tuple[str, ...]]:
+    """The verdict on a validated document whose heartbeat is ``age_s`` old (pid check not included)."""
+    state = document["state"]
+    limit = stale_after_s(interval_s)
+    if state == "stopped":
+        return Health.NOT_RUNNING, ("the daemon stopped",)
+    if age_s > limit:
+        return Health.NOT_RUNNING, (
+            f"stale heartbeat: last status {age_s:.1f}s ago (limit {limit:.0f}s): the daemon is dead or hung",
+        )
+    reasons = tuple(str(reason) for reason in document["degraded_reasons"])
+    if state in ("starting", "stopping"):
+        return Health.NOT_READY, (f"the daemon is {state}", *reasons)
+    if state == "degraded" or (state == "running" and reasons):
+        return Health.DEGRADED, reasons or ("the daemon reports degraded",)
+    if state == "running":
+        return Health.RUNNING, ()
+    return Health.UNREADABLE, (f"unknown state {state!r} (a newer daemon?)",)

@@ -1,0 +1,330 @@
+"""One epoch's resources (snapshot, dataset, DataLoader, a started iterator) and the loader handed to the trainer.
+
+Lifecycle of an ``EpochState`` (see NOTE [ Epoch handover ] in ``loader.py`` for who calls what, on which thread)::
+
+    built (snapshot pinned, dataset)  ->  fed (a pass queued on the factory's worker pool, its first batches dealt;
+        or, without workers, a DataLoader with its first batch fetched)  ->  running (iterated by the training loop)
+        ->  released (passes closed, the workers' readers closed, dataset closed, pin dropped)
+
+``release`` is idempotent and runs on the factory's teardown thread, never on the training thread. A released
+state cannot be iterated again (its snapshot may be gone).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+from torch.utils.data import DataLoader
+
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._errors import SnapshotError
+from cachefeed._logs import get_logger
+from cachefeed._trainer.dataset import SnapshotDataset
+from cachefeed._trainer.partition import EpochBatchSampler
+from cachefeed._trainer.pool import EmptyBatch, Pass, WorkerPool
+
+__all__ = ["EmptyBatch", "EpochLoader", "EpochState", "EpochStats", "SkipEmptyCollate"]
+
+log = get_logger(__name__)
+
+
+class SkipEmptyCollate:
+    """Wraps the user's collate function: an empty list of samples becomes ``EmptyBatch()`` (picklable)."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return EmptyBatch() if not samples else self.collate(samples)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochStats:
+    """What one epoch looked like, for the caller's logs.
+
+    Attributes:
+        epoch, snapshot_id: which epoch, over which snapshot.
+        samples, segments: in the snapshot (the whole node's view).
+        new_samples, new_segments: in segments that the previous epoch's snapshot did not have (all, the first time).
+        rank_samples, batches: this rank's share and its planned number of batches.
+        batches_served: batches handed to the training loop so far.
+        skipped_corrupt: records that failed verification and were left out of their batch.
+        wait_for_samples_s: the first epoch's wait for ``min_samples`` (0 afterwards).
+        build_s: pinning, dataset, DataLoader, worker start and the first batch (the wait above excluded).
+        prepared_in_background: built while the previous epoch ran (False: built when asked for).
+        handover_wait_s: time the training loop spent inside cachefeed between the last batch of the previous
+            epoch and the first batch of this one; None for the first epoch or before the first batch.
+        first_batch_wait_s: the same measure for every epoch (for the first: from ``loader()`` to its first batch).
+    """
+
+    epoch: int
+    snapshot_id: str
+    samples: int
+    segments: int
+    new_samples: int
+    new_segments: int
+    rank_samples: int
+    batches: int
+    batches_served: int
+    skipped_corrupt: int
+    wait_for_samples_s: float
+    build_s: float
+    prepared_in_background: bool
+    handover_wait_s: float | None
+    first_batch_wait_s: float | None
+
+
+class EpochHooks(Protocol):
+    """What the factory does when the training loop moves through an epoch (implemented in loader.py)."""
+
+    def on_progress(self, state: EpochState, consumed: int) -> None: ...
+
+    def on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None: ...
+
+    def on_exhausted(self, inner: Iterator[Any]) -> None: ...
+
+
+class EpochState:
+    """The resources of one epoch (see the module docstring for the lifecycle)."""
+
+    def __init__(
+        self,
+        epoch: int,
+        snapshot: Snapshot,
+        dataset: SnapshotDataset,
+        indices: npt.NDArray[np.int64],
+        *,
+        new_samples: int,
+        new_segments: int,
+        wait_for_samples_s: float,
+    ) -> None:
+        self.epoch = epoch
+        self.snapshot = snapshot
+        self.dataset = dataset
+        self.indices = indices
+        self.rank_samples = len(indices)
+        self.new_samples = new_samples
+        self.new_segments = new_segments
+        self.wait_for_samples_s = wait_for_samples_s
+        self.build_s = 0.0
+        self.prepared_in_background = False
+        self.dataloader: DataLoader[Any] | None = None  # without workers (num_workers=0) only
+        self.pool: WorkerPool | None = None  # with workers: the factory's pool, and this epoch's key in it
+        self.pool_key = -1
+        self._batch_list: list[npt.NDArray[np.int64]] = []
+        self.fed = False  # a loader (pool pass or DataLoader) was set up: the factory reads it, not the caller
+        self.batches = 0
+        self.batches_served = 0
+        self.batches_consumed = 0  # batches taken from the sampler by the training loop (empty ones included)
+        self.touched_at = 0.0  # perf_counter of the last ``snapshot.touch()`` (progress the daemon sees)
+        self.first_batch_wait_s: float | None = None
+        self.is_first_epoch = False
+        self._started: tuple[Iterator[Any], list[Any]] | None = None  # iterator + its fetched first item
+        self._live: set[int] = set()
+        self._inners: dict[int, Iterator[Any]] = {}
+        self._lock = threading.Lock()
+        self._released = False
+        self._final_skipped: int | None = None
+
+    def start_loader(
+        self, make: Callable[[SnapshotDataset, EpochBatchSampler], DataLoader[Any]], batch_size: int, drop_last: bool
+    ) -> None:
+        """Without workers: build the DataLoader, start its iterator and fetch the first item."""
+        sampler = EpochBatchSampler(self.indices, batch_size, drop_last=drop_last)
+        loader = make(self.dataset, sampler)
+        self.dataloader = loader
+        self.batches = len(sampler)
+        self.fed = True
+        inner = iter(loader)
+        first: list[Any] = []
+        if self.batches:
+            first.append(next(inner))
+        with self._lock:
+            self._started = (inner, first)
+            self._inners[id(inner)] = inner
+
+    def start_pass(self, pool: WorkerPool, batch_size: int, drop_last: bool) -> None:
+        """With workers: queue this epoch's batches on the pool (its workers start on them once dealt)."""
+        self.pool = pool
+        self.pool_key = pool.new_key()
+        self._batch_list = list(EpochBatchSampler(self.indices, batch_size, drop_last=drop_last))
+        self.batches = len(self._batch_list)
+        self.fed = True
+        inner = pool.open_pass(self.pool_key, self.dataset, self._batch_list)
+        with self._lock:
+            self._started = (inner, [])
+            self._inners[id(inner)] = inner
+
+    def take_iterator(self) -> tuple[Iterator[Any], list[Any]]:
+        """The prepared iterator (first use) or a fresh one. Raises SnapshotError once released."""
+        with self._lock:
+            if self._released:
+                raise SnapshotError(
+                    f"epoch {self.epoch} was released (the factory moved to another epoch or closed): "
+                    "ask the factory for the epoch's loader again"
+                )
+            if self._started is not None:
+                started, self._started = self._started, None
+                return started
+            inner: Iterator[Any]
+            if self.pool is not None:
+                inner = self.pool.open_pass(self.pool_key, self.dataset, self._batch_list)
+            elif self.dataloader is not None:
+                inner = iter(self.dataloader)
+            else:
+                raise SnapshotError(f"epoch {self.epoch} has no loader (it was built with dataset() only)")
+            self._inners[id(inner)] = inner
+            return inner, []
+
+    def forget_iterator(self, inner: Iterator[Any]) -> None:
+        with self._lock:
+            self._inners.pop(id(inner), None)
+
+    def stats(self, *, handover: bool) -> EpochStats:
+        skipped = self._final_skipped if self._final_skipped is not None else self.dataset.skipped
+        return EpochStats(
+            epoch=self.epoch,
+            snapshot_id=self.snapshot.snap_id,
+            samples=self.snapshot.samples,
+            segments=len(self.snapshot.names),
+            new_samples=self.new_samples,
+            new_segments=self.new_segments,
+            rank_samples=self.rank_samples,
+            batches=self.batches,
+            batches_served=self.batches_served,
+            skipped_corrupt=skipped,
+            wait_for_samples_s=self.wait_for_samples_s,
+            build_s=self.build_s,
+            prepared_in_background=self.prepared_in_background,
+            handover_wait_s=None if self.is_first_epoch or not handover else self.first_batch_wait_s,
+            first_batch_wait_s=self.first_batch_wait_s,
+        )
+
+    def release(self) -> None:
+        """Shut down this epoch's iterators, close the dataset, drop the pin (idempotent; teardown thread)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            inners = list(self._inners.values())
+            self._inners.clear()
+            self._started = None
+        was_read = self.batches_served > 0 or not self.fed  # dataset() only: the caller read it
+        try:
+            for inner in inners:
+                shutdown_iterator(inner)
+            if self.pool is not None:
+                self.pool.forget(self.pool_key)  # the workers unmap its segments before the pin goes
+        finally:
+            self._final_skipped = self.dataset.skipped
+            self.dataset.close()
+            if was_read:
+                try:
+                    self.snapshot.mark_read()  # its segments count one more epoch read (NOTE in _cache/reads.py)
+                except OSError as exc:
+                    log.warning("epoch %d: could not record its read of %s: %s", self.epoch, self.snapshot.snap_id, exc)
+            self.snapshot.release()
+            # Released states are kept for their stats only: drop what scales with the epoch (the share's index
+            # array, also held by the DataLoader's batch sampler).
+            self.indices = self.indices[:0]
+            self._batch_list = []
+            self.dataloader = None
+
+
+def shutdown_iterator(inner: Iterator[Any]) -> None:
+    """Stop a pool pass (deal no more) or a DataLoader iterator's workers (what its destructor would do, now)."""
+    if isinstance(inner, Pass):
+        inner.close()
+        return
+    shutdown = getattr(inner, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
+
+
+class EpochLoader:
+    """The loader of one epoch, as ``factory.loader(epoch)`` returns it.
+
+    Iterate it once per epoch (a second ``iter()`` starts a fresh DataLoader iterator, without the head start).
+    ``len()`` is the number of batches planned for this rank; batches left empty by corrupt records are dropped,
+    so a loop may see fewer (``stats.skipped_corrupt`` says how many samples were skipped).
+
+    Attributes:
+        epoch: the epoch number.
+        dataset: the ``SnapshotDataset`` (all samples of the snapshot; this rank reads its share).
+        dataloader: the underlying ``torch.utils.data.DataLoader`` without workers; None with workers, whose
+            batches come from the factory's worker pool (``pool.py``).
+    """
+
+    def __init__(self, state: EpochState, hooks: EpochHooks, stats: Callable[[], EpochStats]) -> None:
+        self._state = state
+        self._hooks = hooks
+        self._stats = stats
+        self.epoch = state.epoch
+        self.dataset = state.dataset
+        if not state.fed:
+            raise SnapshotError(f"epoch {state.epoch} has no loader")
+        self.dataloader: DataLoader[Any] | None = state.dataloader
+
+    def __len__(self) -> int:
+        return self._state.batches
+
+    @property
+    def snapshot_id(self) -> str:
+        return self._state.snapshot.snap_id
+
+    @property
+    def stats(self) -> EpochStats:
+        return self._stats()
+
+    def __iter__(self) -> Iterator[Any]:
+        started = time.perf_counter()
+        inner, head = self._state.take_iterator()
+        self._hooks.on_wait(time.perf_counter() - started, first_batch=None)
+        self._hooks.on_progress(self._state, 0)
+        return _EpochIterator(self._state, self._hooks, inner, head)
+
+
+class _EpochIterator(Iterator[Any]):
+    """Hands out the batches of one pass; stops after exactly ``batches`` items without asking the inner
+    iterator again, so the DataLoader's own end-of-epoch shutdown (joining workers) never runs on the training
+    thread: the inner iterator goes to the factory's teardown thread instead."""
+
+    def __init__(self, state: EpochState, hooks: EpochHooks, inner: Iterator[Any], head: list[Any]) -> None:
+        self._state = state
+        self._hooks = hooks
+        self._inner: Iterator[Any] | None = inner
+        self._head = head
+        self._consumed = 0
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        state = self._state
+        try:
+            while self._inner is not None and self._consumed < state.batches:
+                item = self._head.pop() if self._head else next(self._inner)
+                self._consumed += 1
+                self._hooks.on_progress(state, self._consumed)
+                if isinstance(item, EmptyBatch):
+                    continue
+                state.batches_served += 1
+                if state.batches_served == 1:  # only the handover's waits are accounted (see loader.py)
+                    self._hooks.on_wait(time.perf_counter() - started, first_batch=state)
+                return item
+        except BaseException:
+            self._finish()
+            raise
+        self._finish()
+        self._hooks.on_wait(time.perf_counter() - started, first_batch=None)
+        raise StopIteration
+
+    def _finish(self) -> None:
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            self._state.forget_iterator(inner)
+            self._hooks.on_exhausted(inner)

@@ -1,0 +1,615 @@
+"""``EpochLoaderFactory``: each epoch's loader over a pinned snapshot, ready before the previous epoch ends.
+
+NOTE [ Epoch handover ]
+-----------------------
+Threads: the *training thread* (the caller's loop), one *build thread* and one *teardown thread* per factory.
+Processes: with ``num_workers > 0``, one worker pool for the factory's whole life (``pool.py``): workers are
+started once, with the first epoch, and every epoch's batches are queued on them; without workers, each epoch reads
+in-process through a DataLoader of its own.
+
+* While epoch ``e`` runs, the training thread reports progress after each batch (``_on_progress``). When the time
+  left in ``e`` (remaining batches x the recent batch interval) falls under twice the longest build seen so far
+  plus 0.1 s, or fewer than two prefetch windows (``num_workers x prefetch_factor`` batches) are left, or at the
+  fraction ``prepare_at`` if given, the build thread starts on ``e + 1``: pin its snapshot (local rank 0 creates,
+  the node's other ranks join), compute this rank's share, build the dataset and queue its pass on the pool
+  (without workers: build its DataLoader and fetch the first batch). The pool deals ``e + 1``'s batches to the
+  workers as soon as ``e``'s are all dealt, so its first batches are read while ``e``'s last ones are consumed.
+  Pinning late keeps the snapshot fresh (it holds what was cached a moment before the boundary) and keeps two
+  snapshots from sharing the turnover room for long (epochs only a little longer than the lead are fine); starting
+  early enough keeps the boundary free of waits. No process is forked at a boundary, so the lead is small.
+* ``_EpochIterator`` stops after exactly ``len(loader)`` batches without asking the inner iterator again (a
+  DataLoader's own end would join its workers on the training thread); the exhausted iterator goes to the teardown
+  thread, which closes it.
+* ``loader(e + 1)`` takes the prepared epoch (waiting for the build only if it is late) and retires every other
+  epoch: the teardown thread closes its passes, waits until every worker has closed its readers of the epoch's
+  segments, closes its dataset and releases its pin. The training thread never joins a process or unlinks a file
+  at the boundary.
+* The handover wait (``EpochStats.handover_wait_s``) is the time the training thread spends inside cachefeed
+  between the last batch of ``e`` and the first of ``e + 1``: the ``next()`` that ends ``e``, ``loader(e + 1)``,
+  ``iter()`` and the first ``next()``. The training step itself is not counted.
+
+Failures of a background build are re-raised by ``loader(e + 1)`` on the training thread, with their traceback.
+With several nodes, every rank's build thread joins one all-reduce per epoch on a dedicated gloo group (created
+by the constructor, which every rank calls), in epoch order, so the training thread's collectives are never
+interleaved with ours.
+
+This module is longer than most (one concept: the factory's epochs and the handover schedule above); what has a
+contract of its own lives beside it: ``partition.py`` (who reads what), ``resume.py`` (checkpoints), ``epoch.py``
+(one epoch's state and loader), ``pool.py``/``arena.py`` (the feed), ``wait.py`` (the first fill).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO, cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.sources import read_sources
+from cachefeed._labels import read_classes
+from cachefeed._logs import get_logger
+from cachefeed._trainer.background import SerialWorker
+from cachefeed._trainer.dataset import SnapshotDataset, Transform
+from cachefeed._trainer.epoch import EpochLoader, EpochState, EpochStats, SkipEmptyCollate, shutdown_iterator
+from cachefeed._trainer.partition import (
+    EpochBatchSampler,
+    RankInfo,
+    detect_ranks,
+    launcher_run_id,
+    rank_share,
+    sanitize_run_id,
+)
+from cachefeed._trainer.pool import WorkerPool
+from cachefeed._trainer.resume import ResumePoint, checkpoint, resume_point, resumed_snapshot
+from cachefeed._trainer.wait import parse_fill, wait_for_cache, wait_for_fill, wait_for_samples
+
+__all__ = ["EpochLoaderFactory"]
+
+log = get_logger(__name__)
+
+
+_RESERVED_OPTIONS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "num_workers")
+DEFAULT_MIN_FILL = "75%"  # what the first epoch waits for by default (see min_samples)
+_LEAD_FACTOR = 2.0
+_LEAD_MARGIN_S = 0.1
+_PACE_WEIGHT = 0.2
+_TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
+
+
+class EpochLoaderFactory:
+    """Per-epoch DataLoaders over pinned snapshots of a cachefeed cache, prepared ahead (NOTE above).
+
+    Use it as a context manager (or call ``close``)::
+
+        with EpochLoaderFactory("/dev/shm/cachefeed/example", batch_size=256, num_workers=4) as factory:
+            for epoch in range(epochs):
+                for batch in factory.loader(epoch):
+                    train_step(batch["data"])
+
+    Args:
+        cache_dir: the cache directory (the daemon's ``cache.dir``). Must exist (``NoSuchCacheError``).
+        batch_size: samples per batch.
+        num_workers: DataLoader worker processes per epoch.
+        shuffle: shuffle each epoch with a permutation seeded by ``(seed, epoch)`` (identical on every rank).
+        seed: see ``shuffle``.
+        drop_last: drop this rank's last partial batch.
+        transform: per-sample function run in the workers (picklable for spawn/forkserver).
+        collate_fn: batches samples (default ``torch.utils.data.default_collate``).
+        verify: check every record's checksum when reading (a failing record is skipped, never served); False
+            checks nothing of a record's bytes, not even which key it holds.
+        samples_per_epoch: every epoch is exactly this many samples of the node's snapshot (split equally among
+            the node's ranks), least-read first, reusing samples when fewer are cached: ``len(loader)`` and the
+            number of steps are known before training starts (``batches_per_epoch``). None: each epoch is one pass
+            over its snapshot.
+        min_samples: what the first epoch waits for (a progress line on ``progress``): a number of cached samples,
+            or a fill level such as ``"75%"`` of what the daemon keeps (its budget less turnover room and
+            metadata: no segment arithmetic), reached also when the daemon cannot fill further (it waits for
+            trainers, or holds everything the remote lists) or when no daemon runs (a static cache). Default
+            ``samples_per_epoch`` if set, else ``"75%"``: an epoch over a near-empty cache (one batch, as a
+            default of 1 sample gave) would spend an epoch of an LR schedule on nothing.
+        wait_timeout_s: how long that wait may take before ``SnapshotError``; also how long the constructor waits
+            for the cache directory to appear (a trainer started together with the daemon) before
+            ``NoSuchCacheError``.
+        join_timeout_s: how long a non-zero local rank waits for local rank 0's snapshot of an epoch.
+        prepare_at: fraction of an epoch's batches after which the next epoch is prepared; None = automatic.
+        epochs: the number of epochs, if known: epoch ``epochs`` is then never prepared (no workers started for
+            an epoch that will not run).
+        run_id: names the snapshots (``<run_id>-e<epoch>``); default from torchrun, needed with several ranks
+            otherwise.
+        rank, world_size: the ranks sharing this cache, if torch.distributed / torchrun do not say.
+        progress: where the first wait writes its progress (None: silent).
+        **loader_options: passed to every ``DataLoader`` (pin_memory, prefetch_factor, multiprocessing_context,
+            persistent_workers, worker_init_fn, timeout, generator, in_order, pin_memory_device).
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        *,
+        batch_size: int,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        transform: Transform | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        verify: bool = True,
+        samples_per_epoch: int | None = None,
+        min_samples: int | str | None = None,
+        wait_timeout_s: float = 600.0,
+        join_timeout_s: float = 300.0,
+        prepare_at: float | None = None,
+        epochs: int | None = None,
+        run_id: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        progress: TextIO | None = sys.stderr,
+        **loader_options: Any,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if samples_per_epoch is not None and samples_per_epoch < 1:
+            raise ValueError(f"samples_per_epoch must be >= 1 (or None), got {samples_per_epoch}")
+        if min_samples is None:
+            min_samples = samples_per_epoch or DEFAULT_MIN_FILL
+        self.min_fill = parse_fill(min_samples) if isinstance(min_samples, str) else None
+        if isinstance(min_samples, int) and min_samples < 0:
+            raise ValueError(f"min_samples must be >= 0 or a fill level such as '75%', got {min_samples}")
+        if wait_timeout_s <= 0 or join_timeout_s <= 0:
+            raise ValueError("the timeouts must be > 0")
+        if epochs is not None and epochs < 0:
+            raise ValueError(f"epochs must be >= 0 (or None), got {epochs}")
+        if prepare_at is not None and not 0.0 <= prepare_at <= 1.0:
+            raise ValueError(f"prepare_at must be a fraction between 0 and 1 (or None), got {prepare_at}")
+        reserved = sorted(set(loader_options) & set(_RESERVED_OPTIONS))
+        if reserved:
+            raise TypeError(f"EpochLoaderFactory sets {', '.join(reserved)} itself; use its own arguments")
+        self.layout = CacheLayout(Path(cache_dir))
+        wait_for_cache(self.layout, timeout_s=wait_timeout_s, progress=progress)  # a daemon may be starting
+        self.ranks: RankInfo = detect_ranks(rank, world_size)
+        env_run_id = launcher_run_id()
+        if run_id is None and env_run_id is None and self.ranks.local_world_size > 1:
+            raise ValueError(
+                "several ranks share this cache but nothing names the run: pass run_id= (the same on every rank), "
+                "or launch with torchrun"
+            )
+        self.run_id = sanitize_run_id(run_id) if run_id is not None else (env_run_id or f"pid{os.getpid()}")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.transform = transform
+        self.collate_fn = collate_fn or default_collate
+        self.verify = verify
+        self.samples_per_epoch = samples_per_epoch
+        self._resume: ResumePoint | None = None
+        self._current: EpochState | None = None
+        self.min_samples = min_samples
+        self.wait_timeout_s = wait_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.prepare_at = prepare_at
+        self.epochs = epochs
+        self.progress = progress
+        self.loader_options = dict(loader_options)
+        # Fail here, on the caller's thread, on options DataLoader refuses (e.g. prefetch_factor without workers).
+        DataLoader(
+            cast(Dataset[Any], []),
+            batch_sampler=cast(Sampler[list[int]], EpochBatchSampler(np.empty(0, np.int64), 1)),
+            num_workers=num_workers,
+            **self.loader_options,
+        )
+        self._window = max(1, num_workers) * int(loader_options.get("prefetch_factor") or 2)
+        self._pool = self._new_pool(None if collate_fn is default_collate else collate_fn) if num_workers else None
+        self._agree_group = self._new_agree_group()
+        self._lock = threading.Lock()
+        self._builder = SerialWorker("cachefeed-build")  # not a ThreadPoolExecutor: see background.py
+        self._teardown = SerialWorker("cachefeed-teardown")
+        self._states: dict[int, EpochState] = {}
+        self._retired: dict[int, EpochState] = {}
+        self._prepared: tuple[int, Future[EpochState]] | None = None
+        self._last_names: frozenset[str] | None = None
+        self._has_built = False
+        self._build_estimate_s = 0.0
+        self._waited_s = 0.0
+        self._pace_s: float | None = None
+        self._last_batch_at = 0.0
+        self._closed = False
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    def loader(self, epoch: int) -> EpochLoader:
+        """The loader of ``epoch`` (prepared in the background if the previous epoch ran through this factory).
+
+        Moving to an epoch retires every other one (its workers stop and its pin is released, off this thread).
+        """
+        started = time.perf_counter()
+        state = self._activate(epoch, with_loader=True)
+        self._on_wait(time.perf_counter() - started, first_batch=None)
+        return EpochLoader(state, _Hooks(self), lambda: self.stats(epoch))
+
+    def dataset(self, epoch: int) -> SnapshotDataset:
+        """The snapshot dataset of ``epoch``, for your own DataLoader. Pinned until the factory moves on or closes.
+
+        Note that the dataset holds *all* samples of the node's snapshot; ``share(epoch)`` gives this rank's part.
+        """
+        return self._activate(epoch, with_loader=False).dataset
+
+    def share(self, epoch: int) -> npt.NDArray[np.int64]:
+        """This rank's indices into ``dataset(epoch)``, in this epoch's order (disjoint, equal-sized across ranks)."""
+        return self._activate(epoch, with_loader=False).indices
+
+    def stats(self, epoch: int) -> EpochStats:
+        """Statistics of an epoch this factory built (KeyError for one it never built)."""
+        with self._lock:
+            state = self._states.get(epoch) or self._retired.get(epoch)
+        if state is None:
+            raise KeyError(f"epoch {epoch} was not built by this factory")
+        return state.stats(handover=True)
+
+    def close(self) -> None:
+        """Stop all workers and release all pins. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            prepared, self._prepared = self._prepared, None
+            states = list(self._states.values())
+            self._retired.update(self._states)
+            self._states.clear()
+        if prepared is not None:
+            try:
+                states.append(prepared[1].result())
+            except BaseException:  # it is being discarded: its error does not matter now
+                log.debug("discarded epoch %d failed to build", prepared[0], exc_info=True)
+        self._teardown.shutdown(wait=True)
+        self._builder.shutdown(wait=True)
+        for state in states:
+            state.release()
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> EpochLoaderFactory:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- building ------------------------------------------------------------------------------------------
+
+    def _new_pool(self, collate_fn: Callable[[list[Any]], Any] | None) -> WorkerPool:
+        """The worker processes every epoch shares (started with the first epoch; see pool.py).
+
+        DataLoader options map onto it: ``prefetch_factor``, ``multiprocessing_context``, ``worker_init_fn`` (run
+        once per worker: workers persist, as with ``persistent_workers=True``), ``timeout``, ``generator`` (draws
+        the workers' base seed) and ``pin_memory`` (the workers' shared memory is registered with CUDA).
+        ``persistent_workers`` and ``in_order`` change nothing: workers always persist, batches always come in
+        order.
+        """
+        options = self.loader_options
+        generator = options.get("generator")
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+        return WorkerPool(
+            self.num_workers,
+            collate_fn=collate_fn,
+            context=options.get("multiprocessing_context"),
+            prefetch_factor=int(options.get("prefetch_factor") or 2),
+            worker_init_fn=options.get("worker_init_fn"),
+            timeout_s=float(options.get("timeout") or 0.0),
+            seed=seed,
+            pin_memory=bool(options.get("pin_memory")),
+        )
+
+    def _feed(self, state: EpochState) -> None:
+        """Give ``state`` its loader: a pass on the worker pool, or without workers a DataLoader."""
+        if self._pool is not None:
+            state.start_pass(self._pool, self.batch_size, self.drop_last)
+        else:
+            state.start_loader(self._make_loader, self.batch_size, self.drop_last)
+
+    def _make_loader(self, dataset: SnapshotDataset, sampler: EpochBatchSampler) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_sampler=cast(Sampler[list[int]], sampler),  # yields int64 arrays: cheaper than lists
+            num_workers=self.num_workers,
+            collate_fn=SkipEmptyCollate(self.collate_fn),
+            **self.loader_options,
+        )
+
+    def _new_agree_group(self) -> Any:
+        if not self.ranks.nodes_differ:
+            return None
+        return torch.distributed.new_group(backend="gloo")
+
+    def _agree_min(self, value: int) -> int:
+        if self._agree_group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self._agree_group)
+        return int(tensor.item())
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loop is: a plain dict to store in a checkpoint (``load_state_dict`` resumes it).
+
+        Holds the epoch, the batches of it the loop has taken, the seed and the snapshot the epoch reads
+        (``resume.py``). Save it together with the model, after the step on the last batch taken.
+        """
+        state = self._current
+        return checkpoint(
+            epoch=state.epoch if state is not None else 0,
+            batches_consumed=state.batches_consumed if state is not None else 0,
+            seed=self.seed,
+            snapshot_id=state.snapshot.snap_id if state is not None else None,
+            batch_size=self.batch_size,
+            samples_per_epoch=self.samples_per_epoch,
+        )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> int:
+        """Resume from ``state_dict()``: returns the epoch to continue with (call ``loader(epoch)`` for it).
+
+        That epoch reads exactly the samples it had not handed out yet, from the same snapshot, if the snapshot is
+        still there (the daemon keeps a dead trainer's snapshot for ``cache.snapshot_grace``). Otherwise it runs on
+        a fresh snapshot, skipping as many batches as were consumed (so step counts stay right), and one log line
+        says so. Call before the first ``loader()``; the factory's ``seed`` and ``batch_size`` must match.
+        """
+        epoch, resume = resume_point(state, seed=self.seed, batch_size=self.batch_size)
+        with self._lock:
+            if self._has_built:
+                raise RuntimeError("load_state_dict must be called before the first loader()")
+        if resume is not None:
+            self._resume = resume
+        return epoch
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names of a daemon that labels samples by their directory (``sampler.label = "parent"``):
+        sample field ``label`` = i means ``classes[i]``. Built by the daemon from the whole remote listing, so it is
+        complete however little is cached; read from the cache each time (classes that appear later are appended,
+        indices never change). ``[]`` when the daemon does not label."""
+        return read_classes(self.layout.classes_file)
+
+    @property
+    def sources(self) -> dict[str, float]:
+        """The daemon's named sources (``[[source]]`` tables) and their weights (summing to 1): every epoch gives
+        each source its weight's share of its samples, and each sample names its source in ``"__source__"``.
+        ``{}`` for a daemon that reads one ``[remote]``."""
+        return {entry.name: entry.weight for entry in read_sources(self.layout.sources_file)}
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """This rank's batches in every epoch with ``samples_per_epoch`` (None without: it depends on the cache)."""
+        if self.samples_per_epoch is None:
+            return None
+        per_rank = self.samples_per_epoch // self.ranks.local_world_size
+        return len(EpochBatchSampler(np.empty(per_rank, np.int64), self.batch_size, drop_last=self.drop_last))
+
+    def _share(self, snapshot: Snapshot, epoch: int) -> npt.NDArray[np.int64]:
+        """This rank's indices into ``snapshot`` for ``epoch`` (see partition.py)."""
+        return rank_share(
+            snapshot.counts,
+            snapshot.reads,
+            snapshot.tags,
+            {tag: weight for tag, (_name, weight) in snapshot.sources.items()},
+            epoch=epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            ranks=self.ranks,
+            samples_per_epoch=self.samples_per_epoch,
+            agree_min=self._agree_min,
+        )
+
+    def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
+        """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
+        started = time.perf_counter()
+        with self._lock:
+            is_first, self._has_built = not self._has_built, True
+        waited = 0.0
+        join_timeout = self.join_timeout_s
+        if is_first and self.ranks.is_creator and self.min_fill is not None:
+            wait_for_fill(self.layout, self.min_fill, timeout_s=self.wait_timeout_s, progress=self.progress)
+            waited = time.perf_counter() - started
+        elif is_first and self.ranks.is_creator:
+            wait_for_samples(self.layout, int(self.min_samples), timeout_s=self.wait_timeout_s, progress=self.progress)
+            waited = time.perf_counter() - started
+        elif is_first:
+            join_timeout += self.wait_timeout_s
+        snap_id = f"{self.run_id}-e{epoch:06d}"
+        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
+        skip_batches = resume.batches_consumed if resume is not None else 0
+        snapshot = resumed_snapshot(self.layout.root, resume) if resume is not None else None
+        if snapshot is not None:
+            snap_id = snapshot.snap_id
+        elif self.ranks.is_creator:
+            snapshot = Snapshot.create(self.layout.root, snap_id)
+        else:
+            snapshot = Snapshot.join(self.layout.root, snap_id, timeout_s=join_timeout)
+        dataset: SnapshotDataset | None = None
+        pid = os.getpid()
+        try:
+            indices = self._share(snapshot, epoch)[skip_batches * self.batch_size :]
+            dataset = SnapshotDataset.from_snapshot(snapshot, transform=self.transform, verify=self.verify)
+            with self._lock:
+                previous, self._last_names = self._last_names, frozenset(snapshot.names)
+            fresh = [
+                (n, c)
+                for n, c in zip(snapshot.names, snapshot.counts, strict=True)
+                if previous is None or n not in previous
+            ]
+            state = EpochState(
+                epoch,
+                snapshot,
+                dataset,
+                indices,
+                new_samples=sum(c for _n, c in fresh),
+                new_segments=len(fresh),
+                wait_for_samples_s=waited,
+            )
+            state.is_first_epoch = is_first
+            state.prepared_in_background = background
+            if with_loader:
+                self._feed(state)
+        except BaseException:
+            if os.getpid() != pid:  # unwinding in a forked worker that failed to start: the pin is the parent's
+                raise
+            if dataset is not None:
+                dataset.close()
+            snapshot.release()
+            raise
+        state.build_s = time.perf_counter() - started - waited
+        self._build_estimate_s = max(self._build_estimate_s, state.build_s)
+        log.info(
+            "epoch %d: snapshot %s, %d samples (%d new), %d for this rank, built in %.3fs%s",
+            epoch,
+            snap_id,
+            snapshot.samples,
+            state.new_samples,
+            len(indices),
+            state.build_s,
+            " in the background" if background else "",
+        )
+        return state
+
+    def _activate(self, epoch: int, *, with_loader: bool) -> EpochState:
+        """Make ``epoch`` the current epoch: take or build its state, retire every other one."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this EpochLoaderFactory is closed")
+            state = self._states.get(epoch)
+            prepared = None
+            if state is None and self._prepared is not None:
+                prepared, self._prepared = self._prepared, None
+        if state is None:
+            if prepared is not None and prepared[0] == epoch:
+                state = prepared[1].result()
+            else:
+                if prepared is not None:
+                    prepared[1].add_done_callback(self._retire_future)
+                state = self._build(epoch, with_loader=with_loader, background=False)
+        elif with_loader and not state.fed:
+            started = time.perf_counter()
+            self._feed(state)
+            state.build_s += time.perf_counter() - started
+        with self._lock:
+            self._states[epoch] = state
+            others = [s for e, s in self._states.items() if e != epoch]
+            for other in others:
+                del self._states[other.epoch]
+        for other in others:
+            self._retire(other)
+        return state
+
+    def _retire(self, state: EpochState) -> None:
+        with self._lock:
+            self._retired[state.epoch] = state
+            if not self._closed:  # close() shuts the teardown thread down only after setting _closed
+                self._teardown.submit(_logged, state.release, f"releasing epoch {state.epoch}")
+                return
+        state.release()
+
+    def _retire_future(self, future: Future[EpochState]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        self._retire(future.result())
+
+    # -- hooks called by the epoch iterator (training thread) ----------------------------------------------
+
+    def _on_progress(self, state: EpochState, consumed: int) -> None:
+        """After ``consumed`` batches of ``state``'s epoch: learn the pace, start the next epoch when due."""
+        now = time.perf_counter()
+        if consumed > 1:
+            interval = now - self._last_batch_at
+            self._pace_s = (
+                interval if self._pace_s is None else (1 - _PACE_WEIGHT) * self._pace_s + (_PACE_WEIGHT * interval)
+            )
+        self._last_batch_at = now
+        state.batches_consumed = consumed
+        self._current = state
+        if now - state.touched_at >= _TOUCH_EVERY_S:
+            state.touched_at = now
+            state.snapshot.touch()  # progress the daemon sees: a reading trainer is not a stuck one
+        if self._is_due(state, consumed):
+            self._prepare(state.epoch + 1)
+
+    def _is_due(self, state: EpochState, consumed: int) -> bool:
+        total = state.batches
+        if self.prepare_at is not None:
+            return consumed >= math.ceil(self.prepare_at * total)
+        remaining = total - consumed
+        if remaining <= 2 * self._window:
+            return True
+        if self._pace_s is None:
+            return False
+        return remaining * self._pace_s <= _LEAD_FACTOR * self._build_estimate_s + _LEAD_MARGIN_S
+
+    def _prepare(self, epoch: int) -> None:
+        if self.epochs is not None and epoch >= self.epochs:
+            return
+        with self._lock:
+            if self._closed or epoch in self._states:
+                return
+            discarded = self._prepared
+            if discarded is not None and discarded[0] == epoch:
+                return
+            future = self._builder.submit(self._build, epoch, with_loader=True, background=True)
+            self._prepared = (epoch, future)
+        if discarded is not None:  # outside the lock: a done future runs the callback right here
+            discarded[1].add_done_callback(self._retire_future)
+
+    def _on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
+        """Account the training thread's time in cachefeed at a handover (NOTE above)."""
+        self._waited_s += seconds
+        if first_batch is not None:
+            first_batch.first_batch_wait_s, self._waited_s = self._waited_s, 0.0
+
+    def _on_exhausted(self, inner: Iterator[Any]) -> None:
+        with self._lock:
+            if not self._closed:
+                self._teardown.submit(_logged, shutdown_iterator, "stopping DataLoader workers", inner)
+                return
+        shutdown_iterator(inner)
+
+
+class _Hooks:
+    """The factory's side of NOTE [ Epoch handover ], as the ``EpochHooks`` an ``EpochLoader`` calls on the training
+    thread. A separate object so that the factory's public surface is only what users call."""
+
+    __slots__ = ("_factory",)
+
+    def __init__(self, factory: EpochLoaderFactory) -> None:
+        self._factory = factory
+
+    def on_progress(self, state: EpochState, consumed: int) -> None:
+        self._factory._on_progress(state, consumed)
+
+    def on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
+        self._factory._on_wait(seconds, first_batch=first_batch)
+
+    def on_exhausted(self, inner: Iterator[Any]) -> None:
+        self._factory._on_exhausted(inner)
+
+
+def _logged(fn: Callable[..., object], what: str, *args: object) -> None:
+    """Run a teardown step on the teardown thread, where nobody waits for its outcome: log a failure."""
+    try:
+        fn(*args)
+    except Exception:
+        log.warning("%s failed", what, exc_info=True)

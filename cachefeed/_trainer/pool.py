@@ -1,0 +1,625 @@
+"""The worker pool: reader processes that live as long as the factory and feed every epoch, batch by batch.
+
+Why not a DataLoader per epoch (what the factory used before): the training thread of an eager model holds the GIL
+most of the time, and every piece of per-batch Python on its process is paid by the accelerator. A DataLoader
+worker returns each batch as freshly allocated shared memory whose file descriptor the training process fetches
+from the worker over a socket (``multiprocessing.resource_sharer``: a connection, an HMAC handshake, ``recvmsg``,
+``mmap``), about 1.5 ms per batch on 2 cores, and a DataLoader per epoch forks its workers again every epoch. Here
+the workers start once, collate into shared memory the training process mapped once (``arena.py``), and a batch
+costs the training thread one small ``recv`` and a few tensor views (``benchmarks/feed.py`` has the figures).
+
+NOTE [ Feed protocol ]
+----------------------
+Processes: the *training process* (its training thread reads batches, its build thread opens passes, its teardown
+thread forgets epochs) and ``num_workers`` *workers*, started on the first pass with the DataLoader's start method
+(fork, forkserver or spawn). Per worker: one task pipe (training process -> worker), one result pipe (worker ->
+training process), one arena (``arena.py``). Messages are pickled tuples; each pipe is FIFO.
+
+* ``("epoch", key, dataset)``: a ``SnapshotDataset`` (its index only: readers are opened lazily, in the worker),
+  sent before the first batch of ``key`` that the worker gets;
+* ``("batch", key, indices, freed)``: read ``indices`` (int64, as bytes) of dataset ``key``, collate them into a
+  region of the arena, reply. ``freed`` lists ``(offset, nbytes)`` regions the training process no longer uses
+  (every tensor over them is gone); only then may the worker reuse them;
+* ``("forget", key, ticket, freed)``: close dataset ``key``'s segment readers, then store ``ticket`` in the arena's
+  ack word. ``forget`` waits for that word before the epoch's pin is dropped, so a released snapshot's segments
+  are unmapped by every worker before the daemon may delete them (its space is really free when it says so);
+* ``None``: exit.
+
+Replies, one per batch and in the order of that worker's tasks: ``("region", offset, nbytes, skeleton id, leaves,
+skeleton or None)``: the batch lies in that region of the arena; its layout (``arena.py``) travels split into a
+*skeleton* (the structure, the tensors' dtypes, shapes and offsets: the same for every full batch) and its *leaves*
+(the values without tensors, such as the samples' keys). A worker numbers the skeletons it sends and sends each
+one once, with the first batch that has it; the training process compiles it then (``worker.learn``, for every
+reply, read or dropped) and builds later batches from the id alone. ``("inline", batch)`` (the arena was full:
+the batch itself, pickled), ``("empty",)`` (every record corrupt) or ``("error", ExceptionWrapper)``.
+
+Order: batches are dealt round robin, at most ``prefetch_factor`` outstanding per worker, and read back in the order
+they were sent, so every pass yields its batches in its sampler's order (as a DataLoader with ``in_order=True``).
+Passes are queued: the next epoch's pass, opened by the build thread while the current epoch runs, is dealt as soon
+as the current one has dealt all its batches, so the workers never idle at an epoch boundary. Results of a pass
+that was abandoned (a later pass began, or the epoch was released) are dropped when they arrive.
+
+Scheduling: workers run under ``SCHED_BATCH`` (``cachefeed/_sched.py``, with the figures). Every task the training
+thread sends wakes a worker; under the default policy a woken worker may preempt the thread that woke it, inside
+its ``write``, when the worker lands on its core.
+
+Death: a worker exits on ``None``, when its parent changes (the trainer died: checked every 0.5 s while idle) or
+when a pipe breaks. A thread of each worker reads its task pipe as fast as tasks come, so the training process
+never blocks on a send (a pipe holds 64 KiB; an epoch's index for thousands of segments is more). The training
+thread waits on the result pipe *and* the worker's sentinel, so a worker that dies raises ``RuntimeError`` naming
+its pid and exit code instead of hanging. The pass being read when a death is found raises (again on every later
+``next``); the next pass read (the next epoch) starts a new worker in its place first, on the training thread, and
+every other pass that had batches dealt to the dead worker (the next epoch's, queued before this one ended) is
+dealt again from its first unread batch, so it is read whole. Arenas are memfds: nothing is left on any
+filesystem, whoever is killed.
+
+Why one long module: it is both sides of one protocol (NOTE [ Feed protocol ]): the training process's pool and
+the worker's loop must agree message for message, so they are read together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import pickle
+import queue
+import random
+import select
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data._utils import worker as torch_worker
+
+from cachefeed._errors import SnapshotError
+from cachefeed._logs import get_logger
+from cachefeed._sched import yield_to_training
+from cachefeed._trainer.arena import (
+    ACK_WORD,
+    HEADER_BYTES,
+    Allocator,
+    Arena,
+    Builder,
+    collate_into,
+    compile_skeleton,
+    split,
+)
+from cachefeed._trainer.dataset import SnapshotDataset
+
+__all__ = ["ARENA_BYTES", "EmptyBatch", "Pass", "WorkerPool"]
+
+log = get_logger(__name__)
+
+ARENA_BYTES = 256 << 20  # per worker, sparse: memory is used only as far as batches reach (see arena.py)
+_IDLE_CHECK_S = 0.5  # a waiting worker checks this often that its parent is alive
+_FORGET_TIMEOUT_S = 10.0
+_PICKLE = pickle.HIGHEST_PROTOCOL
+
+
+class EmptyBatch:
+    """A batch whose every record was corrupt; the epoch iterator drops it."""
+
+    __slots__ = ()
+
+
+# -- the worker process ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkerSpec:
+    """What a worker is started with, besides its pipes and arena."""
+
+    index: int
+    num_workers: int
+    collate: Callable[[list[Any]], Any] | None
+    worker_init_fn: Callable[[int], None] | None
+    seed: int
+    parent: int
+
+
+def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, arena: Arena) -> None:
+    """A worker's life (NOTE above): seed as a DataLoader worker would, then serve tasks until told to stop."""
+    index, num_workers, collate, seed, parent = spec.index, spec.num_workers, spec.collate, spec.seed, spec.parent
+    worker_init_fn = spec.worker_init_fn
+    torch.set_num_threads(1)
+    yield_to_training()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    datasets: dict[int, SnapshotDataset] = {}
+    _set_worker_info(index, num_workers, seed, None)
+    if worker_init_fn is not None:
+        worker_init_fn(index)
+    allocator = Allocator(HEADER_BYTES, arena.size)
+    skeletons: dict[Any, int] = {}  # the layouts' skeletons sent so far, by id (see the replies in the NOTE)
+
+    def allocate(nbytes: int) -> tuple[int, Any]:
+        offset = allocator.allocate(nbytes)
+        return (-1, None) if offset is None else (offset, arena.view(offset, nbytes))
+
+    inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    threading.Thread(target=_drain_tasks, args=(tasks, inbox), name="cachefeed-tasks", daemon=True).start()
+    try:
+        while True:
+            try:
+                raw = inbox.get(timeout=_IDLE_CHECK_S)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    return  # the training process died
+                continue
+            message = None if raw is None else pickle.loads(raw)  # noqa: S301 (our own process's pipe)
+            if message is None:
+                return
+            kind = message[0]
+            if kind == "batch":
+                _kind, key, raw, freed = message
+                for offset, nbytes in freed:
+                    allocator.release(offset, nbytes)
+                indices = np.frombuffer(raw, dtype=np.int64)
+                reply = _read_batch(index, datasets[key], indices, collate, allocate, skeletons=skeletons)
+                results.send_bytes(pickle.dumps(reply, protocol=_PICKLE))
+            elif kind == "epoch":
+                _kind, key, dataset = message
+                datasets[key] = dataset
+                _set_worker_info(index, num_workers, seed, dataset)
+            elif kind == "forget":
+                _kind, key, ticket, freed = message
+                for offset, nbytes in freed:
+                    allocator.release(offset, nbytes)
+                forgotten = datasets.pop(key, None)
+                if forgotten is not None:
+                    forgotten.close()
+                arena.words[ACK_WORD] = ticket
+    except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
+        return  # the training process is gone or stopping us
+
+
+def _drain_tasks(tasks: Connection, inbox: queue.SimpleQueue[bytes | None]) -> None:
+    """A worker's task pipe, read as fast as it is written (a thread of the worker): the training process never
+    blocks sending a task while the worker is busy, or blocked sending a large batch back (which would deadlock)."""
+    try:
+        while True:
+            inbox.put(tasks.recv_bytes())
+    except (EOFError, OSError):
+        inbox.put(None)  # the training process closed the pipe or died: stop
+
+
+def _set_worker_info(index: int, num_workers: int, seed: int, dataset: Any) -> None:
+    """What ``torch.utils.data.get_worker_info()`` returns in a worker, as a DataLoader worker would see it."""
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=index, num_workers=num_workers, seed=seed, dataset=dataset)
+
+
+def _read_batch(
+    index: int,
+    dataset: SnapshotDataset,
+    indices: npt.NDArray[np.int64],
+    collate: Callable[[list[Any]], Any] | None,
+    allocate: Callable[[int], tuple[int, Any]],
+    *,
+    skeletons: dict[Any, int],
+) -> tuple[Any, ...]:
+    try:
+        samples = dataset.__getitems__(indices)  # type: ignore[arg-type]  # int64 arrays: see partition.py
+        if not samples:
+            return ("empty",)
+        offset, nbytes, layout = collate_into(samples, collate, allocate)
+        if offset < 0:
+            return ("inline", layout)
+        leaves: list[Any] = []
+        skeleton = split(layout, leaves)
+        known = skeletons.get(skeleton)
+        if known is not None:
+            return ("region", offset, nbytes, known, leaves, None)
+        skeletons[skeleton] = len(skeletons)
+        return ("region", offset, nbytes, len(skeletons) - 1, leaves, skeleton)
+    except Exception:
+        return ("error", ExceptionWrapper(where=f"in cachefeed worker {index}"))  # type: ignore[no-untyped-call]
+
+
+# -- the training process's side ---------------------------------------------------------------------------------
+
+
+def _died(worker: _Worker) -> RuntimeError:
+    """The error for a worker that is gone while the training thread waits for its batch."""
+    worker.process.join(1.0)  # its pipe may close a moment before its exit status is known
+    return RuntimeError(
+        f"cachefeed worker {worker.index} (pid {worker.process.pid}) exited unexpectedly with exit code "
+        f"{worker.process.exitcode}; its log lines above (if any) say why (a negative code is the signal that ended it)"
+    )
+
+
+def _register_pinned(arena: Arena) -> None:
+    """Page-lock ``arena`` for CUDA copies (tensors over it then report ``is_pinned()``); a failure only logs."""
+    whole = torch.from_numpy(arena.view(0, arena.size))
+    try:
+        result = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+            whole.data_ptr(), arena.size, 0
+        )
+    except Exception as exc:  # a CUDA build without the runtime binding: copies stay synchronous, still correct
+        log.warning("could not pin the cachefeed workers' shared memory (%s); GPU copies will not overlap", exc)
+        return
+    if int(result) != 0:
+        log.warning("cudaHostRegister of the workers' shared memory failed (%s); GPU copies will not overlap", result)
+
+
+class _Worker:
+    """The training process's handle on one worker."""
+
+    __slots__ = (
+        "arena",
+        "builders",
+        "freed",
+        "index",
+        "keys",
+        "live",
+        "outstanding",
+        "poller",
+        "process",
+        "results",
+        "tasks",
+    )
+
+    def __init__(self, index: int, process: Any, tasks: Connection, results: Connection, arena: Arena) -> None:
+        self.index = index
+        self.process = process
+        self.tasks = tasks
+        self.results = results
+        self.arena = arena
+        self.outstanding = 0
+        self.keys: set[int] = set()  # datasets this worker was sent and not told to forget
+        self.freed: deque[tuple[int, int]] = deque()  # regions to give back with the next message
+        self.live: dict[int, weakref.ref[Any]] = {}  # regions handed out and still referenced, by id of their ref
+        self.builders: dict[int, Builder] = {}  # the worker's skeletons by id, compiled
+        self.poller = select.poll()  # made once: ``Connection.poll`` builds a selector on every call
+        self.poller.register(results.fileno(), select.POLLIN)
+
+    def hand_out(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        """Region ``offset`` as an array; once nothing references it, it is given back with the next message."""
+        region = self.arena.view(offset, nbytes)
+        live, freed = self.live, self.freed
+
+        def gone(ref: weakref.ref[Any]) -> None:
+            live.pop(id(ref), None)
+            freed.append((offset, nbytes))  # deque.append is atomic: this may run on any thread
+
+        ref = weakref.ref(region, gone)
+        live[id(ref)] = ref  # a ref must outlive its referent for its callback to run
+        return region
+
+    def learn(self, reply: tuple[Any, ...]) -> None:
+        """Compile the skeleton a region reply introduces (every reply, read or dropped, passes here)."""
+        if reply[0] == "region" and reply[5] is not None:
+            self.builders[reply[3]] = compile_skeleton(reply[5])
+
+    def drain_freed(self) -> list[tuple[int, int]]:
+        freed = []
+        while True:  # popleft is atomic: a finalizer may append from another thread meanwhile
+            try:
+                freed.append(self.freed.popleft())
+            except IndexError:
+                return freed
+
+
+class Pass:
+    """One iteration over one epoch's batches, fed by the pool (an iterator of batches; see NOTE above)."""
+
+    def __init__(self, pool: WorkerPool, order: int, key: int, dataset: SnapshotDataset, batches: list[Any]) -> None:
+        self._pool = pool
+        self.order = order
+        self.key = key
+        self.dataset = dataset
+        self.batches = batches
+        self.sent = 0
+        self.received = 0
+        self.closed = False
+        self.started = False  # the training thread has asked for a batch
+        self.failed: RuntimeError | None = None  # a worker died while this pass was read: every ``next`` raises it
+
+    def __iter__(self) -> Pass:
+        return self
+
+    def __next__(self) -> Any:
+        return self._pool._next(self)
+
+    def close(self) -> None:
+        """Deal no more of this pass; batches already dealt are dropped when they arrive."""
+        self.closed = True
+
+
+class WorkerPool:
+    """``num_workers`` reader processes shared by every epoch of a factory (NOTE [ Feed protocol ] above).
+
+    Args:
+        num_workers: worker processes (>= 1).
+        collate_fn: the caller's collate function, or None for ``default_collate`` done in place.
+        context: the multiprocessing start method or context (None: the default, as a DataLoader's).
+        prefetch_factor: batches outstanding per worker.
+        worker_init_fn: called with the worker id in each worker, once (workers persist across epochs).
+        timeout_s: how long one batch may take before ``RuntimeError`` (0: no limit), as DataLoader's ``timeout``.
+        seed: the workers' base seed (worker ``i`` seeds ``random``, torch and numpy with ``seed + i``).
+        arena_bytes: each worker's shared memory (sparse). A batch that does not fit travels pickled instead.
+        pin_memory: with CUDA, register each arena as page-locked host memory (``cudaHostRegister``, once), so
+            batches are pinned where the workers write them and copies to the GPU run asynchronously. This locks
+            ``arena_bytes`` of RAM per worker. Without CUDA it changes nothing.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        context: Any = None,
+        prefetch_factor: int = 2,
+        worker_init_fn: Callable[[int], None] | None = None,
+        timeout_s: float = 0.0,
+        seed: int = 0,
+        arena_bytes: int = ARENA_BYTES,
+        pin_memory: bool = False,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if isinstance(context, str) or context is None:
+            context = multiprocessing.get_context(context)
+        self.num_workers = num_workers
+        self.prefetch_factor = max(1, prefetch_factor)
+        self._context = context
+        self._collate = collate_fn
+        self._worker_init_fn = worker_init_fn
+        self._timeout_s = timeout_s
+        self._seed = seed
+        self._arena_bytes = arena_bytes
+        self._pin = pin_memory and torch.cuda.is_available()
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._passes: deque[Pass] = deque()  # passes with batches not yet dealt, in order
+        # Batches dealt and not yet read, in order, with the pass order they were dealt under (a pass that is read
+        # again after a later one started is dealt anew under a new order; its older batches are then dropped).
+        self._inflight: deque[tuple[Pass, int, _Worker]] = deque()
+        self._orders = itertools.count()
+        self._keys = itertools.count()
+        self._tickets = itertools.count(1)
+        self._next_worker = 0
+        self._reading = -1  # the order of the latest pass the training thread read from
+        self._closed = False
+        self._told_inline = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Start the workers (under the lock, on the first pass)."""
+        self._workers = [self._spawn(index) for index in range(self.num_workers)]
+        log.debug("started %d cachefeed workers (%s)", self.num_workers, self._context.get_start_method())
+
+    def _spawn(self, index: int) -> _Worker:
+        """Start worker ``index`` with a new arena and new pipes (under the lock)."""
+        arena = Arena(self._arena_bytes)
+        task_recv, task_send = self._context.Pipe(duplex=False)
+        result_recv, result_send = self._context.Pipe(duplex=False)
+        seed = self._seed + index
+        spec = _WorkerSpec(index, self.num_workers, self._collate, self._worker_init_fn, seed, os.getpid())
+        process = self._context.Process(
+            target=_worker_main,
+            args=(spec, task_recv, result_send, arena),
+            name=f"cachefeed-worker-{index}",
+            daemon=True,
+        )
+        process.start()
+        task_recv.close()  # the worker's ends: closed here, so a dead worker's pipe reads as closed
+        result_send.close()
+        arena.close()  # the map stays; the descriptor is not needed once the worker has its own
+        if self._pin:
+            _register_pinned(arena)
+        return _Worker(index, process, task_send, result_recv, arena)
+
+    def _replace_dead(self) -> None:
+        """Start a new worker in place of each one that died (under the lock, on the training thread, when it
+        starts reading a pass: only that thread waits on a worker's pipes, so closing them here is safe).
+
+        What a dead worker still owed is taken out of the batches in flight. The pass the training thread was
+        reading then fails for good (it raised when it met the death, or raises on its next ``next``); any other
+        pass is dealt again from its first unread batch (its batches still due from live workers, dealt under its
+        old order, are dropped when they arrive), so it loses nothing."""
+        for index, worker in enumerate(self._workers):
+            if worker.process.is_alive():
+                continue
+            log.warning(
+                "cachefeed worker %d (pid %s) is gone (exit code %s): starting a new one",
+                index,
+                worker.process.pid,
+                worker.process.exitcode,
+            )
+            owed = {id(entry[0]): entry[0] for entry in self._inflight if entry[2] is worker}
+            self._inflight = deque(entry for entry in self._inflight if entry[2] is not worker)
+            for owing in owed.values():
+                if owing.closed or owing.failed is not None:
+                    continue
+                if owing.started and owing.order == self._reading:
+                    owing.failed = _died(worker)
+                    continue
+                owing.order = next(self._orders)
+                owing.sent = owing.received
+                if owing not in self._passes:
+                    self._passes.append(owing)
+            worker.tasks.close()
+            worker.results.close()
+            self._workers[index] = self._spawn(index)
+
+    def close(self) -> None:
+        """Stop the workers (they finish their current batch). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers, self._workers = self._workers, []
+            self._passes.clear()
+            self._inflight.clear()
+        for worker in workers:
+            try:
+                worker.tasks.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for worker in workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(1.0)
+            worker.tasks.close()
+            worker.results.close()
+
+    # -- passes ------------------------------------------------------------------------------------------------------
+
+    def new_key(self) -> int:
+        """A key for one epoch's dataset (``open_pass`` and ``forget`` take it)."""
+        return next(self._keys)
+
+    def open_pass(self, key: int, dataset: SnapshotDataset, batches: Sequence[Any]) -> Pass:
+        """Queue a pass over ``batches`` (index arrays into ``dataset``) and deal what the workers have room for."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the cachefeed worker pool is closed")
+            if not self._workers:
+                self._start()
+            new = Pass(self, next(self._orders), key, dataset, list(batches))
+            self._passes.append(new)
+            self._deal()
+        return new
+
+    def forget(self, key: int) -> None:
+        """Every worker closes dataset ``key``'s readers; returns once they have (or died, or 10 s passed)."""
+        with self._lock:
+            ticket = next(self._tickets)
+            told = []
+            for worker in self._workers:
+                if key in worker.keys:
+                    worker.keys.discard(key)
+                    if self._send(worker, ("forget", key, ticket, worker.drain_freed())):
+                        told.append(worker)
+        deadline = time.monotonic() + _FORGET_TIMEOUT_S
+        pause = 0.001
+        for worker in told:
+            while worker.arena.words[ACK_WORD] < ticket and worker.process.is_alive():
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "cachefeed worker %d did not close its readers within %ss", worker.index, _FORGET_TIMEOUT_S
+                    )
+                    return
+                time.sleep(pause)  # a worker finishes the batches it holds first: a few ms, rarely more
+                pause = min(2 * pause, 0.02)
+
+    def _send(self, worker: _Worker, message: Any) -> bool:
+        try:
+            worker.tasks.send_bytes(pickle.dumps(message, protocol=_PICKLE))
+        except OSError:
+            return False  # a dead worker: the reader finds out from its sentinel
+        return True
+
+    def _deal(self) -> None:
+        """Deal queued batches round robin while the next worker has room (under the lock)."""
+        passes = self._passes
+        while passes:
+            current = passes[0]
+            if current.closed or current.order < self._reading or current.sent >= len(current.batches):
+                passes.popleft()
+                continue
+            worker = self._workers[self._next_worker]
+            if worker.outstanding >= self.prefetch_factor:
+                return
+            if current.key not in worker.keys:
+                worker.keys.add(current.key)
+                self._send(worker, ("epoch", current.key, current.dataset))
+            indices = np.ascontiguousarray(current.batches[current.sent], dtype=np.int64).tobytes()
+            self._send(worker, ("batch", current.key, indices, worker.drain_freed()))
+            current.sent += 1
+            worker.outstanding += 1
+            self._inflight.append((current, current.order, worker))
+            self._next_worker = (self._next_worker + 1) % len(self._workers)
+
+    # -- reading (the training thread) ---------------------------------------------------------------------------
+
+    def _next(self, reading: Pass) -> Any:
+        if reading.closed:
+            raise SnapshotError("this pass over the epoch was closed (the factory moved on or closed)")
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the cachefeed worker pool is closed")
+                if not reading.started:
+                    self._replace_dead()
+                    reading.started = True
+                if reading.failed is not None:
+                    raise reading.failed
+                if reading.order < self._reading:  # a later pass was read meanwhile: deal the rest of this one anew
+                    reading.order = next(self._orders)
+                    reading.sent = reading.received
+                    self._passes.append(reading)
+                self._reading = reading.order
+                self._deal()
+                if reading.received >= len(reading.batches) or not self._inflight:
+                    raise StopIteration
+                owner, order, worker = self._inflight[0]
+                if order > reading.order:
+                    raise StopIteration  # nothing of this pass is in flight (it was closed meanwhile)
+            reply = self._receive(worker)
+            with self._lock:
+                self._inflight.popleft()
+                worker.outstanding -= 1
+                self._deal()
+            if owner is not reading or order != reading.order:
+                self._drop(worker, reply)  # an abandoned pass's batch
+                continue
+            reading.received += 1
+            return self._unpack(worker, reply)
+
+    def _receive(self, worker: _Worker) -> Any:
+        conn = worker.results
+        if not worker.poller.poll(0):
+            started = time.monotonic()
+            while True:
+                limit = 1.0 if not self._timeout_s else min(1.0, self._timeout_s)
+                ready = wait([conn, worker.process.sentinel], timeout=limit)
+                if conn in ready or conn.poll():
+                    break
+                if worker.process.sentinel in ready:
+                    raise _died(worker)
+                if self._timeout_s and time.monotonic() - started > self._timeout_s:
+                    raise RuntimeError(f"cachefeed worker {worker.index} timed out after {self._timeout_s}s")
+        try:
+            reply: tuple[Any, ...] = pickle.loads(conn.recv_bytes())  # noqa: S301 (our own worker's pipe)
+        except EOFError:
+            raise _died(worker) from None
+        worker.learn(reply)
+        return reply
+
+    def _unpack(self, worker: _Worker, reply: tuple[Any, ...]) -> Any:
+        kind = reply[0]
+        if kind == "region":
+            _kind, offset, nbytes, skeleton, leaves, _new = reply
+            return worker.builders[skeleton](worker.hand_out(offset, nbytes), iter(leaves))
+        if kind == "empty":
+            return EmptyBatch()
+        if kind == "inline":
+            if not self._told_inline:
+                self._told_inline = True
+                log.info(
+                    "a batch did not fit the worker's %d MiB of shared memory (batches kept by the caller, or very "
+                    "large batches): such batches travel through a pipe, which is slower",
+                    self._arena_bytes >> 20,
+                )
+            return reply[1]
+        reply[1].reraise()
+        raise AssertionError("unreachable")
+
+    def _drop(self, worker: _Worker, reply: tuple[Any, ...]) -> None:
+        if reply[0] == "region":
+            worker.freed.append((reply[1], reply[2]))

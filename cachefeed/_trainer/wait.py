@@ -1,0 +1,286 @@
+"""Waiting for the first samples: train while the cache fills, starting once ``min_samples`` are cached, or once
+the cache is filled to a level (``min_samples="75%"``, see ``wait_for_fill``).
+
+New segments appear in ``segments/`` by an atomic rename. ``watchdog`` (inotify on Linux) wakes the wait on
+every change there, so the first epoch starts within milliseconds of the segment that completes ``min_samples``;
+if an observer cannot be started (inotify instances exhausted, an unsupported filesystem), the wait falls back to
+polling every ``poll_s``. Counting reads each new segment's trailer once (one small ``pread``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import TextIO
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
+
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.records import segment_count
+from cachefeed._errors import NoSuchCacheError, SnapshotError
+from cachefeed._logs import get_logger
+
+__all__ = ["SampleCounter", "parse_fill", "wait_for_cache", "wait_for_fill", "wait_for_samples"]
+
+log = get_logger(__name__)
+
+_BAR_WIDTH = 24
+_PLAIN_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
+
+
+class SampleCounter:
+    """Counts the samples published in a cache, reading each segment's trailer once."""
+
+    def __init__(self, layout: CacheLayout) -> None:
+        self.layout = layout
+        self._counts: dict[str, int] = {}
+
+    def count(self) -> int:
+        listed = {name for name, _info in self.layout.list_segments()}
+        self._counts = {name: n for name, n in self._counts.items() if name in listed}
+        for name in listed - self._counts.keys():
+            self._counts[name] = max(0, segment_count(self.layout.segments / name))
+        return sum(self._counts.values())
+
+
+class _Wake(FileSystemEventHandler):
+    def __init__(self, event: threading.Event) -> None:
+        self._event = event
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        self._event.set()
+
+
+class _Progress:
+    """One line on a terminal (redrawn), or a line every ``_PLAIN_EVERY_S`` in a log file."""
+
+    def __init__(self, stream: TextIO | None, root: str, target: int, *, is_fill: bool = False) -> None:
+        self._is_fill = is_fill  # have/target are percents of the daemon's fill level, not samples
+        self._stream = stream
+        self._root = root
+        self._target = target
+        self._is_tty = bool(stream is not None and stream.isatty())
+        self._last_plain = 0.0
+        self._drawn = False
+
+    def show(self, have: int, waited_s: float, *, force: bool = False) -> None:
+        if self._stream is None:
+            return
+        fraction = min(1.0, have / self._target) if self._target else 1.0
+        filled = int(fraction * _BAR_WIDTH)
+        bar = f"[{'#' * filled}{'.' * (_BAR_WIDTH - filled)}]"
+        if self._is_fill:
+            line = f"cachefeed: waiting for the cache in {self._root} to fill {bar} {have}% of {self._target}%"
+        else:
+            line = f"cachefeed: waiting for samples in {self._root} {bar} {have}/{self._target} ({fraction:.0%})"
+        line += f" {waited_s:.0f}s"
+        now = time.monotonic()
+        if self._is_tty:
+            self._stream.write("\r" + line)
+            self._drawn = True
+        elif force or now - self._last_plain >= _PLAIN_EVERY_S:
+            self._stream.write(line + "\n")
+            self._last_plain = now
+        self._stream.flush()
+
+    def done(self) -> None:
+        if self._stream is not None and self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+def wait_for_cache(
+    layout: CacheLayout, *, timeout_s: float, progress: TextIO | None = sys.stderr, poll_s: float = 0.1
+) -> None:
+    """Block until the daemon has created the cache at ``layout.root`` (a trainer started together with it).
+
+    Raises:
+        NoSuchCacheError: not there after ``timeout_s``, or the path is something else (a file, another dir).
+    """
+    started = time.monotonic()
+    shown = 0.0
+    while True:
+        try:
+            layout.check()
+            return
+        except NoSuchCacheError as exc:
+            waited = time.monotonic() - started
+            if layout.root.exists() and not layout.root.is_dir():
+                raise  # a file where the cache should be: waiting would not help
+            if waited > timeout_s:
+                raise NoSuchCacheError(f"{exc} (waited {timeout_s:g}s for the daemon to create it)") from None
+            if progress is not None and (not shown or waited - shown >= _PLAIN_EVERY_S):
+                progress.write(
+                    f"cachefeed: waiting for the cache at {layout.root} to appear (is the daemon starting?) "
+                    f"{waited:.0f}s\n"
+                )
+                progress.flush()
+                shown = waited or 1e-9
+            time.sleep(poll_s)
+
+
+def wait_for_samples(
+    layout: CacheLayout,
+    min_samples: int,
+    *,
+    timeout_s: float,
+    progress: TextIO | None = sys.stderr,
+    poll_s: float = 1.0,
+    stop: threading.Event | None = None,
+) -> int:
+    """Block until at least ``min_samples`` samples are published; return how many there are.
+
+    Raises:
+        NoSuchCacheError: the cache directory is missing.
+        SnapshotError: ``timeout_s`` passed first (the message says how far the cache got and what to check),
+            or ``stop`` was set.
+    """
+    layout.check()
+    counter = SampleCounter(layout)
+    have = counter.count()
+    if have >= min_samples:
+        return have
+    started = time.monotonic()
+    woken = threading.Event()
+    observer = _start_observer(layout, woken)
+    bar = _Progress(progress, str(layout.root), min_samples)
+    try:
+        bar.show(have, 0.0, force=True)
+        while have < min_samples:
+            waited = time.monotonic() - started
+            if waited > timeout_s:
+                raise SnapshotError(
+                    f"only {have} of min_samples={min_samples} samples were cached in {layout.root} after "
+                    f"{timeout_s:g}s: check that the daemon runs and fetches (cachefeed status), or lower "
+                    "min_samples / raise wait_timeout_s"
+                )
+            if stop is not None and stop.is_set():
+                raise SnapshotError("stopped while waiting for samples")
+            woken.wait(min(poll_s, max(0.01, timeout_s - waited)))  # poll_s: a safety net for missed events
+            woken.clear()
+            layout.check()
+            have = counter.count()
+            bar.show(have, time.monotonic() - started)
+        bar.show(have, time.monotonic() - started, force=True)
+    finally:
+        bar.done()
+        if observer is not None:
+            observer.stop()
+            observer.join()
+    log.info("%d samples cached in %s after %.1fs", have, layout.root, time.monotonic() - started)
+    return have
+
+
+def parse_fill(value: str) -> float:
+    """``"75%"`` -> 0.75. Raises ValueError naming the value and the form expected."""
+    text = value.strip()
+    try:
+        if not text.endswith("%"):
+            raise ValueError
+        fraction = float(text[:-1]) / 100
+    except ValueError:
+        raise ValueError(f"min_samples = {value!r}: expected a count (int) or a fill level such as '75%'") from None
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"min_samples = {value!r}: a fill level is between 0% (excluded) and 100%")
+    return fraction
+
+
+def _fill_reached(layout: CacheLayout, fraction: float, have: int) -> tuple[bool, float, str]:
+    """(start now?, the fill level, why) from the daemon's status document.
+
+    The cache is full enough when the daemon reports ``cache.fill >= fraction``, or when it cannot fill further:
+    it waits for trainers to read (paced) or for pins to go (back-pressure), or it has fetched everything the
+    remote lists (a dataset smaller than the cache). Without a running daemon (a static cache) what is cached is
+    all there will be.
+    """
+    from cachefeed._status.report import read_report  # the reader of the daemon's document
+    from cachefeed._status.verdict import Health
+
+    report = read_report(layout.root)
+    document = report.document
+    if report.health in (Health.NOT_RUNNING, Health.UNREADABLE) or document is None:
+        return have > 0, 0.0, "no daemon is running: starting on what is cached"
+    cache = document["cache"]
+    fill = float(cache.get("fill", 0.0))
+    if report.health is Health.NOT_READY or have == 0:
+        return False, fill, ""
+    if fill >= fraction:
+        return True, fill, f"cache {fill:.0%} full"
+    if cache["is_paced"] or cache["is_backpressured"]:
+        return True, fill, f"cache {fill:.0%} full and waiting for trainers: starting"
+    if document["remote"]["passes_completed"] >= 1:
+        return True, fill, f"cache {fill:.0%} full with everything the remote lists: starting"
+    return False, fill, ""
+
+
+def wait_for_fill(
+    layout: CacheLayout,
+    fraction: float,
+    *,
+    timeout_s: float,
+    progress: TextIO | None = sys.stderr,
+    poll_s: float = 0.5,
+) -> int:
+    """Block until the daemon has filled the cache to ``fraction`` of what it keeps (see ``_fill_reached``);
+    return the samples cached. The user states a level; segment sizes and metadata are the daemon's business.
+
+    Raises:
+        NoSuchCacheError: the cache directory is missing.
+        SnapshotError: ``timeout_s`` passed first (the message says how far the cache got and what to check).
+    """
+    layout.check()
+    counter = SampleCounter(layout)
+    started = time.monotonic()
+    bar = _Progress(progress, str(layout.root), round(fraction * 100), is_fill=True)
+    try:
+        while True:
+            have = counter.count()
+            ready, fill, why = _fill_reached(layout, fraction, have)
+            waited = time.monotonic() - started
+            if ready:
+                if waited > 0.1:
+                    bar.show(round(fill * 100), waited, force=True)
+                log.info("%s (%d samples) after %.1fs", why, have, waited)
+                return have
+            if waited > timeout_s:
+                raise SnapshotError(
+                    f"the cache in {layout.root} was {fill:.0%} full ({have} samples) after {timeout_s:g}s, "
+                    f"short of min_samples = '{fraction:.0%}': check that the daemon runs and fetches "
+                    "(cachefeed status), or lower min_samples / raise wait_timeout_s"
+                )
+            bar.show(round(fill * 100), waited)
+            time.sleep(poll_s)
+            layout.check()
+    finally:
+        bar.done()
+
+
+class _DropStopRace(logging.Filter):
+    """watchdog 7's inotify emitter logs an ERROR when its thread is stopped between two reads (a benign race in
+    ``InotifyEmitter.queue_events``); we stop an observer after every wait, so drop exactly that record."""
+
+    MESSAGE = "InotifyEmitter.queue_events() called when the thread is inactive"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.MESSAGE
+
+
+_STOP_RACE_FILTER = _DropStopRace()
+
+
+def _start_observer(layout: CacheLayout, woken: threading.Event) -> BaseObserver | None:
+    """An inotify observer of ``segments/`` that sets ``woken``; None (poll instead) if it cannot start."""
+    logging.getLogger("watchdog.observers.inotify").addFilter(_STOP_RACE_FILTER)  # idempotent: same object
+    observer = Observer()
+    observer.daemon = True
+    try:
+        observer.schedule(_Wake(woken), str(layout.segments), recursive=False)
+        observer.start()
+    except OSError as exc:
+        log.warning("cannot watch %s (%s): polling for new segments instead", layout.segments, exc)
+        return None
+    return observer
