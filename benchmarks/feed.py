@@ -46,7 +46,20 @@ machine; ``time.perf_counter`` around ``next()`` and cProfile, 300 steps):
   the epoch's start (cProfile of ``loader()`` and the first three batches: 2.3 ms an epoch, half of it waiting
   for the first batches), and the rest spread over the steps, with the build and teardown threads idle after the
   first few batches and the garbage collector ruled out (``gc.disable()`` changed nothing). The committed run
-  gives 0.88 at 1,536 samples and 0.95 at 4,096 (128 batches an epoch); the difference is not explained yet.
+  gives 0.88 at 1,536 samples and 0.95 at 4,096 (128 batches an epoch).
+* where the rest goes (one-off, 2026-11-23, 12-20 epochs of 1,536 samples, each fed epoch followed by as many
+  data-free steps; the training thread's CPU time from ``/proc/self/task/<tid>/schedstat`` and ``stat``): the
+  busy steps themselves run 0.5 ms (7%) longer when fed, in *user* CPU time: no page faults, no system time, no
+  TLB or call IPIs on the training thread's core (``/proc/interrupts``), and it is not the GIL (a thread waking
+  every 4 ms to make a syscall, 173 GIL handoffs in 288 steps, cost nothing measurable) nor the caches ``next()``
+  leaves (256 KiB-4 MiB of memory touched, or a reply unpickled and three tensors built, between data-free steps:
+  +0.01 ms). It follows the shared-memory transfer: with batches sent through the pipe instead (an arena too
+  small to hold one) the steps lose 0.3 ms instead of 0.5, at a far higher ``next()``; and it alternates, 0.8 ms
+  after one batch and 0.3 ms after the next, with two workers or one, pinned to the other core or not. The plain
+  DataLoader's steps lose 0.1 ms with pinned workers (its ``next()`` costs 5 ms). The build and teardown threads
+  use 7-8 ms of CPU an epoch (a few dozen syscalls each) at both cache sizes, so the difference between 1,536 and
+  4,096 samples is not the epoch boundary either. Not explained: what, in user mode, slows a thread that touches
+  none of the shared pages while another process writes them (this VM exposes no hardware counters to ``perf``).
 """
 
 from __future__ import annotations
