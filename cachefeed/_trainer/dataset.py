@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -256,20 +256,25 @@ class SnapshotDataset(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch of samples, corrupt records skipped and counted (see the module docstring)."""
+        return list(self.iter_items(indices))
+
+    def iter_items(self, indices: Sequence[int]) -> Iterator[Any]:
+        """``__getitems__`` one sample at a time: each record is read (and verified) when the next is asked for,
+        so a worker can copy it into its batch while its bytes are still in the CPU's cache (``RowCollator``)."""
         segments, records = self.locate(indices)
         readers = self._readers if self._pid == os.getpid() else {}  # forked: ``_reader`` reopens our own
-        batch: list[Any] = []
         for segment, record in zip(segments.tolist(), records.tolist(), strict=True):
             try:
                 reader = readers.get(segment)
                 if reader is None:
                     reader = self._reader(segment)  # a segment failing at open: each of its records is skipped
                     readers = self._readers
-                batch.append(self._read(reader, segment, record))
+                sample = self._read(reader, segment, record)
             except CorruptRecordError as exc:
                 self._count_skip()
                 log.warning("skipping a corrupt record in snapshot %s: %s", self.snap_id, exc)
-        return batch
+                continue
+            yield sample
 
     def _count_skip(self) -> None:
         info = get_worker_info()

@@ -90,6 +90,7 @@ from cachefeed._trainer.arena import (
     Allocator,
     Arena,
     Builder,
+    RowCollator,
     collate_into,
     compile_skeleton,
     split,
@@ -147,6 +148,8 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
         offset = allocator.allocate(nbytes)
         return (-1, None) if offset is None else (offset, arena.view(offset, nbytes))
 
+    release = allocator.release
+
     inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     threading.Thread(target=_drain_tasks, args=(tasks, inbox), name="cachefeed-tasks", daemon=True).start()
     try:
@@ -166,7 +169,9 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
                 for offset, nbytes in freed:
                     allocator.release(offset, nbytes)
                 indices = np.frombuffer(raw, dtype=np.int64)
-                reply = _read_batch(index, datasets[key], indices, collate, allocate, skeletons=skeletons)
+                reply = _read_batch(
+                    index, datasets[key], indices, collate, allocate, release=release, skeletons=skeletons
+                )
                 results.send_bytes(pickle.dumps(reply, protocol=_PICKLE))
             elif kind == "epoch":
                 _kind, key, dataset = message
@@ -206,13 +211,13 @@ def _read_batch(
     collate: Callable[[list[Any]], Any] | None,
     allocate: Callable[[int], tuple[int, Any]],
     *,
+    release: Callable[[int, int], None],
     skeletons: dict[Any, int],
 ) -> tuple[Any, ...]:
     try:
-        samples = dataset.__getitems__(indices)  # type: ignore[arg-type]  # int64 arrays: see partition.py
-        if not samples:
+        offset, nbytes, layout = _collate_batch(dataset, indices, collate, allocate, release)
+        if nbytes < 0:
             return ("empty",)
-        offset, nbytes, layout = collate_into(samples, collate, allocate)
         if offset < 0:
             return ("inline", layout)
         leaves: list[Any] = []
@@ -224,6 +229,32 @@ def _read_batch(
         return ("region", offset, nbytes, len(skeletons) - 1, leaves, skeleton)
     except Exception:
         return ("error", ExceptionWrapper(where=f"in cachefeed worker {index}"))  # type: ignore[no-untyped-call]
+
+
+def _collate_batch(
+    dataset: SnapshotDataset,
+    indices: npt.NDArray[np.int64],
+    collate: Callable[[list[Any]], Any] | None,
+    allocate: Callable[[int], tuple[int, Any]],
+    release: Callable[[int, int], None],
+) -> tuple[int, int, Any]:
+    """Read a batch and collate it into the arena: ``collate_into``'s ``(offset, nbytes, layout)``, with ``nbytes``
+    -1 when every record was skipped. With default collation each sample is copied as soon as it is read
+    (``RowCollator``), unless the batch is not of the shape that helps."""
+    samples = dataset.iter_items(indices)  # type: ignore[arg-type]  # int64 arrays: see partition.py
+    first = next(samples, None)
+    if first is None:
+        return -1, -1, None
+    collator = RowCollator.start(first, len(indices), allocate) if collate is None else None
+    if collator is None:
+        return collate_into([first, *samples], collate, allocate)
+    read = [first]  # kept for the usual path, should a sample not fit the pattern
+    for sample in samples:
+        read.append(sample)
+        if not collator.add(sample):
+            release(collator.offset, collator.nbytes)
+            return collate_into([*read, *samples], None, allocate)
+    return collator.offset, collator.nbytes, collator.finish()
 
 
 # -- the training process's side ---------------------------------------------------------------------------------

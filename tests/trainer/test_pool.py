@@ -20,7 +20,7 @@ import torch
 
 from cachefeed._testing.samples import check_sample
 from cachefeed._trainer import EpochLoaderFactory
-from cachefeed._trainer.arena import Allocator, Nest, Slot, collate_into, place
+from cachefeed._trainer.arena import Allocator, Nest, RowCollator, Slot, collate_into, place
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.pool import WorkerPool
 from tests.trainer.test_loader import build_cache, check_batch, wait_until
@@ -277,6 +277,81 @@ def test_default_collation_in_place_matches_default_collate() -> None:
     for name in ("x", "y"):
         assert torch.equal(batch[name], expected[name]) and batch[name].dtype == expected[name].dtype
     assert all(torch.equal(a, b) for a, b in zip(batch["t"], expected["t"], strict=True))
+
+
+def _arena_allocator(size: int) -> tuple[np.ndarray, Allocator, Any]:
+    arena = np.zeros(size, dtype=np.uint8)
+    allocator = Allocator(0, size)
+
+    def allocate(nbytes: int) -> tuple[int, Any]:
+        offset = allocator.allocate(nbytes)
+        return (-1, None) if offset is None else (offset, arena[offset : offset + nbytes])
+
+    return arena, allocator, allocate
+
+
+def test_samples_copied_one_by_one_as_they_are_read_make_default_collates_batch() -> None:
+    """Large samples are copied into the batch as each is read (RowCollator); the batch is default_collate's,
+    with as many rows as samples were added."""
+    from torch.utils.data import default_collate
+
+    samples = [
+        {
+            "image": torch.full((4, 64, 64), i, dtype=torch.uint8),
+            "scale": torch.tensor(0.5 * i),
+            "label": i,
+            "weight": 0.25 * i,
+            "flag": i % 2 == 0,
+            "__key__": f"s{i}",
+        }
+        for i in range(5)
+    ]
+    arena, _allocator, allocate = _arena_allocator(1 << 20)
+    collator = RowCollator.start(samples[0], 8, allocate)  # room for 8, 5 come (3 records skipped, say)
+    assert collator is not None
+    assert all(collator.add(sample) for sample in samples[1:])
+    batch = place(collator.finish(), arena[collator.offset : collator.offset + collator.nbytes])
+    expected = default_collate(samples)
+    assert batch["__key__"] == expected["__key__"]
+    for name in ("image", "scale", "label", "weight", "flag"):
+        assert batch[name].dtype == expected[name].dtype and torch.equal(batch[name], expected[name]), name
+
+
+def test_a_sample_unlike_the_first_sends_the_batch_down_the_usual_path() -> None:
+    first = {"image": torch.zeros(32 << 10, dtype=torch.uint8), "label": 1}
+    _arena, _allocator, allocate = _arena_allocator(1 << 20)
+    for unlike in (
+        {"image": torch.zeros(16 << 10, dtype=torch.uint8), "label": 2},  # another shape
+        {"image": torch.zeros(32 << 10, dtype=torch.uint8), "label": 2.0},  # another type
+        {"image": torch.zeros(32 << 10, dtype=torch.uint8)},  # a field missing
+        {"image": torch.zeros(32 << 10, dtype=torch.uint8), "label": 1 << 70},  # an int default_collate refuses
+    ):
+        collator = RowCollator.start(first, 4, allocate)
+        assert collator is not None and not collator.add(unlike) and collator.count == 1
+    assert RowCollator.start({"image": torch.zeros(8, dtype=torch.uint8)}, 4, allocate) is None, "small: stack"
+    assert RowCollator.start({"t": (torch.zeros(32 << 10),)}, 4, allocate) is None, "nested: the usual path"
+
+
+def test_a_corrupt_record_among_large_samples_is_skipped_and_the_batch_is_one_row_shorter(tmp_path: Path) -> None:
+    from tests.trainer.test_dataset import corrupt_record
+
+    root = build_cache(tmp_path / "c", 64, nbytes=32 << 10, segment_bytes=512 << 10)
+    from cachefeed._cache.snapshots import Snapshot
+
+    with Snapshot.create(root, "s") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        segment, record = (int(x[0]) for x in dataset.locate([21]))
+        corrupt_record(snapshot.paths[segment], record)
+        pool = WorkerPool(2, collate_fn=None)
+        try:
+            batches = list(pool.open_pass(pool.new_key(), dataset, [np.arange(i, i + 8) for i in range(0, 64, 8)]))
+            assert [len(batch["__key__"]) for batch in batches] == [8, 8, 7, 8, 8, 8, 8, 8]
+            keys = [key for batch in batches for key in check_batch(batch)]
+            assert sorted(keys) == sorted(f"k{i}" for i in range(64) if i != 21)
+            assert dataset.skipped == 1
+        finally:
+            pool.close()
+            dataset.close()
 
 
 def test_regions_go_back_and_merge() -> None:
