@@ -41,25 +41,19 @@ machine; ``time.perf_counter`` around ``next()`` and cProfile, 300 steps):
   ``torch.from_numpy`` per tensor): 16 us in a tight loop, about 0.3 ms after 8 ms of other Python (cold caches;
   the mean of ``next()`` by position in the epoch over 10 epochs). Per-record reads in the workers cost a third of
   what they did (format 4, ``benchmarks/record_cost.py``).
-* what is left: timing every step by its position in the epoch (1,536 samples: 48 batches, 10 epochs), the fed
-  steps of one epoch take 21-45 ms more in all than data-free steps: about 0.3 ms in each ``next()``, 2-5 ms at
-  the epoch's start (cProfile of ``loader()`` and the first three batches: 2.3 ms an epoch, half of it waiting
-  for the first batches), and the rest spread over the steps, with the build and teardown threads idle after the
-  first few batches and the garbage collector ruled out (``gc.disable()`` changed nothing). The committed run
-  gives 0.88 at 1,536 samples and 0.95 at 4,096 (128 batches an epoch).
-* where the rest goes (one-off, 2026-11-23, 12-20 epochs of 1,536 samples, each fed epoch followed by as many
-  data-free steps; the training thread's CPU time from ``/proc/self/task/<tid>/schedstat`` and ``stat``): the
-  busy steps themselves run 0.5 ms (7%) longer when fed, in *user* CPU time: no page faults, no system time, no
-  TLB or call IPIs on the training thread's core (``/proc/interrupts``), and it is not the GIL (a thread waking
-  every 4 ms to make a syscall, 173 GIL handoffs in 288 steps, cost nothing measurable) nor the caches ``next()``
-  leaves (256 KiB-4 MiB of memory touched, or a reply unpickled and three tensors built, between data-free steps:
-  +0.01 ms). It follows the shared-memory transfer: with batches sent through the pipe instead (an arena too
-  small to hold one) the steps lose 0.3 ms instead of 0.5, at a far higher ``next()``; and it alternates, 0.8 ms
-  after one batch and 0.3 ms after the next, with two workers or one, pinned to the other core or not. The plain
-  DataLoader's steps lose 0.1 ms with pinned workers (its ``next()`` costs 5 ms). The build and teardown threads
-  use 7-8 ms of CPU an epoch (a few dozen syscalls each) at both cache sizes, so the difference between 1,536 and
-  4,096 samples is not the epoch boundary either. Not explained: what, in user mode, slows a thread that touches
-  none of the shared pages while another process writes them (this VM exposes no hardware counters to ``perf``).
+* then (one-off, 2026-11-23, 1,536 samples, 12-20 epochs, each fed epoch followed by as many data-free steps; the
+  training thread's CPU time from ``/proc/self/task/<tid>/schedstat`` and ``stat``): the fed epochs took 21-45 ms
+  more than the data-free ones, about 0.3 ms of it in each ``next()``; the rest was the busy steps themselves,
+  0.5 ms (7%) longer in *user* CPU time when fed. No page faults, no system time, no TLB or call IPIs on the training
+  thread's core (``/proc/interrupts``); not the GIL (a thread waking every 4 ms for a syscall, 173 GIL handoffs in
+  288 steps, cost nothing measurable); not the caches ``next()`` itself leaves (+0.01 ms); the build and teardown
+  threads use 7-8 ms of CPU an epoch. It followed the workers' memory traffic: a worker verified all 32 records of
+  a batch (xxh3 reads every byte) and then stacked them, so 4 MiB crossed memory twice and had left the cache by the
+  copy. Now each large sample is copied into its batch right after its checksum (``RowCollator`` in
+  ``cachefeed/_trainer/arena.py``; 3.5-4.2 GB/s -> 5.3-5.5 GB/s for checksum and copy on one core): the committed run
+  (b18e824) gives 0.98 at 1,536 samples and 0.97 at 4,096 at 8 ms steps, 0.92 at 4 ms, where it gave 0.88 / 0.95
+  and 0.81 / 0.93. Why the traffic slowed a thread that touches none of it is not proven (this VM exposes no
+  hardware counters to ``perf``; the cores share one 8 MiB L3).
 """
 
 from __future__ import annotations
