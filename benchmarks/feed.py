@@ -50,7 +50,7 @@ machine; ``time.perf_counter`` around ``next()`` and cProfile, 300 steps):
   threads use 7-8 ms of CPU an epoch. It followed the workers' memory traffic: a worker verified all 32 records of
   a batch (xxh3 reads every byte) and then stacked them, so 4 MiB crossed memory twice and had left the cache by the
   copy. Now each large sample is copied into its batch right after its checksum (``RowCollator`` in
-  ``cachefeed/_trainer/arena.py``; 3.5-4.2 GB/s -> 5.3-5.5 GB/s for checksum and copy on one core): the committed run
+  ``cachefeed/_trainer/collate.py``; 3.5-4.2 GB/s -> 5.3-5.5 GB/s for checksum and copy on one core): the committed run
   (b18e824) gives 0.98 at 1,536 samples and 0.97 at 4,096 at 8 ms steps, 0.92 at 4 ms, where it gave 0.88 / 0.95
   and 0.81 / 0.93. Why the traffic slowed a thread that touches none of it is not proven (this VM exposes no
   hardware counters to ``perf``; the cores share one 8 MiB L3).

@@ -35,7 +35,7 @@ interleaved with ours.
 
 This module is longer than most (one concept: the factory's epochs and the handover schedule above); what has a
 contract of its own lives beside it: ``partition.py`` (who reads what), ``resume.py`` (checkpoints), ``epoch.py``
-(one epoch's state and loader), ``pool.py``/``arena.py`` (the feed), ``wait.py`` (the first fill).
+(one epoch's state and loader), ``pool.py``/``arena.py``/``collate.py`` (the feed), ``wait.py`` (the first fill).
 """
 
 from __future__ import annotations

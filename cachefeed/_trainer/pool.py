@@ -26,7 +26,7 @@ training process), one arena (``arena.py``). Messages are pickled tuples; each p
 * ``None``: exit.
 
 Replies, one per batch and in the order of that worker's tasks: ``("region", offset, nbytes, skeleton id, leaves,
-skeleton or None)``: the batch lies in that region of the arena; its layout (``arena.py``) travels split into a
+skeleton or None)``: the batch lies in that region of the arena; its layout (``collate.py``) travels split into a
 *skeleton* (the structure, the tensors' dtypes, shapes and offsets: the same for every full batch) and its *leaves*
 (the values without tensors, such as the samples' keys). A worker numbers the skeletons it sends and sends each
 one once, with the first batch that has it; the training process compiles it then (``worker.learn``, for every
@@ -84,17 +84,8 @@ from torch.utils.data._utils import worker as torch_worker
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._sched import yield_to_training
-from cachefeed._trainer.arena import (
-    ACK_WORD,
-    HEADER_BYTES,
-    Allocator,
-    Arena,
-    Builder,
-    RowCollator,
-    collate_into,
-    compile_skeleton,
-    split,
-)
+from cachefeed._trainer.arena import ACK_WORD, HEADER_BYTES, Allocator, Arena
+from cachefeed._trainer.collate import Builder, RowCollator, collate_into, compile_skeleton, split
 from cachefeed._trainer.dataset import SnapshotDataset
 
 __all__ = ["ARENA_BYTES", "EmptyBatch", "Pass", "WorkerPool"]

@@ -1,4 +1,4 @@
-"""The worker pool that feeds every epoch (cachefeed/_trainer/pool.py, arena.py): what it promises the training loop.
+"""The worker pool that feeds every epoch (cachefeed/_trainer/pool.py, arena.py, collate.py): what it promises.
 
 Workers live as long as the factory; batches are collated into shared memory the training process mapped once
 and are never overwritten while the caller can read them; a worker that dies or fails is reported, not waited for;
@@ -20,7 +20,8 @@ import torch
 
 from cachefeed._testing.samples import check_sample
 from cachefeed._trainer import EpochLoaderFactory
-from cachefeed._trainer.arena import Allocator, Nest, RowCollator, Slot, collate_into, place
+from cachefeed._trainer.arena import Allocator
+from cachefeed._trainer.collate import Nest, RowCollator, Slot, collate_into, place
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.pool import WorkerPool
 from tests.trainer.test_loader import build_cache, check_batch, wait_until

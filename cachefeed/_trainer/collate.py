@@ -1,0 +1,360 @@
+"""A batch's layout inside a region of a worker's arena: collated in place by the worker, rebuilt as views by the
+training process.
+
+A worker collates a batch straight into a region of its arena (``arena.py``). What crosses the pipe is the batch's
+*layout*: its structure (dicts, lists, tuples, strings, numbers) with every tensor replaced by a ``Slot`` (offset,
+size, dtype, shape inside the region) and every container that holds one by a ``Nest``. The layout travels split
+(``split``) into a *skeleton*, sent once per batch shape, and its *leaves* (the values without tensors, such as
+keys), sent with every batch; the training process compiles each skeleton once (``compile_skeleton``) and builds
+a batch from its leaves with a numpy array and ``torch.from_numpy`` per tensor.
+
+Two ways in: ``collate_into`` (the whole batch at once: ``default_collate`` with equal-shaped tensors stacked
+straight into the region, or the caller's ``collate_fn`` then one copy) and ``RowCollator`` (each large sample
+copied into the region as soon as it is read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import default_collate
+
+from cachefeed._trainer.arena import aligned
+
+__all__ = [
+    "LEAF",
+    "ROW_COPY_BYTES",
+    "Builder",
+    "Leaf",
+    "Nest",
+    "RowCollator",
+    "Slot",
+    "collate_into",
+    "compile_skeleton",
+    "place",
+    "split",
+]
+
+
+class Slot(NamedTuple):
+    """Where one tensor of a batch lies in its region (a tuple: it unpickles fast)."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class Nest(NamedTuple):
+    """A container of the batch that holds tensors: rebuilt around their views. Containers without tensors travel
+    as they are and are handed out untouched (a list of 256 keys costs nothing to place)."""
+
+    kind: Any  # dict, list, tuple or a named tuple class
+    keys: tuple[Any, ...] | None  # a dict's keys, in order
+    items: tuple[Any, ...]
+
+
+class _Stack:
+    """A batch field to be stacked from equal-shaped tensors straight into the region (one copy)."""
+
+    __slots__ = ("dtype", "shape", "values")
+
+    def __init__(self, values: list[torch.Tensor]) -> None:
+        self.values = values
+        self.dtype = values[0].dtype
+        self.shape = (len(values), *values[0].shape)
+
+
+def _plan(values: list[Any]) -> Any:
+    """``default_collate(values)``, except that equal-shaped tensors become a ``_Stack`` (stacked later, in place)."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.layout == torch.strided and all(
+            isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype and v.is_contiguous()
+            for v in values
+        ):
+            return _Stack(values)
+    elif isinstance(first, Mapping) and type(first) is dict:
+        return {key: _plan([value[key] for value in values]) for key in first}
+    elif isinstance(first, str | bytes):
+        return list(values)
+    elif isinstance(first, list | tuple) and not hasattr(first, "_fields") and type(first) in (list, tuple):
+        size = len(first)
+        if all(isinstance(v, list | tuple) and len(v) == size for v in values):
+            transposed = [_plan(list(column)) for column in zip(*values, strict=True)]
+            return transposed if type(first) is list else tuple(transposed)
+    return default_collate(values)
+
+
+def _sizes(tree: Any, out: list[int]) -> None:
+    if isinstance(tree, _Stack):
+        out.append(aligned(int(np.prod(tree.shape)) * tree.dtype.itemsize))
+    elif isinstance(tree, torch.Tensor):
+        out.append(aligned(tree.numel() * tree.element_size()))
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            _sizes(value, out)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            _sizes(value, out)
+
+
+def _tensor_view(
+    region: npt.NDArray[np.uint8], offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    count = int(np.prod(shape)) * dtype.itemsize
+    return torch.from_numpy(region[offset : offset + count]).view(dtype).view(shape)
+
+
+def _fill(tree: Any, region: npt.NDArray[np.uint8], cursor: list[int]) -> Any:
+    """Write ``tree``'s tensors into ``region`` in ``_sizes`` order; return the layout (tensors replaced by Slots)."""
+    if isinstance(tree, _Stack | torch.Tensor):
+        offset = cursor[0]
+        shape = tuple(tree.shape)
+        target = _tensor_view(region, offset, tree.dtype, shape)
+        if isinstance(tree, _Stack):
+            torch.stack(tree.values, out=target)
+        else:
+            target.copy_(tree)
+        nbytes = target.numel() * tree.dtype.itemsize
+        cursor[0] += aligned(nbytes)
+        return Slot(offset, nbytes, tree.dtype, shape)
+    if isinstance(tree, dict | list | tuple):
+        keys = tuple(tree) if isinstance(tree, dict) else None
+        values = tree.values() if isinstance(tree, dict) else tree
+        items = tuple(_fill(value, region, cursor) for value in values)
+        if not any(isinstance(item, Slot | Nest) for item in items):
+            return tree  # no tensor inside: handed out as it is
+        kind = dict if isinstance(tree, dict) else type(tree)
+        return Nest(kind, keys, items)
+    return tree
+
+
+def collate_into(
+    samples: Sequence[Any], collate: Callable[[list[Any]], Any] | None, allocate: Callable[[int], tuple[int, Any]]
+) -> tuple[int, int, Any]:
+    """Collate ``samples`` into a region: ``(offset, nbytes, layout)``; ``(-1, 0, batch)`` when there was no room.
+
+    ``collate`` None means ``default_collate``, done in place: equal-shaped tensors are stacked straight into the
+    region (one copy). With a collate function of the caller's, its batch is copied into the region (two copies).
+    ``allocate(nbytes)`` returns ``(offset, region array)`` or ``(-1, None)``.
+    """
+    tree = _plan(list(samples)) if collate is None else collate(list(samples))
+    sizes: list[int] = []
+    _sizes(tree, sizes)
+    nbytes = sum(sizes)
+    offset, region = allocate(nbytes)
+    if region is None:
+        return -1, 0, _materialize(tree)
+    return offset, nbytes, _fill(tree, region, [0])
+
+
+# A field's rows are copied one sample at a time only from this size up: smaller samples stay in the cache anyway,
+# and one ``torch.stack`` per field is cheaper than a copy per row.
+ROW_COPY_BYTES = 16 << 10
+_SCALARS = {int: torch.int64, float: torch.float64, bool: torch.bool}  # what default_collate makes of a list of each
+
+
+class RowCollator:
+    """``collate_into(samples, None, ...)`` for samples that arrive one by one: each sample is copied into the
+    region as soon as it is read, while its bytes are still in the CPU's cache.
+
+    Why: a worker verifies a record (xxh3 reads every byte) and then stacks it into the batch. Read whole first,
+    a batch of 32 x 128 KiB has left the core's cache before the copy starts, so the copy reads memory again;
+    copied right after its checksum, a record is read from memory once (one-off, 2,048 records of 128 KiB on
+    tmpfs, one core: 3.5-4.2 GB/s checksum-all-then-copy-all, 5.3-5.5 GB/s checksum-and-copy each).
+
+    For the batches this helps, and only those (``start`` returns None otherwise, and the caller collates the
+    usual way): every sample a flat dict with the same keys, a tensor field of at least ``ROW_COPY_BYTES``, every
+    other field a contiguous tensor, a Python number or a string. ``add`` returns False for a sample that breaks
+    the pattern of the first (the caller then releases the region and collates every sample the usual way, with
+    the usual errors). The batch is ``default_collate``'s, as ``collate_into`` builds it: tensors stacked, numbers
+    as int64/float64/bool tensors, strings as lists; with fewer samples than ``rows`` (corrupt records skipped) the
+    tensors have as many rows as samples were added.
+    """
+
+    def __init__(self, fields: list[_Field], offset: int, nbytes: int) -> None:
+        self._fields = fields
+        self._keys = tuple(field.key for field in fields)
+        self.offset = offset
+        self.nbytes = nbytes
+        self.count = 0
+
+    @classmethod
+    def start(cls, first: Any, rows: int, allocate: Callable[[int], tuple[int, Any]]) -> RowCollator | None:
+        """A collator for up to ``rows`` samples like ``first`` (added already), its region allocated; or None."""
+        if type(first) is not dict:
+            return None
+        specs: list[tuple[Any, str, torch.dtype | None, tuple[int, ...], int]] = []
+        large = False
+        for key, value in first.items():
+            if isinstance(value, torch.Tensor):
+                if value.layout != torch.strided or not value.is_contiguous() or value.dtype not in _NUMPY:
+                    return None
+                row_bytes = value.numel() * value.element_size()
+                large = large or row_bytes >= ROW_COPY_BYTES
+                specs.append((key, "tensor", value.dtype, tuple(value.shape), aligned(rows * row_bytes)))
+            elif type(value) in _SCALARS:
+                dtype = _SCALARS[type(value)]
+                specs.append((key, "number", dtype, (), aligned(rows * dtype.itemsize)))
+            elif type(value) in (str, bytes):
+                specs.append((key, "text", None, (), 0))
+            else:
+                return None
+        total = sum(spec[4] for spec in specs)
+        if not large:
+            return None
+        offset, region = allocate(total)
+        if region is None:
+            return None
+        fields: list[_Field] = []
+        cursor = 0
+        for key, kind, field_dtype, shape, size in specs:
+            rows_of: Any = (
+                [] if field_dtype is None else np.ndarray((rows, *shape), _NUMPY[field_dtype], region, cursor)
+            )
+            fields.append(_Field(key, kind, field_dtype, shape, rows_of, cursor))
+            cursor += size
+        collator = cls(fields, offset, total)
+        collator.add(first)
+        return collator
+
+    def add(self, sample: Any) -> bool:
+        """Copy ``sample`` into the next row; False when it does not match the first sample (nothing is counted)."""
+        if type(sample) is not dict or tuple(sample) != self._keys:
+            return False
+        for field in self._fields:
+            value = sample[field.key]
+            if field.kind == "tensor":
+                if not (
+                    isinstance(value, torch.Tensor)
+                    and value.dtype == field.dtype
+                    and tuple(value.shape) == field.shape
+                    and value.is_contiguous()
+                ):
+                    return False
+            elif field.kind == "number":
+                if _SCALARS.get(type(value)) != field.dtype:
+                    return False
+            elif type(value) not in (str, bytes):
+                return False
+        row = self.count
+        try:
+            for field in self._fields:
+                value = sample[field.key]
+                if field.kind == "tensor":
+                    field.rows[row] = value.numpy()
+                elif field.kind == "number":
+                    field.rows[row] = value
+        except (OverflowError, RuntimeError, TypeError, ValueError):  # what default_collate refuses too: it says so
+            return False
+        for field in self._fields:
+            if field.kind == "text":
+                field.rows.append(sample[field.key])
+        self.count += 1
+        return True
+
+    def finish(self) -> Any:
+        """The batch's layout (``collate_into``'s third value) over the samples added."""
+        items: list[Any] = []
+        for field in self._fields:
+            if field.dtype is None:
+                items.append(field.rows)
+            else:
+                shape = (self.count, *field.shape)
+                items.append(Slot(field.offset, int(np.prod(shape)) * field.dtype.itemsize, field.dtype, shape))
+        return Nest(dict, self._keys, tuple(items))
+
+
+class _Field(NamedTuple):
+    """One field of a ``RowCollator``'s batch: its rows in the region (a list for strings) from ``offset``."""
+
+    key: Any
+    kind: str  # "tensor", "number" or "text"
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]  # one row's
+    rows: Any
+    offset: int
+
+
+def _numpy_dtypes() -> dict[torch.dtype, np.dtype[Any]]:
+    found = {}
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+                  torch.float64, torch.bool, torch.complex64, torch.complex128):  # fmt: skip
+        found[dtype] = torch.empty((), dtype=dtype).numpy().dtype
+    return found
+
+
+_NUMPY = _numpy_dtypes()  # torch dtypes with a numpy twin (rows are copied through numpy: less per-call overhead)
+
+
+def _materialize(tree: Any) -> Any:
+    """The batch a plan stands for, in ordinary memory (when the arena has no room)."""
+    if isinstance(tree, _Stack):
+        return torch.stack(tree.values)
+    if isinstance(tree, dict):
+        return {key: _materialize(value) for key, value in tree.items()}
+    if type(tree) is list:
+        return [_materialize(value) for value in tree]
+    if type(tree) is tuple:
+        return tuple(_materialize(value) for value in tree)
+    return tree
+
+
+class Leaf(NamedTuple):
+    """In a skeleton, where a value without tensors goes (the values travel with each batch, in order)."""
+
+
+LEAF = Leaf()
+
+
+def split(layout: Any, leaves: list[Any]) -> Any:
+    """A layout's *skeleton* (hashable: its Nests and Slots, ``LEAF`` for every value without tensors), appending
+    those values to ``leaves`` in order. Batches of one shape share a skeleton, so only the leaves vary per batch."""
+    if type(layout) is Slot:
+        return layout
+    if type(layout) is Nest:
+        return Nest(layout.kind, layout.keys, tuple(split(item, leaves) for item in layout.items))
+    leaves.append(layout)
+    return LEAF
+
+
+Builder = Callable[[npt.NDArray[np.uint8], Iterator[Any]], Any]
+
+
+def compile_skeleton(skeleton: Any) -> Builder:
+    """A function that turns ``(region, leaves)`` into the batch ``skeleton`` describes, its tensors views of
+    ``region`` (a uint8 array over the region's bytes). Compiled once per skeleton, so a batch costs a numpy array
+    and ``torch.from_numpy`` per tensor (no pickled dtypes, no slicing and reshaping through torch's dispatcher)."""
+    if type(skeleton) is Slot:
+        return _slot_builder(skeleton)
+    if type(skeleton) is Nest:
+        parts = tuple(compile_skeleton(item) for item in skeleton.items)
+        kind, keys = skeleton.kind, skeleton.keys or ()
+        if kind is dict:
+            return lambda region, leaves: {key: part(region, leaves) for key, part in zip(keys, parts, strict=True)}
+        if kind is list:
+            return lambda region, leaves: [part(region, leaves) for part in parts]
+        if kind is tuple:
+            return lambda region, leaves: tuple(part(region, leaves) for part in parts)
+        return lambda region, leaves: kind(*(part(region, leaves) for part in parts))  # a named tuple
+    return lambda _region, leaves: next(leaves)
+
+
+def _slot_builder(slot: Slot) -> Builder:
+    offset, nbytes, dtype, shape = slot
+    try:
+        np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    except TypeError:  # a dtype numpy has no equivalent for (bfloat16, ...): view the bytes through torch
+        return lambda region, _leaves: torch.from_numpy(region[offset : offset + nbytes]).view(dtype).view(shape)
+    return lambda region, _leaves: torch.from_numpy(np.ndarray(shape, np_dtype, region, offset))
+
+
+def place(layout: Any, region: npt.NDArray[np.uint8]) -> Any:
+    """The batch a layout describes, its tensors views of ``region`` (uncompiled: for one-off use and tests)."""
+    leaves: list[Any] = []
+    return compile_skeleton(split(layout, leaves))(region, iter(leaves))
