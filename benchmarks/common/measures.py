@@ -30,6 +30,7 @@ from benchmarks.common.rawread import DEFAULT_BUFFER_BYTES, read_files
 from benchmarks.common.s3server import fetch_stats, stats_delta
 from benchmarks.common.samplers import DiskSampler, RssSampler, tree_bytes
 from benchmarks.common.samples import Workload
+from cachefeed._testing.local_s3 import s3_client
 
 Progress = Callable[[dict[str, Any]], None]
 # A peak on disk within 1% over the budget is reported (``peak_disk_over_budget``) but not called an overshoot:
@@ -182,7 +183,7 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
     cache_dir = settings.cache_dir
     if cache_dir is None:
         raise ValueError("remote measurement without a cache dir")
-    disk = DiskSampler([cache_dir], interval_s=float(params.get("disk_interval_s", 0.1)))
+    disk = DiskSampler([cache_dir], interval_s=0.1)
     rss = RssSampler(interval_s=0.1, with_pss=True) if params.get("rss") else None
     before = [fetch_stats(ctx.endpoint_url)]
 
@@ -258,11 +259,9 @@ def measure_s3_ceiling(ctx: Context, params: dict[str, Any], progress: Progress)
 
     At most ``max_objects`` per prefix (evenly spread over the sorted keys): small objects cost a request each.
     """
-    import boto3
-
     threads = int(params.get("threads", 8))
     max_objects = int(params.get("max_objects", 2048))
-    client = boto3.client("s3", **DataLocation(None, None, ctx.endpoint_url).boto_options())
+    client = s3_client(ctx.endpoint_url)
     out: dict[str, Any] = {"status": "ok", "threads": threads, "prefixes": {}}
     for url in params["urls"]:
         bucket, prefix = split_url(url)
@@ -318,9 +317,7 @@ def sequential_read(root: Path, chunk_bytes: int = DEFAULT_BUFFER_BYTES) -> dict
 
 def upload_dir(endpoint_url: str, local_dir: Path, url: str, threads: int = 8) -> int:
     """Upload every file under ``local_dir`` to ``url`` (keys keep the relative paths); return the count."""
-    import boto3
-
-    client = boto3.client("s3", **DataLocation(None, None, endpoint_url).boto_options())
+    client = s3_client(endpoint_url)
     bucket, prefix = split_url(url)
     files = sorted(p for p in local_dir.rglob("*") if p.is_file())
 
@@ -353,16 +350,13 @@ def _settings(ctx: Context, params: dict[str, Any], cache: bool, budget: int | N
         # A fresh directory per measurement: some systems refuse (or misread) a cache dir reused in-process.
         ctx.scratch_dir.mkdir(parents=True, exist_ok=True)
         cache_dir = Path(tempfile.mkdtemp(prefix="cache-", dir=ctx.scratch_dir))
-    return LoaderSettings(
-        batch_size=int(params.get("batch_size", ctx.workload.batch_size)),
+    return LoaderSettings(  # shuffle, seed and prefetch factor: LoaderSettings' defaults, the same for every system
+        batch_size=ctx.workload.batch_size,
         num_workers=int(params.get("num_workers", 2)),
         start_method=params.get("start_method", "fork"),
         persistent_workers=bool(params.get("persistent_workers", False)),
         cache_dir=cache_dir,
         cache_budget_bytes=budget,
-        shuffle=bool(params.get("shuffle", True)),
-        seed=int(params.get("seed", 1234)),
-        prefetch_factor=int(params.get("prefetch_factor", 2)),
         extra={"epochs": int(params.get("epochs", 1))},
     )
 
