@@ -19,8 +19,7 @@ Epoch 0 waits (inside the epoch's timing, so the cold figure includes it) for ``
 when there is no budget (cold first epoch = the whole dataset through the cache, as the peers' first epoch), and
 under a budget, half of what the daemon keeps published (the budget less 25% turnover room and
 1 MiB of metadata reserve) (a rolling cache trains on what is cached; the harness reports
-the coverage). The daemon's own processes are left out of the worker RSS figure (``samplers.EXCLUDED_PIDS``); their
-peak is recorded apart in ``describe``-independent ``daemon_rss`` of the RSS summary.
+the coverage).
 """
 
 from __future__ import annotations
@@ -163,7 +162,6 @@ class CachefeedAdapter:
                 env=env,
                 cwd=REPO_ROOT,
             )
-        _exclude_from_rss(process.pid)
         daemon = DaemonProcess(process, config_path, cache_dir, stderr_path)
         source = CachefeedSource(daemon, scratch or work_dir, workload, settings, min_samples)
         try:
@@ -252,21 +250,8 @@ class CachefeedSource:
                 except subprocess.TimeoutExpired:
                     process.kill()  # not the group: the daemon shares the measuring process's
                     process.wait(10)
-            _unexclude(process.pid)
             if self.settings.cache_dir is None:  # the local figure: its cache is removed here, read it first
                 from benchmarks.common.measures import sequential_read
 
                 self.own_files_read = sequential_read(self.cache_dir / "segments")
             shutil.rmtree(self.work_dir, ignore_errors=True)
-
-
-def _exclude_from_rss(pid: int) -> None:
-    from benchmarks.common import samplers
-
-    samplers.EXCLUDED_PIDS.add(pid)
-
-
-def _unexclude(pid: int) -> None:
-    from benchmarks.common import samplers
-
-    samplers.EXCLUDED_PIDS.discard(pid)

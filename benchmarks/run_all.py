@@ -11,8 +11,7 @@ environment with ``benchmarks/peers/setup_env.sh`` if it is missing). Writes int
 
 The full run takes about 20 minutes on 2 cores; ``--smoke`` (one 16 MiB workload, fewer variants) about 2.
 Measurement details, per-child logs and scratch space go to ``<out>/tmp/run-<mode>-<time>/`` (git-ignored).
-Figure 6 (daemon ingest against a plain concurrent download) is ``benchmarks/ingest.py``, run here in a child
-process with reduced counts. ``--report-only`` rebuilds the report from an existing ``results.json``.
+``--report-only`` rebuilds the report from an existing ``results.json``.
 
 Where counts are cut (to fit the machine): see ``CUTS`` below and ``run_peers.py``'s docstring; the report lists
 them too.
@@ -24,30 +23,21 @@ import argparse
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-log = logging.getLogger("benchmarks.run_all")
 BENCH_VENV = REPO_ROOT / ".bench-venv"
-MAIN_VENV = REPO_ROOT / ".venv"
 CACHEFEED = ("cachefeed", "benchmarks.cachefeed_adapter:CachefeedAdapter")
 # s3fs caches nothing: its handover epochs are its cold epoch again (5 min of the run in the previous full run).
 CUTS = {
     "full": {"s3fs": {"cold": 1, "budget30": 0, "handover": 0}},
     "smoke": {"s3fs": {"cold": 1, "budget30": 0, "handover": 0}},
-}
-# Figure 6 counts: benchmarks/ingest.py's defaults are 3000 x 4 KiB and 400 x 1.5 MiB, best of 3.
-INGEST_ARGS = {
-    "full": ["--small", "2000", "--large", "150", "--repeat", "2"],
-    "smoke": ["--small", "200", "--large", "10", "--repeat", "1"],
 }
 
 
@@ -62,47 +52,6 @@ def _ensure_bench_venv(argv: list[str]) -> None:
     os.execv(str(python), [str(python), str(Path(__file__).resolve()), *argv])
 
 
-def run_ingest(mode: str, log_path: Path) -> dict[str, Any]:
-    """Figure 6: ``benchmarks/ingest.py`` in a child (main .venv if present), its table parsed."""
-    python = MAIN_VENV / "bin" / "python"
-    if not python.exists():
-        python = Path(sys.executable)
-    cmd = [str(python), "-m", "benchmarks.ingest", *INGEST_ARGS[mode]]
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        return {"status": "timeout", "command": " ".join(cmd[1:]), "output": str(exc.stdout or "")[-3000:]}
-    log_path.write_text(done.stdout + "\n--- stderr\n" + done.stderr)
-    out: dict[str, Any] = {
-        "status": "ok" if done.returncode == 0 else f"failed (exit {done.returncode})",
-        "command": "python " + " ".join(cmd[1:]),
-        "wall_s": round(time.perf_counter() - started, 1),
-        "output": done.stdout.strip(),
-        "rows": [],
-    }
-    if done.returncode != 0:
-        out["stderr_tail"] = done.stderr[-3000:]
-    row = re.compile(r"^\s*(\d+)\s+(\S+)\s+\|\s+(\d+)\s+([\d.]+)\s+\|\s+(\d+)\s+([\d.]+)\s+\|\s+([\d.]+)\s*$")
-    for line in done.stdout.splitlines():
-        match = row.match(line)
-        if match:
-            objects, size, p_obj, p_mib, d_obj, d_mib, ratio = match.groups()
-            out["rows"].append(
-                {
-                    "objects": int(objects),
-                    "object_size": size,
-                    "plain_objects_per_s": int(p_obj),
-                    "plain_mib_per_s": float(p_mib),
-                    "daemon_objects_per_s": int(d_obj),
-                    "daemon_mib_per_s": float(d_mib),
-                    # ingest.py's ratio: plain time / daemon time, i.e. daemon rate / plain rate.
-                    "daemon_over_plain": float(ratio),
-                }
-            )
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -110,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results; smoke: .../tmp/smoke)")
     parser.add_argument("--systems", help="comma-separated subset of: cachefeed, mosaic, litdata, local-files, ...")
     parser.add_argument("--workloads", help="comma-separated subset of: small, medium, large")
-    parser.add_argument("--no-ingest", action="store_true", help="skip figure 6 (benchmarks/ingest.py)")
     parser.add_argument("--report-only", action="store_true", help="rebuild results.md and plots from results.json")
     args = parser.parse_args(argv)
     _ensure_bench_venv(argv)
@@ -155,14 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             "command": "benchmarks/run_all.py" + (" --smoke" if args.smoke else ""),
             "epoch_cuts": CUTS[mode],
             "handover_workload": run_peers.HANDOVER_WORKLOAD[mode],
-            "rss_workload": run_peers.RSS_WORKLOAD,
             "workers": 2,
         },
     )
     doc = suite.run()
-    if not args.no_ingest:
-        log.info("figure 6: benchmarks/ingest.py %s", " ".join(INGEST_ARGS[mode]))
-        doc["ingest"] = run_ingest(mode, work / "ingest.log")
     doc["provenance"] = start_provenance  # the code measured is the tree at the start of the run
     doc["run_wall_s"] = round(time.monotonic() - started, 1)
     doc["work_dir"] = str(work.relative_to(REPO_ROOT)) if work.is_relative_to(REPO_ROOT) else str(work)

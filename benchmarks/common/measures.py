@@ -7,8 +7,8 @@ measurement, not the run. Figures (numbered as in issue 7):
 - ``local`` (1, and the DataLoader's ceilings with the in-memory systems): warm local epochs, next to a raw
   sequential read of the same files from the same filesystem (``rawread``); with ``num_workers=0`` in the
   params, the same read in the training process (the plans' ``inprocess`` label).
-- ``remote`` (2, 3, 4, 5): epochs from S3 into an empty cache with a budget (or none): per epoch, time,
-  server-counted bytes and requests, peak on-disk size; handover waits; optional worker RSS.
+- ``remote`` (2, 3, 4): epochs from S3 into an empty cache with a budget (or none): per epoch, time,
+  server-counted bytes and requests, peak on-disk size; handover waits.
 - ``s3_ceiling``: plain concurrent GETs of the same objects (no adapter).
 """
 
@@ -28,7 +28,7 @@ from benchmarks.common.adapter import DataLocation, LoaderSettings, SystemAdapte
 from benchmarks.common.epochs import StopEpochs, run_epochs
 from benchmarks.common.rawread import DEFAULT_BUFFER_BYTES, read_files
 from benchmarks.common.s3server import fetch_stats, stats_delta
-from benchmarks.common.samplers import DiskSampler, RssSampler, tree_bytes
+from benchmarks.common.samplers import DiskSampler, tree_bytes
 from benchmarks.common.samples import Workload
 from cachefeed._testing.local_s3 import s3_client
 
@@ -127,9 +127,6 @@ def measure_local(adapter: SystemAdapter, ctx: Context, params: dict[str, Any], 
     settings = _settings(ctx, params, cache=False)
     data = ctx.data(adapter, local=True)
     epochs = int(params.get("epochs", 2))
-    rss = RssSampler(interval_s=0.1, with_pss=True) if params.get("rss") else None
-    if rss is not None:
-        rss.start()
     started = time.perf_counter()
     source = None
     try:
@@ -146,7 +143,6 @@ def measure_local(adapter: SystemAdapter, ctx: Context, params: dict[str, Any], 
     finally:
         if source is not None:
             source.close()
-        rss_summary = rss.stop() if rss is not None else None
     warm = results[1:] or results  # epoch 0 warms the page cache (and the system's own caches)
     out: dict[str, Any] = {
         "status": _status(results, ctx.workload.count),
@@ -157,7 +153,6 @@ def measure_local(adapter: SystemAdapter, ctx: Context, params: dict[str, Any], 
         "warm_mb_per_s": _median(e["mb_per_s"] for e in warm),
         "warm_steady_samples_per_s": _median(e["steady_samples_per_s"] for e in warm),
         "warm_steady_mb_per_s": _mb_per_s(_median(e["steady_samples_per_s"] for e in warm), ctx.workload.sample_bytes),
-        "rss": rss_summary,
     }
     if data.local_dir is not None and params.get("sequential_read", True):
         out["sequential_read"] = sequential_read(data.local_dir)
@@ -184,7 +179,6 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
     if cache_dir is None:
         raise ValueError("remote measurement without a cache dir")
     disk = DiskSampler([cache_dir], interval_s=0.1)
-    rss = RssSampler(interval_s=0.1, with_pss=True) if params.get("rss") else None
     before = [fetch_stats(ctx.endpoint_url)]
 
     def on_epoch_end(epoch: int) -> dict[str, Any]:
@@ -205,8 +199,6 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
     stopped: str | None = None
 
     disk.start()
-    if rss is not None:
-        rss.start()
     started = time.perf_counter()
     source = None
     try:
@@ -229,7 +221,6 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
         if source is not None:
             source.close()
         disk_summary = disk.stop()
-        rss_summary = rss.stop() if rss is not None else None
     cache_left = tree_bytes([cache_dir])
     shutil.rmtree(cache_dir, ignore_errors=True)
     # A rolling cache (``adapter.rolling``) trains each epoch on what is cached: under a budget smaller than the
@@ -249,7 +240,6 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
         "epochs": results,
         "disk": disk_summary,
         "peak_disk_over_budget": None if budget is None else round(disk_summary["peak_bytes"] / budget, 3),
-        "rss": rss_summary,
         "cache_left_bytes": cache_left,
     }
 

@@ -2,7 +2,7 @@
 
 Labels the plans use, and the figure each one gives: ``convert`` (7), ``local`` (1; the ``memory-batched``
 system's row is the DataLoader's ceiling for batched reads from RAM, ``memory``'s the per-sample path over RAM),
-``inprocess`` (1, read with ``num_workers=0``), ``cold`` (2, and 5 where it ran with ``rss``), ``budget30`` (3),
+``inprocess`` (1, read with ``num_workers=0``), ``cold`` (2), ``budget30`` (3),
 ``handover-<start method>[-persistent]`` (4). The S3 ceiling is per workload, per prefix.
 """
 
@@ -44,10 +44,6 @@ def _row(measures: dict[str, Any]) -> dict[str, Any]:
         seq = local.get("sequential_read", {}).get("warm", {})
         row["sequential_read_mb_per_s"] = seq.get("mb_per_s")
         row["own_files_read_mb_per_s"] = own_files_read_mb_per_s(local)
-        rss = local.get("rss") or {}
-        if rss:
-            row["local_peak_worker_rss_mb"] = _mb(rss.get("peak_worker_rss_bytes"))
-            row["local_peak_workers_pss_sum_mb"] = _mb(rss.get("peak_workers_pss_sum_bytes"))
     inprocess = measures.get("inprocess", {})
     if inprocess.get("epochs"):
         row["inprocess_samples_per_s"] = inprocess.get("warm_samples_per_s")
@@ -63,10 +59,6 @@ def _row(measures: dict[str, Any]) -> dict[str, Any]:
             row["cached_epoch_s"] = cold["epochs"][1]["wall_s"]
             row["cold_handover_s"] = cold["epochs"][1]["handover_wait_s"]
             row["cached_epoch_remote_mb"] = _mb(cold["epochs"][1].get("remote_bytes"))
-        rss = cold.get("rss") or {}
-        if rss:
-            row["s3_peak_worker_rss_mb"] = _mb(rss.get("peak_worker_rss_bytes"))
-            row["s3_peak_workers_pss_sum_mb"] = _mb(rss.get("peak_workers_pss_sum_bytes"))
     budget = measures.get("budget30", {})
     if budget.get("epochs"):
         row["budget_mb"] = _mb(budget.get("budget_bytes"))
@@ -108,10 +100,6 @@ _COLUMNS = (
     ("budget_epoch_s", "budget30 s/epoch", 18),
     ("budget_remote_mb_per_epoch", "budget30 MB/epoch", 20),
     ("budget_peak_disk_over_budget", "disk/bdg", 8),
-    ("local_peak_worker_rss_mb", "RSS local", 9),
-    ("local_peak_workers_pss_sum_mb", "PSS local", 9),
-    ("s3_peak_worker_rss_mb", "RSS S3", 7),
-    ("s3_peak_workers_pss_sum_mb", "PSS S3", 7),
 )
 _HANDOVER = (
     "handover-fork",
@@ -126,7 +114,6 @@ def summary_text(doc: dict[str, Any]) -> str:
     """A fixed-width table per workload, then handover waits, S3 ceilings and problems."""
     lines = [
         f"mode={doc.get('mode')} total_s={doc.get('total_s')} machine={_machine_line(doc)}",
-        "RSS = peak RSS of one DataLoader worker, PSS = peak sum of the workers' PSS (MB), where measured.",
         "w=0 = warm read in the training process (num_workers=0); seq = raw sequential read of the files the"
         " loader reads (cachefeed: its segments).",
         "",

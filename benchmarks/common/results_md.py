@@ -91,8 +91,6 @@ def render(doc: dict[str, Any], plots: dict[str, str]) -> str:
     parts.append(_fig2(doc))
     parts.append(_fig3(doc))
     parts.append(_fig4(doc))
-    parts.append(_fig5(doc))
-    parts.append(_fig6(doc))
     parts.append(_fig7(doc))
     parts.append(_problems(doc))
     if plots:
@@ -133,12 +131,18 @@ def _header(doc: dict[str, Any]) -> str:
         "Dataset over the same RAM: the ceiling of the per-sample path).",
         "",
         f"Cuts (to fit the machine): epoch counts per system and measurement {extra.get('epoch_cuts')}; "
-        f"handover measured on the `{extra.get('handover_workload')}` workload only, worker RSS on "
-        f"`{extra.get('rss_workload')}` only; 4 warm epochs (median of epochs 2-4), 2 cold epochs, 3 budget "
-        "epochs, 3 epochs per handover variant (full run). See `benchmarks/peers/run_peers.py`.",
+        f"handover measured on the `{extra.get('handover_workload')}` workload only; 4 warm epochs (median of "
+        "epochs 2-4), 2 cold epochs, 3 budget epochs, 3 epochs per handover variant (full run). See "
+        "`benchmarks/peers/run_peers.py`.",
     ]
     for name, entry in _workloads(doc):
         lines.append(f"- `{name}`: {_shape(entry)}")
+    lines += [
+        "",
+        "Figures are numbered as in issue 7; its figures 5 (peak DataLoader worker memory per system) and 6 (daemon "
+        "ingest against a plain download: `python -m benchmarks.ingest`, quoted in the README from its own run) are "
+        "no longer part of this comparison.",
+    ]
     return "\n".join(lines)
 
 
@@ -320,84 +324,6 @@ def _fig4(doc: dict[str, Any]) -> str:
             rows.append(row)
         title = f"**{name}**" + ("" if any_handover else " (cold boundary only)")
         out += ["", title, "", _table(["system", "fork", "fork persistent", "spawn", "spawn persistent", "cold"], rows)]
-    return "\n".join(out)
-
-
-def _fig5(doc: dict[str, Any]) -> str:
-    extra = doc.get("extra", {})
-    out = [
-        "## 5. Peak DataLoader worker memory",
-        "",
-        f"Workload `{extra.get('rss_workload')}`, sampled every 100 ms over the local and the cold runs: peak RSS "
-        "of one worker, and the peak of the workers' summed PSS (shared pages split among sharers). cachefeed's "
-        "daemon (and its samplers) is not a worker: its RSS sum is the last column.",
-    ]
-    rows = []
-    for name, entry in _workloads(doc):
-        if name != extra.get("rss_workload"):
-            continue
-        for system, slot in entry.get("systems", {}).items():
-            local = _measure(slot, "local").get("rss") or {}
-            cold = _measure(slot, "cold").get("rss") or {}
-            daemon = max(local.get("peak_excluded_rss_sum_bytes") or 0, cold.get("peak_excluded_rss_sum_bytes") or 0)
-            rows.append(
-                [
-                    system,
-                    _mb(local.get("peak_worker_rss_bytes")),
-                    _mb(local.get("peak_workers_pss_sum_bytes")),
-                    _mb(cold.get("peak_worker_rss_bytes")),
-                    _mb(cold.get("peak_workers_pss_sum_bytes")),
-                    _mb(daemon) if daemon else "-",
-                ]
-            )
-    out += [
-        "",
-        _table(
-            [
-                "system",
-                "local: worker RSS MB",
-                "local: workers PSS MB",
-                "S3: worker RSS MB",
-                "S3: workers PSS MB",
-                "daemon RSS MB",
-            ],
-            rows,
-        ),
-    ]
-    return "\n".join(out)
-
-
-def _fig6(doc: dict[str, Any]) -> str:
-    ingest = doc.get("ingest")
-    out = ["## 6. Daemon ingest vs a plain concurrent download", ""]
-    if not ingest:
-        return "\n".join([*out, "Not run (`--no-ingest`)."])
-    out.append(
-        f"`{ingest.get('command')}` ({ingest.get('status')}): the same moto server; plain = one asyncio process "
-        "with as many GETs in flight as the daemon's samplers together; the daemon's time runs from the listing "
-        "to every sample published (see `benchmarks/ingest.py`)."
-    )
-    rows = [
-        [
-            r["object_size"],
-            r["objects"],
-            r["plain_objects_per_s"],
-            r["plain_mib_per_s"],
-            r["daemon_objects_per_s"],
-            r["daemon_mib_per_s"],
-            r["daemon_over_plain"],
-        ]
-        for r in ingest.get("rows", [])
-    ]
-    out += [
-        "",
-        _table(
-            ["object size", "objects", "plain obj/s", "plain MiB/s", "daemon obj/s", "daemon MiB/s", "daemon / plain"],
-            rows,
-        ),
-    ]
-    if ingest.get("stderr_tail"):
-        out += ["", "```", ingest["stderr_tail"], "```"]
     return "\n".join(out)
 
 

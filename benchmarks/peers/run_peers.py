@@ -9,7 +9,7 @@ Results: ``benchmarks/results/tmp/peers-<mode>-<time>/results.json`` (everything
 failures and child logs) and ``summary.txt``. Create the environment first: ``benchmarks/peers/setup_env.sh``.
 
 Where the full run cuts counts (2-core machine, whole suite within about an hour): the datasets are 32 MiB
-(small), 128 MiB (medium), 256 MiB (large); handover is measured on medium only; worker RSS on small only;
+(small), 128 MiB (medium), 256 MiB (large); handover is measured on medium only;
 s3fs (no cache: every epoch is the same full download) runs 1 epoch cold, none under the budget (the same
 figure), 2 per handover variant. The in-process read (``inprocess``: ``num_workers=0``, right after the warm
 ``local`` read, same files) runs 3 to 5 epochs (``inprocess_epochs``) in every mode. Smoke: 1024 samples of
@@ -51,7 +51,6 @@ WORKLOADS = {
     ],
 }
 HANDOVER_WORKLOAD = {"smoke": "small", "full": "medium"}
-RSS_WORKLOAD = "small"
 # Epoch counts cut per system (see the module docstring); keys: measurement labels, 0 skips the measurement.
 EPOCH_CUTS = {
     "full": {"s3fs": {"cold": 1, "budget30": 0, "handover": 2}},
@@ -75,7 +74,6 @@ def make_plan(mode: str, workers: int) -> object:
 
     def plan(workload: Workload, key: str) -> list[MeasureSpec]:
         cuts = EPOCH_CUTS[mode].get(key, {})
-        rss = workload.name == RSS_WORKLOAD
         base = {"num_workers": workers}
 
         def epochs_spec(label: str, kind: str, epochs: int, **params: object) -> MeasureSpec:
@@ -86,9 +84,9 @@ def make_plan(mode: str, workers: int) -> object:
         specs = [
             MeasureSpec("describe", "describe", {}, 120.0),
             MeasureSpec("convert", "convert", {}, hang_s + 2 * epoch_s(workload)),
-            epochs_spec("local", "local", 2 if smoke else 4, rss=rss),
+            epochs_spec("local", "local", 2 if smoke else 4),
             epochs_spec("inprocess", "local", inprocess_epochs(workload), num_workers=0, sequential_read=False),
-            epochs_spec("cold", "remote", cuts.get("cold", 2), rss=rss),
+            epochs_spec("cold", "remote", cuts.get("cold", 2)),
             epochs_spec("budget30", "remote", cuts.get("budget30", 2 if smoke else 3), budget_fraction=0.3),
         ]
         if workload.name == HANDOVER_WORKLOAD[mode] and key in NO_HANDOVER:
@@ -166,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         extra={
             "epoch_cuts": EPOCH_CUTS[mode],
             "handover_workload": HANDOVER_WORKLOAD[mode],
-            "rss_workload": RSS_WORKLOAD,
         },
     )
     doc = suite.run()
