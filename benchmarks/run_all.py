@@ -13,8 +13,9 @@ The full run takes about 20 minutes on 2 cores; ``--smoke`` (one 16 MiB workload
 Measurement details, per-child logs and scratch space go to ``<out>/tmp/run-<mode>-<time>/`` (git-ignored).
 ``--report-only`` rebuilds the report from an existing ``results.json``.
 
-Where counts are cut (to fit the machine): see ``CUTS`` below and ``run_peers.py``'s docstring; the report lists
-them too.
+What runs (systems, workloads, each system's measurements, and where counts are cut to fit the machine):
+``benchmarks/peers/plan.py``; the report lists the cuts too. ``readme_table`` renders the README's block ``peers``
+from the committed ``results.json`` (``python -m benchmarks.readme``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 BENCH_VENV = REPO_ROOT / ".bench-venv"
-CACHEFEED = ("cachefeed", "benchmarks.cachefeed_adapter:CachefeedAdapter")
-# s3fs caches nothing: its handover epochs are its cold epoch again (5 min of the run in the previous full run).
-CUTS = {
-    "full": {"s3fs": {"cold": 1, "budget30": 0, "handover": 0}},
-    "smoke": {"s3fs": {"cold": 1, "budget30": 0, "handover": 0}},
-}
 
 
 def _ensure_bench_venv(argv: list[str]) -> None:
@@ -64,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     _ensure_bench_venv(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
-    from benchmarks.common.suite import Suite, System
-    from benchmarks.peers import run_peers
+    from benchmarks.common.suite import Suite
+    from benchmarks.peers import plan
 
     mode = "smoke" if args.smoke else "full"
     out: Path = args.out or (REPO_ROOT / "benchmarks" / "results" / ("tmp/smoke" if args.smoke else ""))
@@ -79,14 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {out / 'results.md'}")
         return 0
 
-    systems = [System(*CACHEFEED), *run_peers.PEERS]
+    systems = plan.SYSTEMS
     if args.systems:
         wanted = set(args.systems.split(","))
         systems = [s for s in systems if s.key in wanted]
-    workloads = run_peers.WORKLOADS[mode]
+    workloads = plan.WORKLOADS[mode]
     if args.workloads:
         workloads = [w for w in workloads if w.name in args.workloads.split(",")]
-    run_peers.EPOCH_CUTS[mode] = CUTS[mode]
     work = out / "tmp" / f"run-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     from benchmarks.common.results import provenance
 
@@ -96,13 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         mode,
         systems,
         workloads,
-        run_peers.make_plan(mode, 2),  # type: ignore[arg-type]
-        run_peers.ceiling_plan,
+        plan.make_plan(mode),
+        plan.ceiling_plan,
         work,
         extra={
             "command": "benchmarks/run_all.py" + (" --smoke" if args.smoke else ""),
-            "epoch_cuts": CUTS[mode],
-            "handover_workload": run_peers.HANDOVER_WORKLOAD[mode],
+            "epoch_cuts": plan.EPOCH_CUTS,
+            "handover_workload": plan.HANDOVER_WORKLOAD[mode],
             "workers": 2,
         },
     )
@@ -114,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common.results_md import write_report  # imported late: the report can change mid-run
 
     write_report(doc, out)
-    print((work / "summary.txt").read_text())
     print(f"report: {out / 'results.md'} ({doc['run_wall_s']} s)")
     return 0
 

@@ -133,7 +133,7 @@ def _header(doc: dict[str, Any]) -> str:
         f"Cuts (to fit the machine): epoch counts per system and measurement {extra.get('epoch_cuts')}; "
         f"handover measured on the `{extra.get('handover_workload')}` workload only; 4 warm epochs (median of "
         "epochs 2-4), 2 cold epochs, 3 budget epochs, 3 epochs per handover variant (full run). See "
-        "`benchmarks/peers/run_peers.py`.",
+        "`benchmarks/peers/plan.py`.",
     ]
     for name, entry in _workloads(doc):
         lines.append(f"- `{name}`: {_shape(entry)}")

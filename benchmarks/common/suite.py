@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.common.machine import machine
 from benchmarks.common.measures import Context, list_keys, split_url, upload_dir
-from benchmarks.common.report import summary_rows, summary_text
+from benchmarks.common.report import summary_rows
 from benchmarks.common.runner import MeasureSpec, run_measures
 from benchmarks.common.s3server import S3Server
 from benchmarks.common.samples import Workload, write_samples
@@ -76,7 +76,6 @@ class Suite:
             self.doc["total_s"] = round(time.monotonic() - started, 1)
             self.doc["summary"] = summary_rows(self.doc)
             self._save()
-            (self.out_dir / "summary.txt").write_text(summary_text(self.doc))
         return self.doc
 
     def _run_workload(self, server: S3Server, workload: Workload) -> None:
