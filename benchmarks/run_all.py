@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -108,8 +109,132 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common.results_md import write_report  # imported late: the report can change mid-run
 
     write_report(doc, out)
+    print(readme_table(doc))
     print(f"report: {out / 'results.md'} ({doc['run_wall_s']} s)")
     return 0
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's side-by-side table (block ``peers``), from ``results.json``'s ``summary`` rows."""
+    from benchmarks.common.report import fmt, get_measure, mean, own_files_read_mb_per_s, size_label, workloads
+
+    rows = {(row["workload"], row["system"]): row for row in doc.get("summary", [])}
+    names = [name for name, _entry in workloads(doc)]
+    sizes = {name: size_label(int(entry["workload"]["sample_bytes"])) for name, entry in workloads(doc)}
+    small, rest = names[0], names[1:]
+
+    def cell(system: str, key: str, which: list[str], digits: int = 3) -> str:
+        values = [rows.get((name, system), {}).get(key) for name in which]
+        if all(v is None for v in values):
+            return "-"
+        return " / ".join(fmt(v if not isinstance(v, list) else mean(v), digits) for v in values)
+
+    systems = ("cachefeed", "mosaic", "litdata")
+    lines = [
+        "| | cachefeed | mosaicml-streaming | litdata | baseline |",
+        "|---|---|---|---|---|",
+    ]
+
+    def add(what: str, key: str, which: list[str], baseline: str, digits: int = 3) -> None:
+        lines.append(f"| {what} | " + " | ".join(cell(s, key, which, digits) for s in systems) + f" | {baseline} |")
+
+    def baselines(key: str, which: list[str]) -> str:
+        """The read baselines: local files, the DataLoader's batched ceiling, the per-sample path over RAM."""
+        return (
+            f"local files {cell('local-files', key, which)}; "
+            f"DataLoader ceiling, batched from RAM {cell('memory-batched', key, which)}; "
+            f"per-sample Dataset over RAM {cell('memory', key, which)}"
+        )
+
+    def raw_read(system: str) -> str:
+        """The storage ceiling: a raw sequential read of the files ``system``'s loader reads (from ``local``)."""
+        values = [
+            own_files_read_mb_per_s(get_measure(entry.get("systems", {}).get(system, {}), "local"))
+            for _name, entry in workloads(doc)
+        ]
+        return "-" if all(v is None for v in values) else " / ".join(fmt(v) for v in values)
+
+    add(
+        f"warm local read, {sizes[small]} (samples/s)",
+        "warm_samples_per_s",
+        [small],
+        baselines("warm_samples_per_s", [small]),
+    )
+    add(
+        f"warm local read, {' / '.join(sizes[n] for n in rest)} (MB/s)",
+        "warm_mb_per_s",
+        rest,
+        baselines("warm_mb_per_s", rest),
+    )
+    add(
+        f"warm local read in the training process (`num_workers=0`), {' / '.join(sizes[n] for n in names)} (samples/s)",
+        "inprocess_samples_per_s",
+        names,
+        baselines("inprocess_samples_per_s", names),
+    )
+    lines.append(
+        f"| raw sequential read of the files each loader reads (storage ceiling), "
+        f"{' / '.join(sizes[n] for n in names)} (MB/s) | "
+        + " | ".join(raw_read(s) for s in systems)
+        + f" | per-sample files {raw_read('local-files')} |"
+    )
+    add(
+        f"cold first epoch from S3, {' / '.join(sizes[n] for n in names)} (s)",
+        "cold_epoch_s",
+        names,
+        f"s3fs {cell('s3fs', 'cold_epoch_s', names)}",
+    )
+    add("budget 30% of the dataset: peak on disk / budget", "budget_peak_disk_over_budget", names, "")
+    add("budget 30%: remote MB per epoch (mean of the epochs run)", "budget_remote_mb_per_epoch", names, "")
+
+    def distinct(system: str) -> str:
+        shares = []
+        for _name, entry in workloads(doc):
+            epochs = get_measure(entry.get("systems", {}).get(system, {}), "budget30").get("epochs") or []
+            counts = [e["unique_samples"] for e in epochs if e.get("unique_samples") is not None]
+            total = int(entry["workload"]["count"])
+            shares.append(f"{mean(counts) / total:.0%}" if counts and total else "-")
+        return " / ".join(shares)
+
+    lines.append(
+        "| budget 30%: distinct samples per epoch, share of the dataset | "
+        + " | ".join(distinct(s) for s in systems)
+        + " | |"
+    )
+    handover = doc.get("extra", {}).get("handover_workload", rest[0] if rest else small)
+    fork = cell("memory", "handover-fork", [handover])
+    persistent = cell("memory", "handover-fork-persistent", [handover])
+    lines.append(
+        f"| handover wait, {sizes.get(handover, handover)}, fork / fork + persistent workers (s) | "
+        + " | ".join(
+            f"{cell(s, 'handover-fork', [handover])} / {cell(s, 'handover-fork-persistent', [handover])}"
+            for s in systems
+        )
+        + f" | new DataLoader {fork} / {persistent} |"
+    )
+    converts = {s: [rows.get((n, s), {}).get("convert_s") for n in names] for s in systems[1:]}
+    spans = {
+        s: f"{fmt(min(v))}-{fmt(max(v))}" if (v := [x for x in values if x is not None]) else "-"
+        for s, values in converts.items()
+    }
+    lines.append(f"| conversion before training (s) | 0 (none needed) | {spans['mosaic']} | {spans['litdata']} | |")
+    problems = [
+        f"{row['system']} on {sizes.get(row['workload'], row['workload'])}, {label}: {text}"
+        for row in doc.get("summary", [])
+        for label, text in (row.get("problems") or {}).items()
+    ]
+    machine = doc.get("machine", {})
+    prov = doc.get("provenance", {})
+    commit = (prov.get("commit") or "")[:10] or "an unrecorded commit"
+    commit += " with uncommitted changes" if prov.get("dirty") else ""
+    lines += [""] + [f"- {problem}" for problem in problems]
+    lines += [
+        "",
+        f"Measured with `{doc.get('extra', {}).get('command', 'benchmarks/run_all.py')}` at {commit}, "
+        f"{str(machine.get('time_utc', ''))[:10]}, {machine.get('usable_cpus')} CPUs ({machine.get('cpu_model')}), "
+        f"Python {machine.get('python')}, {doc.get('run_wall_s')} s wall.",
+    ]
+    return "\n".join(line for i, line in enumerate(lines) if line or (i and lines[i - 1]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""A results document's summary rows (``results.json``'s ``summary``): per workload and system, the figures the
-README's side-by-side table is made of.
+"""Reading a results document of ``benchmarks/run_all.py``: its workloads and measurements, the number format of
+its tables, and its summary rows (``results.json``'s ``summary``: per workload and system, the figures the README's
+side-by-side table is made of). ``results_md.py``, ``plots.py`` and ``run_all.readme_table`` read through these.
 
 Labels the plans use, and the figure each one gives: ``convert`` (7), ``local`` (1; the ``memory-batched``
 system's row is the DataLoader's ceiling for batched reads from RAM, ``memory``'s the per-sample path over RAM),
@@ -9,10 +10,46 @@ system's row is the DataLoader's ceiling for batched reads from RAM, ``memory``'
 
 from __future__ import annotations
 
-from statistics import mean
+import statistics
 from typing import Any
 
 _MB = 1e6
+_WORKLOADS = ("small", "medium", "large")  # their order in every table, whatever order a document lists them in
+HANDOVER_LABELS = ("handover-fork", "handover-fork-persistent", "handover-spawn", "handover-spawn-persistent")
+
+
+def workloads(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, entry)`` of every workload in the document, small to large."""
+    found = doc.get("workloads", {})
+    return [(name, found[name]) for name in (*_WORKLOADS, *found) if name in found][: len(found)]
+
+
+def get_measure(slot: dict[str, Any], label: str) -> dict[str, Any]:
+    """A system's measurement ``label`` (``{}`` when it has none)."""
+    found = slot.get("measures", {}).get(label)
+    return found if isinstance(found, dict) else {}
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A table cell: ``-`` for none, ``digits`` significant digits below 100, none after the point above."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def mean(values: list[float]) -> float | None:
+    return round(statistics.mean(values), 4) if values else None
+
+
+def size_label(nbytes: int) -> str:
+    """``4 KiB``, ``128 KiB``, ``2 MiB``."""
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def summary_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -52,7 +89,7 @@ def _row(measures: dict[str, Any]) -> dict[str, Any]:
     for label, measure in sorted(measures.items()):
         if label.startswith("handover-") and isinstance(measure, dict):
             waits = [e["handover_wait_s"] for e in measure.get("epochs", []) if e.get("handover_wait_s") is not None]
-            row[label] = round(mean(waits), 3) if waits else measure.get("status")
+            row[label] = round(statistics.mean(waits), 3) if waits else measure.get("status")
     return row
 
 
