@@ -27,7 +27,7 @@ from typing import Any
 from benchmarks.common.adapter import DataLocation, LoaderSettings, SystemAdapter
 from benchmarks.common.epochs import StopEpochs, run_epochs
 from benchmarks.common.rawread import DEFAULT_BUFFER_BYTES, read_files
-from benchmarks.common.s3server import fetch_stats, stats_delta
+from benchmarks.common.s3server import fetch_stats, list_keys, split_url, stats_delta, upload_dir
 from benchmarks.common.samplers import DiskSampler, tree_bytes
 from benchmarks.common.samples import Workload
 from cachefeed._testing.local_s3 import s3_client
@@ -303,35 +303,6 @@ def sequential_read(root: Path, chunk_bytes: int = DEFAULT_BUFFER_BYTES) -> dict
         result[label] = {"bytes": total, "wall_s": round(wall_s, 4), "mb_per_s": round(total / wall_s / 1e6, 1)}
     result["files"] = len(files)
     return result
-
-
-def upload_dir(endpoint_url: str, local_dir: Path, url: str, threads: int = 8) -> int:
-    """Upload every file under ``local_dir`` to ``url`` (keys keep the relative paths); return the count."""
-    client = s3_client(endpoint_url)
-    bucket, prefix = split_url(url)
-    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-
-    def put(path: Path) -> None:
-        key = f"{prefix}/{path.relative_to(local_dir).as_posix()}" if prefix else path.name
-        client.upload_file(str(path), bucket, key)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(put, files))
-    return len(files)
-
-
-def list_keys(client: Any, bucket: str, prefix: str) -> list[str]:
-    keys: list[str] = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/"):
-        keys.extend(item["Key"] for item in page.get("Contents", []))
-    return keys
-
-
-def split_url(url: str) -> tuple[str, str]:
-    if not url.startswith("s3://"):
-        raise ValueError(f"not an s3:// URL: {url!r}")
-    bucket, _, prefix = url[len("s3://") :].partition("/")
-    return bucket, prefix.rstrip("/")
 
 
 def _settings(ctx: Context, params: dict[str, Any], cache: bool, budget: int | None = None) -> LoaderSettings:

@@ -1,4 +1,5 @@
-"""A moto S3 server that counts what it serves, so remote traffic is measured at the server, not by the client.
+"""A moto S3 server that counts what it serves, so remote traffic is measured at the server, not by the client; and
+the few object operations the harness does on it (upload a tree, list and delete a prefix).
 
 ``python -m benchmarks.common.s3server --port N`` runs moto's own WSGI app (what ``moto_server`` runs) wrapped
 in a counting middleware: every request is classified (object GET, ranged GET, HEAD, LIST, PUT, other) and the
@@ -22,10 +23,12 @@ import sys
 import threading
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common.results import REPO_ROOT
-from cachefeed._testing.local_s3 import LocalS3
+from cachefeed._testing.local_s3 import LocalS3, s3_client
 
 _STATS_PATH = "/__bench__/stats"
 
@@ -152,6 +155,43 @@ def fetch_stats(endpoint: str) -> dict[str, Any]:
     with urllib.request.urlopen(endpoint + _STATS_PATH, timeout=5) as response:
         doc: dict[str, Any] = json.loads(response.read())
     return doc
+
+
+def upload_dir(endpoint_url: str, local_dir: Path, url: str, threads: int = 8) -> int:
+    """Upload every file under ``local_dir`` to ``url`` (keys keep the relative paths); return the count."""
+    client = s3_client(endpoint_url)
+    bucket, prefix = split_url(url)
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+
+    def put(path: Path) -> None:
+        key = f"{prefix}/{path.relative_to(local_dir).as_posix()}" if prefix else path.name
+        client.upload_file(str(path), bucket, key)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(put, files))
+    return len(files)
+
+
+def list_keys(client: Any, bucket: str, prefix: str) -> list[str]:
+    """Every key under ``prefix/``."""
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/"):
+        keys.extend(item["Key"] for item in page.get("Contents", []))
+    return keys
+
+
+def split_url(url: str) -> tuple[str, str]:
+    if not url.startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    return bucket, prefix.rstrip("/")
+
+
+def delete_prefix(client: Any, bucket: str, prefix: str) -> None:
+    """Delete every object under ``prefix/`` (1,000 a request)."""
+    keys = list_keys(client, bucket, prefix)
+    for start in range(0, len(keys), 1000):
+        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in keys[start : start + 1000]]})
 
 
 if __name__ == "__main__":
