@@ -19,20 +19,16 @@ Epoch 0 waits (inside the epoch's timing, so the cold figure includes it) for ``
 when there is no budget (cold first epoch = the whole dataset through the cache, as the peers' first epoch), and
 under a budget, half of what the daemon keeps published (the budget less 25% turnover room and
 1 MiB of metadata reserve) (a rolling cache trains on what is cached; the harness reports
-the coverage). The daemon's own processes are left out of the worker RSS figure (``samplers.EXCLUDED_PIDS``); their
-peak is recorded apart in ``describe``-independent ``daemon_rss`` of the RSS summary.
+the coverage).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -40,10 +36,11 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common.adapter import DataLocation, LoaderSettings
+from benchmarks.common.results import REPO_ROOT
 from benchmarks.common.samples import Workload, collate
 from cachefeed._config import toml_text
+from cachefeed._testing.daemon import DaemonProcess, daemon_argv
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # Per-sample overhead of a segment record, only used to size an unbounded cache (``_cache/records.py``, format 4):
 # 64 bytes of header, meta and padding before these payloads of 4 KiB or more (128 where a key of more than about
 # 40 characters shares no prefix with the previous one), and 4 bytes of index.
@@ -154,22 +151,25 @@ class CachefeedAdapter:
         config_path.write_text(toml_text(config))
         stderr_path = work_dir / "daemon.stderr"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+        # Not start_daemon: that one gives the daemon a session of its own, and here it stays in the measuring
+        # process's group (module docstring).
         with stderr_path.open("wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-m", "cachefeed", "daemon", "--config", str(config_path)],
+                daemon_argv(config_path),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 env=env,
                 cwd=REPO_ROOT,
             )
-        _exclude_from_rss(process.pid)
-        source = CachefeedSource(process, cache_dir, stderr_path, scratch or work_dir, workload, settings, min_samples)
+        daemon = DaemonProcess(process, config_path, cache_dir, stderr_path)
+        source = CachefeedSource(daemon, scratch or work_dir, workload, settings, min_samples)
         try:
-            source.wait_ready(timeout_s=120.0)
+            daemon.wait_status(lambda d: d["state"] in ("running", "degraded"), timeout_s=120.0, what="running")
             if settings.cache_dir is None:
                 # Local figure: the whole dataset cached before the first epoch (warm reads only).
-                source.wait_samples(workload.count, timeout_s=600.0)
+                count = workload.count
+                daemon.wait_status(lambda d: d["cache"]["samples"] >= count, timeout_s=600.0, what=f"{count} samples")
         except BaseException:
             source.close()
             raise
@@ -180,18 +180,10 @@ class CachefeedSource:
     """A running daemon and the factory reading its cache; ``close`` stops both (idempotent)."""
 
     def __init__(
-        self,
-        process: subprocess.Popen[bytes],
-        cache_dir: Path,
-        stderr_path: Path,
-        work_dir: Path,
-        workload: Workload,
-        settings: LoaderSettings,
-        min_samples: int,
+        self, daemon: DaemonProcess, work_dir: Path, workload: Workload, settings: LoaderSettings, min_samples: int
     ) -> None:
-        self.process = process
-        self.cache_dir = cache_dir
-        self.stderr_path = stderr_path
+        self.daemon = daemon
+        self.cache_dir = daemon.cache_dir
         self.work_dir = work_dir
         self.workload = workload
         self.settings = settings
@@ -200,39 +192,10 @@ class CachefeedSource:
         self.own_files_read: dict[str, Any] | None = None  # figure 1's reference: a read of the segment files
         self._closed = False
 
-    def status(self) -> dict[str, Any] | None:
-        try:
-            doc: dict[str, Any] = json.loads((self.cache_dir / "status.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return None
-        return doc if doc.get("pid") == self.process.pid else None
-
     def _check_alive(self) -> None:
-        if self.process.poll() is not None:
-            tail = self.stderr_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"cachefeed daemon exited with {self.process.returncode}:\n{tail}")
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._check_alive()
-            doc = self.status()
-            if doc is not None and doc["state"] in ("running", "degraded"):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"cachefeed daemon not running after {timeout_s:.0f}s")
-            time.sleep(0.05)
-
-    def wait_samples(self, count: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._check_alive()
-            doc = self.status()
-            if doc is not None and doc["cache"]["samples"] >= count:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {count} samples cached after {timeout_s:.0f}s")
-            time.sleep(0.05)
+        process = self.daemon.process
+        if process.poll() is not None:
+            raise RuntimeError(f"cachefeed daemon exited with {process.returncode}:\n{self.daemon.stderr()[-3000:]}")
 
     def _factory(self) -> Any:
         if self.factory is None:
@@ -279,28 +242,16 @@ class CachefeedSource:
             if self.factory is not None:
                 self.factory.close()
         finally:
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGTERM)
+            process = self.daemon.process
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
                 try:
-                    self.process.wait(30)
+                    process.wait(30)
                 except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait(10)
-            _unexclude(self.process.pid)
+                    process.kill()  # not the group: the daemon shares the measuring process's
+                    process.wait(10)
             if self.settings.cache_dir is None:  # the local figure: its cache is removed here, read it first
                 from benchmarks.common.measures import sequential_read
 
                 self.own_files_read = sequential_read(self.cache_dir / "segments")
             shutil.rmtree(self.work_dir, ignore_errors=True)
-
-
-def _exclude_from_rss(pid: int) -> None:
-    from benchmarks.common import samplers
-
-    samplers.EXCLUDED_PIDS.add(pid)
-
-
-def _unexclude(pid: int) -> None:
-    from benchmarks.common import samplers
-
-    samplers.EXCLUDED_PIDS.discard(pid)

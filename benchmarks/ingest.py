@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common.s3server import delete_prefix
 from cachefeed._testing.daemon import start_daemon, wait_for, write_config
 from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
 from cachefeed._testing.samples import npy_bytes
@@ -155,18 +156,7 @@ def daemon_ingest(
         return end - start, doc
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-        _delete_prefix(server, run)
-
-
-def _delete_prefix(server: LocalS3, prefix: str) -> None:
-    client = server.client()
-    keys = [
-        {"Key": item["Key"]}
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
-        for item in page.get("Contents", [])
-    ]
-    for i in range(0, len(keys), 1000):
-        client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys[i : i + 1000]})
+        delete_prefix(server.client(), BUCKET, run)
 
 
 def main(argv: list[str] | None = None) -> int:

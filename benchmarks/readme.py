@@ -35,14 +35,14 @@ def _renderer(module: str) -> Callable[[dict[str, Any]], str]:
     return render_block
 
 
-# Each README block: (the committed result it renders, benchmarks/results/<result>.json; the module whose
+# Each README block: (the committed result it renders, benchmarks/results/<result>.json; the script whose
 # readme_table(doc) renders it). A benchmark's block is named after it; "peers" is run_all's comparison.
 SOURCES: dict[str, tuple[str, str]] = {
     **{
         name: (name, f"benchmarks.{name}")
         for name in ("decode", "egress", "feed", "handover", "read_throughput", "worker_memory")
     },
-    "peers": ("results", "benchmarks.common.results_md"),
+    "peers": ("results", "benchmarks.run_all"),
 }
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     name: _renderer(module) for name, (_r, module) in SOURCES.items()

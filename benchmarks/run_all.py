@@ -9,13 +9,14 @@ environment with ``benchmarks/peers/setup_env.sh`` if it is missing). Writes int
   DataLoader's ceilings next to them, and every failure as it happened), ``results.json``: everything raw,
 * ``handover.png``, ``cache_size.png``, ``throughput.png``: the figures a picture explains better.
 
-The full run takes about 20 minutes on 2 cores; ``--smoke`` (one 16 MiB workload, fewer variants) about 2.
+The full run takes about 12 minutes on 2 cores (704 s of measurements in the committed run); ``--smoke`` (one
+16 MiB workload, fewer variants) about 3.
 Measurement details, per-child logs and scratch space go to ``<out>/tmp/run-<mode>-<time>/`` (git-ignored).
-Figure 6 (daemon ingest against a plain concurrent download) is ``benchmarks/ingest.py``, run here in a child
-process with reduced counts. ``--report-only`` rebuilds the report from an existing ``results.json``.
+``--report-only`` rebuilds the report from an existing ``results.json``.
 
-Where counts are cut (to fit the machine): see ``CUTS`` below and ``run_peers.py``'s docstring; the report lists
-them too.
+What runs (systems, workloads, each system's measurements, and where counts are cut to fit the machine):
+``benchmarks/peers/plan.py``; the report lists the cuts too. ``readme_table`` renders the README's block ``peers``
+from the committed ``results.json`` (``python -m benchmarks.readme``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
@@ -35,20 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-log = logging.getLogger("benchmarks.run_all")
 BENCH_VENV = REPO_ROOT / ".bench-venv"
-MAIN_VENV = REPO_ROOT / ".venv"
-CACHEFEED = ("cachefeed", "benchmarks.cachefeed_adapter:CachefeedAdapter")
-# s3fs caches nothing: its handover epochs are its cold epoch again (5 min of the run in the previous full run).
-CUTS = {
-    "full": {"s3fs": {"cold": 1, "budget30": 0, "handover": 0}},
-    "smoke": {"s3fs": {"cold": 1, "budget30": 0, "handover": 0}},
-}
-# Figure 6 counts: benchmarks/ingest.py's defaults are 3000 x 4 KiB and 400 x 1.5 MiB, best of 3.
-INGEST_ARGS = {
-    "full": ["--small", "2000", "--large", "150", "--repeat", "2"],
-    "smoke": ["--small", "200", "--large", "10", "--repeat", "1"],
-}
 
 
 def _ensure_bench_venv(argv: list[str]) -> None:
@@ -62,62 +49,20 @@ def _ensure_bench_venv(argv: list[str]) -> None:
     os.execv(str(python), [str(python), str(Path(__file__).resolve()), *argv])
 
 
-def run_ingest(mode: str, log_path: Path) -> dict[str, Any]:
-    """Figure 6: ``benchmarks/ingest.py`` in a child (main .venv if present), its table parsed."""
-    python = MAIN_VENV / "bin" / "python"
-    if not python.exists():
-        python = Path(sys.executable)
-    cmd = [str(python), "-m", "benchmarks.ingest", *INGEST_ARGS[mode]]
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        return {"status": "timeout", "command": " ".join(cmd[1:]), "output": str(exc.stdout or "")[-3000:]}
-    log_path.write_text(done.stdout + "\n--- stderr\n" + done.stderr)
-    out: dict[str, Any] = {
-        "status": "ok" if done.returncode == 0 else f"failed (exit {done.returncode})",
-        "command": "python " + " ".join(cmd[1:]),
-        "wall_s": round(time.perf_counter() - started, 1),
-        "output": done.stdout.strip(),
-        "rows": [],
-    }
-    if done.returncode != 0:
-        out["stderr_tail"] = done.stderr[-3000:]
-    row = re.compile(r"^\s*(\d+)\s+(\S+)\s+\|\s+(\d+)\s+([\d.]+)\s+\|\s+(\d+)\s+([\d.]+)\s+\|\s+([\d.]+)\s*$")
-    for line in done.stdout.splitlines():
-        match = row.match(line)
-        if match:
-            objects, size, p_obj, p_mib, d_obj, d_mib, ratio = match.groups()
-            out["rows"].append(
-                {
-                    "objects": int(objects),
-                    "object_size": size,
-                    "plain_objects_per_s": int(p_obj),
-                    "plain_mib_per_s": float(p_mib),
-                    "daemon_objects_per_s": int(d_obj),
-                    "daemon_mib_per_s": float(d_mib),
-                    # ingest.py's ratio: plain time / daemon time, i.e. daemon rate / plain rate.
-                    "daemon_over_plain": float(ratio),
-                }
-            )
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="one small workload, fewer variants (about 2 min)")
+    parser.add_argument("--smoke", action="store_true", help="one small workload, fewer variants (about 3 min)")
     parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results; smoke: .../tmp/smoke)")
     parser.add_argument("--systems", help="comma-separated subset of: cachefeed, mosaic, litdata, local-files, ...")
     parser.add_argument("--workloads", help="comma-separated subset of: small, medium, large")
-    parser.add_argument("--no-ingest", action="store_true", help="skip figure 6 (benchmarks/ingest.py)")
     parser.add_argument("--report-only", action="store_true", help="rebuild results.md and plots from results.json")
     args = parser.parse_args(argv)
     _ensure_bench_venv(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
-    from benchmarks.common.suite import Suite, System
-    from benchmarks.peers import run_peers
+    from benchmarks.common.suite import Suite
+    from benchmarks.peers import plan
 
     mode = "smoke" if args.smoke else "full"
     out: Path = args.out or (REPO_ROOT / "benchmarks" / "results" / ("tmp/smoke" if args.smoke else ""))
@@ -131,14 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {out / 'results.md'}")
         return 0
 
-    systems = [System(*CACHEFEED), *run_peers.PEERS]
+    systems = plan.SYSTEMS
     if args.systems:
         wanted = set(args.systems.split(","))
         systems = [s for s in systems if s.key in wanted]
-    workloads = run_peers.WORKLOADS[mode]
+    workloads = plan.WORKLOADS[mode]
     if args.workloads:
         workloads = [w for w in workloads if w.name in args.workloads.split(",")]
-    run_peers.EPOCH_CUTS[mode] = CUTS[mode]
     work = out / "tmp" / f"run-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     from benchmarks.common.results import provenance
 
@@ -148,21 +92,17 @@ def main(argv: list[str] | None = None) -> int:
         mode,
         systems,
         workloads,
-        run_peers.make_plan(mode, 2),  # type: ignore[arg-type]
-        run_peers.ceiling_plan,
+        plan.make_plan(mode),
+        plan.ceiling_plan,
         work,
         extra={
             "command": "benchmarks/run_all.py" + (" --smoke" if args.smoke else ""),
-            "epoch_cuts": CUTS[mode],
-            "handover_workload": run_peers.HANDOVER_WORKLOAD[mode],
-            "rss_workload": run_peers.RSS_WORKLOAD,
+            "epoch_cuts": plan.EPOCH_CUTS,
+            "handover_workload": plan.HANDOVER_WORKLOAD[mode],
             "workers": 2,
         },
     )
     doc = suite.run()
-    if not args.no_ingest:
-        log.info("figure 6: benchmarks/ingest.py %s", " ".join(INGEST_ARGS[mode]))
-        doc["ingest"] = run_ingest(mode, work / "ingest.log")
     doc["provenance"] = start_provenance  # the code measured is the tree at the start of the run
     doc["run_wall_s"] = round(time.monotonic() - started, 1)
     doc["work_dir"] = str(work.relative_to(REPO_ROOT)) if work.is_relative_to(REPO_ROOT) else str(work)
@@ -170,9 +110,132 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common.results_md import write_report  # imported late: the report can change mid-run
 
     write_report(doc, out)
-    print((work / "summary.txt").read_text())
+    print(readme_table(doc))
     print(f"report: {out / 'results.md'} ({doc['run_wall_s']} s)")
     return 0
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's side-by-side table (block ``peers``), from ``results.json``'s ``summary`` rows."""
+    from benchmarks.common.report import fmt, get_measure, mean, own_files_read_mb_per_s, size_label, workloads
+
+    rows = {(row["workload"], row["system"]): row for row in doc.get("summary", [])}
+    names = [name for name, _entry in workloads(doc)]
+    sizes = {name: size_label(int(entry["workload"]["sample_bytes"])) for name, entry in workloads(doc)}
+    small, rest = names[0], names[1:]
+
+    def cell(system: str, key: str, which: list[str], digits: int = 3) -> str:
+        values = [rows.get((name, system), {}).get(key) for name in which]
+        if all(v is None for v in values):
+            return "-"
+        return " / ".join(fmt(v if not isinstance(v, list) else mean(v), digits) for v in values)
+
+    systems = ("cachefeed", "mosaic", "litdata")
+    lines = [
+        "| | cachefeed | mosaicml-streaming | litdata | baseline |",
+        "|---|---|---|---|---|",
+    ]
+
+    def add(what: str, key: str, which: list[str], baseline: str, digits: int = 3) -> None:
+        lines.append(f"| {what} | " + " | ".join(cell(s, key, which, digits) for s in systems) + f" | {baseline} |")
+
+    def baselines(key: str, which: list[str]) -> str:
+        """The read baselines: local files, the DataLoader's batched ceiling, the per-sample path over RAM."""
+        return (
+            f"local files {cell('local-files', key, which)}; "
+            f"DataLoader ceiling, batched from RAM {cell('memory-batched', key, which)}; "
+            f"per-sample Dataset over RAM {cell('memory', key, which)}"
+        )
+
+    def raw_read(system: str) -> str:
+        """The storage ceiling: a raw sequential read of the files ``system``'s loader reads (from ``local``)."""
+        values = [
+            own_files_read_mb_per_s(get_measure(entry.get("systems", {}).get(system, {}), "local"))
+            for _name, entry in workloads(doc)
+        ]
+        return "-" if all(v is None for v in values) else " / ".join(fmt(v) for v in values)
+
+    add(
+        f"warm local read, {sizes[small]} (samples/s)",
+        "warm_samples_per_s",
+        [small],
+        baselines("warm_samples_per_s", [small]),
+    )
+    add(
+        f"warm local read, {' / '.join(sizes[n] for n in rest)} (MB/s)",
+        "warm_mb_per_s",
+        rest,
+        baselines("warm_mb_per_s", rest),
+    )
+    add(
+        f"warm local read in the training process (`num_workers=0`), {' / '.join(sizes[n] for n in names)} (samples/s)",
+        "inprocess_samples_per_s",
+        names,
+        baselines("inprocess_samples_per_s", names),
+    )
+    lines.append(
+        f"| raw sequential read of the files each loader reads (storage ceiling), "
+        f"{' / '.join(sizes[n] for n in names)} (MB/s) | "
+        + " | ".join(raw_read(s) for s in systems)
+        + f" | per-sample files {raw_read('local-files')} |"
+    )
+    add(
+        f"cold first epoch from S3, {' / '.join(sizes[n] for n in names)} (s)",
+        "cold_epoch_s",
+        names,
+        f"s3fs {cell('s3fs', 'cold_epoch_s', names)}",
+    )
+    add("budget 30% of the dataset: peak on disk / budget", "budget_peak_disk_over_budget", names, "")
+    add("budget 30%: remote MB per epoch (mean of the epochs run)", "budget_remote_mb_per_epoch", names, "")
+
+    def distinct(system: str) -> str:
+        shares = []
+        for _name, entry in workloads(doc):
+            epochs = get_measure(entry.get("systems", {}).get(system, {}), "budget30").get("epochs") or []
+            counts = [e["unique_samples"] for e in epochs if e.get("unique_samples") is not None]
+            total = int(entry["workload"]["count"])
+            shares.append(f"{mean(counts) / total:.0%}" if counts and total else "-")
+        return " / ".join(shares)
+
+    lines.append(
+        "| budget 30%: distinct samples per epoch, share of the dataset | "
+        + " | ".join(distinct(s) for s in systems)
+        + " | |"
+    )
+    handover = doc.get("extra", {}).get("handover_workload", rest[0] if rest else small)
+    fork = cell("memory", "handover-fork", [handover])
+    persistent = cell("memory", "handover-fork-persistent", [handover])
+    lines.append(
+        f"| handover wait, {sizes.get(handover, handover)}, fork / fork + persistent workers (s) | "
+        + " | ".join(
+            f"{cell(s, 'handover-fork', [handover])} / {cell(s, 'handover-fork-persistent', [handover])}"
+            for s in systems
+        )
+        + f" | new DataLoader {fork} / {persistent} |"
+    )
+    converts = {s: [rows.get((n, s), {}).get("convert_s") for n in names] for s in systems[1:]}
+    spans = {
+        s: f"{fmt(min(v))}-{fmt(max(v))}" if (v := [x for x in values if x is not None]) else "-"
+        for s, values in converts.items()
+    }
+    lines.append(f"| conversion before training (s) | 0 (none needed) | {spans['mosaic']} | {spans['litdata']} | |")
+    problems = [
+        f"{row['system']} on {sizes.get(row['workload'], row['workload'])}, {label}: {text}"
+        for row in doc.get("summary", [])
+        for label, text in (row.get("problems") or {}).items()
+    ]
+    machine = doc.get("machine", {})
+    prov = doc.get("provenance", {})
+    commit = (prov.get("commit") or "")[:10] or "an unrecorded commit"
+    commit += " with uncommitted changes" if prov.get("dirty") else ""
+    lines += [""] + [f"- {problem}" for problem in problems]
+    lines += [
+        "",
+        f"Measured with `{doc.get('extra', {}).get('command', 'benchmarks/run_all.py')}` at {commit}, "
+        f"{str(machine.get('time_utc', ''))[:10]}, {machine.get('usable_cpus')} CPUs ({machine.get('cpu_model')}), "
+        f"Python {machine.get('python')}, {doc.get('run_wall_s')} s wall.",
+    ]
+    return "\n".join(line for i, line in enumerate(lines) if line or (i and lines[i - 1]))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from benchmarks.common.samples import Workload
+from cachefeed._testing.local_s3 import DUMMY_ENV, storage_options
 
 StartMethod = Literal["fork", "spawn", "forkserver"]
 
@@ -52,15 +53,15 @@ class DataLocation:
 
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options for the endpoint (dummy credentials)."""
-        return {"endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing"}
+        return storage_options(self.endpoint_url)
 
     def boto_options(self) -> dict[str, Any]:
-        """boto3 ``client("s3", **options)`` keyword arguments for the endpoint."""
+        """boto3 ``client("s3", **options)`` keyword arguments for the endpoint (dummy credentials)."""
         return {
             "endpoint_url": self.endpoint_url,
-            "aws_access_key_id": "testing",
-            "aws_secret_access_key": "testing",
-            "region_name": "us-east-1",
+            "aws_access_key_id": DUMMY_ENV["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": DUMMY_ENV["AWS_SECRET_ACCESS_KEY"],
+            "region_name": DUMMY_ENV["AWS_DEFAULT_REGION"],
         }
 
 

@@ -7,8 +7,8 @@ measurement, not the run. Figures (numbered as in issue 7):
 - ``local`` (1, and the DataLoader's ceilings with the in-memory systems): warm local epochs, next to a raw
   sequential read of the same files from the same filesystem (``rawread``); with ``num_workers=0`` in the
   params, the same read in the training process (the plans' ``inprocess`` label).
-- ``remote`` (2, 3, 4, 5): epochs from S3 into an empty cache with a budget (or none): per epoch, time,
-  server-counted bytes and requests, peak on-disk size; handover waits; optional worker RSS.
+- ``remote`` (2, 3, 4): epochs from S3 into an empty cache with a budget (or none): per epoch, time,
+  server-counted bytes and requests, peak on-disk size; handover waits.
 - ``s3_ceiling``: plain concurrent GETs of the same objects (no adapter).
 """
 
@@ -27,9 +27,10 @@ from typing import Any
 from benchmarks.common.adapter import DataLocation, LoaderSettings, SystemAdapter
 from benchmarks.common.epochs import StopEpochs, run_epochs
 from benchmarks.common.rawread import DEFAULT_BUFFER_BYTES, read_files
-from benchmarks.common.s3server import fetch_stats, stats_delta
-from benchmarks.common.samplers import DiskSampler, RssSampler, tree_bytes
+from benchmarks.common.s3server import fetch_stats, list_keys, split_url, stats_delta, upload_dir
+from benchmarks.common.samplers import DiskSampler, tree_bytes
 from benchmarks.common.samples import Workload
+from cachefeed._testing.local_s3 import s3_client
 
 Progress = Callable[[dict[str, Any]], None]
 # A peak on disk within 1% over the budget is reported (``peak_disk_over_budget``) but not called an overshoot:
@@ -126,9 +127,6 @@ def measure_local(adapter: SystemAdapter, ctx: Context, params: dict[str, Any], 
     settings = _settings(ctx, params, cache=False)
     data = ctx.data(adapter, local=True)
     epochs = int(params.get("epochs", 2))
-    rss = RssSampler(interval_s=0.1, with_pss=True) if params.get("rss") else None
-    if rss is not None:
-        rss.start()
     started = time.perf_counter()
     source = None
     try:
@@ -145,7 +143,6 @@ def measure_local(adapter: SystemAdapter, ctx: Context, params: dict[str, Any], 
     finally:
         if source is not None:
             source.close()
-        rss_summary = rss.stop() if rss is not None else None
     warm = results[1:] or results  # epoch 0 warms the page cache (and the system's own caches)
     out: dict[str, Any] = {
         "status": _status(results, ctx.workload.count),
@@ -156,7 +153,6 @@ def measure_local(adapter: SystemAdapter, ctx: Context, params: dict[str, Any], 
         "warm_mb_per_s": _median(e["mb_per_s"] for e in warm),
         "warm_steady_samples_per_s": _median(e["steady_samples_per_s"] for e in warm),
         "warm_steady_mb_per_s": _mb_per_s(_median(e["steady_samples_per_s"] for e in warm), ctx.workload.sample_bytes),
-        "rss": rss_summary,
     }
     if data.local_dir is not None and params.get("sequential_read", True):
         out["sequential_read"] = sequential_read(data.local_dir)
@@ -182,8 +178,7 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
     cache_dir = settings.cache_dir
     if cache_dir is None:
         raise ValueError("remote measurement without a cache dir")
-    disk = DiskSampler([cache_dir], interval_s=float(params.get("disk_interval_s", 0.1)))
-    rss = RssSampler(interval_s=0.1, with_pss=True) if params.get("rss") else None
+    disk = DiskSampler([cache_dir], interval_s=0.1)
     before = [fetch_stats(ctx.endpoint_url)]
 
     def on_epoch_end(epoch: int) -> dict[str, Any]:
@@ -204,8 +199,6 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
     stopped: str | None = None
 
     disk.start()
-    if rss is not None:
-        rss.start()
     started = time.perf_counter()
     source = None
     try:
@@ -228,7 +221,6 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
         if source is not None:
             source.close()
         disk_summary = disk.stop()
-        rss_summary = rss.stop() if rss is not None else None
     cache_left = tree_bytes([cache_dir])
     shutil.rmtree(cache_dir, ignore_errors=True)
     # A rolling cache (``adapter.rolling``) trains each epoch on what is cached: under a budget smaller than the
@@ -248,7 +240,6 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
         "epochs": results,
         "disk": disk_summary,
         "peak_disk_over_budget": None if budget is None else round(disk_summary["peak_bytes"] / budget, 3),
-        "rss": rss_summary,
         "cache_left_bytes": cache_left,
     }
 
@@ -258,11 +249,9 @@ def measure_s3_ceiling(ctx: Context, params: dict[str, Any], progress: Progress)
 
     At most ``max_objects`` per prefix (evenly spread over the sorted keys): small objects cost a request each.
     """
-    import boto3
-
     threads = int(params.get("threads", 8))
     max_objects = int(params.get("max_objects", 2048))
-    client = boto3.client("s3", **DataLocation(None, None, ctx.endpoint_url).boto_options())
+    client = s3_client(ctx.endpoint_url)
     out: dict[str, Any] = {"status": "ok", "threads": threads, "prefixes": {}}
     for url in params["urls"]:
         bucket, prefix = split_url(url)
@@ -316,53 +305,19 @@ def sequential_read(root: Path, chunk_bytes: int = DEFAULT_BUFFER_BYTES) -> dict
     return result
 
 
-def upload_dir(endpoint_url: str, local_dir: Path, url: str, threads: int = 8) -> int:
-    """Upload every file under ``local_dir`` to ``url`` (keys keep the relative paths); return the count."""
-    import boto3
-
-    client = boto3.client("s3", **DataLocation(None, None, endpoint_url).boto_options())
-    bucket, prefix = split_url(url)
-    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-
-    def put(path: Path) -> None:
-        key = f"{prefix}/{path.relative_to(local_dir).as_posix()}" if prefix else path.name
-        client.upload_file(str(path), bucket, key)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(put, files))
-    return len(files)
-
-
-def list_keys(client: Any, bucket: str, prefix: str) -> list[str]:
-    keys: list[str] = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/"):
-        keys.extend(item["Key"] for item in page.get("Contents", []))
-    return keys
-
-
-def split_url(url: str) -> tuple[str, str]:
-    if not url.startswith("s3://"):
-        raise ValueError(f"not an s3:// URL: {url!r}")
-    bucket, _, prefix = url[len("s3://") :].partition("/")
-    return bucket, prefix.rstrip("/")
-
-
 def _settings(ctx: Context, params: dict[str, Any], cache: bool, budget: int | None = None) -> LoaderSettings:
     cache_dir = None
     if cache:
         # A fresh directory per measurement: some systems refuse (or misread) a cache dir reused in-process.
         ctx.scratch_dir.mkdir(parents=True, exist_ok=True)
         cache_dir = Path(tempfile.mkdtemp(prefix="cache-", dir=ctx.scratch_dir))
-    return LoaderSettings(
-        batch_size=int(params.get("batch_size", ctx.workload.batch_size)),
+    return LoaderSettings(  # shuffle, seed and prefetch factor: LoaderSettings' defaults, the same for every system
+        batch_size=ctx.workload.batch_size,
         num_workers=int(params.get("num_workers", 2)),
         start_method=params.get("start_method", "fork"),
         persistent_workers=bool(params.get("persistent_workers", False)),
         cache_dir=cache_dir,
         cache_budget_bytes=budget,
-        shuffle=bool(params.get("shuffle", True)),
-        seed=int(params.get("seed", 1234)),
-        prefetch_factor=int(params.get("prefetch_factor", 2)),
         extra={"epochs": int(params.get("epochs", 1))},
     )
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.results import REPO_ROOT
 from cachefeed._testing.local_s3 import DUMMY_ENV
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _POLL_S = 0.1
 _SHM = Path("/dev/shm")
 

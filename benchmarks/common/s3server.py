@@ -1,14 +1,17 @@
-"""A moto S3 server that counts what it serves, so remote traffic is measured at the server, not by the client.
+"""A moto S3 server that counts what it serves, so remote traffic is measured at the server, not by the client; and
+the few object operations the harness does on it (upload a tree, list and delete a prefix).
 
 ``python -m benchmarks.common.s3server --port N`` runs moto's own WSGI app (what ``moto_server`` runs) wrapped
 in a counting middleware: every request is classified (object GET, ranged GET, HEAD, LIST, PUT, other) and the
 response body bytes are added up as they leave. Counters are read and zeroed over HTTP on the same port:
 
-    GET  /__bench__/stats   -> JSON counters
-    POST /__bench__/reset   -> zero the counters (moto's state is reset with POST /moto-api/reset)
+    GET  /__bench__/stats   -> JSON counters (:func:`fetch_stats`)
 
-:class:`S3Server` starts that subprocess for a benchmark run and reads the counters. Credentials are dummies and
-``BOTO_CONFIG=/dev/null`` keeps the host's configuration out.
+:class:`S3Server` starts that subprocess for a benchmark run through the one local-S3 launcher
+(``cachefeed._testing.local_s3``). Why not the tests' counting proxy (``cachefeed._testing.proxy``): the counters
+are read by the measurement children (other processes) over HTTP, and the proxy is a thread of the process that
+starts it, relaying every byte through one more hop on the same 2 cores; counting inside moto's own server costs
+no hop.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import sys
 import threading
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from cachefeed._testing.local_s3 import LocalS3
+from benchmarks.common.results import REPO_ROOT
+from cachefeed._testing.local_s3 import LocalS3, s3_client
 
 _STATS_PATH = "/__bench__/stats"
-_RESET_PATH = "/__bench__/reset"
 
 
 class _Counters:
@@ -50,12 +55,6 @@ class _Counters:
                 "bytes_out": dict(self._bytes_out),
                 "bytes_in": self._bytes_in,
             }
-
-    def reset(self) -> None:
-        with self._lock:
-            self._requests.clear()
-            self._bytes_out.clear()
-            self._bytes_in = 0
 
 
 def classify(environ: dict[str, Any]) -> str:
@@ -89,10 +88,6 @@ class CountingMiddleware:
             body = json.dumps(self.counters.snapshot()).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
-        if path == _RESET_PATH:
-            self.counters.reset()
-            start_response("204 No Content", [])
-            return []
         kind = classify(environ)
         bytes_in = int(environ.get("CONTENT_LENGTH") or 0)
         return self._count(kind, bytes_in, self.app(environ, start_response))
@@ -134,24 +129,14 @@ class S3Server(LocalS3):
             timeout_s=timeout_s,
             command=[sys.executable, "-m", "benchmarks.common.s3server", "--port", "{port}"],
             ready_path=_STATS_PATH,
-            cwd=_repo_root(),
+            cwd=str(REPO_ROOT),
         )
         assert isinstance(server, S3Server)
         return server
 
-    def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.endpoint + _STATS_PATH, timeout=5) as response:
-            doc: dict[str, Any] = json.loads(response.read())
-        return doc
-
-    def reset_stats(self) -> None:
-        request = urllib.request.Request(self.endpoint + _RESET_PATH, method="POST")
-        with urllib.request.urlopen(request, timeout=5):
-            pass
-
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """What the server served between two :meth:`S3Server.stats` snapshots, with totals."""
+    """What the server served between two :func:`fetch_stats` snapshots, with totals."""
     requests = {k: after["requests"].get(k, 0) - before["requests"].get(k, 0) for k in after["requests"]}
     bytes_out = {k: after["bytes_out"].get(k, 0) - before["bytes_out"].get(k, 0) for k in after["bytes_out"]}
     requests = {k: v for k, v in requests.items() if v}
@@ -166,13 +151,47 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
 
 
 def fetch_stats(endpoint: str) -> dict[str, Any]:
+    """The counters of the counting server at ``endpoint`` (any process may read them)."""
     with urllib.request.urlopen(endpoint + _STATS_PATH, timeout=5) as response:
         doc: dict[str, Any] = json.loads(response.read())
     return doc
 
 
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def upload_dir(endpoint_url: str, local_dir: Path, url: str, threads: int = 8) -> int:
+    """Upload every file under ``local_dir`` to ``url`` (keys keep the relative paths); return the count."""
+    client = s3_client(endpoint_url)
+    bucket, prefix = split_url(url)
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+
+    def put(path: Path) -> None:
+        key = f"{prefix}/{path.relative_to(local_dir).as_posix()}" if prefix else path.name
+        client.upload_file(str(path), bucket, key)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(put, files))
+    return len(files)
+
+
+def list_keys(client: Any, bucket: str, prefix: str) -> list[str]:
+    """Every key under ``prefix/``."""
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/"):
+        keys.extend(item["Key"] for item in page.get("Contents", []))
+    return keys
+
+
+def split_url(url: str) -> tuple[str, str]:
+    if not url.startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    return bucket, prefix.rstrip("/")
+
+
+def delete_prefix(client: Any, bucket: str, prefix: str) -> None:
+    """Delete every object under ``prefix/`` (1,000 a request)."""
+    keys = list_keys(client, bucket, prefix)
+    for start in range(0, len(keys), 1000):
+        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in keys[start : start + 1000]]})
 
 
 if __name__ == "__main__":

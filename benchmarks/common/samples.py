@@ -10,11 +10,18 @@ A sample is a ``uint8`` array of ``sample_bytes`` bytes (the workload's size, at
 Any reader, in any process, can verify what it got without the dataset at hand: the index says which sample it
 is, the checksum says the bytes are the ones written for that index. A sample delivered twice in one epoch, a
 torn read, a sample of another workload or a shuffled payload all fail here.
+
+Why not ``cachefeed._testing.samples`` (the tests' and the demo's self-verifying samples): those are cachefeed
+samples, a dict whose ``__key__`` names the payload, checked by regenerating the payload from the key. The peer
+harness needs a scheme that survives every system's format as bare bytes (an MDS column, a litdata chunk, a
+file, one cachefeed record): the identity has to travel inside the bytes (the index, for duplicates and coverage
+per epoch), and the check runs in the consumer inside the timed epoch, so it is a hash (xxh3, tens of GB/s), not a
+regeneration of the payload (a random generator, about a GB/s, which would dominate the throughput figures).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,7 +157,3 @@ def _as_array(item: Any) -> Any:
     if callable(numpy):
         return numpy()
     return np.asarray(item, dtype=np.uint8)
-
-
-def count_bytes(paths: Iterable[Path]) -> int:
-    return sum(path.stat().st_size for path in paths)

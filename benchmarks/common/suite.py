@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.machine import machine
-from benchmarks.common.measures import Context, list_keys, split_url, upload_dir
-from benchmarks.common.report import summary_rows, summary_text
+from benchmarks.common.measures import Context
+from benchmarks.common.report import summary_rows
 from benchmarks.common.runner import MeasureSpec, run_measures
-from benchmarks.common.s3server import S3Server
+from benchmarks.common.s3server import S3Server, delete_prefix, upload_dir
 from benchmarks.common.samples import Workload, write_samples
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,6 @@ class Suite:
             self.doc["total_s"] = round(time.monotonic() - started, 1)
             self.doc["summary"] = summary_rows(self.doc)
             self._save()
-            (self.out_dir / "summary.txt").write_text(summary_text(self.doc))
         return self.doc
 
     def _run_workload(self, server: S3Server, workload: Workload) -> None:
@@ -137,13 +136,8 @@ class Suite:
     def _drop(self, server: S3Server, workload: Workload, data_dir: Path) -> None:
         """Delete the workload's objects and files: the next workload starts from the same empty state."""
         client = server.client()
-        bucket, _ = split_url(f"s3://{BUCKET}/")
-        prefixes = ["samples", *(s.key for s in self.systems)]
-        for prefix in prefixes:
-            keys = list_keys(client, bucket, f"{prefix}/{workload.name}")
-            for start in range(0, len(keys), 1000):
-                chunk = [{"Key": key} for key in keys[start : start + 1000]]
-                client.delete_objects(Bucket=bucket, Delete={"Objects": chunk})
+        for prefix in ["samples", *(s.key for s in self.systems)]:
+            delete_prefix(client, BUCKET, f"{prefix}/{workload.name}")
         shutil.rmtree(data_dir, ignore_errors=True)
 
     def _save(self) -> None:

@@ -15,7 +15,7 @@ from benchmarks.common.adapter import DataLocation, EpochSource, LoaderSettings
 from benchmarks.common.epochs import StopEpochs, run_epochs
 from benchmarks.common.measures import Context
 from benchmarks.common.runner import MeasureSpec, run_measures
-from benchmarks.common.s3server import S3Server, classify, stats_delta
+from benchmarks.common.s3server import S3Server, classify, fetch_stats, stats_delta
 from benchmarks.common.samplers import tree_bytes
 from benchmarks.common.samples import SampleError, Workload, collate, make_sample, verify_batch, verify_sample
 
@@ -55,11 +55,11 @@ def test_the_server_counts_the_bytes_it_sends() -> None:
         client = server.client()
         client.create_bucket(Bucket="bench")
         client.put_object(Bucket="bench", Key="k/one", Body=b"x" * 100_000)
-        before = server.stats()
+        before = fetch_stats(server.endpoint)
         for _ in range(3):
             client.get_object(Bucket="bench", Key="k/one")["Body"].read()
         client.get_object(Bucket="bench", Key="k/one", Range="bytes=0-9")["Body"].read()
-        delta = stats_delta(before, server.stats())
+        delta = stats_delta(before, fetch_stats(server.endpoint))
     finally:
         server.stop()
     assert delta["requests"] == {"get": 3, "get_range": 1}

@@ -3,6 +3,9 @@
 A self-verifying sample's payload is a pure function of its key (:func:`payload`), so any reader, in any process,
 checks what it got with :func:`check_sample` without the writer at hand: a torn read, a sample of another key or
 stale bytes all fail.
+
+The peer benchmarks carry their own scheme (``benchmarks/common/samples.py``: bare bytes with the index and an xxh3
+checksum inside, for formats that keep no key and checks inside a timed loop); its docstring says why.
 """
 
 from __future__ import annotations
