@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common.results import provenance_line, save
 from benchmarks.common.s3server import delete_prefix
 from cachefeed._testing.daemon import start_daemon, wait_for, write_config
 from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight per sampler (16)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each contender per size (3)")
     parser.add_argument("--md5-off", action="store_true", help="also run the daemon with remote.verify_md5 = false")
+    parser.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/ingest.json")
     args = parser.parse_args(argv)
     os.environ.update(DUMMY_ENV)
     in_flight = args.processes * args.concurrency
@@ -233,7 +235,55 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label}: plain runs {[f'{s:.2f}s' for s in plain]}, daemon runs {[f'{s:.2f}s' for s in daemon]}")
         if unverified:
             print(f"  {label}: verify_md5 = false runs {[f'{s:.2f}s' for s in unverified]}")
+    if not args.no_save:
+        figures = {
+            "processes": args.processes,
+            "concurrency": args.concurrency,
+            "repeat": args.repeat,
+            "rows": [
+                {
+                    "objects": label,
+                    "count": count,
+                    "dataset_bytes": dataset,
+                    "plain_runs_s": [round(x, 3) for x in plain],
+                    "daemon_runs_s": [round(x, 3) for x in daemon],
+                    "daemon_no_md5_runs_s": [round(x, 3) for x in unverified],
+                }
+                for label, count, dataset, _bp, _bd, plain, daemon, unverified in rows
+            ],
+        }
+        print(f"wrote {save('ingest', figures, work_dir=Path(tempfile.gettempdir()))}")
     return 0
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's ingest table, from a committed result document: the best run of each, as ``main`` prints."""
+    figures = doc["figures"]
+    lines = [
+        f"The daemon ({figures['processes']} samplers x {figures['concurrency']} requests in flight) against a plain "
+        f"download of the same objects with as many requests in flight in one process, moto's S3 server on "
+        f"loopback sharing the machine, best of {figures['repeat']} runs each:",
+        "",
+        "| objects | plain download | daemon, MD5 checked | of the plain download | daemon, `verify_md5 = false` "
+        "| of the plain download |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in figures["rows"]:
+        count, mib = row["count"], row["dataset_bytes"] / 2**20
+        plain, daemon = min(row["plain_runs_s"]), min(row["daemon_runs_s"])
+        cells = [
+            f"{count / plain:,.0f} obj/s, {mib / plain:.1f} MiB/s",
+            f"{count / daemon:,.0f} obj/s",
+            f"{plain / daemon:.2f}x",
+        ]
+        if row["daemon_no_md5_runs_s"]:
+            bare = min(row["daemon_no_md5_runs_s"])
+            cells += [f"{count / bare:,.0f} obj/s", f"{plain / bare:.2f}x"]
+        else:
+            cells += ["-", "-"]
+        lines.append(f"| {count:,} x {row['objects']} | " + " | ".join(cells) + " |")
+    lines += ["", "Measured with " + provenance_line(doc) + "."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def test_handover_functions_at_tiny_size(tmp_path: Path) -> None:
 def test_ingest_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import ingest
 
-    assert ingest.main(["--small", "8", "--large", "0", "--repeat", "1", "--md5-off"]) == 0
+    assert ingest.main(["--small", "8", "--large", "0", "--repeat", "1", "--md5-off", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "4KiB" in out and "ratio" in out
     assert "verify_md5 = false" in out
