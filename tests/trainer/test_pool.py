@@ -11,6 +11,8 @@ import os
 import signal
 import time
 from collections import namedtuple
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachefeed._testing.samples import check_sample
+from cachefeed._cache.snapshots import Snapshot
 from cachefeed._trainer import EpochLoaderFactory
 from cachefeed._trainer.arena import Allocator
 from cachefeed._trainer.collate import Nest, RowCollator, Slot, collate_into, place
@@ -27,6 +29,20 @@ from cachefeed._trainer.pool import WorkerPool
 from tests.trainer.test_loader import build_cache, check_batch, wait_until
 
 Pair = namedtuple("Pair", ["image", "label"])
+EIGHTS = [np.arange(i, i + 8) for i in range(0, 64, 8)]  # 64 samples in batches of 8, in order
+
+
+@contextmanager
+def pool_over(root: Path, workers: int, **options: Any) -> Iterator[tuple[Snapshot, SnapshotDataset, WorkerPool]]:
+    """A pool of ``workers`` (started by the first pass) and the dataset of a snapshot of the cache at ``root``."""
+    with Snapshot.create(root, "s") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        pool = WorkerPool(workers, collate_fn=None, **options)
+        try:
+            yield snapshot, dataset, pool
+        finally:
+            pool.close()
+            dataset.close()
 
 
 def with_pid(sample: dict[str, Any]) -> dict[str, Any]:
@@ -130,30 +146,20 @@ def test_a_pass_dealt_before_a_worker_died_is_read_whole_from_its_replacement(tm
     """The factory queues the next epoch's pass before the current one ends, so batches of a pass not yet read can
     be dealt to a worker that then dies: that pass is read whole all the same, its dead worker's share dealt again
     to the worker that replaces it."""
-    root = build_cache(tmp_path / "c", 64)
-    from cachefeed._cache.snapshots import Snapshot
-
-    with Snapshot.create(root, "s") as snapshot:
-        dataset = SnapshotDataset.from_snapshot(snapshot)
-        pool = WorkerPool(2, collate_fn=None, prefetch_factor=2)
+    with pool_over(build_cache(tmp_path / "c", 64), 2, prefetch_factor=2) as (_snapshot, dataset, pool):
+        current = pool.open_pass(pool.new_key(), dataset, EIGHTS[:2])
+        queued = pool.open_pass(pool.new_key(), dataset, EIGHTS)  # dealt at once: each worker has room
+        victim = pool._workers[1].process
+        next(current)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
         try:
-            batches = [np.arange(i, i + 8) for i in range(0, 64, 8)]
-            current = pool.open_pass(pool.new_key(), dataset, batches[:2])
-            queued = pool.open_pass(pool.new_key(), dataset, batches)  # dealt at once: each worker has room
-            victim = pool._workers[1].process
-            next(current)
-            os.kill(victim.pid, signal.SIGKILL)
-            victim.join()
-            try:
-                next(current)  # worker 1's batch: read if it was written before the kill, else an error
-            except RuntimeError as died:
-                assert f"pid {victim.pid}) exited unexpectedly" in str(died)
-            keys = [k for batch in queued for k in batch["__key__"]]
-            assert sorted(keys) == sorted(f"k{i}" for i in range(64))
-            assert pool._workers[1].process.pid != victim.pid
-        finally:
-            pool.close()
-            dataset.close()
+            next(current)  # worker 1's batch: read if it was written before the kill, else an error
+        except RuntimeError as died:
+            assert f"pid {victim.pid}) exited unexpectedly" in str(died)
+        keys = [k for batch in queued for k in batch["__key__"]]
+        assert sorted(keys) == sorted(f"k{i}" for i in range(64))
+        assert pool._workers[1].process.pid != victim.pid
 
 
 def test_a_released_epoch_is_unmapped_by_every_worker_before_its_pin_goes(tmp_path: Path) -> None:
@@ -216,42 +222,22 @@ def pairs(samples: list[dict[str, Any]]) -> Pair:
 def test_a_pool_whose_memory_is_full_sends_batches_whole_instead(tmp_path: Path) -> None:
     """A caller that keeps more batches than the workers' shared memory holds still gets every one, intact."""
     root = build_cache(tmp_path / "c", 64, nbytes=4096)
-    from cachefeed._cache.snapshots import Snapshot
-
-    with Snapshot.create(root, "s") as snapshot:
-        dataset = SnapshotDataset.from_snapshot(snapshot)
-        pool = WorkerPool(1, collate_fn=None, arena_bytes=64 << 10)  # room for about two batches of 8 x 4 KiB
-        try:
-            batches = [np.arange(i, i + 8) for i in range(0, 64, 8)]
-            held = list(pool.open_pass(pool.new_key(), dataset, batches))
-            assert len(held) == 8
-            for batch in held:
-                for row, key in enumerate(batch["__key__"]):
-                    check_sample({"__key__": key, "data": batch["data"][row], "n": batch["n"][row]})
-        finally:
-            pool.close()
-            dataset.close()
+    with pool_over(root, 1, arena_bytes=64 << 10) as (_snapshot, dataset, pool):  # room for 2 batches of 8 x 4 KiB
+        held = list(pool.open_pass(pool.new_key(), dataset, EIGHTS))
+        assert len(held) == 8
+        for batch in held:
+            check_batch(batch)
 
 
 def test_a_batch_shape_first_seen_in_a_dropped_batch_is_still_known_to_later_batches(tmp_path: Path) -> None:
     """A worker sends each batch layout's skeleton once, with the first batch of that shape; when that batch belongs
     to a pass that was abandoned (and is dropped unread), later batches naming the skeleton still build."""
-    root = build_cache(tmp_path / "c", 64)
-    from cachefeed._cache.snapshots import Snapshot
-
-    with Snapshot.create(root, "s") as snapshot:
-        dataset = SnapshotDataset.from_snapshot(snapshot)
-        pool = WorkerPool(2, collate_fn=None, prefetch_factor=2)
-        try:
-            batches = [np.arange(i, i + 8) for i in range(0, 64, 8)]
-            key = pool.new_key()
-            abandoned = pool.open_pass(key, dataset, batches)
-            next(abandoned)  # worker 0's first batch; worker 1's first (its skeleton) is in flight
-            keys = [k for batch in pool.open_pass(key, dataset, batches) for k in batch["__key__"]]
-            assert sorted(keys) == sorted(f"k{i}" for i in range(64))
-        finally:
-            pool.close()
-            dataset.close()
+    with pool_over(build_cache(tmp_path / "c", 64), 2, prefetch_factor=2) as (_snapshot, dataset, pool):
+        key = pool.new_key()
+        abandoned = pool.open_pass(key, dataset, EIGHTS)
+        next(abandoned)  # worker 0's first batch; worker 1's first (its skeleton) is in flight
+        keys = [k for batch in pool.open_pass(key, dataset, EIGHTS) for k in batch["__key__"]]
+        assert sorted(keys) == sorted(f"k{i}" for i in range(64))
 
 
 def test_default_collation_in_place_matches_default_collate() -> None:
@@ -337,22 +323,14 @@ def test_a_corrupt_record_among_large_samples_is_skipped_and_the_batch_is_one_ro
     from tests.trainer.test_dataset import corrupt_record
 
     root = build_cache(tmp_path / "c", 64, nbytes=32 << 10, segment_bytes=512 << 10)
-    from cachefeed._cache.snapshots import Snapshot
-
-    with Snapshot.create(root, "s") as snapshot:
-        dataset = SnapshotDataset.from_snapshot(snapshot)
+    with pool_over(root, 2) as (snapshot, dataset, pool):
         segment, record = (int(x[0]) for x in dataset.locate([21]))
         corrupt_record(snapshot.paths[segment], record)
-        pool = WorkerPool(2, collate_fn=None)
-        try:
-            batches = list(pool.open_pass(pool.new_key(), dataset, [np.arange(i, i + 8) for i in range(0, 64, 8)]))
-            assert [len(batch["__key__"]) for batch in batches] == [8, 8, 7, 8, 8, 8, 8, 8]
-            keys = [key for batch in batches for key in check_batch(batch)]
-            assert sorted(keys) == sorted(f"k{i}" for i in range(64) if i != 21)
-            assert dataset.skipped == 1
-        finally:
-            pool.close()
-            dataset.close()
+        batches = list(pool.open_pass(pool.new_key(), dataset, EIGHTS))
+        assert [len(batch["__key__"]) for batch in batches] == [8, 8, 7, 8, 8, 8, 8, 8]
+        keys = [key for batch in batches for key in check_batch(batch)]
+        assert sorted(keys) == sorted(f"k{i}" for i in range(64) if i != 21)
+        assert dataset.skipped == 1
 
 
 def test_regions_go_back_and_merge() -> None:
