@@ -42,11 +42,15 @@ class _Counters:
         self._bytes_out: dict[str, int] = {}
         self._bytes_in = 0
 
-    def add(self, kind: str, bytes_out: int, bytes_in: int) -> None:
+    def add_request(self, kind: str, bytes_in: int) -> None:
         with self._lock:
             self._requests[kind] = self._requests.get(kind, 0) + 1
-            self._bytes_out[kind] = self._bytes_out.get(kind, 0) + bytes_out
+            self._bytes_out.setdefault(kind, 0)
             self._bytes_in += bytes_in
+
+    def add_bytes_out(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes_out[kind] += nbytes
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -93,16 +97,17 @@ class CountingMiddleware:
         return self._count(kind, bytes_in, self.app(environ, start_response))
 
     def _count(self, kind: str, bytes_in: int, body: Iterable[bytes]) -> Iterator[bytes]:
-        sent = 0
+        """Each request and each chunk is counted *before* it is sent: a client that has its response may read the
+        counters at once, and finds it counted (counted after the send, it could be missing)."""
+        self.counters.add_request(kind, bytes_in)
         try:
             for chunk in body:
-                sent += len(chunk)
+                self.counters.add_bytes_out(kind, len(chunk))
                 yield chunk
         finally:
             close = getattr(body, "close", None)
             if callable(close):
                 close()
-            self.counters.add(kind, sent, bytes_in)
 
 
 def main(argv: list[str] | None = None) -> None:

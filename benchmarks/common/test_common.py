@@ -1,4 +1,4 @@
-"""Tests of the shared harness (no peer library needed): ``.bench-venv/bin/python -m pytest benchmarks/common -q``."""
+"""Tests of the shared harness (no peer library needed): part of the default test run (pyproject's ``testpaths``)."""
 
 from __future__ import annotations
 
