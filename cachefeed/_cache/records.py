@@ -75,6 +75,9 @@ changes only that process's copy, never the file. A compressed record is decompr
 Part of the cache layer (``cachefeed/_cache/``): the store, the writer and the snapshots use it, and the trainer and
 the daemon read segments through it. It imports nothing of the config, the daemon or the trainer, and torch only
 through ``descriptors.py``, when a sample holds a tensor.
+
+Why one long module: it is the segment format, both sides of it (``SegmentWriter`` and ``SegmentReader`` must agree
+byte for byte, and are read together); what a record's fields become is ``descriptors.py``'s part.
 """
 
 from __future__ import annotations
