@@ -15,6 +15,7 @@ copied into the region as soon as it is read).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -193,7 +194,7 @@ class RowCollator:
         large = False
         for key, value in first.items():
             if isinstance(value, torch.Tensor):
-                if value.layout != torch.strided or not value.is_contiguous() or value.dtype not in _NUMPY:
+                if value.layout != torch.strided or not value.is_contiguous() or _numpy_dtype(value.dtype) is None:
                     return None
                 row_bytes = value.numel() * value.element_size()
                 large = large or row_bytes >= ROW_COPY_BYTES
@@ -215,7 +216,7 @@ class RowCollator:
         cursor = 0
         for key, kind, field_dtype, shape, size in specs:
             rows_of: Any = (
-                [] if field_dtype is None else np.ndarray((rows, *shape), _NUMPY[field_dtype], region, cursor)
+                [] if field_dtype is None else np.ndarray((rows, *shape), _numpy_dtype(field_dtype), region, cursor)
             )
             fields.append(_Field(key, kind, field_dtype, shape, rows_of, cursor))
             cursor += size
@@ -281,15 +282,14 @@ class _Field(NamedTuple):
     offset: int
 
 
-def _numpy_dtypes() -> dict[torch.dtype, np.dtype[Any]]:
-    found = {}
-    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-                  torch.float64, torch.bool, torch.complex64, torch.complex128):  # fmt: skip
-        found[dtype] = torch.empty((), dtype=dtype).numpy().dtype
-    return found
-
-
-_NUMPY = _numpy_dtypes()  # torch dtypes with a numpy twin (rows are copied through numpy: less per-call overhead)
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """The numpy twin of a torch dtype, or None where numpy has none (bfloat16, ...): arrays over a region are
+    built, and rows copied, through numpy (less per-call overhead than torch's dispatcher)."""
+    try:
+        return torch.empty((), dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
 
 
 def _materialize(tree: Any) -> Any:
@@ -347,9 +347,8 @@ def compile_skeleton(skeleton: Any) -> Builder:
 
 def _slot_builder(slot: Slot) -> Builder:
     offset, nbytes, dtype, shape = slot
-    try:
-        np_dtype = torch.empty((), dtype=dtype).numpy().dtype
-    except TypeError:  # a dtype numpy has no equivalent for (bfloat16, ...): view the bytes through torch
+    np_dtype = _numpy_dtype(dtype)
+    if np_dtype is None:  # a dtype numpy has no equivalent for (bfloat16, ...): view the bytes through torch
         return lambda region, _leaves: torch.from_numpy(region[offset : offset + nbytes]).view(dtype).view(shape)
     return lambda region, _leaves: torch.from_numpy(np.ndarray(shape, np_dtype, region, offset))
 

@@ -468,10 +468,7 @@ class WorkerPool:
                 if owing.started and owing.order == self._reading:
                     owing.failed = _died(worker)
                     continue
-                owing.order = next(self._orders)
-                owing.sent = owing.received
-                if owing not in self._passes:
-                    self._passes.append(owing)
+                self._deal_anew(owing)
             worker.tasks.close()
             worker.results.close()
             self._workers[index] = self._spawn(index)
@@ -546,6 +543,14 @@ class WorkerPool:
             return False  # a dead worker: the reader finds out from its sentinel
         return True
 
+    def _deal_anew(self, again: Pass) -> None:
+        """Queue ``again`` to be dealt from its first unread batch under a new order (under the lock): what is still
+        in flight for it under its old order is dropped when it arrives."""
+        again.order = next(self._orders)
+        again.sent = again.received
+        if again not in self._passes:
+            self._passes.append(again)
+
     def _deal(self) -> None:
         """Deal queued batches round robin while the next worker has room (under the lock)."""
         passes = self._passes
@@ -582,9 +587,7 @@ class WorkerPool:
                 if reading.failed is not None:
                     raise reading.failed
                 if reading.order < self._reading:  # a later pass was read meanwhile: deal the rest of this one anew
-                    reading.order = next(self._orders)
-                    reading.sent = reading.received
-                    self._passes.append(reading)
+                    self._deal_anew(reading)
                 self._reading = reading.order
                 self._deal()
                 if reading.received >= len(reading.batches) or not self._inflight:
