@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from cachefeed._testing.daemon import DaemonProcess, start_daemon
 from cachefeed._testing.samples import payload
 from cachefeed._trainer.partition import source_shares, weighted_order
 
-# name -> (id, weight, objects). The curated set (2,000 samples) is smaller than its 30% of the cache (~2,400 of
-# ~8,000 samples): the daemon caches all of it and every epoch upsamples it; the crawl (10,000) must be evicted.
+# name -> (id, weight, objects). The curated set (1,000 samples) is smaller than its 30% of the cache (~1,600 of
+# ~5,300 samples): the daemon caches all of it and every epoch upsamples it; the crawl (10,000) must be evicted.
 SOURCES = {"crawl": (0, 0.7, 200), "curated": (1, 0.3, 20)}
 PER_OBJECT = 50
 NBYTES = 320  # the 4 MiB budget below holds some 5,300 of the 11,000 samples: it must evict
@@ -165,6 +166,44 @@ def test_eviction_takes_from_the_source_above_its_share_and_spares_the_one_below
     writer.flush()
     assert store.counters.evicted_segments > 0
     assert store.samples_by_source()[small] == 100, "the source below its share lost nothing"
+    store.close()
+
+
+def test_a_source_below_its_share_is_spared_even_when_only_its_segments_were_read(tmp_path: Path) -> None:
+    """The trainers read the small source; the large one, above its share, is unread: ingest waits for reads
+    rather than evict the small source (which is what a full cache after a job's last epoch looks like)."""
+    from cachefeed._cache.snapshots import Snapshot
+    from cachefeed._cache.store import CacheStore
+    from cachefeed._cache.writer import CacheWriter, WriterStopped
+    from cachefeed._testing.samples import make_sample
+    from tests.support.cache_helpers import cache_config
+
+    small, large = source_tag("small"), source_tag("large")
+    root = tmp_path / "cache"
+    store = CacheStore(
+        cache_config(root, max_bytes=4 << 20, segment_bytes=64 << 10, turnover_bytes=1 << 20, evict_after_reads=1)
+    )
+    store.source_weights = {small: 0.5, large: 0.5}
+    writer = CacheWriter(store, segment_bytes=64 << 10, fsync=False)
+    writer.source = small
+    for n in range(100):
+        writer.add(make_sample(f"s{n}", 4000))
+    writer.flush()
+    snapshot = Snapshot.create(root, "job-e000000")  # an epoch reads (only) the small source
+    snapshot.mark_read()
+    snapshot.release()
+    stop = threading.Event()
+    writer = CacheWriter(
+        store, segment_bytes=64 << 10, fsync=False, poll_s=0.001, stop=stop, on_wait=lambda _s: stop.set()
+    )
+    writer.source = large
+    with pytest.raises(WriterStopped):
+        for n in range(100_000):  # far more than the budget: the writer must come to wait
+            writer.add(make_sample(f"l{n}", 4000))
+    writer.abort()
+    assert store.samples_by_source()[large] > 100, "the large source is above its share"
+    assert store.samples_by_source()[small] == 100, "its read segments were the only evictable ones, and stayed"
+    assert store.counters.evicted_segments == 0 and store.usage().is_paced
     store.close()
 
 

@@ -53,8 +53,10 @@ Two rules keep the cache turning over while trainers pin it:
 
 Weighted sources (``source_weights``, from the daemon's ``[[source]]`` tables; segments carry a source tag): among
 the evictable segments, a victim is taken from the source furthest *above* its share of the published samples, and
-only then by the policy's order within that source, so a source below its share (one smaller than its share of the
-budget, or one that fell behind) keeps what it has. With one source this changes nothing.
+only then by the policy's order within that source. A source at or below its share (one smaller than its share of
+the budget, or one that fell behind) keeps what it has even when it alone has evictable segments: rule (B) then
+paces ingest until trainers read the others. Only the free-space floor of rule (A), a filesystem running out, takes
+from such a source. With one source this changes nothing.
 
 Why one long module: the budget is one concept. Every rule above (the hard bound, turnover, read-gated eviction,
 weighted sources, recovery) decides on the same counts, owned by one object on one thread; split, each
@@ -480,7 +482,8 @@ class CacheStore:
                 candidates = self._evictable(unpinned=True)
             if not candidates:
                 return False
-            victim = self._choose(candidates)
+            victim = self._choose(candidates, spare_below_share=False)
+            assert victim is not None
             candidates.remove(victim)
             if self._is_pinned_now(victim):
                 self._pinned_published.add(victim)  # pinned since the last scan: evicting it frees nothing
@@ -501,21 +504,29 @@ class CacheStore:
         while self.published_bytes + self.reserved_bytes + need > self._published_target():
             if candidates is None:
                 candidates = self._evictable()
-            if not candidates:
+            victim = self._choose(candidates) if candidates else None
+            if victim is None:
                 return False
-            victim = self._choose(candidates)
             candidates.remove(victim)
             self._evict(victim)
         return True
 
-    def _choose(self, candidates: list[int]) -> int:
-        """The next victim among ``candidates``: the policy's, within the source most above its share."""
+    def _choose(self, candidates: list[int], *, spare_below_share: bool = True) -> int | None:
+        """The next victim among ``candidates`` (not empty): the policy's, within the source most above its share.
+
+        None when every candidate's source is at or below its share and ``spare_below_share`` (see "Weighted
+        sources"): the caller waits rather than take from a source that is short already."""
         weights = self.source_weights
         if weights:
             by_tag = self._samples_by_tag
             total = sum(by_tag.values())
-            tags = {self._published[seq].source for seq in candidates}
-            worst = max(sorted(tags), key=lambda tag: by_tag.get(tag, 0) - weights.get(tag, 0.0) * total)
+            excess = {
+                tag: by_tag.get(tag, 0) - weights.get(tag, 0.0) * total
+                for tag in {self._published[seq].source for seq in candidates}
+            }
+            worst = max(sorted(excess), key=excess.__getitem__)
+            if spare_below_share and excess[worst] <= 0:
+                return None
             candidates = [seq for seq in candidates if self._published[seq].source == worst]
         return self.policy.choose(candidates, self._epoch_reads)
 
