@@ -207,6 +207,42 @@ def test_a_source_below_its_share_is_spared_even_when_only_its_segments_were_rea
     store.close()
 
 
+def test_one_weighted_source_is_at_its_share_and_turns_over_once_read(tmp_path: Path) -> None:
+    """A daemon with one source weighs it 1.0: always exactly at its share, never spared (the cache turns over)."""
+    from cachefeed._cache.snapshots import Snapshot
+    from cachefeed._cache.store import CacheStore
+    from cachefeed._cache.writer import CacheWriter, WriterStopped
+    from cachefeed._testing.samples import make_sample
+    from tests.support.cache_helpers import cache_config
+
+    only = source_tag("only")
+    root = tmp_path / "cache"
+    store = CacheStore(
+        cache_config(root, max_bytes=4 << 20, segment_bytes=64 << 10, turnover_bytes=1 << 20, evict_after_reads=1)
+    )
+    store.source_weights = {only: 1.0}
+    writer = CacheWriter(store, segment_bytes=64 << 10, fsync=False)
+    writer.source = only
+    for n in range(300):
+        writer.add(make_sample(f"a{n}", 4000))
+    writer.flush()
+    snapshot = Snapshot.create(root, "job-e000000")
+    snapshot.mark_read()
+    snapshot.release()
+    stop = threading.Event()
+    writer = CacheWriter(
+        store, segment_bytes=64 << 10, fsync=False, poll_s=0.001, stop=stop, on_wait=lambda _s: stop.set()
+    )
+    writer.source = only
+    with pytest.raises(WriterStopped):
+        for n in range(100_000):  # more than the budget: the read segments make room, then ingest waits
+            writer.add(make_sample(f"b{n}", 4000))
+    writer.abort()
+    assert store.counters.evicted_segments > 0, "the read segments were evicted"
+    assert store.counters.evicted_unread_samples == 0
+    store.close()
+
+
 # -- end to end --------------------------------------------------------------------------------------------------
 
 

@@ -53,8 +53,8 @@ Two rules keep the cache turning over while trainers pin it:
 
 Weighted sources (``source_weights``, from the daemon's ``[[source]]`` tables; segments carry a source tag): among
 the evictable segments, a victim is taken from the source furthest *above* its share of the published samples, and
-only then by the policy's order within that source. A source at or below its share (one smaller than its share of
-the budget, or one that fell behind) keeps what it has even when it alone has evictable segments: rule (B) then
+only then by the policy's order within that source. A source below its share (one smaller than its share of the
+budget, or one that fell behind) keeps what it has even when it alone has evictable segments: rule (B) then
 paces ingest until trainers read the others. Only the free-space floor of rule (A), a filesystem running out, takes
 from such a source. With one source this changes nothing.
 
@@ -514,8 +514,8 @@ class CacheStore:
     def _choose(self, candidates: list[int], *, spare_below_share: bool = True) -> int | None:
         """The next victim among ``candidates`` (not empty): the policy's, within the source most above its share.
 
-        None when every candidate's source is at or below its share and ``spare_below_share`` (see "Weighted
-        sources"): the caller waits rather than take from a source that is short already."""
+        None when every candidate's source is below its share and ``spare_below_share`` (see "Weighted sources"):
+        the caller waits rather than take from a source that is short already."""
         weights = self.source_weights
         if weights:
             by_tag = self._samples_by_tag
@@ -525,7 +525,7 @@ class CacheStore:
                 for tag in {self._published[seq].source for seq in candidates}
             }
             worst = max(sorted(excess), key=excess.__getitem__)
-            if spare_below_share and excess[worst] <= 0:
+            if spare_below_share and excess[worst] < -1e-9 * total:  # below, not at (one source is always at)
                 return None
             candidates = [seq for seq in candidates if self._published[seq].source == worst]
         return self.policy.choose(candidates, self._epoch_reads)
