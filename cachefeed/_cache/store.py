@@ -103,6 +103,23 @@ _PIN_RESCAN_S = 0.5
 _SWEEP_INTERVAL_S = 1.0
 
 
+_HOLDER_WAIT_S = 1.0
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds the cache's lock, from the lock file: the holder writes itself there just after taking the lock,
+    so a daemon that lost a race by microseconds may read it half written; it reads again for up to a second."""
+    deadline = time.monotonic() + _HOLDER_WAIT_S
+    while True:
+        try:
+            who = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+            return f"pid {who['pid']} on host {who['host']} (since {who['since']})"
+        except (ValueError, KeyError, TypeError):
+            if time.monotonic() > deadline:
+                return "another process"
+            time.sleep(0.01)
+
+
 def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
     return -(-n // unit) * unit
 
@@ -221,20 +238,16 @@ class CacheStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            name = _lock_holder(fd)
             os.close(fd)
-            try:
-                who = json.loads(holder)
-                name = f"pid {who['pid']} on host {who['host']} (since {who['since']})"
-            except (ValueError, KeyError, TypeError):
-                name = "another process"
             raise CacheLockedError(
                 f"cache dir {self.layout.root} is in use by {name}: stop that daemon first, "
                 "or give this one another cache.dir"
             ) from None
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        text = json.dumps(me).encode()
+        os.pwrite(fd, text, 0)
+        os.ftruncate(fd, len(text))
         return fd
 
     @property

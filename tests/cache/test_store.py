@@ -55,6 +55,29 @@ def test_a_second_writer_is_refused_at_once_naming_the_first(tmp_path: Path) -> 
     again.close()
 
 
+def test_a_daemon_that_loses_the_race_by_microseconds_still_names_the_winner(tmp_path: Path) -> None:
+    """The winner takes the lock, then writes itself into the lock file: a loser reading in between waits for it."""
+    import fcntl
+    import threading
+
+    from cachefeed._errors import CacheLockedError
+
+    config = cache_config(tmp_path / "c")
+    CacheStore(config).close()  # the directory exists, unlocked
+    lock = CacheLayout(config.dir).lock_file
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the winner holds the lock ...
+    os.ftruncate(fd, 0)  # ... and has not written itself yet
+    late = threading.Timer(0.2, lambda: os.pwrite(fd, b'{"pid": 4242, "host": "h", "since": "now"}', 0))
+    late.start()
+    try:
+        with pytest.raises(CacheLockedError, match="in use by pid 4242 on host h"):
+            CacheStore(config)
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def test_fifo_eviction_keeps_the_newest_samples_within_budget(tmp_path: Path) -> None:
     store = CacheStore(cache_config(tmp_path / "c", max_bytes=8 << 20, segment_bytes=256 << 10))
     fill(store, range(5000))
