@@ -82,11 +82,14 @@ def test_a_slow_trainer_reads_everything_the_daemon_downloads(
                 assert batch["data"].shape[1:] == (OBJECT_BYTES,)
                 time.sleep(0.01)  # a training step: slower than the remote here
             read_samples += factory.stats(epoch).samples
+    # The epochs may end before the cache is full (a slow remote, a loaded machine): the daemon then fills it,
+    # and turns over only what was read.
     doc = proc.wait_status(
-        lambda d: d["cache"]["epochs_total"] >= epochs, timeout_s=30, what="every epoch's read receipt applied"
+        lambda d: d["cache"]["epochs_total"] >= epochs and d["evicted"]["segments_total"] > 0,
+        timeout_s=60,
+        what="every epoch's read receipt applied, and the read segments turned over",
     )
     assert doc["cache"]["epochs_total"] == epochs, "every epoch is counted, once"
-    assert doc["evicted"]["segments_total"] > 0, "the cache turned over"
     assert doc["evicted"]["unread_samples_total"] == 0, "nothing downloaded was evicted unread"
     assert doc["evicted"]["epochs_per_sample"] >= 1.0
     downloaded = doc["remote"]["bytes_total"]
