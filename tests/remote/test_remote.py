@@ -311,11 +311,11 @@ def test_read_timeout_is_transient_and_retried(
     put(s3, "slow.npy", b"eventually")
     remote = make_remote(read_timeout_s=0.2)
     (obj,) = remote.list_objects()
-    proxy.set_rules([Rule("latency", delay_s=5.0, method="GET", key="slow", max_count=1)])
+    proxy.set_rules([Rule("latency", delay_s=30.0, method="GET", key="slow", max_count=1)])
 
     started = time.monotonic()
     assert fetch_one(remote, obj) == b"eventually"
-    assert time.monotonic() - started < 4.0  # the timeout fired, the 5 s reply was not awaited
+    assert time.monotonic() - started < 15.0  # the timeout fired, the 30 s reply was not awaited (loose: CI is busy)
     assert remote.stats.retries_total == 1
 
 
