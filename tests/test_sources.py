@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from cachefeed._cache.sources import read_sources, source_tag
+from cachefeed._cache.store import CacheStore
 from cachefeed._codecs import msgpack_default
 from cachefeed._config import parse_config, toml_text
 from cachefeed._errors import ConfigError
@@ -145,7 +146,6 @@ def test_source_tables_are_checked_key_by_key(tmp_path: Path) -> None:
 
 
 def test_eviction_takes_from_the_source_above_its_share_and_spares_the_one_below(tmp_path: Path) -> None:
-    from cachefeed._cache.store import CacheStore
     from cachefeed._cache.writer import CacheWriter
     from cachefeed._testing.samples import make_sample
     from tests.support.cache_helpers import cache_config
@@ -169,38 +169,42 @@ def test_eviction_takes_from_the_source_above_its_share_and_spares_the_one_below
     store.close()
 
 
-def test_a_source_below_its_share_is_spared_even_when_only_its_segments_were_read(tmp_path: Path) -> None:
-    """The trainers read the small source; the large one, above its share, is unread: ingest waits for reads
-    rather than evict the small source (which is what a full cache after a job's last epoch looks like)."""
+def read_epoch_then_fill(root: Path, weights: dict[int, float], first: tuple[int, int], then: int) -> CacheStore:
+    """A paced store (``evict_after_reads = 1``) with ``weights``: ``first = (tag, samples)`` written and read by
+    one epoch, then samples of source ``then`` written until the writer has to wait; the store, open."""
     from cachefeed._cache.snapshots import Snapshot
-    from cachefeed._cache.store import CacheStore
     from cachefeed._cache.writer import CacheWriter, WriterStopped
     from cachefeed._testing.samples import make_sample
     from tests.support.cache_helpers import cache_config
 
-    small, large = source_tag("small"), source_tag("large")
-    root = tmp_path / "cache"
     store = CacheStore(
         cache_config(root, max_bytes=4 << 20, segment_bytes=64 << 10, turnover_bytes=1 << 20, evict_after_reads=1)
     )
-    store.source_weights = {small: 0.5, large: 0.5}
-    writer = CacheWriter(store, segment_bytes=64 << 10, fsync=False)
-    writer.source = small
-    for n in range(100):
-        writer.add(make_sample(f"s{n}", 4000))
-    writer.flush()
-    snapshot = Snapshot.create(root, "job-e000000")  # an epoch reads (only) the small source
-    snapshot.mark_read()
-    snapshot.release()
+    store.source_weights = weights
     stop = threading.Event()
     writer = CacheWriter(
         store, segment_bytes=64 << 10, fsync=False, poll_s=0.001, stop=stop, on_wait=lambda _s: stop.set()
     )
-    writer.source = large
+    writer.source, count = first
+    for n in range(count):
+        writer.add(make_sample(f"a{n}", 4000))
+    writer.flush()
+    snapshot = Snapshot.create(root, "job-e000000")  # an epoch reads what is cached so far
+    snapshot.mark_read()
+    snapshot.release()
+    writer.source = then
     with pytest.raises(WriterStopped):
         for n in range(100_000):  # far more than the budget: the writer must come to wait
-            writer.add(make_sample(f"l{n}", 4000))
+            writer.add(make_sample(f"b{n}", 4000))
     writer.abort()
+    return store
+
+
+def test_a_source_below_its_share_is_spared_even_when_only_its_segments_were_read(tmp_path: Path) -> None:
+    """The trainers read the small source; the large one, above its share, is unread: ingest waits for reads
+    rather than evict the small source (which is what a full cache after a job's last epoch looks like)."""
+    small, large = source_tag("small"), source_tag("large")
+    store = read_epoch_then_fill(tmp_path / "cache", {small: 0.5, large: 0.5}, (small, 100), large)
     assert store.samples_by_source()[large] > 100, "the large source is above its share"
     assert store.samples_by_source()[small] == 100, "its read segments were the only evictable ones, and stayed"
     assert store.counters.evicted_segments == 0 and store.usage().is_paced
@@ -209,35 +213,8 @@ def test_a_source_below_its_share_is_spared_even_when_only_its_segments_were_rea
 
 def test_one_weighted_source_is_at_its_share_and_turns_over_once_read(tmp_path: Path) -> None:
     """A daemon with one source weighs it 1.0: always exactly at its share, never spared (the cache turns over)."""
-    from cachefeed._cache.snapshots import Snapshot
-    from cachefeed._cache.store import CacheStore
-    from cachefeed._cache.writer import CacheWriter, WriterStopped
-    from cachefeed._testing.samples import make_sample
-    from tests.support.cache_helpers import cache_config
-
     only = source_tag("only")
-    root = tmp_path / "cache"
-    store = CacheStore(
-        cache_config(root, max_bytes=4 << 20, segment_bytes=64 << 10, turnover_bytes=1 << 20, evict_after_reads=1)
-    )
-    store.source_weights = {only: 1.0}
-    writer = CacheWriter(store, segment_bytes=64 << 10, fsync=False)
-    writer.source = only
-    for n in range(300):
-        writer.add(make_sample(f"a{n}", 4000))
-    writer.flush()
-    snapshot = Snapshot.create(root, "job-e000000")
-    snapshot.mark_read()
-    snapshot.release()
-    stop = threading.Event()
-    writer = CacheWriter(
-        store, segment_bytes=64 << 10, fsync=False, poll_s=0.001, stop=stop, on_wait=lambda _s: stop.set()
-    )
-    writer.source = only
-    with pytest.raises(WriterStopped):
-        for n in range(100_000):  # more than the budget: the read segments make room, then ingest waits
-            writer.add(make_sample(f"b{n}", 4000))
-    writer.abort()
+    store = read_epoch_then_fill(tmp_path / "cache", {only: 1.0}, (only, 300), only)
     assert store.counters.evicted_segments > 0, "the read segments were evicted"
     assert store.counters.evicted_unread_samples == 0
     store.close()
