@@ -101,9 +101,7 @@ log = get_logger(__name__)
 PAGE_BYTES = 4096
 _PIN_RESCAN_S = 0.5
 _SWEEP_INTERVAL_S = 1.0
-
-
-_HOLDER_WAIT_S = 1.0
+_HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
 
 
 def _lock_holder(fd: int) -> str:
@@ -454,8 +452,8 @@ class CacheStore:
             if not self._evict_for_turnover(need):
                 if not self._is_paced:
                     log.info(
-                        "cache full of samples trainers have not read yet: fetching waits for them "
-                        "(cache.evict_after_reads = %d)",
+                        "cache full of samples trainers have not read yet (or of sources below their share): "
+                        "fetching waits for reads (cache.evict_after_reads = %d)",
                         self.config.evict_after_reads,
                     )
                 self._is_paced = True
@@ -496,7 +494,8 @@ class CacheStore:
             if not candidates:
                 return False
             victim = self._choose(candidates, spare_below_share=False)
-            assert victim is not None
+            if victim is None:  # never with spare_below_share=False; for the type checker
+                return False
             candidates.remove(victim)
             if self._is_pinned_now(victim):
                 self._pinned_published.add(victim)  # pinned since the last scan: evicting it frees nothing
