@@ -5,16 +5,31 @@
 For each sample size (4 KiB, 128 KiB, 2 MiB) it builds a cache of about ``--mib`` MiB on tmpfs, then measures, in
 payload bytes per second (the same numerator everywhere):
 
-* ``raw read``: every segment file read sequentially with ``readinto`` into one reused buffer (one copy out of
-  the page cache: the ceiling for anything that reads these bytes once);
+* ``raw read``: every segment file read sequentially with ``readinto`` into one reused, page-aligned buffer (one
+  copy out of the page cache: the ceiling for anything that reads these bytes once; ``common/rawread.py``);
 * ``dataset``: ``SnapshotDataset.__getitems__`` over shuffled batches: zero-copy views of fresh memory maps (page
   faults paid, as in a new epoch), every record's xxh3 checksum verified (so every byte is read once);
 * ``dataset+collate``: the same plus ``default_collate`` (stacking the batch: one copy, what a DataLoader worker does);
 * ``DataLoader``: ``EpochLoaderFactory`` with ``--workers`` fork workers, batches consumed by the main process,
   timed from the first batch to the last (steady state; the handover is ``benchmarks/handover.py``'s subject).
 
-Each figure is the median of ``--repeats`` runs; ratios are against the raw read. Writes
+Each figure is the median of ``--repeats`` runs, the columns measured in turn within each run (so a neighbour's load
+on a shared host weighs on all of them alike); ratios are against the raw read. Writes
 ``benchmarks/results/read_throughput.json`` (``--no-save`` to skip), which the README's table is rendered from.
+
+Where a worker's time goes at 128 KiB (one-off profiles, 2026-11-24, 2 shared CPUs, AMD EPYC, Python 3.11.7; a
+256 MiB cache on /dev/shm, batches of 32, one process, the batch's destination reused):
+
+* the floor, the reader's ``read(verify=True)`` and one numpy copy into a batch row: 18.4-19.6 us a sample (apart:
+  the xxh3 pass 10.5 us, the copy 10.1, the reader's Python 5.3; right after the checksum the copy reads the
+  record from the CPU's cache);
+* the worker's path at d09aac5 (``iter_items`` yielding tensors, ``RowCollator`` turning each back into an array,
+  with its checks): 29.0-29.1 us; with the reader's arrays copied as they are (``iter_items(tensors=False)``,
+  since then): 23.0-24.0 us;
+* with 2 workers on 2 cores (``perf record -a``, 12 epochs): the copy (``memmove``) and the checksum (xxh3) are about
+  half of each worker's time; both slow down when the two workers stream memory at once (a plain hash-and-copy
+  loop over 128 KiB rows, no Python: 22.7 us a row alone, 34.3 us with a second one running), so two workers
+  reach about 1.5x one, not 2x.
 """
 
 from __future__ import annotations
@@ -25,7 +40,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +47,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from benchmarks.common.rawread import read_files
+from benchmarks.common.rawread import read_buffer, read_files
 from benchmarks.common.results import provenance_line, save
 from benchmarks.common.static_cache import write_static_cache
 from cachefeed._cache.layout import CacheLayout
@@ -54,7 +68,7 @@ def build_cache(root: Path, sample_bytes: int, total_bytes: int) -> int:
     return count
 
 
-def raw_read(root: Path, buffer: bytearray) -> float:
+def raw_read(root: Path, buffer: memoryview) -> float:
     """Seconds to read every segment file sequentially (``rawread.read_files``: the same read as the peer harness)."""
     layout = CacheLayout(root)
     paths = [layout.segments / name for name, _info in layout.list_segments()]
@@ -106,10 +120,6 @@ def loader_pass(root: Path, batch: int, workers: int, epochs: int) -> tuple[floa
     return times[0], statistics.median(times[1:])
 
 
-def median(runs: int, measure: Callable[[], float]) -> float:
-    return statistics.median(measure() for _ in range(runs))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/dev/shm", help="a tmpfs directory (default /dev/shm)")
@@ -126,7 +136,7 @@ def main() -> None:
         f"{'loader, 1st epoch':>17} {'later epochs':>16}"
     )
     print(header)
-    buffer = bytearray(8 << 20)
+    buffer = read_buffer(8 << 20)
     rows: list[dict[str, Any]] = []
     for name, sample_bytes, batch in SIZES:
         base = Path(tempfile.mkdtemp(prefix="cachefeed-read-", dir=args.dir))
@@ -135,12 +145,15 @@ def main() -> None:
             count = build_cache(root, sample_bytes, args.mib << 20)
             payload = count * sample_bytes
             raw_read(root, buffer)  # warm-up
-            raw = payload / median(args.repeats, lambda root=root: raw_read(root, buffer))
-            plain = payload / median(args.repeats, lambda r=root, b=batch: dataset_pass(r, b, collate=False))
-            stacked = payload / median(args.repeats, lambda r=root, b=batch: dataset_pass(r, b, collate=True))
-            passes = [loader_pass(root, batch, args.workers, args.epochs) for _ in range(args.repeats)]
-            first = payload / statistics.median(first for first, _later in passes)
-            loader = payload / statistics.median(later for _first, later in passes)
+            runs: dict[str, list[float]] = {"raw": [], "plain": [], "stacked": [], "first": [], "later": []}
+            for _ in range(args.repeats):  # interleaved: a neighbour's load on the host lands on every column alike
+                runs["raw"].append(raw_read(root, buffer))
+                runs["plain"].append(dataset_pass(root, batch, collate=False))
+                runs["stacked"].append(dataset_pass(root, batch, collate=True))
+                first_s, later_s = loader_pass(root, batch, args.workers, args.epochs)
+                runs["first"].append(first_s)
+                runs["later"].append(later_s)
+            raw, plain, stacked, first, loader = (payload / statistics.median(runs[key]) for key in runs)
 
             def cell(rate: float, raw: float = raw) -> str:
                 return f"{rate / 1e9:6.2f} GB/s {rate / raw:4.2f}x"

@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.common.adapter import DataLocation, LoaderSettings, SystemAdapter
 from benchmarks.common.epochs import StopEpochs, run_epochs
-from benchmarks.common.rawread import DEFAULT_BUFFER_BYTES, read_files
+from benchmarks.common.rawread import DEFAULT_BUFFER_BYTES, read_buffer, read_files
 from benchmarks.common.s3server import fetch_stats, list_keys, split_url, stats_delta, upload_dir
 from benchmarks.common.samplers import DiskSampler, tree_bytes
 from benchmarks.common.samples import Workload
@@ -291,10 +291,11 @@ MEASURES: dict[str, Callable[[SystemAdapter, Context, dict[str, Any], Progress],
 def sequential_read(root: Path, chunk_bytes: int = DEFAULT_BUFFER_BYTES) -> dict[str, Any]:
     """Read every file under ``root`` front to back, twice (the first warms the page cache); time the second.
 
-    The read is ``rawread.read_files``: ``readinto`` one reused ``chunk_bytes`` buffer (the storage ceiling).
+    The read is ``rawread.read_files``: ``readinto`` one reused, page-aligned ``chunk_bytes`` buffer (the storage
+    ceiling).
     """
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    buffer = bytearray(chunk_bytes)
+    buffer = read_buffer(chunk_bytes)
     result: dict[str, Any] = {}
     for label in ("cold_or_partly_cached", "warm"):
         started = time.perf_counter()

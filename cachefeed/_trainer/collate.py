@@ -171,11 +171,13 @@ class RowCollator:
 
     For the batches this helps, and only those (``start`` returns None otherwise, and the caller collates the
     usual way): every sample a flat dict with the same keys, a tensor field of at least ``ROW_COPY_BYTES``, every
-    other field a contiguous tensor, a Python number or a string. ``add`` returns False for a sample that breaks
-    the pattern of the first (the caller then releases the region and collates every sample the usual way, with
-    the usual errors). The batch is ``default_collate``'s, as ``collate_into`` builds it: tensors stacked, numbers
-    as int64/float64/bool tensors, strings as lists; with fewer samples than ``rows`` (corrupt records skipped) the
-    tensors have as many rows as samples were added.
+    other field a contiguous tensor, a Python number or a string. A numpy array counts as the tensor
+    ``torch.from_numpy`` makes of it (``SnapshotDataset.iter_items(tensors=False)`` yields the reader's arrays: a
+    worker copies them straight into their rows, without a tensor made per array only to be turned back into an
+    array). ``add`` returns False for a sample that breaks the pattern of the first (the caller then releases the
+    region and collates every sample the usual way, with the usual errors). The batch is ``default_collate``'s, as
+    ``collate_into`` builds it: tensors stacked, numbers as int64/float64/bool tensors, strings as lists; with fewer
+    samples than ``rows`` (corrupt records skipped) the tensors have as many rows as samples were added.
     """
 
     def __init__(self, fields: list[_Field], offset: int, nbytes: int) -> None:
@@ -193,7 +195,13 @@ class RowCollator:
         specs: list[tuple[Any, str, torch.dtype | None, tuple[int, ...], int]] = []
         large = False
         for key, value in first.items():
-            if isinstance(value, torch.Tensor):
+            if type(value) is np.ndarray:
+                field_dtype = _torch_dtype(value.dtype)
+                if field_dtype is None:
+                    return None
+                large = large or value.nbytes >= ROW_COPY_BYTES
+                specs.append((key, "array", field_dtype, value.shape, aligned(rows * value.nbytes)))
+            elif isinstance(value, torch.Tensor):
                 if value.layout != torch.strided or not value.is_contiguous() or _numpy_dtype(value.dtype) is None:
                     return None
                 row_bytes = value.numel() * value.element_size()
@@ -230,7 +238,10 @@ class RowCollator:
             return False
         for field in self._fields:
             value = sample[field.key]
-            if field.kind == "tensor":
+            if field.kind == "array":
+                if not (type(value) is np.ndarray and value.dtype == field.rows.dtype and value.shape == field.shape):
+                    return False
+            elif field.kind == "tensor":
                 if not (
                     isinstance(value, torch.Tensor)
                     and value.dtype == field.dtype
@@ -247,7 +258,9 @@ class RowCollator:
         try:
             for field in self._fields:
                 value = sample[field.key]
-                if field.kind == "tensor":
+                if field.kind == "array":
+                    field.rows[row] = value
+                elif field.kind == "tensor":
                     field.rows[row] = value.numpy()
                 elif field.kind == "number":
                     field.rows[row] = value
@@ -275,7 +288,7 @@ class _Field(NamedTuple):
     """One field of a ``RowCollator``'s batch: its rows in the region (a list for strings) from ``offset``."""
 
     key: Any
-    kind: str  # "tensor", "number" or "text"
+    kind: str  # "array" (numpy, as the reader hands it out), "tensor", "number" or "text"
     dtype: torch.dtype | None
     shape: tuple[int, ...]  # one row's
     rows: Any
@@ -289,6 +302,16 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
     try:
         return torch.empty((), dtype=dtype).numpy().dtype
     except TypeError:
+        return None
+
+
+@functools.cache
+def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype | None:
+    """The torch twin of a numpy dtype, or None where ``torch.from_numpy`` refuses it (strings, objects, a foreign
+    byte order): such arrays stay numpy arrays in a sample (``dataset.as_tensors``), so not a row of a batch."""
+    try:
+        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except (TypeError, ValueError):  # ValueError: the byte order
         return None
 
 

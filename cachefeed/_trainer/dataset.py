@@ -23,11 +23,12 @@ write changes only the writer's private copy of that page, never the cache). Arr
 aligned (64 bytes from 4 KiB, 16 below: ``_cache/records.py``), so every tensor is contiguous.
 
 Per sample, a worker (or, with ``num_workers=0``, the training thread) pays the reader's decode and one
-``torch.from_numpy`` per array, nothing else. A one-off measurement (2026-11-23, 2 shared CPUs, Python 3.11.7,
-torch 2.13.0+cpu: ``python -m benchmarks.record_cost`` from the repository root, median of 20 passes):
-``__getitems__`` of 32 shuffled records of one 128 KiB array each, ``verify=False``, took 0.78-0.82 ms at 1023a54
-(format 3, flags checked per array) and 0.34-0.36 ms since (about 11 us a sample, of which about 5 the reader's
-and 2 ``torch.from_numpy``'s).
+``torch.from_numpy`` per array, nothing else; a worker of the pool collating by default copies the reader's arrays
+into the batch as they are, without the tensors (``iter_items(tensors=False)``). A one-off measurement (2026-11-23,
+2 shared CPUs, Python 3.11.7, torch 2.13.0+cpu: ``python -m benchmarks.record_cost`` from the repository root,
+median of 20 passes): ``__getitems__`` of 32 shuffled records of one 128 KiB array each, ``verify=False``, took
+0.78-0.82 ms at 1023a54 (format 3, flags checked per array) and 0.34-0.36 ms since (about 11 us a sample, of which
+about 5 the reader's and 2 ``torch.from_numpy``'s).
 
 Corrupt records: ``__getitems__`` (the batched path the DataLoader uses) skips a record that fails verification
 (``CorruptRecordError``), logs it and counts it in ``skipped``; the batch then holds *fewer* samples (never a
@@ -56,7 +57,7 @@ from cachefeed._errors import CorruptRecordError, SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._trainer.counters import SlotCounters
 
-__all__ = ["Sample", "SnapshotDataset", "Transform"]
+__all__ = ["Sample", "SnapshotDataset", "Transform", "as_tensors"]
 
 log = get_logger(__name__)
 
@@ -66,6 +67,19 @@ COUNTER_SLOTS = 257
 
 Sample = dict[str, Any]
 Transform = Callable[[Sample], Any]
+
+
+def as_tensors(sample: Sample) -> Sample:
+    """``sample`` (a reader's dict, changed in place) with each numpy array a ``torch.from_numpy`` view: what the
+    dataset hands out. An array torch has no tensor for (strings, objects, a non-native byte order) stays a numpy
+    array."""
+    for name, value in sample.items():
+        if type(value) is np.ndarray:
+            try:
+                sample[name] = torch.from_numpy(value)
+            except (TypeError, ValueError):  # ValueError: the byte order
+                pass
+    return sample
 
 
 class _OpenSegments:
@@ -231,23 +245,20 @@ class SnapshotDataset(Dataset[Any]):
 
     # -- reading -------------------------------------------------------------------------------------------
 
-    def _read(self, reader: SegmentReader, segment: int, record: int) -> Any:
-        """One sample of ``reader`` (segment ``segment``), arrays as tensors. Raises CorruptRecordError.
+    def _read(self, reader: SegmentReader, segment: int, record: int, *, tensors: bool = True) -> Any:
+        """One sample of ``reader`` (segment ``segment``), arrays as tensors (numpy arrays with ``tensors=False`` and
+        no transform). Raises CorruptRecordError.
 
         Paid once per sample, by a worker or (``num_workers=0``) the training thread: kept to the reader's
         decode, one ``torch.from_numpy`` per array and no per-sample checks the reader already guarantees
         (its arrays are writable and C-contiguous, compressed records' too).
         """
         sample = reader.read(record, verify=self.verify)
-        for name, value in sample.items():
-            if type(value) is np.ndarray:
-                try:
-                    sample[name] = torch.from_numpy(value)
-                except TypeError:
-                    pass  # a dtype torch has no tensor for (strings, ...): handed out as the numpy array
         if self._source_names:
             sample[SOURCE_FIELD] = self._source_names[self._source_of[segment]]
-        return self.transform(sample) if self.transform is not None else sample
+        if self.transform is not None:
+            return self.transform(as_tensors(sample))
+        return as_tensors(sample) if tensors else sample
 
     def __getitem__(self, index: int) -> Any:
         """One sample (a dict of tensors and scalars, ``"__key__"`` included). Raises CorruptRecordError."""
@@ -258,9 +269,13 @@ class SnapshotDataset(Dataset[Any]):
         """A batch of samples, corrupt records skipped and counted (see the module docstring)."""
         return list(self.iter_items(indices))
 
-    def iter_items(self, indices: Sequence[int]) -> Iterator[Any]:
+    def iter_items(self, indices: Sequence[int], *, tensors: bool = True) -> Iterator[Any]:
         """``__getitems__`` one sample at a time: each record is read (and verified) when the next is asked for,
-        so a worker can copy it into its batch while its bytes are still in the CPU's cache (``RowCollator``)."""
+        so a worker can copy it into its batch while its bytes are still in the CPU's cache (``RowCollator``).
+
+        ``tensors=False`` (and no transform): arrays stay the reader's numpy arrays, for a caller that copies them
+        into a batch itself and would only turn each tensor back into an array (``as_tensors`` makes the sample
+        ``__getitems__`` would have yielded). With a transform, the transform gets tensors as always."""
         segments, records = self.locate(indices)
         readers = self._readers if self._pid == os.getpid() else {}  # forked: ``_reader`` reopens our own
         for segment, record in zip(segments.tolist(), records.tolist(), strict=True):
@@ -269,7 +284,7 @@ class SnapshotDataset(Dataset[Any]):
                 if reader is None:
                     reader = self._reader(segment)  # a segment failing at open: each of its records is skipped
                     readers = self._readers
-                sample = self._read(reader, segment, record)
+                sample = self._read(reader, segment, record, tensors=tensors)
             except CorruptRecordError as exc:
                 self._count_skip()
                 log.warning("skipping a corrupt record in snapshot %s: %s", self.snap_id, exc)

@@ -86,7 +86,7 @@ from cachefeed._logs import get_logger
 from cachefeed._sched import yield_to_training
 from cachefeed._trainer.arena import ACK_WORD, HEADER_BYTES, Allocator, Arena
 from cachefeed._trainer.collate import Builder, RowCollator, collate_into, compile_skeleton, split
-from cachefeed._trainer.dataset import SnapshotDataset
+from cachefeed._trainer.dataset import SnapshotDataset, as_tensors
 
 __all__ = ["ARENA_BYTES", "EmptyBatch", "Pass", "WorkerPool"]
 
@@ -231,21 +231,28 @@ def _collate_batch(
 ) -> tuple[int, int, Any]:
     """Read a batch and collate it into the arena: ``collate_into``'s ``(offset, nbytes, layout)``, with ``nbytes``
     -1 when every record was skipped. With default collation each sample is copied as soon as it is read
-    (``RowCollator``), unless the batch is not of the shape that helps."""
-    samples = dataset.iter_items(indices)  # type: ignore[arg-type]  # int64 arrays: see partition.py
+    (``RowCollator``), unless the batch is not of the shape that helps; without a transform the reader's numpy
+    arrays are copied as they are (no tensor per array), and turned into tensors only for the usual path."""
+    arrays = collate is None and dataset.transform is None
+    samples = dataset.iter_items(indices, tensors=not arrays)  # type: ignore[arg-type]  # int64: see partition.py
     first = next(samples, None)
     if first is None:
         return -1, -1, None
     collator = RowCollator.start(first, len(indices), allocate) if collate is None else None
     if collator is None:
-        return collate_into([first, *samples], collate, allocate)
+        return collate_into(_tensors([first, *samples], arrays), collate, allocate)
     read = [first]  # kept for the usual path, should a sample not fit the pattern
     for sample in samples:
         read.append(sample)
         if not collator.add(sample):
             release(collator.offset, collator.nbytes)
-            return collate_into([*read, *samples], None, allocate)
+            return collate_into(_tensors([*read, *samples], arrays), None, allocate)
     return collator.offset, collator.nbytes, collator.finish()
+
+
+def _tensors(samples: list[Any], arrays: bool) -> list[Any]:
+    """``samples`` as the dataset hands them out (``as_tensors``) where they were read with their numpy arrays."""
+    return [as_tensors(sample) for sample in samples] if arrays else samples
 
 
 # -- the training process's side ---------------------------------------------------------------------------------

@@ -103,6 +103,24 @@ def test_pickling_carries_the_index_never_open_maps(tmp_path: Path) -> None:
         assert dataset.skipped == 1, "the total survives close"
 
 
+def test_arrays_torch_has_no_tensor_for_are_handed_out_as_numpy_arrays(tmp_path: Path) -> None:
+    """Strings and a non-native byte order: the sample still reads, with those fields as the numpy arrays stored."""
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, segment_bytes=32 << 10))
+    big_endian = np.arange(3, dtype=">i4")
+    names = np.array(["cat", "dog"])
+    with CacheWriter(store, segment_bytes=32 << 10, fsync=False) as writer:
+        writer.add({"__key__": "k0", "data": np.arange(8, dtype=np.uint8), "big": big_endian, "names": names})
+    store.close()
+    with Snapshot.create(root, "t-e000000") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        sample = dataset[0]
+        assert isinstance(sample["data"], torch.Tensor)
+        assert type(sample["big"]) is np.ndarray and sample["big"].dtype == big_endian.dtype
+        assert np.array_equal(sample["big"], big_endian) and np.array_equal(sample["names"], names)
+        dataset.close()
+
+
 def test_the_transform_runs_per_sample(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 10)
     with Snapshot.create(root, "t-e000000") as snapshot:

@@ -50,6 +50,11 @@ def with_pid(sample: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
+def tensors_only(sample: dict[str, Any]) -> dict[str, Any]:
+    assert isinstance(sample["data"], torch.Tensor), type(sample["data"])
+    return sample
+
+
 def fail_on_k7(sample: dict[str, Any]) -> dict[str, Any]:
     if sample["__key__"] == "k7":
         raise ValueError("the user's transform failed on k7")
@@ -302,6 +307,65 @@ def test_samples_copied_one_by_one_as_they_are_read_make_default_collates_batch(
     assert batch["__key__"] == expected["__key__"]
     for name in ("image", "scale", "label", "weight", "flag"):
         assert batch[name].dtype == expected[name].dtype and torch.equal(batch[name], expected[name]), name
+
+
+def test_a_readers_numpy_arrays_are_copied_into_rows_as_the_tensors_torch_would_make_of_them() -> None:
+    """Samples read with their numpy arrays (``iter_items(tensors=False)``) make the batch that default_collate
+    makes of the same samples as tensors; an array torch has no tensor for sends the batch down the usual path."""
+    from torch.utils.data import default_collate
+
+    from cachefeed._trainer.dataset import as_tensors
+
+    def sample(i: int) -> dict[str, Any]:
+        return {
+            "image": np.full((4, 64, 64), i, dtype=np.uint8),
+            "box": np.arange(4, dtype=np.float32) * i,
+            "label": i,
+            "__key__": f"s{i}",
+        }
+
+    arena, _allocator, allocate = _arena_allocator(1 << 20)
+    collator = RowCollator.start(sample(0), 4, allocate)
+    assert collator is not None
+    assert all(collator.add(sample(i)) for i in range(1, 4))
+    batch = place(collator.finish(), arena[collator.offset : collator.offset + collator.nbytes])
+    expected = default_collate([as_tensors(sample(i)) for i in range(4)])
+    assert batch["__key__"] == expected["__key__"]
+    for name in ("image", "box", "label"):
+        assert batch[name].dtype == expected[name].dtype and torch.equal(batch[name], expected[name]), name
+
+    collator = RowCollator.start(sample(0), 4, allocate)
+    assert collator is not None
+    for unlike in (
+        {**sample(1), "image": torch.from_numpy(sample(1)["image"])},  # a tensor where the first had an array
+        {**sample(1), "box": np.arange(4, dtype=np.float64)},  # another dtype
+        {**sample(1), "image": np.zeros((4, 64, 63), dtype=np.uint8)},  # another shape
+    ):
+        assert not collator.add(unlike) and collator.count == 1
+    foreign = {**sample(0), "box": np.arange(4, dtype=">f4")}  # a byte order torch.from_numpy refuses
+    assert RowCollator.start(foreign, 4, allocate) is None
+
+
+def test_large_samples_reach_a_transform_as_tensors_and_the_batch_as_default_collates(tmp_path: Path) -> None:
+    """The worker copies large samples' arrays without making tensors of them only where nothing else sees the
+    sample: a transform still gets tensors, and the batch is the one default_collate makes of the dataset's samples.
+    """
+    from torch.utils.data import default_collate
+
+    root = build_cache(tmp_path / "c", 64, nbytes=32 << 10, segment_bytes=512 << 10)
+    with pool_over(root, 2) as (_snapshot, dataset, pool):
+        batches = list(pool.open_pass(pool.new_key(), dataset, EIGHTS))
+        for indices, batch in zip(EIGHTS, batches, strict=True):
+            expected = default_collate(dataset.__getitems__(indices))
+            assert batch.keys() == expected.keys() and batch["__key__"] == expected["__key__"]
+            for name in ("data", "n"):
+                assert batch[name].dtype == expected[name].dtype and torch.equal(batch[name], expected[name])
+
+    with EpochLoaderFactory(
+        root, batch_size=8, num_workers=2, transform=tensors_only, run_id="t", progress=None
+    ) as factory:
+        keys = [key for batch in factory.loader(0) for key in check_batch(batch)]
+    assert sorted(keys) == sorted(f"k{i}" for i in range(64))
 
 
 def test_a_sample_unlike_the_first_sends_the_batch_down_the_usual_path() -> None:
