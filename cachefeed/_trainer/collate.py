@@ -16,6 +16,7 @@ copied into the region as soon as it is read).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -183,6 +184,12 @@ class RowCollator:
     def __init__(self, fields: list[_Field], offset: int, nbytes: int) -> None:
         self._fields = fields
         self._keys = tuple(field.key for field in fields)
+        # the fields by kind, as ``add`` reads them
+        self._arrays = [(f.key, f.rows, f.shape) for f in fields if f.kind == "array"]
+        self._tensors = [(f.key, f.rows, f.dtype, f.shape) for f in fields if f.kind == "tensor"]
+        self._numbers = [(f.key, f.rows, f.dtype) for f in fields if f.kind == "number"]
+        self._texts = [f.key for f in fields if f.kind == "text"]
+        self._text_rows = [f.rows for f in fields if f.kind == "text"]
         self.offset = offset
         self.nbytes = nbytes
         self.count = 0
@@ -233,42 +240,43 @@ class RowCollator:
         return collator
 
     def add(self, sample: Any) -> bool:
-        """Copy ``sample`` into the next row; False when it does not match the first sample (nothing is counted)."""
+        """Copy ``sample`` into the next row; False when it does not match the first sample (nothing is counted).
+
+        Paid once per sample by a worker, so one pass over the fields of each kind, each row written as soon as its
+        value is checked: after a False the row may hold part of the refused sample, but it is not counted (the next
+        ``add`` writes it again, and a caller given False collates the usual way and drops the collator)."""
         if type(sample) is not dict or tuple(sample) != self._keys:
             return False
-        for field in self._fields:
-            value = sample[field.key]
-            if field.kind == "array":
-                if not (type(value) is np.ndarray and value.dtype == field.rows.dtype and value.shape == field.shape):
+        row = self.count
+        try:
+            for key, rows, shape in self._arrays:
+                value = sample[key]
+                if type(value) is not np.ndarray or value.dtype != rows.dtype or value.shape != shape:
                     return False
-            elif field.kind == "tensor":
+                rows[row] = value
+            for key, rows, dtype, shape in self._tensors:
+                value = sample[key]
                 if not (
                     isinstance(value, torch.Tensor)
-                    and value.dtype == field.dtype
-                    and tuple(value.shape) == field.shape
+                    and value.dtype == dtype
+                    and tuple(value.shape) == shape
                     and value.is_contiguous()
                 ):
                     return False
-            elif field.kind == "number":
-                if _SCALARS.get(type(value)) != field.dtype:
+                rows[row] = value.numpy()
+            for key, rows, dtype in self._numbers:
+                value = sample[key]
+                if _SCALARS.get(type(value)) != dtype:
                     return False
-            elif type(value) not in (str, bytes):
-                return False
-        row = self.count
-        try:
-            for field in self._fields:
-                value = sample[field.key]
-                if field.kind == "array":
-                    field.rows[row] = value
-                elif field.kind == "tensor":
-                    field.rows[row] = value.numpy()
-                elif field.kind == "number":
-                    field.rows[row] = value
+                rows[row] = value
         except (OverflowError, RuntimeError, TypeError, ValueError):  # what default_collate refuses too: it says so
             return False
-        for field in self._fields:
-            if field.kind == "text":
-                field.rows.append(sample[field.key])
+        texts = [sample[key] for key in self._texts]
+        for text in texts:
+            if type(text) is not str and type(text) is not bytes:
+                return False
+        for field, text in zip(self._text_rows, texts, strict=True):
+            field.append(text)
         self.count += 1
         return True
 
@@ -280,7 +288,7 @@ class RowCollator:
                 items.append(field.rows)
             else:
                 shape = (self.count, *field.shape)
-                items.append(Slot(field.offset, int(np.prod(shape)) * field.dtype.itemsize, field.dtype, shape))
+                items.append(Slot(field.offset, math.prod(shape) * field.dtype.itemsize, field.dtype, shape))
         return Nest(dict, self._keys, tuple(items))
 
 
