@@ -1,7 +1,11 @@
 """Feeding a busy training loop: what the batch path costs a training thread that holds the GIL.
 
     python -m benchmarks.feed [--step-ms 4,8,16] [--samples 1536,4096] [--steps 300] [--block 20] [--repeats 5]
-                              [--workers 2]
+                              [--workers 2] [--gpu auto|only|no]
+
+Where CUDA is present (``--gpu auto``, the default), it then runs the ResNet-18 case of the issue in a process of
+its own: ``python -m benchmarks.feed_gpu --daemon`` (images/s fed by cachefeed against the model's GPU-resident
+ceiling and a plain DataLoader; see that module). ``--gpu only`` runs just that, ``--gpu no`` just the proxy below.
 
 An eager model on a fast GPU keeps its training thread in Python (kernel launches) most of the time; any per-batch
 Python on that process (receiving the batch, rebuilding shared memory, helper threads that need the GIL) is paid by
@@ -61,6 +65,8 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -182,7 +188,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="the median of this many runs is reported")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--gpu", choices=("auto", "only", "no"), default="auto", help="ResNet-18 (auto: with CUDA)")
     args = parser.parse_args()
+    if args.gpu != "no" and torch.cuda.is_available():
+        gpu_argv = [sys.executable, "-m", "benchmarks.feed_gpu", "--daemon", "--dir", str(args.dir)]
+        subprocess.run(gpu_argv + (["--no-save"] if args.no_save else []), check=True)
+    elif args.gpu == "only":
+        raise SystemExit("--gpu only: CUDA is not available here")
+    if args.gpu == "only":
+        return
     steps_ms = [float(x) for x in args.step_ms.split(",")]
     sizes = [int(x) for x in args.samples.split(",")]
     work = Path(tempfile.mkdtemp(prefix="cachefeed-feed-", dir=args.dir))

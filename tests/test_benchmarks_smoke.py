@@ -4,7 +4,9 @@
   runner as ``benchmarks/run_all.py``, then the report (``results.md``); one baseline (local files) through the
   same measurement in this process;
 * the trainer benchmarks' own functions at tiny sizes: ``read_throughput``, ``handover``, and ``ingest`` (its CLI
-  with its smallest counts).
+  with its smallest counts);
+* ``feed_gpu``'s whole path on the CPU (a tiny model, the daemon ingesting from a ``file://`` remote): no GPU has
+  run it yet, so this is what keeps it working until one does.
 """
 
 from __future__ import annotations
@@ -180,3 +182,22 @@ def test_ingest_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "4KiB" in out and "ratio" in out
     assert "verify_md5 = false" in out
+
+
+def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -> None:
+    from benchmarks import feed_gpu
+
+    argv = ["--device", "cpu", "--model", "tiny", "--samples", "128,256", "--batch", "16", "--workers", "2"]
+    argv += ["--steps", "6", "--warmup", "2", "--repeats", "1", "--daemon", "--dir", str(tmp_path), "--no-save"]
+    figures = feed_gpu.main(argv)
+    systems = [row["system"] for row in figures["rows"]]
+    assert systems == [
+        "ceiling",
+        "plain DataLoader",
+        "cachefeed, 128 samples",
+        "cachefeed, 256 samples",
+        "cachefeed + daemon",
+    ]
+    assert all(row["images_per_s"] > 0 for row in figures["rows"])
+    assert figures["daemon"]["cached_samples"] > 0
+    assert list(tmp_path.iterdir()) == []  # the caches, the remote and the daemon's files are gone

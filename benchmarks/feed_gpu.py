@@ -1,0 +1,277 @@
+"""Feeding a launch-bound model on a GPU (issue 14): ResNet-18's images/s fed by cachefeed, next to its ceiling.
+
+    python -m benchmarks.feed_gpu [--samples 8192,16384] [--workers 8] [--steps 200] [--repeats 3] [--daemon]
+    python -m benchmarks.feed_gpu --device cpu --model tiny --samples 256 --batch 16 --workers 2 --steps 8 \\
+        --repeats 1 --no-save        # the same code path on a CPU, for a smoke test (tests/test_benchmarks_smoke.py)
+
+``python -m benchmarks.feed`` runs it after the GIL-bound proxy whenever CUDA is present. The model is torchvision's
+ResNet-18 (``--model tiny``: a small convnet, for machines without torchvision), trained with SGD under bf16
+autocast in ``channels_last``, on batches of ``--batch`` (256) samples of a 3 x 224 x 224 uint8 image (150,528
+bytes) and an int label, converted to float on the device. Each system is timed over ``--steps`` steps after
+``--warmup`` steps, the device synchronised at both ends; the figure is images/s and its ratio to the ceiling's
+(the median of ``--repeats`` runs, the systems measured in turn within each run):
+
+* ``ceiling``: one batch already on the device, reused every step (what the model does when data costs nothing);
+* ``plain DataLoader``: the images in one uint8 tensor in RAM (``__getitems__``), ``--workers`` persistent fork
+  workers, ``pin_memory=True``, ``DevicePrefetcher``;
+* ``cachefeed, N samples``: ``EpochLoaderFactory`` over a static cache of N samples on tmpfs (``--dir``),
+  ``--workers`` workers, ``pin_memory=True`` (the workers' shared memory registered as pinned), every record
+  verified, ``DevicePrefetcher``; epochs handed over as in training;
+* ``cachefeed + daemon`` (``--daemon``): the daemon ingests from a ``file://`` remote of twice the largest cache's
+  samples into a cache budgeted for it, with the sampling contract's pacing (``evict_after_reads = 1``), while the
+  trainer reads; the row also gives what the daemon ingested and evicted unread meanwhile.
+
+Writes ``benchmarks/results/feed_gpu.json`` (``--no-save`` to skip). The issue's target: cachefeed at 0.95 of the
+ceiling or better. No GPU has been lent to this project's sessions yet, so no result is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.common.results import save
+from benchmarks.common.static_cache import write_static_cache
+from cachefeed import DevicePrefetcher, EpochLoaderFactory
+from cachefeed._testing.daemon import DaemonProcess, start_daemon, write_config
+
+IMAGE_SHAPE = (3, 224, 224)
+CLASSES = 10
+SEGMENT_BYTES = 64 << 20
+
+
+def make_model(name: str) -> nn.Module:
+    """ResNet-18 from torchvision, or a small convnet (``tiny``) where torchvision is not installed."""
+    if name == "resnet18":
+        import torchvision  # optional: only a GPU machine is expected to have it
+
+        return torchvision.models.resnet18(num_classes=CLASSES)
+    if name == "tiny":
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 7, stride=8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, CLASSES)
+        )  # fmt: skip
+    raise SystemExit(f"--model: {name!r} is not one of resnet18, tiny")
+
+
+class Trainer:
+    """One model, optimiser and step; ``run(batches, steps, warmup)`` gives images/s."""
+
+    def __init__(self, model: str, device: torch.device) -> None:
+        self.device = device
+        self.model = make_model(model).to(device, memory_format=torch.channels_last)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            x = images.contiguous(memory_format=torch.channels_last).float().div_(255)
+            loss = nn.functional.cross_entropy(self.model(x), labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self, batches: Iterator[dict[str, torch.Tensor]], steps: int, warmup: int) -> float:
+        images = 0
+        for _ in range(warmup):
+            batch = next(batches)
+            self.step(batch["image"], batch["label"])
+        self._sync()
+        started = time.perf_counter()
+        for _ in range(steps):
+            batch = next(batches)
+            if tuple(batch["image"].shape[1:]) != IMAGE_SHAPE or batch["image"].device.type != self.device.type:
+                raise AssertionError(f"unexpected batch: {tuple(batch['image'].shape)} on {batch['image'].device}")
+            self.step(batch["image"], batch["label"])
+            images += len(batch["label"])
+        self._sync()
+        return images / (time.perf_counter() - started)
+
+
+def image_samples(count: int, seed: int = 0) -> Iterator[dict[str, Any]]:
+    """``count`` samples of random pixels (a few distinct images, offset per sample) and a label."""
+    rng = np.random.default_rng(seed)
+    size = int(np.prod(IMAGE_SHAPE))
+    pool = rng.integers(0, 256, size=size + 4096, dtype=np.uint8)
+    for i in range(count):
+        start = (i * 64) % 4096
+        yield {"__key__": f"s{i}", "image": pool[start : start + size].reshape(IMAGE_SHAPE), "label": i % CLASSES}
+
+
+class InMemoryImages(Dataset[dict[str, Any]]):
+    """The plain DataLoader's data: every image a row of one uint8 tensor in RAM, fetched a batch at a time."""
+
+    def __init__(self, count: int) -> None:
+        self.images = torch.randint(0, 256, (count, *IMAGE_SHAPE), dtype=torch.uint8)
+        self.labels = torch.arange(count) % CLASSES
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"image": self.images[index], "label": self.labels[index]}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        return [{"image": i, "label": lab} for i, lab in zip(self.images[indices], self.labels[indices], strict=True)]
+
+
+def forever(epoch_batches: Callable[[int], Any], device: torch.device) -> Iterator[Any]:
+    """Batches on ``device``, epoch after epoch: ``epoch_batches(epoch)`` is the loader of each."""
+    epoch = 0
+    while True:
+        yield from DevicePrefetcher(epoch_batches(epoch), device)
+        epoch += 1
+
+
+def write_remote(root: Path, count: int) -> None:
+    """A ``file://`` remote of ``count`` .npz objects (one ``image`` array each) in ``CLASSES`` class directories,
+    so that the daemon's ``label = "parent"`` gives the same ``label`` as the static caches' samples."""
+    for sample in image_samples(count, seed=1):
+        directory = root / f"class{sample['label']}"
+        directory.mkdir(parents=True, exist_ok=True)
+        np.savez(directory / f"{sample['__key__']}.npz", image=sample["image"])
+
+
+def start_ingesting(work: Path, remote_count: int, cache_samples: int, wait_s: float) -> tuple[DaemonProcess, Path]:
+    """The daemon over a file:// remote, budgeted for about ``cache_samples``; returns once its cache is full."""
+    remote, cache_dir = work / "remote", work / "daemon-cache"
+    write_remote(remote, remote_count)
+    budget = cache_samples * (int(np.prod(IMAGE_SHAPE)) + 1024)
+    segment_bytes = min(16 << 20, budget // 16)  # the daemon wants room for 2 x processes segments in writing
+    config = write_config(
+        work / "daemon.toml",
+        endpoint="",
+        bucket="",
+        cache_dir=cache_dir,
+        sections={
+            "remote": {"url": f"file://{remote}", "storage_options": {}, "pattern": "**/*.npz"},
+            "cache": {"max_bytes": budget, "segment_bytes": segment_bytes, "snapshot_grace": "10s"},
+            "sampler": {"processes": 4, "decode": "npz", "label": "parent"},
+        },
+    )
+    daemon = start_daemon(config, cache_dir, work / "daemon.stderr")
+    print(f"  daemon: filling its cache with about {cache_samples} samples", flush=True)
+    daemon.wait_status(lambda s: bool(s["cache"]["is_paced"]), timeout_s=wait_s, what="a full, paced cache")
+    return daemon, cache_dir
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the comparison; returns the figures (also written to ``feed_gpu.json`` unless ``--no-save``)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or tiny")
+    parser.add_argument("--samples", default="8192,16384", help="static cache sizes (samples), comma-separated")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--daemon", action="store_true", help="also measure while the daemon ingests (file://)")
+    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available here (use --device cpu --model tiny for a smoke run)")
+    torch.backends.cudnn.benchmark = True
+    sizes = [int(x) for x in args.samples.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="cachefeed-feed-gpu-", dir=args.dir))
+    trainer = Trainer(args.model, device)
+    runs: dict[str, list[float]] = {}
+    extra: dict[str, Any] = {}
+    try:
+        with ExitStack() as stack:
+            systems: dict[str, Iterator[Any]] = {}
+            ceiling = next(iter(DataLoader(InMemoryImages(args.batch), batch_size=args.batch)))
+            ceiling = {key: value.to(device) for key, value in ceiling.items()}
+            systems["ceiling"] = iter(lambda: ceiling, None)
+            plain = DataLoader(
+                InMemoryImages(max(sizes)),
+                batch_size=args.batch,
+                shuffle=True,
+                num_workers=args.workers,
+                persistent_workers=True,
+                pin_memory=device.type == "cuda",
+            )
+            systems["plain DataLoader"] = forever(lambda _epoch: plain, device)
+            for samples in sizes:
+                root = work / f"cache-{samples}"
+                write_static_cache(root, image_samples(samples), segment_bytes=SEGMENT_BYTES, max_bytes=samples << 20)
+                factory = stack.enter_context(
+                    EpochLoaderFactory(
+                        root,
+                        batch_size=args.batch,
+                        num_workers=args.workers,
+                        pin_memory=device.type == "cuda",
+                        progress=None,
+                    )
+                )
+                systems[f"cachefeed, {samples} samples"] = forever(factory.loader, device)
+            daemon, before = None, None
+            if args.daemon:
+                daemon, cache_dir = start_ingesting(work, 2 * max(sizes), max(sizes), wait_s=600)
+                stack.callback(daemon.stop)
+                factory = stack.enter_context(
+                    EpochLoaderFactory(
+                        cache_dir,
+                        batch_size=args.batch,
+                        num_workers=args.workers,
+                        pin_memory=device.type == "cuda",
+                        progress=None,
+                    )
+                )
+                systems["cachefeed + daemon"] = forever(factory.loader, device)
+                before = daemon.status()
+            for repeat in range(args.repeats):
+                for name, batches in systems.items():
+                    rate = trainer.run(batches, args.steps, args.warmup)
+                    runs.setdefault(name, []).append(rate)
+                    print(f"  run {repeat + 1}: {name:<28} {rate:9.0f} images/s", flush=True)
+            if daemon is not None and before is not None and (after := daemon.status()) is not None:
+                extra["daemon"] = {
+                    "ingested_samples": after["ingest"]["samples_total"] - before["ingest"]["samples_total"],
+                    "evicted_unread_samples": after["evicted"]["unread_samples_total"]
+                    - before["evicted"]["unread_samples_total"],
+                    "cached_samples": after["cache"]["samples"],
+                }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    top = statistics.median(runs["ceiling"])
+    rows = []
+    for name, rates in runs.items():
+        rate = statistics.median(rates)
+        rows.append({"system": name, "images_per_s": round(rate), "of_ceiling": round(rate / top, 3), "runs": rates})
+        print(f"{name:<28} {rate:9.0f} images/s  {rate / top:5.2f} of the ceiling")
+    if extra:
+        print(f"while the daemon ran: {extra['daemon']}")
+    figures = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": args.model,
+        "batch": args.batch,
+        "workers": args.workers,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "rows": rows,
+        **extra,
+    }
+    if not args.no_save:
+        print(f"wrote {save('feed_gpu', figures, work_dir=args.dir)}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
