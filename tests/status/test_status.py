@@ -494,6 +494,9 @@ def watching(*argv: str, limit_s: float = 30) -> Iterator[subprocess.Popen[str]]
         killer.cancel()
         process.kill()
         process.wait()
+        for pipe in (process.stdout, process.stderr):  # a failed test leaves no open pipe for a later test's GC
+            if pipe is not None:
+                pipe.close()
 
 
 def interrupt(process: subprocess.Popen[str]) -> str:
