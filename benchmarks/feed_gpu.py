@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available here (use --device cpu --model tiny for a smoke run)")
     torch.backends.cudnn.benchmark = True
+    pinned = device.type == "cuda"  # pinned host memory: the DataLoader's pin thread, cachefeed's registered arenas
     sizes = [int(x) for x in args.samples.split(",")]
     work = Path(tempfile.mkdtemp(prefix="cachefeed-feed-gpu-", dir=args.dir))
     trainer = Trainer(args.model, device)
@@ -195,6 +196,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     try:
         with ExitStack() as stack:
+
+            def fed_by_cachefeed(root: Path) -> Iterator[Any]:
+                factory = EpochLoaderFactory(
+                    root, batch_size=args.batch, num_workers=args.workers, pin_memory=pinned, progress=None
+                )
+                return forever(stack.enter_context(factory).loader, device)
+
             systems: dict[str, Iterator[Any]] = {}
             ceiling = next(iter(DataLoader(InMemoryImages(args.batch), batch_size=args.batch)))
             ceiling = {key: value.to(device) for key, value in ceiling.items()}
@@ -205,36 +213,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 shuffle=True,
                 num_workers=args.workers,
                 persistent_workers=True,
-                pin_memory=device.type == "cuda",
+                pin_memory=pinned,
             )
             systems["plain DataLoader"] = forever(lambda _epoch: plain, device)
             for samples in sizes:
                 root = work / f"cache-{samples}"
                 write_static_cache(root, image_samples(samples), segment_bytes=SEGMENT_BYTES, max_bytes=samples << 20)
-                factory = stack.enter_context(
-                    EpochLoaderFactory(
-                        root,
-                        batch_size=args.batch,
-                        num_workers=args.workers,
-                        pin_memory=device.type == "cuda",
-                        progress=None,
-                    )
-                )
-                systems[f"cachefeed, {samples} samples"] = forever(factory.loader, device)
+                systems[f"cachefeed, {samples} samples"] = fed_by_cachefeed(root)
             daemon, before = None, None
             if args.daemon:
                 daemon, cache_dir = start_ingesting(work, 2 * max(sizes), max(sizes), wait_s=600)
                 stack.callback(daemon.stop)
-                factory = stack.enter_context(
-                    EpochLoaderFactory(
-                        cache_dir,
-                        batch_size=args.batch,
-                        num_workers=args.workers,
-                        pin_memory=device.type == "cuda",
-                        progress=None,
-                    )
-                )
-                systems["cachefeed + daemon"] = forever(factory.loader, device)
+                systems["cachefeed + daemon"] = fed_by_cachefeed(cache_dir)
                 before = daemon.status()
             for repeat in range(args.repeats):
                 for name, batches in systems.items():
