@@ -499,10 +499,29 @@ def watching(*argv: str, limit_s: float = 30) -> Iterator[subprocess.Popen[str]]
                 pipe.close()
 
 
+def signal_state(pid: int) -> str:
+    """What the kernel says about a process that did not exit on Ctrl-C: its state, where it sleeps, and which
+    signals it blocks, ignores and catches (hex masks; SIGINT is bit 1, 0x2). A failure message, read once."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as exc:
+        return f"pid {pid}: {exc}"
+    kept = [
+        " ".join(line.split())
+        for line in lines
+        if line.startswith(("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+    ]
+    return f"pid {pid}: " + "; ".join(kept) + f"; wchan {wchan}"
+
+
 def interrupt(process: subprocess.Popen[str]) -> str:
     """Ctrl-C; returns stderr. The process must exit by itself."""
     process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=20)
+    try:
+        _, err = process.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"no exit 20 s after SIGINT: {signal_state(process.pid)}")
     return err
 
 
@@ -554,7 +573,13 @@ def test_watch_on_a_terminal_redraws_in_place(tmp_path: Path) -> None:
             if select.select([controller], [], [], 0.1)[0]:
                 seen += os.read(controller, 65536)
         process.send_signal(signal.SIGINT)
-        assert process.wait(20) == 0
+        deadline = time.monotonic() + 20
+        while process.poll() is None:  # keep reading: a full terminal would hold the exit's last flush
+            assert time.monotonic() < deadline, f"no exit 20 s after SIGINT: {signal_state(process.pid)}"
+            if select.select([controller], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):  # EIO once the child closed its end
+                    os.read(controller, 65536)
+        assert process.returncode == 0
     finally:
         process.kill()
         process.wait()
