@@ -39,8 +39,11 @@ from cachefeed._status.verdict import Health, stale_after_s
 REPO = Path(__file__).resolve().parents[2]
 # ``cachefeed status`` through the real CLI, with only the status subcommand registered: the CLI imports every
 # subcommand's module to build its parser, and the status command must not depend on the others.
+# Ctrl-C as at a terminal: a suite started as a shell's background job (``pytest &``) inherits SIGINT ignored,
+# and Python then installs no KeyboardInterrupt handler, so the --watch tests restore the one a terminal gives.
 _ONLY_STATUS = (
-    "import sys\nfrom cachefeed import _cli as cli\n"
+    "import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "from cachefeed import _cli as cli\n"
     "cli.COMMANDS = {'status': cli.COMMANDS['status']}\nsys.exit(cli.main())\n"
 )
 STATUS_CMD = [sys.executable, "-c", _ONLY_STATUS, "status"]
