@@ -19,7 +19,8 @@ bytes) and an int label, converted to float on the device. Each system is timed 
   verified, ``DevicePrefetcher``; epochs handed over as in training;
 * ``cachefeed + daemon`` (``--daemon``): the daemon ingests from a ``file://`` remote of twice the largest cache's
   samples into a cache budgeted for it, with the sampling contract's pacing (``evict_after_reads = 1``), while the
-  trainer reads; the row also gives what the daemon ingested and evicted unread meanwhile.
+  trainer reads; the row also gives what the daemon ingested and evicted unread over all the runs. Every other
+  row starts once the daemon is paced again (idle until its cache is read), so no other row pays for its ingest.
 
 Writes ``benchmarks/results/feed_gpu.json`` (``--no-save`` to skip). The issue's target: cachefeed at 0.95 of the
 ceiling or better. No GPU has been lent to this project's sessions yet, so no result is committed.
@@ -165,8 +166,21 @@ def start_ingesting(work: Path, remote_count: int, cache_samples: int, wait_s: f
     )
     daemon = start_daemon(config, cache_dir, work / "daemon.stderr")
     print(f"  daemon: filling its cache with about {cache_samples} samples", flush=True)
-    daemon.wait_status(lambda s: bool(s["cache"]["is_paced"]), timeout_s=wait_s, what="a full, paced cache")
+    settled(daemon, timeout_s=wait_s)
     return daemon, cache_dir
+
+
+def settled(daemon: DaemonProcess, *, timeout_s: float = 120.0) -> dict[str, Any]:
+    """The first status the daemon writes from now on that says it fetches nothing: its cache is full and paced
+    (waiting for reads) or backpressured (the rest is pinned by the snapshots of the paused daemon row's factory).
+    Every other system is then measured with the daemon idle, not catching up on the last row's reads, and the
+    counters read after the last row include all the ingest that row caused."""
+    now = time.time()
+
+    def idle(status: dict[str, Any]) -> bool:
+        return status["updated_at"] >= now and bool(status["cache"]["is_paced"] or status["cache"]["is_backpressured"])
+
+    return daemon.wait_status(idle, timeout_s=timeout_s, what="a daemon with nothing to fetch")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -225,13 +239,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 daemon, cache_dir = start_ingesting(work, 2 * max(sizes), max(sizes), wait_s=600)
                 stack.callback(daemon.stop)
                 systems["cachefeed + daemon"] = fed_by_cachefeed(cache_dir)
-                before = daemon.status()
+                before = settled(daemon)
             for repeat in range(args.repeats):
                 for name, batches in systems.items():
+                    if daemon is not None and name != "cachefeed + daemon":
+                        settled(daemon)
                     rate = trainer.run(batches, args.steps, args.warmup)
                     runs.setdefault(name, []).append(rate)
                     print(f"  run {repeat + 1}: {name:<28} {rate:9.0f} images/s", flush=True)
-            if daemon is not None and before is not None and (after := daemon.status()) is not None:
+            if daemon is not None and before is not None:
+                after = settled(daemon)
                 extra["daemon"] = {
                     "ingested_samples": after["ingest"]["samples_total"] - before["ingest"]["samples_total"],
                     "evicted_unread_samples": after["evicted"]["unread_samples_total"]

@@ -188,7 +188,7 @@ def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -
     from benchmarks import feed_gpu
 
     argv = ["--device", "cpu", "--model", "tiny", "--samples", "128,256", "--batch", "16", "--workers", "2"]
-    argv += ["--steps", "6", "--warmup", "2", "--repeats", "1", "--daemon", "--dir", str(tmp_path), "--no-save"]
+    argv += ["--steps", "20", "--warmup", "2", "--repeats", "1", "--daemon", "--dir", str(tmp_path), "--no-save"]
     figures = feed_gpu.main(argv)
     systems = [row["system"] for row in figures["rows"]]
     assert systems == [
@@ -200,4 +200,6 @@ def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -
     ]
     assert all(row["images_per_s"] > 0 for row in figures["rows"])
     assert figures["daemon"]["cached_samples"] > 0
+    assert figures["daemon"]["ingested_samples"] > 0  # the daemon row's reads made it fetch, as in training
+    assert figures["daemon"]["evicted_unread_samples"] == 0  # and it fetched nothing it then threw away unread
     assert list(tmp_path.iterdir()) == []  # the caches, the remote and the daemon's files are gone
