@@ -20,7 +20,10 @@ bytes) and an int label, converted to float on the device. Each system is timed 
 * ``cachefeed + daemon`` (``--daemon``): the daemon ingests from a ``file://`` remote of twice the largest cache's
   samples into a cache budgeted for it, with the sampling contract's pacing (``evict_after_reads = 1``), while the
   trainer reads; the row also gives what the daemon ingested and evicted unread over all the runs. Every other
-  row starts once the daemon is paced again (idle until its cache is read), so no other row pays for its ingest.
+  row starts once the daemon fetches nothing again (``settled``), so no other row pays for its ingest.
+
+Every loader drops its last partial batch: the daemon's snapshots change size every epoch, and under
+``cudnn.benchmark`` each new batch shape would be tuned anew inside the timed window.
 
 Writes ``benchmarks/results/feed_gpu.json`` (``--no-save`` to skip). The issue's target: cachefeed at 0.95 of the
 ceiling or better. No GPU has been lent to this project's sessions yet, so no result is committed.
@@ -213,7 +216,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             def fed_by_cachefeed(root: Path) -> Iterator[Any]:
                 factory = EpochLoaderFactory(
-                    root, batch_size=args.batch, num_workers=args.workers, pin_memory=pinned, progress=None
+                    root,
+                    batch_size=args.batch,
+                    drop_last=True,
+                    num_workers=args.workers,
+                    pin_memory=pinned,
+                    progress=None,
                 )
                 return forever(stack.enter_context(factory).loader, device)
 
@@ -225,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 InMemoryImages(max(sizes)),
                 batch_size=args.batch,
                 shuffle=True,
+                drop_last=True,
                 num_workers=args.workers,
                 persistent_workers=True,
                 pin_memory=pinned,

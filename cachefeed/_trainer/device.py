@@ -10,8 +10,8 @@ How the streams are kept honest (the copy runs on a side stream, the training st
 3. every tensor handed out is marked ``record_stream(current)``: its memory was allocated on the side stream, and
    without this the allocator could give it to another side-stream copy while the step still reads it;
 4. the *host* batch is kept alive until its copy's event has completed: an asynchronous copy reads the host memory
-   after ``to()`` returns, and the workers' shared memory (``pool.py``) is handed back for reuse as soon as nothing
-   references it.
+   after ``to()`` returns, and the pool fences freed regions only on the current stream (NOTE [ Pinned arenas ]
+   in ``pinning.py``), not on this side stream.
 
 Copies are ``non_blocking``; they only overlap when the source is in pinned memory (build the loader with
 ``pin_memory=True``). A pageable source still works, the copy is then synchronous with the host.

@@ -19,7 +19,8 @@ training process), one arena (``arena.py``). Messages are pickled tuples; each p
   sent before the first batch of ``key`` that the worker gets;
 * ``("batch", key, indices, freed)``: read ``indices`` (int64, as bytes) of dataset ``key``, collate them into a
   region of the arena, reply. ``freed`` lists ``(offset, nbytes)`` regions the training process no longer uses
-  (every tensor over them is gone); only then may the worker reuse them;
+  (every tensor over them is gone; with ``pin_memory``, and the GPU past every copy from them: NOTE [ Pinned
+  arenas ] in ``pinning.py``); only then may the worker reuse them;
 * ``("forget", key, ticket, freed)``: close dataset ``key``'s segment readers, then store ``ticket`` in the arena's
   ack word. ``forget`` waits for that word before the epoch's pin is dropped, so a released snapshot's segments
   are unmapped by every worker before the daemon may delete them (its space is really free when it says so);
@@ -87,6 +88,7 @@ from cachefeed._sched import yield_to_training
 from cachefeed._trainer.arena import ACK_WORD, HEADER_BYTES, Allocator, Arena
 from cachefeed._trainer.collate import Builder, RowCollator, collate_into, compile_skeleton, split
 from cachefeed._trainer.dataset import SnapshotDataset, as_tensors
+from cachefeed._trainer.pinning import PinnedArenas
 
 __all__ = ["ARENA_BYTES", "EmptyBatch", "Pass", "WorkerPool"]
 
@@ -267,26 +269,13 @@ def _died(worker: _Worker) -> RuntimeError:
     )
 
 
-def _register_pinned(arena: Arena) -> None:
-    """Page-lock ``arena`` for CUDA copies (tensors over it then report ``is_pinned()``); a failure only logs."""
-    whole = torch.from_numpy(arena.view(0, arena.size))
-    try:
-        result = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
-            whole.data_ptr(), arena.size, 0
-        )
-    except Exception as exc:  # a CUDA build without the runtime binding: copies stay synchronous, still correct
-        log.warning("could not pin the cachefeed workers' shared memory (%s); GPU copies will not overlap", exc)
-        return
-    if int(result) != 0:
-        log.warning("cudaHostRegister of the workers' shared memory failed (%s); GPU copies will not overlap", result)
-
-
 class _Worker:
     """The training process's handle on one worker."""
 
     __slots__ = (
         "arena",
         "builders",
+        "fenced",
         "freed",
         "index",
         "keys",
@@ -307,6 +296,7 @@ class _Worker:
         self.outstanding = 0
         self.keys: set[int] = set()  # datasets this worker was sent and not told to forget
         self.freed: deque[tuple[int, int]] = deque()  # regions to give back with the next message
+        self.fenced: deque[tuple[Any, list[tuple[int, int]]]] = deque()  # pinned: freed regions behind a fence
         self.live: dict[int, weakref.ref[Any]] = {}  # regions handed out and still referenced, by id of their ref
         self.builders: dict[int, Builder] = {}  # the worker's skeletons by id, compiled
         self.poller = select.poll()  # made once: ``Connection.poll`` builds a selector on every call
@@ -330,13 +320,24 @@ class _Worker:
         if reply[0] == "region" and reply[5] is not None:
             self.builders[reply[3]] = compile_skeleton(reply[5])
 
-    def drain_freed(self) -> list[tuple[int, int]]:
+    def take_freed(self) -> list[tuple[int, int]]:
+        """The regions freed since the last call."""
         freed = []
         while True:  # popleft is atomic: a finalizer may append from another thread meanwhile
             try:
                 freed.append(self.freed.popleft())
             except IndexError:
                 return freed
+
+    def drain_freed(self, pinned: PinnedArenas | None) -> list[tuple[int, int]]:
+        """The regions the worker may reuse now: every freed one, or with pinning those whose fence has passed
+        (NOTE [ Pinned arenas ] in ``pinning.py``; fences pass in the order they were recorded)."""
+        if pinned is None:
+            return self.take_freed()
+        ready: list[tuple[int, int]] = []
+        while self.fenced and pinned.passed(self.fenced[0][0]):
+            ready += self.fenced.popleft()[1]
+        return ready
 
 
 class Pass:
@@ -379,7 +380,8 @@ class WorkerPool:
         arena_bytes: each worker's shared memory (sparse). A batch that does not fit travels pickled instead.
         pin_memory: with CUDA, register each arena as page-locked host memory (``cudaHostRegister``, once), so
             batches are pinned where the workers write them and copies to the GPU run asynchronously. This locks
-            ``arena_bytes`` of RAM per worker. Without CUDA it changes nothing.
+            ``arena_bytes`` of RAM per worker. Without CUDA it changes nothing (NOTE [ Pinned arenas ]).
+        pinned: the pinning to use instead of the one ``pin_memory`` makes (tests give one that needs no CUDA).
     """
 
     def __init__(
@@ -394,6 +396,7 @@ class WorkerPool:
         seed: int = 0,
         arena_bytes: int = ARENA_BYTES,
         pin_memory: bool = False,
+        pinned: PinnedArenas | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -407,7 +410,9 @@ class WorkerPool:
         self._timeout_s = timeout_s
         self._seed = seed
         self._arena_bytes = arena_bytes
-        self._pin = pin_memory and torch.cuda.is_available()
+        if pinned is None and pin_memory and torch.cuda.is_available():
+            pinned = PinnedArenas()
+        self._pinned = pinned
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self._passes: deque[Pass] = deque()  # passes with batches not yet dealt, in order
@@ -446,8 +451,8 @@ class WorkerPool:
         task_recv.close()  # the worker's ends: closed here, so a dead worker's pipe reads as closed
         result_send.close()
         arena.close()  # the map stays; the descriptor is not needed once the worker has its own
-        if self._pin:
-            _register_pinned(arena)
+        if self._pinned is not None:
+            self._pinned.register(arena)
         return _Worker(index, process, task_send, result_recv, arena)
 
     def _replace_dead(self) -> None:
@@ -478,6 +483,8 @@ class WorkerPool:
                 self._deal_anew(owing)
             worker.tasks.close()
             worker.results.close()
+            if self._pinned is not None:
+                self._pinned.unregister(worker.arena)
             self._workers[index] = self._spawn(index)
 
     def close(self) -> None:
@@ -502,6 +509,8 @@ class WorkerPool:
                 worker.process.join(1.0)
             worker.tasks.close()
             worker.results.close()
+            if self._pinned is not None:
+                self._pinned.unregister(worker.arena)
 
     # -- passes ------------------------------------------------------------------------------------------------------
 
@@ -529,7 +538,7 @@ class WorkerPool:
             for worker in self._workers:
                 if key in worker.keys:
                     worker.keys.discard(key)
-                    if self._send(worker, ("forget", key, ticket, worker.drain_freed())):
+                    if self._send(worker, ("forget", key, ticket, worker.drain_freed(self._pinned))):
                         told.append(worker)
         deadline = time.monotonic() + _FORGET_TIMEOUT_S
         pause = 0.001
@@ -573,7 +582,7 @@ class WorkerPool:
                 worker.keys.add(current.key)
                 self._send(worker, ("epoch", current.key, current.dataset))
             indices = np.ascontiguousarray(current.batches[current.sent], dtype=np.int64).tobytes()
-            self._send(worker, ("batch", current.key, indices, worker.drain_freed()))
+            self._send(worker, ("batch", current.key, indices, worker.drain_freed(self._pinned)))
             current.sent += 1
             worker.outstanding += 1
             self._inflight.append((current, current.order, worker))
@@ -596,6 +605,8 @@ class WorkerPool:
                 if reading.order < self._reading:  # a later pass was read meanwhile: deal the rest of this one anew
                     self._deal_anew(reading)
                 self._reading = reading.order
+                if self._pinned is not None:
+                    self._fence_freed(self._pinned)
                 self._deal()
                 if reading.received >= len(reading.batches) or not self._inflight:
                     raise StopIteration
@@ -612,6 +623,14 @@ class WorkerPool:
                 continue
             reading.received += 1
             return self._unpack(worker, reply)
+
+    def _fence_freed(self, pinned: PinnedArenas) -> None:
+        """Put the regions freed since the last call behind one new fence (training thread, under the lock)."""
+        freed = [(worker, regions) for worker in self._workers if (regions := worker.take_freed())]
+        if freed:
+            fence = pinned.fence()
+            for worker, regions in freed:
+                worker.fenced.append((fence, regions))
 
     def _receive(self, worker: _Worker) -> Any:
         conn = worker.results
@@ -643,7 +662,7 @@ class WorkerPool:
         if kind == "inline":
             if not self._told_inline:
                 self._told_inline = True
-                log.info(
+                log.warning(
                     "a batch did not fit the worker's %d MiB of shared memory (batches kept by the caller, or very "
                     "large batches): such batches travel through a pipe, which is slower",
                     self._arena_bytes >> 20,

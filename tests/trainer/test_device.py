@@ -74,3 +74,31 @@ def test_on_cuda_batches_arrive_complete_on_the_device_while_the_step_runs() -> 
         del batch
     torch.cuda.synchronize()
     assert seen == [(i, float(i)) for i in range(8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_pinned_batches_copied_and_dropped_at_once_arrive_intact(tmp_path: Path) -> None:
+    """``pin_memory=True``: the workers' shared memory is registered as pinned, and a batch dropped right after
+    ``.cuda(non_blocking=True)`` (its copy still queued behind a busy stream) is not overwritten before the copy ran
+    (NOTE [ Pinned arenas ] in ``cachefeed/_trainer/pinning.py``)."""
+    root = build_cache(tmp_path / "c", 512, nbytes=16 << 10)
+    expected = {}
+    with EpochLoaderFactory(root, batch_size=32, num_workers=2, shuffle=False, run_id="t", epochs=1) as factory:
+        for batch in factory.loader(0):
+            expected.update(zip(batch["__key__"], batch["data"].clone(), strict=True))
+    copies = []
+    with EpochLoaderFactory(
+        root, batch_size=32, num_workers=2, shuffle=False, pin_memory=True, run_id="t", epochs=1
+    ) as factory:
+        for batch in factory.loader(0):
+            assert batch["data"].is_pinned(), "the arena is registered: no pin-memory thread, no copy"
+            busy = torch.randn(4096, 4096, device="cuda")
+            for _ in range(4):  # the copy below waits behind this work on the current stream
+                busy = busy @ busy
+            copies.append((batch["__key__"], batch["data"].cuda(non_blocking=True)))
+            del batch  # the host batch is gone while its copy is still queued
+        torch.cuda.synchronize()
+    for keys, data in copies:
+        for key, row in zip(keys, data.cpu(), strict=True):
+            assert torch.equal(row, expected[key]), key

@@ -25,6 +25,7 @@ from cachefeed._trainer import EpochLoaderFactory
 from cachefeed._trainer.arena import Allocator
 from cachefeed._trainer.collate import Nest, RowCollator, Slot, collate_into, place
 from cachefeed._trainer.dataset import SnapshotDataset
+from cachefeed._trainer.pinning import PinnedArenas
 from cachefeed._trainer.pool import WorkerPool
 from tests.trainer.test_loader import build_cache, check_batch, wait_until
 
@@ -405,3 +406,71 @@ def test_regions_go_back_and_merge() -> None:
     allocator.release(448, 100)
     allocator.release(320, 100)
     assert allocator.allocate(300) == 192, "three neighbours merged into one region"
+
+
+class FakePinning(PinnedArenas):
+    """The pool's CUDA side without CUDA: arenas registered and released are recorded; fences pass once opened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registered: list[Any] = []
+        self.released: list[Any] = []
+        self.fences = 0
+        self.open = False
+
+    def register(self, arena: Any) -> bool:
+        self.registered.append(arena)
+        return True
+
+    def unregister(self, arena: Any) -> None:
+        self.released.append(arena)
+
+    def fence(self) -> int:
+        self.fences += 1
+        return self.fences
+
+    def passed(self, fence: Any) -> bool:
+        return self.open
+
+
+def read_arena_backed(pool: WorkerPool, dataset: SnapshotDataset) -> list[tuple[int, bytes]]:
+    """One pass over ``EIGHTS``, each batch dropped at once (as after ``x = batch["data"].cuda(non_blocking=True)``,
+    whose copy may still be queued); returns the offset in the arena and the data of each arena-backed batch."""
+    held: list[tuple[int, bytes]] = []
+    for batch in pool.open_pass(pool.new_key(), dataset, EIGHTS):
+        check_batch(batch)
+        arena = pool._workers[0].arena
+        offset = batch["data"].data_ptr() - np.frombuffer(arena.map, dtype=np.uint8).ctypes.data
+        if 0 <= offset < arena.size:
+            held.append((offset, batch["data"].numpy().tobytes()))
+        del batch
+    return held
+
+
+def test_with_pinning_a_dropped_batchs_memory_is_not_reused_until_the_gpu_is_past_its_copy(tmp_path: Path) -> None:
+    """NOTE [ Pinned arenas ]: a region freed by the caller goes back to its worker only once the fence recorded
+    after it has passed; until then the worker writes elsewhere, or sends batches whole, and never over it."""
+    root = build_cache(tmp_path / "c", 64, nbytes=4096)
+    pinning = FakePinning()
+    with pool_over(root, 1, arena_bytes=160 << 10, pinned=pinning) as (_snapshot, dataset, pool):
+        held = read_arena_backed(pool, dataset)  # every fence still ahead of the GPU
+        arena = pool._workers[0].arena
+        assert pinning.fences >= 1, "freed regions were put behind fences"
+        assert len({offset for offset, _ in held}) == len(held) < len(EIGHTS), "no region was used twice"
+        for offset, content in held:
+            assert arena.view(offset, len(content)).tobytes() == content, "no dropped batch was overwritten"
+        pinning.open = True  # the GPU caught up
+        assert len(read_arena_backed(pool, dataset)) == len(EIGHTS), "regions past their fence are reused"
+
+
+def test_with_pinning_each_arena_is_registered_once_and_released_when_its_worker_goes(tmp_path: Path) -> None:
+    pinning = FakePinning()
+    with pool_over(build_cache(tmp_path / "c", 64), 2, pinned=pinning) as (_snapshot, dataset, pool):
+        list(pool.open_pass(pool.new_key(), dataset, EIGHTS))
+        first = [worker.arena for worker in pool._workers]
+        assert pinning.registered == first and pinning.released == []
+        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
+        pool._workers[0].process.join(10)
+        assert len(list(pool.open_pass(pool.new_key(), dataset, EIGHTS))) == 8  # a new worker in its place
+        assert pinning.released == [first[0]] and len(pinning.registered) == 3
+    assert {id(a) for a in pinning.released} == {id(a) for a in pinning.registered}, "closing released the rest"
