@@ -13,7 +13,7 @@ non_blocking=True)`` runs as a DMA while the training thread goes on. Three rule
 * **A region goes back to its worker only once the GPU has read it.** A region is freed when no Python object
   refers to it any more, which for ``x = batch["x"].cuda(non_blocking=True)`` is right after the copy was queued,
   not done. torch guards its own pinned blocks with an event recorded on each copy; it does not guard memory
-  registered from outside. So the pool records a ``Fence`` (a CUDA event on the current stream of the pinned
+  registered from outside. So the pool records a fence (a CUDA event on the current stream of the pinned
   device) each time the training thread asks for a batch and regions were freed since the last one, and gives
   those regions back to their worker only once the fence has passed. A copy queued before the host tensor was
   dropped, on that stream, is ordered before the fence. A copy on another stream or device must keep its host
@@ -60,6 +60,8 @@ class PinnedArenas:
             self.device = torch.cuda.current_device()
         address = _address(arena)
         code = self._on_device_thread(lambda cudart: int(cudart.cudaHostRegister(address, arena.size, _PORTABLE)))
+        if code is None:  # logged where it raised
+            return False
         if code != 0:
             log.warning(
                 "cudaHostRegister of a cachefeed worker's %d MiB of shared memory failed (CUDA error %s): copies of "
@@ -82,7 +84,7 @@ class PinnedArenas:
             return int(cudart.cudaHostUnregister(address))
 
         code = self._on_device_thread(release)
-        if code != 0:
+        if code:  # None: logged where it raised
             log.warning("cudaHostUnregister of a cachefeed worker's shared memory failed (CUDA error %s)", code)
 
     def fence(self) -> Any:
@@ -95,9 +97,9 @@ class PinnedArenas:
         """Whether the GPU is past ``fence`` (every copy queued before it is done)."""
         return bool(fence.query())
 
-    def _on_device_thread(self, call: Callable[[Any], int]) -> int:
-        """``call(cudart)`` on a new thread set to the pinned device; its result, or -1 where it raised."""
-        result = [-1]
+    def _on_device_thread(self, call: Callable[[Any], int]) -> int | None:
+        """``call(cudart)`` on a new thread set to the pinned device; its result, or None (logged) where it raised."""
+        result: list[int | None] = [None]
 
         def run() -> None:
             try:
