@@ -110,7 +110,8 @@ def test_shares_add_up_to_the_epoch_and_follow_the_weights() -> None:
 
 
 def test_a_weighted_epoch_upsamples_a_small_source_and_never_repeats_a_large_one() -> None:
-    counts, reads, tags = (100, 100, 20), (0, 0, 0), (1, 1, 2)  # source 1: 200 samples, source 2: 20
+    counts, tags = (100, 100, 20), (1, 1, 2)  # source 1: 200 samples, source 2: 20
+    reads = np.zeros(220, dtype=np.int64)
     order = weighted_order(counts, reads, tags, {1: 0.5, 2: 0.5}, 300, seed=3, epoch=0, shuffle=True)
     assert len(order) == 300
     small = order[order >= 200]
@@ -190,7 +191,7 @@ def read_epoch_then_fill(root: Path, weights: dict[int, float], first: tuple[int
         writer.add(make_sample(f"a{n}", 4000))
     writer.flush()
     snapshot = Snapshot.create(root, "job-e000000")  # an epoch reads what is cached so far
-    snapshot.mark_read()
+    snapshot.record_served(np.arange(snapshot.samples))
     snapshot.release()
     writer.source = then
     with pytest.raises(WriterStopped):

@@ -24,8 +24,8 @@ class EvictionPolicy(Protocol):
     def choose(self, candidates: Sequence[int], reads: Mapping[int, int] = _NO_READS) -> int:
         """Return one element of the non-empty ``candidates`` (segment sequence numbers, ascending).
 
-        ``reads``: how many epoch snapshots held each segment so far (absent: none; see "Epoch reads" in
-        ``store.py``).
+        ``reads``: each segment's reads, its least-read sample's (absent: none; NOTE [ Read receipts ] in
+        ``reads.py``).
         """
         ...
 
@@ -52,7 +52,7 @@ class RandomEviction:
 
 
 class MostReadEviction:
-    """The segment the most epochs have read first, the oldest among equals; segments no epoch read go last.
+    """The segment with the most reads first (its least-read sample's), the oldest among equals; unread go last.
 
     For a small cache in front of a slow remote: every download is trained on before it is evicted (as long as
     epochs keep up), and the samples that have served most make room. Without trainers it is FIFO.

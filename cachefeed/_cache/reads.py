@@ -1,30 +1,50 @@
-"""Epoch reads: the receipts trainers leave and the daemon's ledger of how many epochs read each segment.
+"""Epoch reads: what each epoch served, the receipts trainers leave, and the daemon's per-sample ledger.
 
-The contract between the daemon and its trainers is reads, not time: a segment may be evicted only once
-``cache.evict_after_reads`` epochs have read it (``_cache/store.py``). This module owns how a read is reported and
-remembered; both sides import it.
+The contract between the daemon and its trainers is reads, not time: a segment may be evicted only once training
+has read it enough (``cache.evict_after_reads``, ``_cache/store.py``). This module owns what "read" means, how a
+read is reported and how it is remembered; both sides import it.
 
 NOTE [ Read receipts ]
 ----------------------
-Processes: trainer ranks (any number per snapshot) mark, the last holder of a snapshot writes the receipt (or the
-daemon's sweep, when that holder died), the daemon consumes it.
+**Definitions** (every rule of the daemon, the status lines and the metrics follow these, and nothing else):
 
-* A trainer that has read an epoch over snapshot ``<id>`` (served at least one batch of it) creates
-  ``snapshots/<id>/READ`` before it releases its pin (``Snapshot.mark_read``). Every rank may; a second create
-  is a no-op.
-* Whoever removes the snapshot directory (see NOTE [ Snapshot pinning protocol ]) first looks for ``READ``; if it
-  is there, it writes ``snapshots/<id>.<token>.receipt`` atomically: the segment names of the snapshot's MANIFEST.
-  So one receipt per snapshot however many ranks shared it, and a snapshot nobody read (the job ended before the
-  epoch began) leaves none. The token is random: snapshot ids repeat across runs (``<run_id>-e<epoch>``).
-  While no daemon holds the cache's writer lock (a static cache, written once and read for ever; or a daemon
-  restarting), no receipt is written: nobody would collect it, and receipts would pile up one per epoch. The
-  reads missed count as fewer reads, which only keeps data longer.
-* The daemon (``ReadLedger``) reads every receipt, credits one read to each named segment it still publishes,
-  writes its ledger ``reads`` (counts per segment name and the names of the receipts it just applied) atomically,
-  and only then unlinks the receipts. After a crash between the two steps, a receipt named in the ledger is
-  unlinked without being counted again: every epoch counts exactly once, however short, and counts survive a
-  restart. A segment the ledger does not name counts as unread: a lost or corrupt ledger makes the daemon keep
-  data longer, never evict it early.
+* An epoch *serves* a sample when the batch holding it reaches the training loop: ``EpochLoader``'s iterator hands
+  the batch out, less any batch a look-ahead the package owns (``DevicePrefetcher``) holds but has not yielded. A
+  record that fails verification inside a served batch counts as served (no epoch could ever serve it; counting it
+  lets its segment go). With ``factory.dataset()``/``share()`` (the user's own DataLoader) the factory cannot see
+  batches: the released epoch counts as having served this rank's share.
+* A sample's *reads* are the number of epochs that served it. An epoch counts at most once per sample, whichever
+  ranks and workers served it and however often (a small cache re-used within one epoch of a set size).
+* A segment's *reads* are the reads of its least-read sample. ``cache.evict_after_reads = k``: a segment may be
+  evicted once **every sample in it has been served by at least k epochs**. ``most-read`` eviction orders by
+  segment reads (then by the segment's total sample reads). "Cached samples not read yet" counts samples with
+  0 reads; "evicted unread" counts samples that had 0 reads when their segment went (0 at ``k >= 1`` by this
+  definition); reads per sample are the mean of the per-sample reads.
+
+**Protocol.** Processes: trainer ranks (any number per snapshot) record what they served; whoever removes the
+snapshot (its last holder, or the daemon's sweep once its holders died: NOTE [ Snapshot pinning protocol ] in
+``snapshots.py``) turns that into one receipt; the daemon consumes receipts.
+
+1. A rank, before it releases its pin, writes ``snapshots/<id>/served.<pid>.<rand>`` atomically: a bitmap over
+   the snapshot's sample indices (segments in MANIFEST order) of the samples it served. Nothing served, nothing
+   written. A rank killed before it writes leaves nothing: its samples count as unread (kept longer, never evicted
+   early); a job resumed from a checkpoint credits the batches the checkpoint says were consumed.
+2. The remover, holding the snapshot's lock exclusively: (a) unless ``<id>/RECEIPT`` exists, takes the union of the
+   served files into one receipt (per segment: its name, sample count and a bitmap of its served samples) and
+   writes it atomically as ``<id>/RECEIPT`` (nothing served: no receipt); (b) unlinks the served files; (c) renames
+   ``<id>/RECEIPT`` to ``snapshots/<id>.<nonce>.receipt`` (the nonce is the snapshot's own, from its MANIFEST);
+   (d) removes the directory, then the lock. A kill after (a) leaves ``RECEIPT``, which the next remover passes on
+   without taking the union again; after (c) neither a served file nor ``RECEIPT`` is left: **a receipt is emitted
+   at most once per snapshot**, whatever kills whom when. While no daemon holds the cache's writer lock (a static
+   cache), (a)-(c) are skipped: nobody would collect receipts, and reads missed only keep data longer.
+3. The daemon (``ReadLedger``) reads every receipt, adds one read to each served sample of each named segment it
+   still publishes with the same sample count, writes its ledger ``reads`` (per-sample counts per segment name and
+   the names of the receipts it just applied) atomically, and only then unlinks the receipts. After a crash between
+   the two steps, a receipt named in the ledger is unlinked without being counted again. A segment the ledger does
+   not name counts as unread: a lost or corrupt ledger makes the daemon keep data longer, never evict it early.
+4. A trainer creating a snapshot reads the ledger (``read_counts``) and writes each segment's reads into the
+   MANIFEST (``encode_reads``: the segment's reads and a bitmap of its samples read more than that), so every rank
+   of the epoch, and a resumed job, draws the same least-read-first order (``_trainer/partition.py``).
 """
 
 from __future__ import annotations
@@ -32,52 +52,188 @@ from __future__ import annotations
 import os
 import secrets
 import time
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 
 from cachefeed._fsutil import atomic_write
 from cachefeed._logs import get_logger
 
-__all__ = ["LEDGER_NAME", "READ_MARK", "RECEIPT_SUFFIX", "ReadLedger", "Receipt", "read_counts", "write_receipt"]
+__all__ = [
+    "LEDGER_NAME",
+    "RECEIPT_SUFFIX",
+    "SERVED_PREFIX",
+    "STAGED_RECEIPT",
+    "ReadLedger",
+    "Receipt",
+    "SampleReads",
+    "decode_reads",
+    "emit_receipt",
+    "encode_reads",
+    "read_counts",
+    "write_served",
+]
 
 log = get_logger(__name__)
 
-READ_MARK = "READ"
+SERVED_PREFIX = "served."
+STAGED_RECEIPT = "RECEIPT"
 RECEIPT_SUFFIX = ".receipt"
 LEDGER_NAME = "reads"
-_LEDGER_VERSION = 1
+_LEDGER_VERSION = 2
+_RECEIPT_VERSION = 2
+_MAX_READS = np.iinfo(np.uint16).max  # reads saturate there: far above any evict_after_reads
+
+Counts = npt.NDArray[np.uint16]
+
+
+# -- per-sample reads ----------------------------------------------------------------------------------------------
+
+
+class SampleReads:
+    """The reads of each sample of one segment (NOTE above), with the segment-level figures derived from them."""
+
+    __slots__ = ("counts", "level", "total", "unread")
+
+    def __init__(self, counts: Counts) -> None:
+        self.counts = counts
+        self.level = int(counts.min()) if len(counts) else 0  # the segment's reads: its least-read sample's
+        self.total = int(counts.sum(dtype=np.int64))
+        self.unread = int(np.count_nonzero(counts == 0))
+
+    @classmethod
+    def none(cls, samples: int) -> SampleReads:
+        return cls(np.zeros(samples, dtype=np.uint16))
+
+    def served(self, bits: bytes) -> SampleReads:
+        """These reads plus one epoch that served the samples set in ``bits`` (a packed bitmap)."""
+        mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(self.counts)).astype(bool)
+        counts = self.counts.copy()
+        counts[mask & (counts < _MAX_READS)] += 1
+        return SampleReads(counts)
+
+    def below(self, k: int) -> int:
+        """Samples served fewer than ``k`` times."""
+        return int(np.count_nonzero(self.counts < k)) if k > self.level else 0
+
+
+def encode_reads(counts: Counts) -> tuple[int, bytes]:
+    """A segment's reads for a MANIFEST: its level (least-read sample) and a packed bitmap of the samples read more
+    than that (empty when none): exact for the least-read-first order, ``len(counts) / 8`` bytes at most."""
+    level = int(counts.min()) if len(counts) else 0
+    above = counts > level
+    return level, (np.packbits(above).tobytes() if above.any() else b"")
+
+
+def decode_reads(samples: int, level: int, above: bytes) -> npt.NDArray[np.int64]:
+    """Per-sample reads for ordering, from ``encode_reads``'s pair: ``level``, or ``level + 1`` where marked."""
+    reads = np.full(samples, level, dtype=np.int64)
+    if above:
+        reads += np.unpackbits(np.frombuffer(above, dtype=np.uint8), count=samples).astype(np.int64)
+    return reads
+
+
+# -- the trainer's side: what a rank served, and the receipt of a removed snapshot ----------------------------------
+
+
+def write_served(directory: Path, served: npt.NDArray[np.int64], samples: int, *, mode: int = 0o640) -> None:
+    """Record that this rank served the snapshot's samples ``served`` (indices into its ``samples``) (step 1)."""
+    if len(served) == 0:
+        return
+    mask = np.zeros(samples, dtype=bool)
+    mask[served] = True
+    document = {"samples": samples, "bits": np.packbits(mask).tobytes()}
+    name = f"{SERVED_PREFIX}{os.getpid()}.{secrets.token_hex(4)}"
+    atomic_write(directory / name, msgpack.packb(document), mode=mode)
+
+
+def _served_union(directory: Path, samples: int) -> npt.NDArray[np.bool_]:
+    union = np.zeros(samples, dtype=bool)
+    for entry in os.scandir(directory):
+        if not entry.name.startswith(SERVED_PREFIX) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            document = msgpack.unpackb(Path(entry.path).read_bytes(), raw=False)
+            if int(document["samples"]) != samples:
+                raise ValueError(f"{document['samples']} samples, the snapshot has {samples}")
+            bits = np.frombuffer(document["bits"], dtype=np.uint8)
+            union |= np.unpackbits(bits, count=samples).astype(bool)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring an unreadable served record %s (%s): its samples count as unread", entry.path, exc)
+    return union
+
+
+def emit_receipt(directory: Path, segments: list[tuple[str, int]], nonce: str, *, mode: int = 0o640) -> bool:
+    """Steps 2(a)-(c) of the NOTE for the snapshot in ``directory`` (segments: ``(name, samples)`` in MANIFEST
+    order). The caller holds the snapshot's lock exclusively and removes the directory next. True if a receipt
+    was handed to the daemon."""
+    staged = directory / STAGED_RECEIPT
+    if not staged.exists():
+        counts = np.array([count for _name, count in segments], dtype=np.int64)
+        union = _served_union(directory, int(counts.sum()))
+        if not union.any():
+            return False
+        starts = np.concatenate(([0], np.cumsum(counts)))
+        entries = []
+        for (name, count), start in zip(segments, starts[:-1].tolist(), strict=True):
+            mask = union[start : start + count]
+            if mask.any():
+                entries.append([name, count, np.packbits(mask).tobytes()])
+        document = {"version": _RECEIPT_VERSION, "snapshot": directory.name, "segments": entries, "at": time.time()}
+        atomic_write(staged, msgpack.packb(document), mode=mode)
+    for entry in os.scandir(directory):
+        if entry.name.startswith(SERVED_PREFIX):
+            Path(entry.path).unlink(missing_ok=True)
+    os.rename(staged, directory.parent / f"{directory.name}.{nonce}{RECEIPT_SUFFIX}")
+    return True
+
+
+# -- the daemon's side ------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Receipt:
-    """One epoch's read of one snapshot, as the daemon finds it in ``snapshots/``."""
+    """One epoch's served samples of one snapshot, as the daemon finds it in ``snapshots/``.
+
+    ``segments``: ``(segment name, its sample count, packed bitmap of the samples the epoch served)``.
+    """
 
     name: str  # the receipt's file name
     snap_id: str
-    segments: tuple[str, ...]
+    segments: tuple[tuple[str, int, bytes], ...]
 
 
-def write_receipt(snapshots: Path, snap_id: str, segments: Iterable[str], *, mode: int = 0o640) -> None:
-    """Leave the receipt of one epoch read of ``snap_id`` (its segment names) for the daemon."""
-    document = {"snapshot": snap_id, "segments": list(segments), "at": time.time()}
-    name = f"{snap_id}.{secrets.token_hex(6)}{RECEIPT_SUFFIX}"
-    atomic_write(snapshots / name, msgpack.packb(document), mode=mode)
+def _pack_counts(counts: Counts) -> bytes:
+    return zlib.compress(counts.astype("<u2", copy=False).tobytes(), 1)
 
 
-def read_counts(root: Path) -> dict[str, int]:
-    """The ledger's counts per segment name, for readers (trainers): empty if there is none or it is unreadable."""
+def _unpack_counts(blob: bytes) -> Counts:
+    return np.frombuffer(zlib.decompress(blob), dtype="<u2").astype(np.uint16)
+
+
+def _load_ledger(path: Path) -> dict[str, object]:
+    document = msgpack.unpackb(path.read_bytes(), raw=False)
+    if not isinstance(document, dict) or document.get("version") != _LEDGER_VERSION:
+        raise ValueError("not a ledger of this version")
+    return document
+
+
+def read_counts(root: Path) -> dict[str, Counts]:
+    """The ledger's per-sample reads per segment name, for trainers: empty if there is none or it is unreadable."""
     try:
-        document = msgpack.unpackb((root / LEDGER_NAME).read_bytes(), raw=False)
-        return {str(name): int(n) for name, n in document["counts"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        document = _load_ledger(root / LEDGER_NAME)
+        return {str(name): _unpack_counts(blob) for name, blob in document["counts"].items()}  # type: ignore[attr-defined]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, zlib.error):
         return {}
 
 
 class ReadLedger:
-    """The daemon's side: collects receipts and keeps the counts in ``<root>/reads`` (the single writer)."""
+    """The daemon's side: collects receipts and keeps the per-sample counts in ``<root>/reads`` (single writer)."""
 
     def __init__(self, root: Path, snapshots: Path, *, file_mode: int = 0o640) -> None:
         self.path = root / LEDGER_NAME
@@ -86,18 +242,17 @@ class ReadLedger:
         self._applied: frozenset[str] = frozenset()
         self.epochs_total = 0
 
-    def load(self) -> dict[str, int]:
-        """The counts per segment name as last committed (empty if there is no ledger or it cannot be read)."""
+    def load(self) -> dict[str, Counts]:
+        """The per-sample counts per segment name as last committed (empty if there is no ledger, or it cannot be
+        read: every segment then counts as unread)."""
         try:
-            document = msgpack.unpackb(self.path.read_bytes(), raw=False)
-            if not isinstance(document, dict) or document.get("version") != _LEDGER_VERSION:
-                raise ValueError("not a ledger of this version")
-            counts = {str(name): int(n) for name, n in document["counts"].items()}
-            self._applied = frozenset(str(name) for name in document["applied"])
-            self.epochs_total = int(document["epochs_total"])
+            document = _load_ledger(self.path)
+            counts = {str(name): _unpack_counts(blob) for name, blob in document["counts"].items()}  # type: ignore[attr-defined]
+            self._applied = frozenset(str(name) for name in document["applied"])  # type: ignore[attr-defined]
+            self.epochs_total = int(document["epochs_total"])  # type: ignore[call-overload]
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, zlib.error) as exc:
             log.warning("ignoring the read ledger %s (%s): every cached segment counts as unread", self.path, exc)
             return {}
         return counts
@@ -117,22 +272,26 @@ class ReadLedger:
                 if not entry.is_file(follow_symlinks=False):
                     raise ValueError("not a regular file")
                 document = msgpack.unpackb(Path(entry.path).read_bytes(), raw=False)
-                receipt = Receipt(entry.name, str(document["snapshot"]), tuple(str(n) for n in document["segments"]))
+                if document.get("version") != _RECEIPT_VERSION:
+                    raise ValueError(f"receipt version {document.get('version')!r}, expected {_RECEIPT_VERSION}")
+                segments = tuple((str(n), int(c), bytes(b)) for n, c, b in document["segments"])
+                receipt = Receipt(entry.name, str(document["snapshot"]), segments)
                 receipts.append((float(document.get("at", 0.0)), receipt))
             except FileNotFoundError:
                 continue
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("removing an unreadable read receipt %s (%s)", entry.name, exc)
                 Path(entry.path).unlink(missing_ok=True)
         return [receipt for _at, receipt in sorted(receipts, key=lambda pair: pair[0])]
 
-    def commit(self, applied: list[Receipt], counts: Mapping[str, int]) -> None:
+    def commit(self, applied: Iterable[Receipt], counts: Mapping[str, Counts]) -> None:
         """Persist ``counts`` (after ``applied`` was credited), then remove the applied receipts."""
+        applied = list(applied)
         self.epochs_total += len(applied)
         names = frozenset(receipt.name for receipt in applied)
         document = {
             "version": _LEDGER_VERSION,
-            "counts": dict(counts),
+            "counts": {name: _pack_counts(c) for name, c in counts.items()},
             "applied": sorted(names),
             "epochs_total": self.epochs_total,
         }

@@ -20,10 +20,16 @@ Joining (another rank, same epoch): wait for ``MANIFEST``, open ``<id>.lock``, t
 that the path still names the inode we locked (a remover may have unlinked it between our open and our lock).
 
 Removal: whoever gets ``flock(LOCK_EX | LOCK_NB)`` on ``<id>.lock`` knows nobody else holds the snapshot: it
-leaves the epoch's read receipt if a trainer marked it read (NOTE [ Read receipts ] in ``reads.py``), then
-removes ``<id>/``, then ``<id>.lock``, while holding the lock. The last releaser does this; the daemon's
-``sweep_stale`` does it for holders that died. Removing the directory before the lock means a directory without a
-lock is always garbage; a ``.partial`` lock older than ``PARTIAL_GRACE_S`` whose lock is free is garbage too.
+hands the epoch's read receipt to the daemon if a rank recorded what it served (NOTE [ Read receipts ] in
+``reads.py``), then removes ``<id>/``, then ``<id>.lock``, while holding the lock. The last releaser does this;
+the daemon's ``sweep_stale`` does it for holders that died. Removing the directory before the lock means a
+directory without a lock is always garbage; a ``.partial`` lock older than ``PARTIAL_GRACE_S`` whose lock is free
+is garbage too.
+
+Ownership: the MANIFEST names the *job* that created the snapshot (``job``, a nonce the job's ranks agree on,
+``_trainer/partition.py``) and carries a nonce of the snapshot's own (``nonce``). ``join`` refuses a snapshot of
+another job, and a resumed epoch joins only the snapshot whose nonce its checkpoint names: two jobs never read
+each other's snapshots, whatever their run ids.
 
 Why one long module: it is both sides of the pinning protocol (trainers pin and release, the daemon sweeps and
 counts pins), which must agree on every file name and lock.
@@ -44,9 +50,11 @@ from pathlib import Path
 from types import TracebackType
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 
 from cachefeed._cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
-from cachefeed._cache.reads import READ_MARK, RECEIPT_SUFFIX, read_counts, write_receipt
+from cachefeed._cache.reads import RECEIPT_SUFFIX, decode_reads, emit_receipt, encode_reads, read_counts, write_served
 from cachefeed._cache.records import segment_trailer
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
@@ -79,8 +87,12 @@ class Snapshot:
         directory: ``snapshots/<id>/``; segment ``names[i]`` is ``directory / names[i]``.
         names: segment file names, oldest first.
         counts: samples in each segment.
-        reads: epochs that had read each segment when the snapshot was made (from the daemon's ledger; 0 if
-            unknown), so that every rank sharing the snapshot draws the same least-read-first order.
+        reads: each segment's reads when the snapshot was made (its least-read sample's, from the daemon's ledger;
+            0 if unknown; NOTE [ Read receipts ] in ``reads.py``). ``sample_reads()`` has them per sample, so that
+            every rank sharing the snapshot draws the same least-read-first order.
+        job: the job that created it (a nonce its ranks agree on; "" for a snapshot made outside a factory).
+        nonce: the snapshot's own, random at creation: a checkpoint names it, so a resume joins this very
+            snapshot and no other of the same name.
         tags: each segment's source tag (0: the one unnamed remote; ``_cache/sources.py``).
         sources: ``{tag: (name, weight)}`` of the daemon's named sources when the snapshot was made (empty for
             the single ``[remote]`` form): every rank, and a resumed job, weighs the epoch the same way.
@@ -99,6 +111,9 @@ class Snapshot:
         self.counts: tuple[int, ...] = tuple(int(entry[1]) for entry in entries)
         self.reads: tuple[int, ...] = tuple(int(entry[2]) if len(entry) > 2 else 0 for entry in entries)
         self.tags: tuple[int, ...] = tuple(int(entry[3]) if len(entry) > 3 else 0 for entry in entries)
+        self._above: tuple[bytes, ...] = tuple(bytes(entry[4]) if len(entry) > 4 else b"" for entry in entries)
+        self.job = str(manifest.get("job", ""))
+        self.nonce = str(manifest.get("nonce", ""))
         named = manifest.get("sources", [])
         self.sources: dict[int, tuple[str, float]] = {
             int(tag): (str(name), float(weight)) for tag, name, weight in (named if isinstance(named, list) else [])
@@ -113,11 +128,18 @@ class Snapshot:
     def paths(self) -> list[Path]:
         return [self.directory / name for name in self.names]
 
+    def sample_reads(self) -> npt.NDArray[np.int64]:
+        """Each sample's reads when the snapshot was made (for the least-read-first order; samples in dataset
+        order): its segment's reads, plus one where the sample was read more than its segment's least-read one."""
+        parts = [decode_reads(c, r, a) for c, r, a in zip(self.counts, self.reads, self._above, strict=True)]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
     # -- creation and joining -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, root: str | os.PathLike[str], snap_id: str) -> Snapshot:
-        """Pin every segment published right now. If another process created ``snap_id`` first, join it."""
+    def create(cls, root: str | os.PathLike[str], snap_id: str, *, job: str = "") -> Snapshot:
+        """Pin every segment published right now, for ``job``. If another process of that job created
+        ``snap_id`` first, join it (``SnapshotError`` if another job did)."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
@@ -130,7 +152,7 @@ class Snapshot:
                 if not _link_lock(partial, lock_path, layout.snapshots / snap_id):
                     os.close(fd)
                     fd = -1
-                    return cls.join(root, snap_id)
+                    return cls.join(root, snap_id, job=job)
             finally:
                 os.unlink(partial)
             directory = layout.snapshots / snap_id
@@ -145,11 +167,20 @@ class Snapshot:
                     continue  # evicted between the listing and the link
                 count, tag = segment_trailer(directory / name)
                 if count > 0:
-                    entries.append([name, count, reads.get(name, 0), tag])
+                    counts = reads.get(name)
+                    level, above = encode_reads(counts) if counts is not None and len(counts) == count else (0, b"")
+                    entries.append([name, count, level, tag, above])
                 else:
                     os.unlink(directory / name)
             named = [[e.tag, e.name, e.weight] for e in read_sources(layout.sources_file)]
-            manifest = {"id": snap_id, "created": time.time(), "segments": entries, "sources": named}
+            manifest = {
+                "id": snap_id,
+                "created": time.time(),
+                "segments": entries,
+                "sources": named,
+                "job": job,
+                "nonce": secrets.token_hex(8),
+            }
             atomic_write(directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
             snapshot = cls(layout, snap_id, fd, manifest)
             fd = -1
@@ -159,8 +190,19 @@ class Snapshot:
                 os.close(fd)
 
     @classmethod
-    def join(cls, root: str | os.PathLike[str], snap_id: str, *, timeout_s: float = 60.0) -> Snapshot:
-        """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``."""
+    def join(
+        cls,
+        root: str | os.PathLike[str],
+        snap_id: str,
+        *,
+        timeout_s: float = 60.0,
+        job: str | None = None,
+        nonce: str | None = None,
+    ) -> Snapshot:
+        """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``.
+
+        ``job``/``nonce``, when given, must match the MANIFEST's: a snapshot of another job, or another snapshot
+        of the same name, is never joined (``SnapshotError``; the pin taken to check is dropped)."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         manifest_path = layout.snapshots / snap_id / MANIFEST
@@ -169,7 +211,15 @@ class Snapshot:
             pinned = _try_pin(lock_path, manifest_path)
             if pinned is not None:
                 fd, manifest = pinned
-                return cls(layout, snap_id, fd, manifest)
+                snapshot = cls(layout, snap_id, fd, manifest)
+                for what, mine, theirs in (("job", job, snapshot.job), ("nonce", nonce, snapshot.nonce)):
+                    if mine is not None and mine != theirs:
+                        snapshot.release()
+                        raise SnapshotError(
+                            f"snapshot {snap_id!r} belongs to {what} {theirs!r}, not {mine!r}: "
+                            "it is not this job's snapshot, so it is not joined"
+                        )
+                return snapshot
             if time.monotonic() > deadline:
                 raise SnapshotError(
                     f"snapshot {snap_id!r} did not appear in {layout.snapshots} within {timeout_s:.0f}s: "
@@ -190,13 +240,13 @@ class Snapshot:
             except OSError:
                 pass
 
-    def mark_read(self) -> None:
-        """Record that an epoch has read this snapshot: its segments count one more read once the snapshot is
-        released by its last holder (NOTE [ Read receipts ] in ``reads.py``). Idempotent, any rank may call it."""
+    def record_served(self, served: npt.NDArray[np.int64]) -> None:
+        """Record that this process served the samples ``served`` (indices in dataset order) of this epoch: they
+        count one more read once the snapshot is removed by its last holder (NOTE [ Read receipts ] in
+        ``reads.py``). Any rank may call it, more than once; the epoch's union counts, once per sample."""
         if self._lock_fd is None:
-            raise SnapshotError(f"snapshot {self.snap_id} was released: mark it read before releasing it")
-        fd = os.open(self.directory / READ_MARK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-        os.close(fd)
+            raise SnapshotError(f"snapshot {self.snap_id} was released: record what it served before releasing it")
+        write_served(self.directory, served, self.samples)
 
     def release(self) -> None:
         """Drop this process's pin. The last holder removes the snapshot (idempotent)."""
@@ -313,18 +363,17 @@ def _remove_if_unheld(
 
 
 def _leave_receipt(directory: Path) -> None:
-    """If an epoch marked the snapshot in ``directory`` read, write its receipt (NOTE [ Read receipts ]) for the
-    daemon; without a daemon (a static cache) there is nobody to collect it, so none is left (see the NOTE)."""
-    if not (directory / READ_MARK).is_file():
-        return
+    """Hand what the epoch of the snapshot in ``directory`` served to the daemon as one receipt (NOTE [ Read
+    receipts ], step 2); without a daemon (a static cache) there is nobody to collect it, so none is left."""
     if not CacheLayout(directory.parent.parent).has_writer():
         return
     try:
         manifest = msgpack.unpackb((directory / MANIFEST).read_bytes(), raw=False)
-        names = [str(entry[0]) for entry in manifest.get("segments", [])]
-    except (OSError, ValueError, TypeError, AttributeError):
+        segments = [(str(entry[0]), int(entry[1])) for entry in manifest.get("segments", [])]
+        nonce = str(manifest.get("nonce", "")) or secrets.token_hex(8)
+    except (OSError, ValueError, TypeError, AttributeError, IndexError):
         return  # an incomplete snapshot was never read
-    write_receipt(directory.parent, directory.name, names)
+    emit_receipt(directory, segments, nonce)
 
 
 # -- the daemon's side ------------------------------------------------------------------------------------------

@@ -16,9 +16,10 @@ segments and two live snapshots)::
 * ``metadata``: the allocated bytes of everything else (directories and their blocks, snapshot links'
   directories, MANIFESTs, locks, marks, receipts, the read ledger, status.json), measured at every pin scan
   (``layout.metadata_bytes``; twice a second and before any grant that would not fit);
-* ``next_snapshot = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES x published segments`` (32 KiB + 128 B per
-  segment): the room one more snapshot takes, charged before a trainer creates it, so pinning the next epoch
-  between two scans (the handover) cannot push the directory over;
+* ``next_snapshot = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES x published segments + 2 x published samples / 8``
+  (32 KiB + 128 B per segment + two bits per sample: the MANIFEST's reads bitmap and one rank's record of what it
+  served, NOTE [ Read receipts ]): the room one more snapshot takes, charged before a trainer creates it, so
+  pinning the next epoch between two scans (the handover) cannot push the directory over;
 * ``METADATA_RESERVE_BYTES`` (1 MiB) covers what changes between two scans: status.json and ledger rewrites,
   a receipt, ``segments/`` growing by a block.
 
@@ -31,10 +32,11 @@ size at every step.
 With small segments the metadata is a visible share of the budget (4 KiB segments: about 3% per live snapshot);
 with the default 64 MiB segments it is negligible.
 
-Epoch reads (the contract with trainers: reads, not time). Trainers leave a receipt for every epoch they read
-(NOTE [ Read receipts ] in ``reads.py``); each pin scan (at least once a second, and before every decision that
-needs it) credits one read per receipt to the segments it names and persists the counts. A segment becomes
-*evictable* once ``evict_after_reads`` epochs have read it (0: at once, the old free-running behaviour). Every rule
+Epoch reads (the contract with trainers: reads, not time). Every epoch leaves a receipt of the samples it served
+(NOTE [ Read receipts ] in ``reads.py``, which defines every term used here); each pin scan (at least once a
+second, and before every decision that needs it) credits one read to each sample a receipt names and persists the
+counts. A segment becomes *evictable* once every sample in it has been served by ``evict_after_reads`` epochs (0:
+at once, the old free-running behaviour). Every rule
 below evicts evictable segments only: when the published set must shrink and none may go, ingest waits for the
 trainers to read (*paced*), which is the normal state of a daemon whose trainers are slower than its remote, and
 a daemon without trainers fills its budget and then fetches nothing. When a segment is evicted its reads are
@@ -86,7 +88,7 @@ from cachefeed._cache.layout import (
     segment_name,
     segment_seq,
 )
-from cachefeed._cache.reads import ReadLedger
+from cachefeed._cache.reads import ReadLedger, SampleReads
 from cachefeed._cache.records import SegmentReader
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
@@ -152,8 +154,8 @@ class Usage:
     unread_samples: int = 0  # published samples no epoch has read yet
     is_paced: bool = False  # ingest waits for trainers to read (see "Epoch reads"): the normal state, not a fault
     waiting_for_reads_samples: int = 0  # while paced: published samples read fewer than evict_after_reads times
-    max_reads: int = 0  # the most epochs any published segment has been read by
-    sample_reads: int = 0  # sum over published segments of samples x epochs that read them
+    max_reads: int = 0  # the most reads of any published segment (a segment's reads: its least-read sample's)
+    sample_reads: int = 0  # sum over published samples of the epochs that served them
     oldest_published_at: float | None = None  # unix time of the oldest published segment (None: empty cache)
     newest_published_at: float | None = None
     fill: float = 0.0  # published bytes / what the daemon fills to without readers (max - turnover - metadata)
@@ -174,9 +176,9 @@ class Counters:
     backpressure_events: int = 0
     first_eviction_at: float = 0.0
     evicted_published_at: list[float] = field(default_factory=list)
-    evicted_unread_samples: int = 0  # evicted before any epoch read them
-    evicted_sample_reads: int = 0  # sum over evicted segments of samples x epochs that read them
-    evicted_max_reads: int = 0  # the most epochs an evicted segment had been read by
+    evicted_unread_samples: int = 0  # evicted before any epoch served them
+    evicted_sample_reads: int = 0  # sum over evicted samples of the epochs that served them
+    evicted_max_reads: int = 0  # the most reads of an evicted segment (its least-read sample's)
     epochs_seen: int = 0  # read receipts applied (every epoch read, since the ledger began)
 
 
@@ -200,7 +202,8 @@ class CacheStore:
         self._grants: dict[int, Grant] = {}
         self._pinned_only: dict[int, int] = {}
         self._pinned_published: set[int] = set()
-        self._epoch_reads: dict[int, int] = {}  # seq -> epochs that read it (see "Epoch reads")
+        self._reads: dict[int, SampleReads] = {}  # seq -> its samples' reads (absent: none; see "Epoch reads")
+        self._levels: dict[int, int] = {}  # seq -> the segment's reads (its least-read sample's), where > 0
         self.source_weights: dict[int, float] = {}  # source tag -> share (see "Weighted sources"); {}: unweighted
         self._samples_by_tag: dict[int, int] = {}  # published samples per source tag, kept as segments come and go
         self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
@@ -297,7 +300,10 @@ class CacheStore:
             highest = max(highest, segment_seq(name))
         self._next_seq = highest + 1
         by_name = {segment.name: seq for seq, segment in self._published.items()}
-        self._epoch_reads = {by_name[name]: n for name, n in self._ledger.load().items() if name in by_name and n}
+        for name, counts in self._ledger.load().items():
+            known = by_name.get(name)
+            if known is not None and len(counts) == self._published[known].samples:
+                self._set_reads(known, SampleReads(counts))
         self.counters.epochs_seen = self._ledger.epochs_total
         self._rescan_pins()
         log.info(
@@ -339,16 +345,27 @@ class CacheStore:
         if not receipts:
             return
         for receipt in receipts:
-            for name in receipt.segments:
-                if SEGMENT_NAME.match(name) and segment_seq(name) in self._published:
-                    seq = segment_seq(name)
-                    self._epoch_reads[seq] = self._epoch_reads.get(seq, 0) + 1
-        names = {seq: segment.name for seq, segment in self._published.items()}
-        self._ledger.commit(receipts, {names[seq]: n for seq, n in self._epoch_reads.items() if seq in names})
+            for name, count, served in receipt.segments:
+                seq = segment_seq(name) if SEGMENT_NAME.match(name) else -1
+                segment = self._published.get(seq)
+                if segment is None or segment.name != name or segment.samples != count:
+                    continue  # evicted meanwhile (it was evictable), or not ours
+                self._set_reads(seq, self._sample_reads(seq).served(served))
+        self._ledger.commit(receipts, {self._published[seq].name: reads.counts for seq, reads in self._reads.items()})
         self.counters.epochs_seen = self._ledger.epochs_total
 
+    def _sample_reads(self, seq: int) -> SampleReads:
+        return self._reads.get(seq) or SampleReads.none(self._published[seq].samples)
+
+    def _set_reads(self, seq: int, reads: SampleReads) -> None:
+        self._reads[seq] = reads
+        if reads.level:
+            self._levels[seq] = reads.level
+        else:
+            self._levels.pop(seq, None)
+
     def _is_evictable(self, seq: int) -> bool:
-        return self._epoch_reads.get(seq, 0) >= self.config.evict_after_reads
+        return self._levels.get(seq, 0) >= self.config.evict_after_reads
 
     def _evictable(self, *, unpinned: bool = False) -> list[int]:
         """Published segments the read contract lets go (oldest first), optionally only those no snapshot pins.
@@ -356,7 +373,7 @@ class CacheStore:
         O(segments) per call (a caller evicting several computes it once): cheap enough per grant with thousands.
         """
         order = sorted(self._published)  # nearly sorted already: publication follows grant order
-        reads, enough = self._epoch_reads, self.config.evict_after_reads
+        reads, enough = self._levels, self.config.evict_after_reads
         if enough:
             order = [seq for seq in order if reads.get(seq, 0) >= enough]
         if unpinned:
@@ -414,7 +431,8 @@ class CacheStore:
     @property
     def metadata_bytes(self) -> int:
         """What the budget charges for everything but segment data: measured, plus the next snapshot's room."""
-        return self._metadata_bytes + SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published)
+        room = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published) + 2 * (self.samples + 7) // 8
+        return self._metadata_bytes + room
 
     def _data_bytes(self) -> int:
         return self.published_bytes + sum(self._pinned_only.values()) + self.reserved_bytes
@@ -540,7 +558,7 @@ class CacheStore:
             if spare_below_share and excess[worst] < -1e-9 * total:  # below, not at (one source is always at)
                 return None
             candidates = [seq for seq in candidates if self._published[seq].source == worst]
-        return self.policy.choose(candidates, self._epoch_reads)
+        return self.policy.choose(candidates, self._levels)
 
     def _add_published(self, segment: PublishedSegment) -> None:
         self._published[segment.seq] = segment
@@ -569,11 +587,11 @@ class CacheStore:
         counters.evicted_segments += 1
         counters.evicted_samples += segment.samples
         counters.evicted_bytes += segment.nbytes
-        reads = self._epoch_reads.pop(seq, 0)
-        counters.evicted_sample_reads += reads * segment.samples
-        counters.evicted_max_reads = max(counters.evicted_max_reads, reads)
-        if not reads:
-            counters.evicted_unread_samples += segment.samples
+        reads = self._reads.pop(seq, None) or SampleReads.none(segment.samples)
+        self._levels.pop(seq, None)
+        counters.evicted_sample_reads += reads.total
+        counters.evicted_max_reads = max(counters.evicted_max_reads, reads.level)
+        counters.evicted_unread_samples += reads.unread
         counters.first_eviction_at = counters.first_eviction_at or time.time()
         counters.evicted_published_at.append(segment.published_at)
         del counters.evicted_published_at[:-64]
@@ -633,7 +651,7 @@ class CacheStore:
 
     @property
     def samples(self) -> int:
-        return sum(segment.samples for segment in self._published.values())
+        return sum(self._samples_by_tag.values())
 
     def samples_by_source(self) -> dict[int, int]:
         """Published samples per source tag."""
@@ -660,15 +678,15 @@ class CacheStore:
             free_bytes=self._free_bytes(),
             min_free_bytes=self.config.min_free_bytes,
             is_backpressured=self._is_backpressured,
-            unread_samples=sum(s.samples for seq, s in self._published.items() if seq not in self._epoch_reads),
+            unread_samples=sum(self._sample_reads(seq).unread for seq in self._published),
             is_paced=self._is_paced,
             waiting_for_reads_samples=(
-                sum(s.samples for seq, s in self._published.items() if not self._is_evictable(seq))
+                sum(self._sample_reads(seq).below(self.config.evict_after_reads) for seq in self._published)
                 if self._is_paced
                 else 0
             ),
-            max_reads=max(self._epoch_reads.values(), default=0),
-            sample_reads=sum(self._published[seq].samples * n for seq, n in self._epoch_reads.items()),
+            max_reads=max(self._levels.values(), default=0),
+            sample_reads=sum(reads.total for reads in self._reads.values()),
             oldest_published_at=min((s.published_at for s in self._published.values()), default=None),
             newest_published_at=max((s.published_at for s in self._published.values()), default=None),
             fill=min(1.0, self.published_bytes / max(1, self._published_target())),

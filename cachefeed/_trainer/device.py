@@ -16,6 +16,10 @@ How the streams are kept honest (the copy runs on a side stream, the training st
 Copies are ``non_blocking``; they only overlap when the source is in pinned memory (build the loader with
 ``pin_memory=True``). A pageable source still works, the copy is then synchronous with the host.
 
+The prefetcher takes batch ``i + 1`` from the loader before it yields batch ``i``; it tells an ``EpochLoader``'s
+iterator so (``hold``, see ``epoch.py``), and ``factory.state_dict()`` after the step on batch ``i`` counts ``i + 1``
+batches consumed: a resume gives batch ``i + 1`` next.
+
 On a CPU device (or ``device=None`` without CUDA) the prefetcher is a pass-through: batches are handed out as the
 loader makes them, nothing is copied.
 """
@@ -101,6 +105,7 @@ class DevicePrefetcher:
     def _cuda_batches(self) -> Iterator[Any]:
         side = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         batches = iter(self.loader)
+        hold = getattr(batches, "hold", None)  # an EpochLoader's: batches taken ahead are not consumed yet
         copying: deque[tuple[Any, Any]] = deque()  # (event, host batch) of copies that may still read the host
 
         def issue() -> Any:
@@ -110,6 +115,8 @@ class DevicePrefetcher:
                 host = next(batches)
             except StopIteration:
                 return _DONE
+            if hold is not None:
+                hold(1)
             side.wait_stream(torch.cuda.current_stream(self.device))  # (1) in the module docstring
             with torch.cuda.stream(side):
                 moved = move_to(host, self.device, non_blocking=self.non_blocking)
@@ -125,6 +132,8 @@ class DevicePrefetcher:
                 current.wait_stream(side)  # (2)
                 _record(ahead, current)  # (3)
                 ready, ahead = ahead, issue()
+                if hold is not None:
+                    hold(-1)
                 yield ready
         finally:
             for event, _host in copying:  # (4) also when the loop ends or breaks: no host batch goes mid-copy

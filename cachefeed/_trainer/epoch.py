@@ -7,7 +7,13 @@ Lifecycle of an ``EpochState`` (see NOTE [ Epoch handover ] in ``loader.py`` for
         ->  released (passes closed, the workers' readers closed, dataset closed, pin dropped)
 
 ``release`` is idempotent and runs on the factory's teardown thread, never on the training thread. A released
-state cannot be iterated again (its snapshot may be gone).
+state cannot be iterated again (its snapshot may be gone). Before it drops the pin, it records what the epoch
+served (NOTE [ Read receipts ] in ``_cache/reads.py``): the samples of the batches the training loop received
+(``batches_consumed``), plus those a checkpoint says an earlier run of this epoch consumed.
+
+Consumption is what the loop received: a look-ahead wrapper (``DevicePrefetcher``, or the caller's own) that takes
+batches from an ``EpochLoader``'s iterator before it yields them calls ``hold(+1)`` on that iterator for each batch
+it takes and ``hold(-1)`` as it yields one, so ``state_dict()`` never counts a batch the loop has not seen.
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ class EpochState:
         dataset: SnapshotDataset,
         indices: npt.NDArray[np.int64],
         *,
+        credited: npt.NDArray[np.int64] | None = None,
         new_samples: int,
         new_segments: int,
         wait_for_samples_s: float,
@@ -108,6 +115,7 @@ class EpochState:
         self.snapshot = snapshot
         self.dataset = dataset
         self.indices = indices
+        self.credited = credited if credited is not None else indices[:0]  # served by an earlier run of the epoch
         self.rank_samples = len(indices)
         self.new_samples = new_samples
         self.new_segments = new_segments
@@ -121,7 +129,9 @@ class EpochState:
         self.fed = False  # a loader (pool pass or DataLoader) was set up: the factory reads it, not the caller
         self.batches = 0
         self.batches_served = 0
-        self.batches_consumed = 0  # batches taken from the sampler by the training loop (empty ones included)
+        self.batches_consumed = 0  # batches the training loop received (empty ones included), this iteration
+        self.batches_received = 0  # the most any iteration of this epoch received: what it served
+        self._batch_size = 1  # set when fed
         self.touched_at = 0.0  # perf_counter of the last ``snapshot.touch()`` (progress the daemon sees)
         self.first_batch_wait_s: float | None = None
         self.is_first_epoch = False
@@ -137,6 +147,7 @@ class EpochState:
     ) -> None:
         """Without workers: build the DataLoader, start its iterator and fetch the first item."""
         sampler = EpochBatchSampler(self.indices, batch_size, drop_last=drop_last)
+        self._batch_size = batch_size
         loader = make(self.dataset, sampler)
         self.dataloader = loader
         self.batches = len(sampler)
@@ -152,6 +163,7 @@ class EpochState:
     def start_pass(self, pool: WorkerPool, batch_size: int, drop_last: bool) -> None:
         """With workers: queue this epoch's batches on the pool (its workers start on them once dealt)."""
         self.pool = pool
+        self._batch_size = batch_size
         self.pool_key = pool.new_key()
         self._batch_list = list(EpochBatchSampler(self.indices, batch_size, drop_last=drop_last))
         self.batches = len(self._batch_list)
@@ -215,7 +227,7 @@ class EpochState:
             inners = list(self._inners.values())
             self._inners.clear()
             self._started = None
-        was_read = self.batches_served > 0 or not self.fed  # dataset() only: the caller read it
+        served = self._served()
         try:
             for inner in inners:
                 shutdown_iterator(inner)
@@ -224,17 +236,26 @@ class EpochState:
         finally:
             self._final_skipped = self.dataset.skipped
             self.dataset.close()
-            if was_read:
-                try:
-                    self.snapshot.mark_read()  # its segments count one more epoch read (NOTE in _cache/reads.py)
-                except OSError as exc:
-                    log.warning("epoch %d: could not record its read of %s: %s", self.epoch, self.snapshot.snap_id, exc)
+            try:
+                self.snapshot.record_served(served)  # NOTE [ Read receipts ] in _cache/reads.py
+            except OSError as exc:
+                log.warning("epoch %d: could not record what %s served: %s", self.epoch, self.snapshot.snap_id, exc)
             self.snapshot.release()
             # Released states are kept for their stats only: drop what scales with the epoch (the share's index
             # array, also held by the DataLoader's batch sampler).
             self.indices = self.indices[:0]
             self._batch_list = []
             self.dataloader = None
+
+    def _served(self) -> npt.NDArray[np.int64]:
+        """The samples this process served (module docstring); with ``dataset()`` only, its whole share."""
+        mine = self.indices[: self.batches_received * self._batch_size] if self.fed else self.indices
+        return np.concatenate((self.credited, mine)) if len(self.credited) else mine
+
+    def received(self, batches: int) -> None:
+        """The training loop has received ``batches`` batches of this iteration (training thread)."""
+        self.batches_consumed = batches
+        self.batches_received = max(self.batches_received, batches)
 
 
 def shutdown_iterator(inner: Iterator[Any]) -> None:
@@ -285,6 +306,7 @@ class EpochLoader:
     def __iter__(self) -> Iterator[Any]:
         started = time.perf_counter()
         inner, head = self._state.take_iterator()
+        self._state.received(0)
         self._hooks.on_wait(time.perf_counter() - started, first_batch=None)
         self._hooks.on_progress(self._state, 0)
         return _EpochIterator(self._state, self._hooks, inner, head)
@@ -301,6 +323,12 @@ class _EpochIterator(Iterator[Any]):
         self._inner: Iterator[Any] | None = inner
         self._head = head
         self._consumed = 0
+        self._held = 0
+
+    def hold(self, batches: int) -> None:
+        """A look-ahead wrapper took (+1) or yielded (-1) a batch of this iterator (module docstring)."""
+        self._held += batches
+        self._state.received(self._consumed - self._held)
 
     def __next__(self) -> Any:
         started = time.perf_counter()
@@ -309,6 +337,7 @@ class _EpochIterator(Iterator[Any]):
             while self._inner is not None and self._consumed < state.batches:
                 item = self._head.pop() if self._head else next(self._inner)
                 self._consumed += 1
+                state.received(self._consumed - self._held)
                 self._hooks.on_progress(state, self._consumed)
                 if isinstance(item, EmptyBatch):
                     continue

@@ -68,9 +68,11 @@ from cachefeed._trainer.partition import (
     EpochBatchSampler,
     RankInfo,
     detect_ranks,
+    job_id,
     launcher_run_id,
     rank_share,
     sanitize_run_id,
+    snapshot_name,
 )
 from cachefeed._trainer.pool import WorkerPool
 from cachefeed._trainer.resume import ResumePoint, checkpoint, resume_point, resumed_snapshot
@@ -127,8 +129,9 @@ class EpochLoaderFactory:
         prepare_at: fraction of an epoch's batches after which the next epoch is prepared; None = automatic.
         epochs: the number of epochs, if known: epoch ``epochs`` is then never prepared (no workers started for
             an epoch that will not run).
-        run_id: names the snapshots (``<run_id>-e<epoch>``); default from torchrun, needed with several ranks
-            otherwise.
+        run_id: names the snapshots (``<run_id>-<job>-e<epoch>``, where ``job`` is a nonce the job's ranks agree on,
+            so two jobs never share a snapshot: ``partition.job_id``); default from torchrun, needed with several
+            ranks otherwise.
         rank, world_size: the ranks sharing this cache, if torch.distributed / torchrun do not say.
         progress: where the first wait writes its progress (None: silent).
         **loader_options: passed to every ``DataLoader`` (pin_memory, prefetch_factor, multiprocessing_context,
@@ -217,6 +220,7 @@ class EpochLoaderFactory:
         self._window = max(1, num_workers) * int(loader_options.get("prefetch_factor") or 2)
         self._pool = self._new_pool(None if collate_fn is default_collate else collate_fn) if num_workers else None
         self._agree_group = self._new_agree_group()
+        self.job = job_id(self.ranks, broadcast=self._broadcast if self._agree_group is not None else None)
         self._lock = threading.Lock()
         self._builder = SerialWorker("cachefeed-build")  # not a ThreadPoolExecutor: see background.py
         self._teardown = SerialWorker("cachefeed-teardown")
@@ -253,6 +257,11 @@ class EpochLoaderFactory:
     def share(self, epoch: int) -> npt.NDArray[np.int64]:
         """This rank's indices into ``dataset(epoch)``, in this epoch's order (disjoint, equal-sized across ranks)."""
         return self._activate(epoch, with_loader=False).indices
+
+    def snapshot_id(self, epoch: int) -> str:
+        """The name of the snapshot this factory pins for ``epoch`` (``<run_id>-<job>-e<epoch>``; a resumed epoch
+        keeps its checkpoint's snapshot when it joins it)."""
+        return snapshot_name(self.run_id, self.job, epoch)
 
     def stats(self, epoch: int) -> EpochStats:
         """Statistics of an epoch this factory built (KeyError for one it never built)."""
@@ -334,12 +343,19 @@ class EpochLoaderFactory:
         )
 
     def _new_agree_group(self) -> Any:
-        if not self.ranks.nodes_differ:
+        """A gloo group of every rank, for the job's id and the cross-node share (one per factory, made by the
+        constructor, which every rank calls)."""
+        if not self.ranks.is_distributed or self.ranks.world_size == 1:
             return None
         return torch.distributed.new_group(backend="gloo")
 
+    def _broadcast(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.broadcast(tensor, src=0, group=self._agree_group)
+        return int(tensor.item())
+
     def _agree_min(self, value: int) -> int:
-        if self._agree_group is None:
+        if self._agree_group is None or not self.ranks.nodes_differ:
             return value
         tensor = torch.tensor([value], dtype=torch.int64)
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self._agree_group)
@@ -350,28 +366,46 @@ class EpochLoaderFactory:
     def state_dict(self) -> dict[str, Any]:
         """Where the training loop is: a plain dict to store in a checkpoint (``load_state_dict`` resumes it).
 
-        Holds the epoch, the batches of it the loop has taken, the seed and the snapshot the epoch reads
-        (``resume.py``). Save it together with the model, after the step on the last batch taken.
+        Holds the epoch, the batches of it the loop has received (not those a ``DevicePrefetcher`` holds ahead),
+        the snapshot the epoch reads (its name and nonce) and every setting that decides the epoch's order and
+        this rank's share (``resume.py``). Save it together with the model, after the step on the last batch.
         """
         state = self._current
         return checkpoint(
             epoch=state.epoch if state is not None else 0,
             batches_consumed=state.batches_consumed if state is not None else 0,
-            seed=self.seed,
-            snapshot_id=state.snapshot.snap_id if state is not None else None,
-            batch_size=self.batch_size,
-            samples_per_epoch=self.samples_per_epoch,
+            snapshot=state.snapshot if state is not None else None,
+            settings=self._settings(state.snapshot if state is not None else None),
         )
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> int:
+    def _settings(self, snapshot: Snapshot | None) -> dict[str, Any]:
+        """What decides an epoch's order and this rank's share (``resume.SETTINGS``, plus ``rank``)."""
+        sources = {name: weight for name, weight in snapshot.sources.values()} if snapshot is not None else self.sources
+        return {
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "samples_per_epoch": self.samples_per_epoch,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "world_size": self.ranks.world_size,
+            "local_world_size": self.ranks.local_world_size,
+            "rank": self.ranks.rank,
+            "sources": sources,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> int:
         """Resume from ``state_dict()``: returns the epoch to continue with (call ``loader(epoch)`` for it).
 
         That epoch reads exactly the samples it had not handed out yet, from the same snapshot, if the snapshot is
         still there (the daemon keeps a dead trainer's snapshot for ``cache.snapshot_grace``). Otherwise it runs on
-        a fresh snapshot, skipping as many batches as were consumed (so step counts stay right), and one log line
-        says so. Call before the first ``loader()``; the factory's ``seed`` and ``batch_size`` must match.
+        a fresh snapshot, skipping as many batches as were consumed (so step counts stay right), and one warning
+        says so. Call before the first ``loader()``.
+
+        Raises ValueError if a setting that decides the epoch's order or this rank's share changed (the seed, the
+        batch size, ``samples_per_epoch``, ``shuffle``, ``drop_last``, the world sizes, the daemon's sources and
+        weights), naming it and both values; ``strict=False`` accepts the change and takes the fresh-snapshot path.
         """
-        epoch, resume = resume_point(state, seed=self.seed, batch_size=self.batch_size)
+        epoch, resume = resume_point(state, self._settings(None), strict=strict)
         with self._lock:
             if self._has_built:
                 raise RuntimeError("load_state_dict must be called before the first loader()")
@@ -406,7 +440,7 @@ class EpochLoaderFactory:
         """This rank's indices into ``snapshot`` for ``epoch`` (see partition.py)."""
         return rank_share(
             snapshot.counts,
-            snapshot.reads,
+            snapshot.sample_reads(),
             snapshot.tags,
             {tag: weight for tag, (_name, weight) in snapshot.sources.items()},
             epoch=epoch,
@@ -432,20 +466,24 @@ class EpochLoaderFactory:
             waited = time.perf_counter() - started
         elif is_first:
             join_timeout += self.wait_timeout_s
-        snap_id = f"{self.run_id}-e{epoch:06d}"
+        snap_id = self.snapshot_id(epoch)
         resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
         skip_batches = resume.batches_consumed if resume is not None else 0
         snapshot = resumed_snapshot(self.layout.root, resume) if resume is not None else None
+        is_exact_resume = snapshot is not None
         if snapshot is not None:
             snap_id = snapshot.snap_id
         elif self.ranks.is_creator:
-            snapshot = Snapshot.create(self.layout.root, snap_id)
+            snapshot = Snapshot.create(self.layout.root, snap_id, job=self.job)
         else:
-            snapshot = Snapshot.join(self.layout.root, snap_id, timeout_s=join_timeout)
+            snapshot = Snapshot.join(self.layout.root, snap_id, timeout_s=join_timeout, job=self.job)
         dataset: SnapshotDataset | None = None
         pid = os.getpid()
         try:
-            indices = self._share(snapshot, epoch)[skip_batches * self.batch_size :]
+            share = self._share(snapshot, epoch)
+            indices = share[skip_batches * self.batch_size :]
+            # An exact resume: the skipped batches were served by the interrupted run (its checkpoint says so).
+            credited = share[: skip_batches * self.batch_size] if is_exact_resume else share[:0]
             dataset = SnapshotDataset.from_snapshot(snapshot, transform=self.transform, verify=self.verify)
             with self._lock:
                 previous, self._last_names = self._last_names, frozenset(snapshot.names)
@@ -459,6 +497,7 @@ class EpochLoaderFactory:
                 snapshot,
                 dataset,
                 indices,
+                credited=credited,
                 new_samples=sum(c for _n, c in fresh),
                 new_segments=len(fresh),
                 wait_for_samples_s=waited,
@@ -541,7 +580,6 @@ class EpochLoaderFactory:
                 interval if self._pace_s is None else (1 - _PACE_WEIGHT) * self._pace_s + (_PACE_WEIGHT * interval)
             )
         self._last_batch_at = now
-        state.batches_consumed = consumed
         self._current = state
         if now - state.touched_at >= _TOUCH_EVERY_S:
             state.touched_at = now

@@ -10,14 +10,16 @@ smallest node's (an all-reduce MIN on a dedicated gloo group, see ``loader.py``)
 Equal shares: each local rank gets ``samples // local_world_size`` samples from a permutation seeded by
 ``(seed, epoch)``; the remainder (fewer than ``local_world_size`` samples) is **dropped** for this epoch rather than
 padded with repeats, so no sample is delivered twice in an epoch. The permutation differs each epoch, so a dropped
-sample is not dropped the next time.
+sample is not dropped the next time (and a cut pass, like the smallest node's share below, takes the least-read
+samples first).
 
 Epochs of a set size (``samples_per_epoch = N``, see ``fixed_size_order``): the node's epoch is exactly N samples
-of its snapshot, the least-read segments' samples first (ties in a seeded random order), without replacement while
-the snapshot holds N or more; with fewer, every sample is used and the rest is filled by further seeded passes over
-the snapshot (reuse), never the same sample twice in a row of passes. The N are then shuffled and split equally
-among the local ranks (``N // local_world_size`` each), so ``len(loader)`` is known before training starts and is
-the same on every node.
+of its snapshot, the least-read samples first (per-sample reads, NOTE [ Read receipts ] in ``_cache/reads.py``;
+ties in a seeded random order), so epochs smaller than the cache still serve every cached sample in turn;
+without replacement while the snapshot holds N or more; with fewer, every sample is used and the rest is filled by
+further seeded passes over the snapshot (reuse), never the same sample twice in a row of passes. The N are then
+shuffled and split equally among the local ranks (``N // local_world_size`` each), so ``len(loader)`` is known before
+training starts and is the same on every node.
 
 Weighted sources (``[[source]]`` tables, see ``weighted_order``): the node's epoch (N samples with
 ``samples_per_epoch``, else as many as the snapshot holds) is cut into one share per source, ``N x weight``
@@ -29,8 +31,10 @@ share; the others split its weight. The shares are then shuffled together and sp
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,9 +51,11 @@ __all__ = [
     "epoch_order",
     "epoch_share",
     "fixed_size_order",
+    "job_id",
     "launcher_run_id",
     "rank_share",
     "sanitize_run_id",
+    "snapshot_name",
     "source_shares",
     "weighted_order",
 ]
@@ -130,9 +136,12 @@ def detect_ranks(
 
 
 def launcher_run_id(env: Mapping[str, str] | None = None) -> str | None:
-    """The run's name as the launcher gives it: torchrun's ``TORCHELASTIC_RUN_ID``, else the rendezvous address."""
+    """The run's name as the launcher gives it: torchrun's ``TORCHELASTIC_RUN_ID`` (unless it is torchrun's
+    default ``none``), else the rendezvous address."""
     env = os.environ if env is None else env
     raw = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    if raw == "none":  # torchrun without --rdzv-id: every job has it
+        raw = ""
     if not raw and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         raw = f"{env['MASTER_ADDR']}-{env['MASTER_PORT']}"
     return sanitize_run_id(raw) if raw else None
@@ -141,6 +150,33 @@ def launcher_run_id(env: Mapping[str, str] | None = None) -> str | None:
 def default_run_id(env: Mapping[str, str] | None = None) -> str:
     """A name shared by every rank of this run: ``launcher_run_id``, else the pid (one process only)."""
     return launcher_run_id(env) or f"pid{os.getpid()}"
+
+
+def job_id(ranks: RankInfo, *, broadcast: Callable[[int], int] | None, env: Mapping[str, str] | None = None) -> str:
+    """A name of this job that all its ranks on a node share and no other job has: part of every snapshot's name
+    and MANIFEST (NOTE [ Snapshot pinning protocol ]), so two jobs never join each other's snapshots, whatever
+    their run ids.
+
+    * With torch.distributed (``broadcast`` sends global rank 0's value to every rank): a random number of rank 0.
+    * One process sharing the cache: a random number.
+    * Several local ranks that cannot talk (no torch.distributed): derived from what the launcher gives every rank
+      of one job alike and no two live jobs on a node share: the rendezvous endpoint (``MASTER_ADDR``,
+      ``MASTER_PORT``: a port two jobs cannot both hold), the run id and the restart count. Without a launcher, the
+      explicit ``run_id`` must then differ between jobs (the only case where it must).
+    """
+    env = os.environ if env is None else env
+    if broadcast is not None:
+        return f"{broadcast(secrets.randbits(48)):012x}"
+    if ranks.local_world_size == 1:
+        return secrets.token_hex(6)
+    parts = [env.get(name, "") for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")]
+    parts.append(env.get("TORCHELASTIC_RESTART_COUNT", ""))
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=6).hexdigest()
+
+
+def snapshot_name(run_id: str, job: str, epoch: int) -> str:
+    """The snapshot of ``epoch`` for job ``job`` of run ``run_id`` (at most 122 characters: a valid id)."""
+    return f"{run_id}-{job}-e{epoch:06d}"
 
 
 def sanitize_run_id(raw: str) -> str:
@@ -167,8 +203,7 @@ def epoch_share(
 
 
 def fixed_size_order(
-    counts: Sequence[int],
-    reads: Sequence[int],
+    sample_reads: npt.NDArray[np.int64],
     n: int,
     *,
     seed: int,
@@ -177,15 +212,15 @@ def fixed_size_order(
     stream: int = 0,
 ) -> npt.NDArray[np.int64]:
     """The node's ``n`` sample indices for one epoch of a set size (module docstring): least-read first, then
-    reuse in seeded passes when the snapshot holds fewer than ``n``; shuffled by ``(seed, epoch)``. ``stream``
-    varies the seeded draws (one stream per source)."""
-    samples = int(sum(counts))
+    reuse in seeded passes when the snapshot holds fewer than ``n``; shuffled by ``(seed, epoch)``.
+    ``sample_reads``: each sample's reads (``Snapshot.sample_reads()``). ``stream`` varies the seeded draws (one
+    stream per source)."""
+    samples = len(sample_reads)
     if samples == 0:
         raise ValueError("the snapshot is empty: no epoch of a set size can be drawn from it")
     rng = np.random.default_rng([seed, epoch, 1, stream])
-    per_sample_reads = np.repeat(np.asarray(reads, dtype=np.int64), np.asarray(counts, dtype=np.int64))
     tiebreak = rng.permutation(samples)
-    chosen = np.lexsort((tiebreak, per_sample_reads))[: min(n, samples)].astype(np.int64)
+    chosen = np.lexsort((tiebreak, sample_reads))[: min(n, samples)].astype(np.int64)
     passes = [chosen]
     have = len(chosen)
     while have < n:  # fewer samples than the epoch: reuse, a seeded pass at a time
@@ -215,7 +250,7 @@ def source_shares(available: Mapping[int, int], weights: Mapping[int, float], n:
 
 def weighted_order(
     counts: Sequence[int],
-    reads: Sequence[int],
+    sample_reads: npt.NDArray[np.int64],
     tags: Sequence[int],
     weights: Mapping[int, float],
     n: int,
@@ -228,7 +263,6 @@ def weighted_order(
     share drawn as ``fixed_size_order`` draws, from that source's segments; shuffled together by
     ``(seed, epoch)``. Segments whose tag has no weight are not drawn."""
     counts_a = np.asarray(counts, dtype=np.int64)
-    reads_a = np.asarray(reads, dtype=np.int64)
     tags_a = np.asarray(tags, dtype=np.int64)
     starts = np.zeros(len(counts_a) + 1, dtype=np.int64)
     np.cumsum(counts_a, out=starts[1:])
@@ -239,16 +273,15 @@ def weighted_order(
     parts = []
     for tag, share in sorted(shares.items()):
         segments = np.flatnonzero(tags_a == tag)
+        members = np.concatenate([np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in segments])
         local = fixed_size_order(
-            tuple(counts_a[segments]),
-            tuple(reads_a[segments]),
+            sample_reads[members],
             share,
             seed=seed,
             epoch=epoch,
             shuffle=False,
             stream=tag,
         )
-        members = np.concatenate([np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in segments])
         parts.append(members[local])
     order = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     if shuffle:
@@ -258,7 +291,7 @@ def weighted_order(
 
 def rank_share(
     counts: Sequence[int],
-    reads: Sequence[int],
+    sample_reads: npt.NDArray[np.int64],
     tags: Sequence[int],
     weights: Mapping[int, float],
     *,
@@ -269,18 +302,19 @@ def rank_share(
     samples_per_epoch: int | None,
     agree_min: Callable[[int], int],
 ) -> npt.NDArray[np.int64]:
-    """This rank's indices into a snapshot (its segments' ``counts``, ``reads`` and source ``tags``) for ``epoch``,
-    by the rules of the module docstring: weighted over named sources (``weights`` by tag, empty without), of a
-    set size (``samples_per_epoch``) or one pass. ``agree_min`` agrees a per-rank size across nodes (a MIN
-    all-reduce; identity on one node)."""
+    """This rank's indices into a snapshot (its segments' ``counts`` and source ``tags``, its per-sample reads)
+    for ``epoch``, by the rules of the module docstring: weighted over named sources (``weights`` by tag, empty
+    without), of a set size (``samples_per_epoch``) or one pass (least-read first when the pass is cut to fewer
+    samples than the snapshot holds: the smallest node's share, or the remainder of an uneven split).
+    ``agree_min`` agrees a per-rank size across nodes (a MIN all-reduce; identity on one node)."""
     local, world = ranks.local_rank, ranks.local_world_size
     samples = int(sum(counts))
     per_rank = samples_per_epoch // world if samples_per_epoch is not None else agree_min(samples // world)
     n = per_rank * world
     if weights:
-        order = weighted_order(counts, reads, tags, weights, n, seed=seed, epoch=epoch, shuffle=shuffle)
-    elif samples_per_epoch is not None:
-        order = fixed_size_order(counts, reads, n, seed=seed, epoch=epoch, shuffle=shuffle)
+        order = weighted_order(counts, sample_reads, tags, weights, n, seed=seed, epoch=epoch, shuffle=shuffle)
+    elif samples_per_epoch is not None or n < samples:
+        order = fixed_size_order(sample_reads, n, seed=seed, epoch=epoch, shuffle=shuffle)
     else:
         return epoch_share(
             samples,

@@ -2,14 +2,26 @@
 
 The state is a plain, picklable dict (store it in a torch checkpoint next to the model)::
 
-    {"version": 1, "epoch": 3, "batches_consumed": 120, "seed": 0, "snapshot_id": "run-e3", "batch_size": 256,
-     "samples_per_epoch": None}
+    {"version": 2, "epoch": 3, "batches_consumed": 120, "snapshot_id": "run-1a2b3c4d5e6f-e000003",
+     "snapshot_nonce": "9f...", "settings": {"seed": 0, "batch_size": 256, "samples_per_epoch": None, ...}}
 
-Resuming epoch ``e`` after ``k`` batches: if the daemon still keeps the epoch's snapshot (it keeps a dead trainer's
-snapshot for ``cache.snapshot_grace``), the factory joins it and reads exactly the samples the epoch had not handed
-out yet (the epoch's order is a pure function of the snapshot, the seed and the epoch: ``partition.py``); otherwise
-the epoch runs on a fresh snapshot, skipping its first ``k`` batches so step counts stay right, and one log line
-says that the samples differ.
+``batches_consumed`` counts the batches the training loop *received* (a batch a look-ahead such as
+``DevicePrefetcher`` holds but has not yielded is not consumed). ``settings`` holds everything that decides an
+epoch's order and this rank's share of it (``SETTINGS``): the seed, the batch size, ``samples_per_epoch``,
+``shuffle``, ``drop_last``, the ranks (global and local world sizes, and this rank) and the daemon's sources with
+their weights.
+
+Resuming epoch ``e`` after ``k`` batches, with the same settings: if the daemon still keeps the epoch's snapshot (it
+keeps a dead trainer's snapshot for ``cache.snapshot_grace``), the factory joins that very snapshot (its nonce must
+match: a snapshot of the same name made by another job is never joined) and reads exactly the samples the epoch had
+not handed out yet (the epoch's order is a pure function of the snapshot and the settings: ``partition.py``), and
+the ``k`` batches count as served by the epoch (NOTE [ Read receipts ]). Otherwise the epoch runs on a fresh
+snapshot, skipping its first ``k`` batches so step counts stay right, and one warning says the samples differ.
+
+A setting that changed makes ``load_state_dict`` raise ``ValueError`` naming it and both values: the resumed epoch
+could not be the rest of the interrupted one. ``strict=False`` accepts the change and takes the fresh-snapshot path
+(one warning). Any rank may load any rank's state: ranks of one job consume batches in lockstep, so the state only
+differs in ``rank``, which is not compared.
 """
 
 from __future__ import annotations
@@ -23,80 +35,117 @@ from cachefeed._cache.snapshots import Snapshot
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 
-__all__ = ["ResumePoint", "checkpoint", "resume_point", "resumed_snapshot"]
+__all__ = ["SETTINGS", "ResumePoint", "checkpoint", "resume_point", "resumed_snapshot"]
 
 log = get_logger(__name__)
 
-VERSION = 1
-_REQUIRED = ("version", "epoch", "batches_consumed", "seed", "snapshot_id")
+VERSION = 2
+# What decides an epoch's order and a rank's share; compared on resume (``rank`` is stored, not compared).
+SETTINGS = (
+    "seed",
+    "batch_size",
+    "samples_per_epoch",
+    "shuffle",
+    "drop_last",
+    "world_size",
+    "local_world_size",
+    "sources",
+)
+_REQUIRED = ("version", "epoch", "batches_consumed", "snapshot_id", "snapshot_nonce", "settings")
 
 
 @dataclass(frozen=True, slots=True)
 class ResumePoint:
-    """Where a checkpointed run stopped."""
+    """Where a checkpointed run stopped. ``is_exact``: the settings match, so the epoch's own snapshot may be
+    joined; False (``strict=False`` over changed settings) always takes a fresh snapshot."""
 
     epoch: int
     snapshot_id: str
+    snapshot_nonce: str
     batches_consumed: int
+    is_exact: bool = True
 
 
 def checkpoint(
-    *,
-    epoch: int,
-    batches_consumed: int,
-    seed: int,
-    snapshot_id: str | None,
-    batch_size: int,
-    samples_per_epoch: int | None,
+    *, epoch: int, batches_consumed: int, snapshot: Snapshot | None, settings: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The state dict (module docstring); ``snapshot_id`` None before the first epoch."""
-    if snapshot_id is None:
-        return {"version": VERSION, "epoch": 0, "batches_consumed": 0, "seed": seed, "snapshot_id": None}
+    """The state dict (module docstring); ``snapshot`` None before the first epoch."""
     return {
         "version": VERSION,
-        "epoch": epoch,
-        "batches_consumed": batches_consumed,
-        "seed": seed,
-        "snapshot_id": snapshot_id,
-        "batch_size": batch_size,
-        "samples_per_epoch": samples_per_epoch,
+        "epoch": epoch if snapshot is not None else 0,
+        "batches_consumed": batches_consumed if snapshot is not None else 0,
+        "snapshot_id": snapshot.snap_id if snapshot is not None else None,
+        "snapshot_nonce": snapshot.nonce if snapshot is not None else None,
+        "settings": dict(settings),
     }
 
 
-def resume_point(state: Mapping[str, Any], *, seed: int, batch_size: int) -> tuple[int, ResumePoint | None]:
-    """Check a state dict against the factory's settings: the epoch to continue with, and where in it (None: at
-    its start, nothing to resume). Raises ValueError naming what does not match."""
+def resume_point(
+    state: Mapping[str, Any], settings: Mapping[str, Any], *, strict: bool = True
+) -> tuple[int, ResumePoint | None]:
+    """Check a state dict against the factory's ``settings``: the epoch to continue with, and where in it (None: at
+    its start, nothing to resume). Raises ValueError naming what is missing or, with ``strict``, what changed."""
     for key in _REQUIRED:
         if key not in state:
-            raise ValueError(f"load_state_dict: {key!r} is missing: pass what state_dict() returned")
+            raise ValueError(
+                f"load_state_dict: {key!r} is missing: pass what state_dict() returned (a checkpoint of an older "
+                "cachefeed cannot be resumed exactly; start the epoch again)"
+            )
     if state["version"] != VERSION:
         raise ValueError(f"load_state_dict: version {state['version']!r}, this cachefeed reads version {VERSION}")
-    for key, mine in (("seed", seed), ("batch_size", batch_size)):
-        if key in state and state[key] != mine:
-            raise ValueError(
-                f"load_state_dict: the checkpoint's {key} is {state[key]!r}, this factory's {mine!r}: "
-                "build the factory with the same settings to resume exactly"
-            )
+    saved = state["settings"]
+    changed = [key for key in SETTINGS if _normal(saved.get(key)) != _normal(settings.get(key))]
+    if changed and strict:
+        key = changed[0]
+        raise ValueError(
+            f"load_state_dict: the checkpoint's {key} is {saved.get(key)!r}, this factory's is {settings.get(key)!r}"
+            f"{' (and ' + ', '.join(changed[1:]) + ' changed too)' if changed[1:] else ''}: the resumed epoch could "
+            "not be the rest of the interrupted one. Build the factory with the checkpoint's settings, or pass "
+            "strict=False to continue on a fresh snapshot (skipping the batches already consumed)"
+        )
     epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
     if state["snapshot_id"] is None:
         return epoch, None
-    return epoch, ResumePoint(epoch, str(state["snapshot_id"]), consumed)
+    if changed:
+        log.warning(
+            "resuming epoch %d with changed settings (%s; strict=False): it runs on a fresh snapshot, skips its "
+            "first %d batches and reads other samples than the interrupted epoch would have",
+            epoch,
+            ", ".join(f"{key} {saved.get(key)!r} -> {settings.get(key)!r}" for key in changed),
+            consumed,
+        )
+    return epoch, ResumePoint(epoch, str(state["snapshot_id"]), str(state["snapshot_nonce"]), consumed, not changed)
+
+
+def _normal(value: Any) -> Any:
+    """Settings as compared: a checkpoint that went through JSON or YAML has lists for tuples, str keys."""
+    if isinstance(value, Mapping):
+        return {str(k): _normal(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_normal(v) for v in value]
+    return value
 
 
 def resumed_snapshot(root: Path, resume: ResumePoint) -> Snapshot | None:
-    """The interrupted epoch's snapshot, if the daemon still keeps it; else None (and the log line)."""
+    """The interrupted epoch's own snapshot, if the settings match and the daemon still keeps it; else None (and
+    the log line)."""
+    if not resume.is_exact:
+        return None
     try:
-        snapshot = Snapshot.join(root, resume.snapshot_id, timeout_s=0.5)
-    except SnapshotError:
+        snapshot = Snapshot.join(root, resume.snapshot_id, timeout_s=0.5, nonce=resume.snapshot_nonce)
+    except SnapshotError as exc:
         log.warning(
-            "resuming epoch %d on a fresh snapshot: %s is gone (a dead trainer's snapshot is kept for "
+            "resuming epoch %d on a fresh snapshot: %s (a dead trainer's snapshot is kept for "
             "cache.snapshot_grace); the epoch skips its first %d batches but reads other samples than before",
             resume.epoch,
-            resume.snapshot_id,
+            exc,
             resume.batches_consumed,
         )
         return None
     log.info(
-        "resuming epoch %d on snapshot %s after %d batches", resume.epoch, snapshot.snap_id, resume.batches_consumed
+        "resuming epoch %d on snapshot %s after %d batches: the rest of the interrupted epoch, exactly",
+        resume.epoch,
+        snapshot.snap_id,
+        resume.batches_consumed,
     )
     return snapshot

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cachefeed._cache.layout import CacheLayout
@@ -53,8 +54,9 @@ def receipts(root: Path) -> list[str]:
 
 
 def read_one_epoch(root: Path, snap_id: str) -> Snapshot:
+    """An epoch that served every sample of its snapshot."""
     snapshot = Snapshot.create(root, snap_id)
-    snapshot.mark_read()
+    snapshot.record_served(np.arange(snapshot.samples))
     snapshot.release()
     return snapshot
 
@@ -99,8 +101,8 @@ def test_ranks_sharing_a_snapshot_leave_one_receipt(tmp_path: Path) -> None:
     write_until_paced(store)
     first = Snapshot.create(root, "run-e000001")
     second = Snapshot.join(root, "run-e000001")
-    first.mark_read()
-    second.mark_read()
+    first.record_served(np.arange(0, first.samples, 2))
+    second.record_served(np.arange(1, first.samples, 2))
     first.release()
     assert receipts(root) == [], "the snapshot is still held: no receipt yet"
     second.release()

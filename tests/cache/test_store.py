@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cachefeed._cache.layout import CacheLayout
@@ -260,7 +261,7 @@ def test_evictions_report_how_many_epochs_read_each_sample(tmp_path: Path) -> No
         snapshot = Snapshot.create(root, f"run-e{epoch:06d}")
         store._rescan_pins()
         store._rescan_pins()  # a snapshot is one epoch however often the daemon looks at it
-        snapshot.mark_read()
+        snapshot.record_served(np.arange(snapshot.samples))
         snapshot.release()
     store._rescan_pins()
     assert store.counters.epochs_seen == 2
@@ -286,7 +287,7 @@ def test_most_read_eviction_keeps_what_no_epoch_has_read(tmp_path: Path) -> None
     read = {segment.seq for segment in store.segments}
     snapshot = Snapshot.create(root, "run-e000000")  # one epoch reads the first 300 samples
     store._rescan_pins()
-    snapshot.mark_read()
+    snapshot.record_served(np.arange(snapshot.samples))
     snapshot.release()
     store.collect_reads()
     fill(store, range(300, 2000))  # more than the budget holds: evictions

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
@@ -20,8 +21,16 @@ from cachefeed._cache.writer import CacheWriter
 from cachefeed._errors import NoSuchCacheError, SnapshotError
 from cachefeed._testing.samples import check_sample, make_sample
 from cachefeed._trainer import EpochLoaderFactory
+from cachefeed._trainer.partition import RankInfo, job_id, snapshot_name
 from cachefeed._trainer.wait import wait_for_samples
 from tests.support.cache_helpers import cache_config
+
+# Ranks given explicitly (no torch.distributed) name their job from the launcher's environment: the same for both.
+RANKS_JOB = job_id(RankInfo(1, 2, 1, 2), broadcast=None)
+
+
+def rank_snapshot(run_id: str, epoch: int) -> str:
+    return snapshot_name(run_id, RANKS_JOB, epoch)
 
 
 def build_cache(root: Path, count: int, *, start: int = 0, nbytes: int = 256, segment_bytes: int = 16 << 10) -> Path:
@@ -71,7 +80,7 @@ def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(tm
             orders.append(keys)
             stats = factory.stats(epoch)
             assert (stats.samples, stats.rank_samples, stats.batches_served) == (600, 600, 30)
-            assert stats.snapshot_id == f"t-e{epoch:06d}"
+            assert stats.snapshot_id == factory.snapshot_id(epoch) and stats.snapshot_id.startswith("t-")
         assert orders[0] != orders[1], "shuffled per epoch"
         for epoch in (1, 2):
             stats = factory.stats(epoch)
@@ -89,9 +98,9 @@ def test_moving_on_releases_the_previous_pin_off_the_training_thread(tmp_path: P
     with EpochLoaderFactory(root, batch_size=10, run_id="t", prepare_at=1.0) as factory:
         old = factory.loader(0)
         next(iter(old))  # leave epoch 0 unfinished
-        assert live_snapshot_locks(root) == ["t-e000000.lock"]
+        assert live_snapshot_locks(root) == [f"{factory.snapshot_id(0)}.lock"]
         factory.loader(1)
-        wait_until(lambda: live_snapshot_locks(root) == ["t-e000001.lock"], what="epoch 0's pin to go")
+        wait_until(lambda: live_snapshot_locks(root) == [f"{factory.snapshot_id(1)}.lock"], what="epoch 0's pin to go")
         with pytest.raises(SnapshotError, match="released"):
             iter(old)
 
@@ -109,7 +118,7 @@ def test_new_samples_are_counted_against_the_previous_snapshot(tmp_path: Path) -
 
 def test_dataset_and_share_serve_people_who_build_their_own_loader(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 90)
-    rank0 = Snapshot.create(root, "t-e000000")  # what local rank 0 would do; rank 1 joins it
+    rank0 = Snapshot.create(root, rank_snapshot("t", 0), job=RANKS_JOB)  # what local rank 0 would do; rank 1 joins
     with EpochLoaderFactory(root, batch_size=8, run_id="t", rank=1, world_size=2, join_timeout_s=10) as factory:
         dataset, share = factory.dataset(0), factory.share(0)
         assert len(dataset) == 90 and len(share) == 45
@@ -218,7 +227,7 @@ def test_forkserver_with_preload_works(tmp_path: Path) -> None:
 
 def test_a_failed_background_build_is_raised_by_the_next_loader_call(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 40)
-    rank0 = Snapshot.create(root, "t-e000000")  # local rank 0 pins epoch 0, then never epoch 1
+    rank0 = Snapshot.create(root, rank_snapshot("t", 0), job=RANKS_JOB)  # local rank 0 pins epoch 0, never epoch 1
     try:
         with EpochLoaderFactory(root, batch_size=4, run_id="t", rank=1, world_size=2, join_timeout_s=0.5) as factory:
             for _ in factory.loader(0):
@@ -271,7 +280,7 @@ def test_an_epoch_of_a_set_size_reads_the_least_read_samples_first(tmp_path: Pat
         for i in range(200):
             writer.add(make_sample(f"old{i}", 256))
     read = Snapshot.create(root, "earlier-epoch")  # an earlier epoch read all of these
-    read.mark_read()
+    read.record_served(np.arange(read.samples))
     read.release()
     store.collect_reads()
     with CacheWriter(store, segment_bytes=16 << 10, fsync=False) as writer:
@@ -286,11 +295,12 @@ def test_an_epoch_of_a_set_size_reads_the_least_read_samples_first(tmp_path: Pat
 def test_ranks_split_an_epoch_of_a_set_size_equally_and_disjointly() -> None:
     from cachefeed._trainer.partition import fixed_size_order
 
-    order = fixed_size_order((40, 40, 20), (1, 0, 0), 60, seed=3, epoch=2, shuffle=True)
+    reads = np.repeat([1, 0, 0], [40, 40, 20])
+    order = fixed_size_order(reads, 60, seed=3, epoch=2, shuffle=True)
     rank0, rank1 = order[:30], order[30:]
     assert len(set(rank0.tolist()) | set(rank1.tolist())) == 60, "disjoint shares of distinct samples"
     assert set(order.tolist()) == set(range(40, 100)), "the never-read segments first"
-    again = fixed_size_order((40, 40, 20), (1, 0, 0), 60, seed=3, epoch=2, shuffle=True)
+    again = fixed_size_order(reads, 60, seed=3, epoch=2, shuffle=True)
     assert (order == again).all(), "every rank computes the same order"
 
 
@@ -327,7 +337,7 @@ def test_reading_an_epoch_shows_progress_on_its_snapshot(tmp_path: Path, monkeyp
     monkeypatch.setattr(loader_module, "_TOUCH_EVERY_S", 0.0)
     root = build_cache(tmp_path / "c", 100)
     with EpochLoaderFactory(root, batch_size=10, run_id="t", epochs=1, progress=None) as factory:
-        lock = root / "snapshots" / "t-e000000.lock"
+        lock = root / "snapshots" / f"{factory.snapshot_id(0)}.lock"
         batches = iter(factory.loader(0))
         next(batches)
         os.utime(lock, (1.0, 1.0))  # as if nobody had read for decades

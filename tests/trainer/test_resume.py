@@ -78,7 +78,8 @@ def test_a_killed_trainer_resumes_exactly_the_rest_of_its_epoch_within_the_grace
     saved = kill_mid_epoch(root, tmp_path, workers)
     daemon = CacheStore(cache_config(root, snapshot_grace_s=60.0))  # the daemon's sweep, within the grace
     daemon.sweep()
-    assert (root / "snapshots" / "job-e000000.lock").exists(), "the dead trainer's snapshot is kept"
+    snap_id = saved["state"]["snapshot_id"]
+    assert (root / "snapshots" / f"{snap_id}.lock").exists(), "the dead trainer's snapshot is kept"
     rest = resume(root, saved, workers)
     daemon.close()
     assert not set(rest) & set(saved["keys"]), "no sample twice"
@@ -92,7 +93,7 @@ def test_after_the_grace_the_epoch_resumes_on_a_fresh_snapshot_and_says_so(
     saved = kill_mid_epoch(root, tmp_path)
     daemon = CacheStore(cache_config(root, snapshot_grace_s=0.0))  # the grace is over
     daemon.close()
-    assert not (root / "snapshots" / "job-e000000.lock").exists()
+    assert not (root / "snapshots" / f"{saved['state']['snapshot_id']}.lock").exists()
     with caplog.at_level(logging.WARNING, logger="cachefeed.trainer.loader"):
         rest = resume(root, saved)
     assert len(rest) == SAMPLES - len(saved["keys"]), "the step count stays right"
@@ -101,9 +102,14 @@ def test_after_the_grace_the_epoch_resumes_on_a_fresh_snapshot_and_says_so(
 
 def test_a_checkpoint_from_other_settings_is_refused(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 50)
-    state = {"version": 1, "epoch": 2, "batches_consumed": 3, "seed": 7, "snapshot_id": "x", "batch_size": BATCH}
+    with EpochLoaderFactory(root, batch_size=BATCH, seed=7, progress=None) as factory:
+        next(iter(factory.loader(0)))
+        state = factory.state_dict()
     with EpochLoaderFactory(root, batch_size=BATCH, progress=None) as factory:
-        with pytest.raises(ValueError, match="seed is 7, this factory's 0"):
+        with pytest.raises(ValueError, match="seed is 7, this factory's is 0"):
             factory.load_state_dict(state)
         with pytest.raises(ValueError, match="'epoch' is missing"):
-            factory.load_state_dict({"version": 1})
+            factory.load_state_dict({"version": 2})
+        old = {"version": 1, "epoch": 2, "batches_consumed": 3, "seed": 0, "snapshot_id": "x", "batch_size": BATCH}
+        with pytest.raises(ValueError, match="older cachefeed"):
+            factory.load_state_dict(old)
