@@ -193,3 +193,74 @@ def test_every_epoch_is_counted_however_short(tmp_path: Path) -> None:
         store.collect_reads()
         time.sleep(0.01)
     assert store.counters.epochs_seen == epochs
+
+
+def test_a_segment_counts_as_read_only_once_every_sample_in_it_was_served(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = paced_store(root)
+    write_until_paced(store)
+    snapshot = Snapshot.create(root, "all-but-one")
+    oldest = root / "segments" / snapshot.names[0]
+    missed = snapshot.counts[0] - 1  # the oldest segment's last sample
+    snapshot.record_served(np.delete(np.arange(snapshot.samples), missed))
+    snapshot.release()
+    store.collect_reads()
+    usage = store.usage()
+    assert usage.unread_samples == 1 and usage.max_reads == 1
+    assert store.reserve(SEGMENT_BYTES) is not None, "the fully served segments make room"
+    assert oldest.exists(), "FIFO would take the oldest first: a segment with a sample never served stays"
+    again = Snapshot.create(root, "the-one")
+    again.record_served(np.array([missed]))  # in this snapshot too, the oldest segment comes first
+    assert again.names[0] == oldest.name
+    again.release()
+    write_until_paced(store, 10_000)
+    assert not oldest.exists(), "once its last sample was served, it went"
+    assert store.counters.evicted_unread_samples == 0
+    store.close()
+
+
+def _kill_while_removing(root: Path, where: str) -> None:
+    """In a child process: pin, serve every sample, release, and die by SIGKILL at ``where`` in the removal."""
+    import os
+    import signal
+
+    from cachefeed._cache import reads, snapshots
+
+    def die(*_args: object, **_kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "after-staging":  # the union is written as RECEIPT, not yet handed to the daemon
+        reads.os.rename = die  # type: ignore[attr-defined]
+    else:  # "after-handing": the receipt is the daemon's, the directory still there
+        leave = snapshots._leave_receipt
+
+        def leave_then_die(directory: Path) -> None:
+            leave(directory)
+            die()
+
+        snapshots._leave_receipt = leave_then_die  # type: ignore[assignment]
+    snapshot = Snapshot.create(root, "killed")
+    snapshot.record_served(np.arange(snapshot.samples))
+    snapshot.release()
+
+
+@pytest.mark.parametrize("where", ["after-staging", "after-handing"])
+def test_a_receipt_is_counted_once_whatever_kills_its_writer(tmp_path: Path, where: str) -> None:
+    import multiprocessing
+
+    root = tmp_path / "c"
+    store = paced_store(root, reads=2)
+    write_until_paced(store)
+    child = multiprocessing.get_context("fork").Process(target=_kill_while_removing, args=(root, where))
+    child.start()
+    child.join()
+    assert child.exitcode == -9, "the writer died mid-removal"
+    assert (root / "snapshots" / "killed.lock").exists(), "it left its snapshot behind"
+    store._swept_at = 0.0
+    store.sweep()  # the daemon removes the dead holder's snapshot, finishing what it had started
+    store.collect_reads()
+    assert not (root / "snapshots" / "killed").exists()
+    assert receipts(root) == []
+    assert store.counters.epochs_seen == 1, "one epoch, one receipt"
+    assert store.reserve(SEGMENT_BYTES) is None, "counted once: one read is not the two required"
+    store.close()

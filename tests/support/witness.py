@@ -14,6 +14,7 @@ in at least ``k`` epochs; and status's "evicted unread" equals the witness's cou
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefeed._cache.records import SegmentReader
+from cachefeed._testing.daemon import DaemonProcess
 
 
 def sample_keys(batch: Mapping[str, Any]) -> list[str]:
@@ -123,3 +125,14 @@ def check_promises(
     reported = status["evicted"]["unread_samples_total"]
     assert reported == len(never), f"status says {reported} evicted unread, the witness saw {len(never)}"
     return {"evicted": len(evicted), "served_distinct": len(times), "never_served_evicted": len(never)}
+
+
+def final_status(daemon: DaemonProcess, epochs: int) -> dict[str, Any]:
+    """Once every epoch's receipt is applied: stop the daemon and read the last status it wrote (nothing is
+    evicted after it)."""
+    daemon.wait_status(lambda d: d["cache"]["epochs_total"] >= epochs, timeout_s=60, what=f"{epochs} receipts")
+    assert daemon.stop() == 0, daemon.stderr()
+    document: dict[str, Any] = json.loads((daemon.cache_dir / "status.json").read_text())
+    assert document["state"] == "stopped", document["state"]
+    assert document["cache"]["epochs_total"] == epochs, "every epoch counted once"
+    return document

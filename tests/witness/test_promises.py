@@ -23,7 +23,7 @@ from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon
 from cachefeed._testing.samples import payload
 from cachefeed._trainer import EpochLoaderFactory
-from tests.support.witness import SegmentWitness, Served, check_promises, sample_keys
+from tests.support.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 
 OBJECTS = 600
 PER_OBJECT = 20  # 12,000 samples on the remote: no test serves them all, so no object is fetched twice
@@ -80,15 +80,6 @@ def start(tmp_path: Path, name: str = "daemon", **config: Any) -> DaemonProcess:
     cache_dir = tmp_path / f"cache-{name}"
     path = daemon_config(tmp_path, cache_dir, name=name, **config)
     return start_daemon(path, cache_dir, tmp_path / f"{name}.stderr")
-
-
-def final_status(daemon: DaemonProcess, epochs: int) -> dict[str, Any]:
-    """Once every epoch's receipt is applied: stop the daemon and read the last status it wrote."""
-    daemon.wait_status(lambda d: d["cache"]["epochs_total"] >= epochs, timeout_s=60, what=f"{epochs} receipts")
-    assert daemon.stop() == 0, daemon.stderr()
-    document: dict[str, Any] = json.loads((daemon.cache_dir / "status.json").read_text())
-    assert document["cache"]["epochs_total"] == epochs, "every epoch counted once"
-    return document
 
 
 def train(

@@ -26,8 +26,8 @@ import pytest
 from cachefeed._testing.daemon import DaemonProcess, wait_for
 from cachefeed._trainer import DevicePrefetcher, EpochLoaderFactory
 from tests.support import fake_cuda
-from tests.support.witness import SegmentWitness, Served, check_promises, sample_keys
-from tests.witness.test_promises import final_status, make_remote, start
+from tests.support.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
+from tests.witness.test_promises import make_remote, start
 
 REPO = Path(__file__).resolve().parents[2]
 BATCH = 32
