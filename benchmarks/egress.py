@@ -9,10 +9,15 @@ One moto S3 server behind a counting proxy (GETs counted at the server side of t
 * ``slow trainer``: a step of ``--slow-step`` (1 s) per batch of 16, 16 samples/s (training slower than the remote:
   moto behind the counting proxy serves a few dozen 64 KiB objects per second on 2 shared cores);
 * ``fast trainer``: no step, the remote capped at 2 MiB/s with ``remote.max_bytes_per_s`` (training faster);
+* ``tenth epochs``: no step, epochs of ``samples_per_epoch`` = a tenth of what the cache holds (an epoch serves
+  part of its snapshot: the case where crediting whole snapshots evicted samples never served);
 
 each with ``cache.evict_after_reads = 1`` (paced, the default) and ``0`` (free-running, the old behaviour).
-Printed per run: remote bytes and GETs per sample that an epoch read ("trained"), samples evicted unread, and the
-reads per evicted sample. Writes ``benchmarks/results/egress.json`` (``--no-save`` to skip).
+Printed per run: remote bytes and GETs per sample the training loop received ("trained": counted from the batches
+themselves), bytes downloaded per byte trained, samples evicted unread as status says and as a witness counts (the
+keys of every segment file the daemon published and then removed, against the keys the loop received:
+``cachefeed/_testing/witness.py``), and the reads per evicted sample. Writes ``benchmarks/results/egress.json``
+(``--no-save`` to skip).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from cachefeed._testing.daemon import BUCKET, start_daemon, write_config
 from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
 from cachefeed._testing.proxy import FaultProxy
 from cachefeed._testing.samples import upload_arrays
+from cachefeed._testing.witness import SegmentWitness, Served, final_status, sample_keys
 from cachefeed._trainer import EpochLoaderFactory
 
-TRAINERS = ("no trainer", "slow trainer", "fast trainer")
+TRAINERS = ("no trainer", "slow trainer", "fast trainer", "tenth epochs")
 
 
 def run(server: LocalS3, work: Path, trainer: str, reads: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -51,40 +57,49 @@ def run(server: LocalS3, work: Path, trainer: str, reads: int, args: argparse.Na
             sections=sections,
         )
         proc = start_daemon(config, cache_dir, work / f"{cache_dir.name}.stderr")
-        trained = epochs = 0
+        served = Served()
+        witness = SegmentWitness(cache_dir).__enter__()
         try:
             deadline = time.monotonic() + args.seconds
             if trainer == "no trainer":
                 time.sleep(args.seconds)
             else:
                 step_s = args.slow_step if trainer == "slow trainer" else 0.0
-                with EpochLoaderFactory(
-                    cache_dir, batch_size=16, run_id="egress", min_samples=16, progress=None
-                ) as factory:
+                options: dict[str, Any] = {"batch_size": 16, "min_samples": 16}
+                if trainer == "tenth epochs":
+                    full = proc.wait_status(lambda d: d["cache"]["fill"] >= 0.9, timeout_s=60, what="a full cache")
+                    tenth = max(1, full["cache"]["samples"] // 10)
+                    options = {"batch_size": min(16, tenth), "samples_per_epoch": tenth, "min_samples": tenth}
+                    deadline = time.monotonic() + args.seconds  # the fill is not part of the run
+                with EpochLoaderFactory(cache_dir, run_id="egress", progress=None, **options) as factory:
                     while time.monotonic() < deadline:
-                        for _batch in factory.loader(epochs):
+                        keys: list[str] = []
+                        for batch in factory.loader(len(served.epochs)):
+                            keys += sample_keys(batch)
                             time.sleep(step_s)
-                        trained += factory.stats(epochs).samples
-                        epochs += 1
-            doc = proc.wait_status(
-                lambda d: d["cache"]["epochs_total"] >= (epochs if reads else 0), timeout_s=30, what="receipts"
-            )
+                        served.epoch(keys)
+            doc = final_status(proc, len(served.epochs))
         finally:
             proc.stop()
+            witness.stop()
         gets = proxy.counts().ops.get("GetObject", 0)
     downloaded = doc["remote"]["bytes_total"]
+    trained = sum(len(keys) for keys in served.epochs)
+    times = served.times()
     return {
         "trainer": trainer,
         "evict_after_reads": reads,
         "seconds": args.seconds,
-        "epochs": epochs,
+        "epochs": len(served.epochs),
         "samples_trained": trained,
         "gets": gets,
         "bytes_downloaded": downloaded,
         "bytes_per_trained_sample": downloaded / trained if trained else None,
+        "bytes_per_trained_byte": downloaded / (trained * (args.object_kib << 10)) if trained else None,
         "gets_per_trained_sample": gets / trained if trained else None,
         "evicted_samples": doc["evicted"]["samples_total"],
         "evicted_unread_samples": doc["evicted"]["unread_samples_total"],
+        "witness_evicted_unread_samples": sum(1 for key in witness.evicted_keys() if not times[key]),
         "reads_per_evicted_sample": doc["evicted"]["epochs_per_sample"],
     }
 
@@ -95,15 +110,16 @@ def _fmt(value: Any, spec: str) -> str:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| trainer | evict_after_reads | samples trained | GETs | MiB downloaded | bytes / trained sample "
-        "| GETs / trained sample | evicted unread | reads per evicted sample |",
+        "| trainer | evict_after_reads | samples trained | GETs | MiB downloaded | bytes / trained byte "
+        "| GETs / trained sample | evicted unread (status / witness) | reads per evicted sample |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['trainer']} | {row['evict_after_reads']} | {row['samples_trained']:,} | {row['gets']:,} "
-            f"| {row['bytes_downloaded'] / (1 << 20):,.1f} | {_fmt(row['bytes_per_trained_sample'], ',.0f')} "
-            f"| {_fmt(row['gets_per_trained_sample'], '.2f')} | {row['evicted_unread_samples']:,} "
+            f"| {row['bytes_downloaded'] / (1 << 20):,.1f} | {_fmt(row.get('bytes_per_trained_byte'), '.2f')} "
+            f"| {_fmt(row['gets_per_trained_sample'], '.2f')} | {row['evicted_unread_samples']:,} / "
+            f"{_fmt(row.get('witness_evicted_unread_samples'), ',')} "
             f"| {_fmt(row['reads_per_evicted_sample'], '.2f')} |"
         )
     return lines

@@ -61,7 +61,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
         "evict_after_reads": (
             "evict_after_reads",
             fields.int_at_least(0),
-            "epochs that must read a segment before it may be evicted; 0 = evict by age alone (1)",
+            "epochs that must have served every sample of a segment before it may be evicted; 0 = by age alone (1)",
         ),
         "snapshot_grace": (
             "snapshot_grace_s",

@@ -91,24 +91,23 @@ def build_status(
     ``rates``: ingest bytes, samples and objects per second. ``turnover_s``: how long the last evicted segment
     stayed in the cache (None before the first eviction). Freshness and epoch reads (see "Epoch reads" in
     ``cachefeed/_cache/store.py``): ``cache.newest_age_s``/``oldest_age_s`` (ages of the newest and oldest published
-    segments, None when empty), ``cache.unread_samples`` (cached samples no epoch has pinned yet),
+    segments, None when empty), ``cache.unread_samples`` (cached samples no epoch has served yet),
     ``cache.fill`` (published bytes as a fraction of what the daemon fills to without readers:
     ``max_bytes`` less turnover and metadata; trainers' ``min_samples="75%"`` waits on it), ``cache.epochs_total``
-    (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch held
-    them) and ``evicted.epochs_per_sample`` (epochs an evicted sample was in, on average; None before the first
+    (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch served
+    them) and ``evicted.epochs_per_sample`` (epochs that served an evicted sample, on average; None before the first
     eviction). The read contract (NOTE [ Read receipts ] in ``_cache/reads.py``): ``cache.is_paced`` (ingest waits
     for trainers to read: normal, not a fault), ``cache.waiting_for_reads_samples`` (samples read fewer than
-    ``cache.evict_after_reads`` times, while paced), ``cache.max_reads``/``evicted.max_reads`` (the most epochs a
-    cached/evicted segment was read by), ``cache.sample_reads_total`` (samples x epochs that read them, evicted
-    included) and ``remote.bytes_per_sample_read`` (bytes downloaded per sample read by an epoch). Beyond the
-    contract, ``remote`` also carries
-    ``objects_failed_total`` (objects that could not be cached, any reason, counted per attempt at the object)
-    and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too large); ``remote.not_cached`` (in
-    the contract) counts the listed objects not cached for a reason, by reason (``not_found``, ``forbidden``,
-    ``too_large``, ``decode``), and ``plan`` (optional)
-    describes the sampling plan (pass, in flight, owned objects...). ``sources`` (only with ``[[source]]`` tables)
-    breaks the cache, ingest and errors down per named source: its weight, cached samples and their share of the
-    cache, objects listed, objects/samples/bytes ingested, objects failed and not cached by reason.
+    ``cache.evict_after_reads`` times, while paced), ``cache.max_reads``/``evicted.max_reads`` (the most reads of a
+    cached/evicted segment: its least-read sample's), ``cache.sample_reads_total`` (per sample, the epochs that
+    served it, summed; evicted included) and ``remote.bytes_per_sample_read`` (bytes downloaded per sample read by an
+    epoch). Beyond the contract, ``remote`` also carries ``objects_failed_total`` (objects that could not be cached, any
+    reason, counted per attempt at the object) and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too
+    large); ``remote.not_cached`` (in the contract) counts the listed objects not cached for a reason, by reason
+    (``not_found``, ``forbidden``, ``too_large``, ``decode``), and ``plan`` (optional) describes the sampling plan
+    (pass, in flight, owned objects...). ``sources`` (only with ``[[source]]`` tables) breaks the cache, ingest and
+    errors down per named source: its weight, cached samples and their share of the cache, objects listed,
+    objects/samples/bytes ingested, objects failed and not cached by reason.
     """
     now = time.time() if now is None else now
     sample_reads = counters.evicted_sample_reads + usage.sample_reads

@@ -104,14 +104,14 @@ def _freshness(cache: Mapping[str, Any]) -> str:
 
 
 def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
-    """How training on "whatever is cached" plays out: epochs read, samples no epoch read, reads per sample."""
+    """How training on "whatever is cached" plays out: epochs read, samples no epoch served, reads per sample."""
     text = (
-        f"{_plural(cache['epochs_total'], 'epoch')} read; {_count(cache['unread_samples'])} cached samples not read yet"
+        f"{_plural(cache['epochs_total'], 'epoch')} read; {_count(cache['unread_samples'])} cached samples never served"
     )
     per_sample = evicted["epochs_per_sample"]
     if per_sample is not None:
         text += (
-            f"; evicted samples were read {per_sample:.2f} times on average (at most {evicted['max_reads']}), "
+            f"; evicted samples were served {per_sample:.2f} times on average, "
             f"{_count(evicted['unread_samples_total'])} evicted unread"
         )
     return text

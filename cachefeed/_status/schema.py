@@ -143,10 +143,10 @@ STATUS_SCHEMA: dict[str, Any] = {
             "While paced: cached samples read fewer than evict_after_reads times.",
         ),
         "evict_after_reads": NUM,
-        "unread_samples": _gauge(NUM, "cachefeed_cache_unread_samples", "Cached samples no epoch has read yet."),
-        "max_reads": _gauge(NUM, "cachefeed_cache_max_reads", "Most epochs any cached segment was read by."),
+        "unread_samples": _gauge(NUM, "cachefeed_cache_unread_samples", "Cached samples no epoch has served yet."),
+        "max_reads": _gauge(NUM, "cachefeed_cache_max_reads", "Most reads of a cached segment (least-read sample)."),
         "epochs_total": _counter("cachefeed_cache_epochs", "Epoch reads reported by trainers."),
-        "sample_reads_total": _counter("cachefeed_cache_sample_reads", "Samples x epochs that read them."),
+        "sample_reads_total": _counter("cachefeed_cache_sample_reads", "Per sample, epochs that served it, summed."),
         "newest_age_s": _gauge(OPT_NUM, "cachefeed_cache_newest_age_seconds", "Age of the newest published segment."),
         "oldest_age_s": _gauge(OPT_NUM, "cachefeed_cache_oldest_age_seconds", "Age of the oldest published segment."),
         "snapshots": [{"id": str, "samples": NUM, "segments": NUM, "owner": str, "age_s": NUM, "idle_s": NUM}],
@@ -163,15 +163,15 @@ STATUS_SCHEMA: dict[str, Any] = {
         "bytes_total": _counter("cachefeed_evicted_bytes", "Bytes evicted."),
         "segments_total": _counter("cachefeed_evicted_segments", "Segments evicted."),
         "unread_samples_total": _counter(
-            "cachefeed_evicted_unread_samples", "Samples evicted before any epoch read them."
+            "cachefeed_evicted_unread_samples", "Samples evicted before any epoch served them."
         ),
         "turnover_s": _gauge(
             OPT_NUM, "cachefeed_cache_turnover_seconds", "How long the last evicted segment stayed in the cache."
         ),
         "epochs_per_sample": _gauge(
-            OPT_NUM, "cachefeed_evicted_epochs_per_sample", "Epochs an evicted sample was read by, on average."
+            OPT_NUM, "cachefeed_evicted_epochs_per_sample", "Epochs that served an evicted sample, on average."
         ),
-        "max_reads": _gauge(NUM, "cachefeed_evicted_max_reads", "Most epochs an evicted segment was read by."),
+        "max_reads": _gauge(NUM, "cachefeed_evicted_max_reads", "Most reads of an evicted segment."),
     },
     "remote": {
         "url": str,

@@ -23,8 +23,8 @@ from cachefeed._status.verdict import Health
 from cachefeed._testing.daemon import BUCKET, StartDaemon
 from cachefeed._testing.proxy import FaultProxy
 from cachefeed._testing.samples import upload_arrays
+from cachefeed._testing.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 from cachefeed._trainer import EpochLoaderFactory
-from tests.support.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 
 OBJECTS = 300
 OBJECT_BYTES = 64 << 10  # one uint8 array per object: a 19 MiB dataset
@@ -70,7 +70,7 @@ def test_without_a_trainer_no_request_for_a_minute(bucket: Any, fault_proxy: Fau
 def test_a_slow_trainer_reads_everything_the_daemon_downloads(
     bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon
 ) -> None:
-    """Witnessed, not counted: the segment files' keys (``tests/support/witness.py``), the keys the loop received
+    """Witnessed, not counted: the segment files' keys (``cachefeed/_testing/witness.py``), the keys the loop received
     and the objects the S3 server was asked for."""
     upload_arrays(bucket, BUCKET, OBJECTS, OBJECT_BYTES)
     fault_proxy.reset_counts()

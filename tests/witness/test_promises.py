@@ -1,4 +1,4 @@
-"""The read promises, checked by a witness that does not trust the ledger (``tests/support/witness.py``).
+"""The read promises, checked by a witness that does not trust the ledger (``cachefeed/_testing/witness.py``).
 
 Each test runs a real daemon on a ``file://`` remote larger than its cache, trains through the public interface and
 checks, from what the loop received and what the segment files held: no key served twice in an epoch, every
@@ -22,8 +22,8 @@ from cachefeed._codecs import msgpack_default
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon
 from cachefeed._testing.samples import payload
+from cachefeed._testing.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 from cachefeed._trainer import EpochLoaderFactory
-from tests.support.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 
 OBJECTS = 600
 PER_OBJECT = 20  # 12,000 samples on the remote: no test serves them all, so no object is fetched twice

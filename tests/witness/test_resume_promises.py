@@ -1,4 +1,4 @@
-"""Resume and ownership, checked by the witness (``tests/support/witness.py``) against a real daemon.
+"""Resume and ownership, checked by the witness (``cachefeed/_testing/witness.py``) against a real daemon.
 
 * A trainer SIGKILLed mid-epoch and resumed from its last ``state_dict()`` gets exactly the rest of the interrupted
   epoch: what the killed loop received plus what the resumed loop receives is the snapshot's key set (read from its
@@ -24,9 +24,9 @@ import msgpack
 import pytest
 
 from cachefeed._testing.daemon import DaemonProcess, wait_for
+from cachefeed._testing.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 from cachefeed._trainer import DevicePrefetcher, EpochLoaderFactory
 from tests.support import fake_cuda
-from tests.support.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 from tests.witness.test_promises import make_remote, start
 
 REPO = Path(__file__).resolve().parents[2]
