@@ -18,7 +18,7 @@ see below). Random augmentation belongs in the workers' ``transform``, on the de
 
 Safety: Pillow reads the header first; an image declaring more than ``MAX_PIXELS`` pixels (a decompression bomb,
 e.g. a tiny PNG claiming 100,000 x 100,000) is refused before anything is allocated. Truncated or corrupt files and
-non-images raise ``DecodeError`` naming the key (the daemon quarantines the object).
+non-images raise ``DecodeError`` naming the key (the daemon quarantines the object; in a tar shard, that sample).
 
 One decoder, pinned: **Pillow decodes every image, whatever else is installed.** The pixels a node caches are a
 pure function of the bytes, the settings (``size``) and the Pillow build: two nodes of one job never cache
