@@ -37,6 +37,7 @@ from tests.support.cache_helpers import tree_bytes
 
 REPORT_PREFIX = "[reliability]"
 _SIZED = re.compile(r"-(\d+)\.npy$")
+_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://")
 
 
 def report(scenario: str, **figures: Any) -> str:
@@ -82,11 +83,11 @@ def upload_sv(
 
 
 def sample_path(sample: dict[str, Any]) -> str | None:
-    """The remote path a sample came from (``bucket/key``, from its ``__url__``); its ``__key__`` for a sample
-    written straight into a cache (no ``__url__``)."""
+    """The remote path a sample came from (``bucket/key``, or a local file's path: its ``__url__`` without the
+    scheme); its ``__key__`` for a sample written straight into a cache (no ``__url__``)."""
     url = sample.get("__url__")
     if isinstance(url, str):
-        return url.removeprefix("s3://")
+        return _SCHEME.sub("", url, count=1)
     key = sample.get("__key__")
     return key if isinstance(key, str) else None
 
