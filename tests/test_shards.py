@@ -190,3 +190,15 @@ def test_image_fields_names_the_members_to_decode_and_is_checked() -> None:
         parse_config({**base, "sampler": {**tar, "image_fields": "jpg"}}, env={})
     with pytest.raises(ConfigError, match=r"sampler.image_fields = .*but sampler.decode_images is not true"):
         parse_config({**base, "sampler": {"decode": "tar", "image_fields": ["jpg"]}}, env={})
+
+
+def test_status_keeps_only_the_20_most_recent_left_out_newest_first() -> None:
+    from cachefeed._daemon.quarantine import RECENT_LIMIT, QuarantineLog
+
+    log = QuarantineLog()
+    for n in range(25):
+        log.add(f"s3://b/shard-{n}.tar", f"{n:06d}" if n % 5 else None, "sample" if n % 5 else "decode", "bad", at=n)
+    recent = log.recent()
+    assert RECENT_LIMIT == 20 and len(recent) == 20, "bounded"
+    assert [entry["at"] for entry in recent] == list(range(24, 4, -1)), "newest first"
+    assert log.samples_total == 20, "every left-out sample is counted, listed or not (objects are counted by the plan)"
