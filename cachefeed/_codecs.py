@@ -1,7 +1,13 @@
 """Decoders: one remote object's bytes -> samples, plus the user's decode and preprocess callables.
 
-A sample is a ``dict[str, Any]`` of fields. Single-array formats put the array in ``"data"``; every sample carries
-``"__key__"``, the remote key (with ``#i`` or ``/basename`` appended where one object holds several samples).
+A sample is a ``dict[str, Any]`` of fields. Single-array formats put the array in ``"data"``. A decoder is called
+as ``decode(key, body)`` with ``key`` the object's path relative to its source's URL (``train/cat/1.jpg`` under
+``s3://bucket/imagenet/``; the file name when the URL names the object itself), and every sample carries
+``"__key__"``: that key, with ``#i`` appended where one object holds several samples, or for a tar member the
+member's basename group (``s3/000180``, as webdataset names it). The daemon adds ``"__url__"``, the object's URL
+(``s3://bucket/imagenet/train/cat/1.jpg``), after decoding. So ``__key__`` is unique within one object, not across
+objects (two shards may both hold ``000001``): ``(__url__, __key__)`` names a sample. Nothing in the cache relies on
+keys being unique: records are addressed by segment and position.
 
 Built-in formats (``get_decoder(name)``):
 
@@ -20,8 +26,11 @@ Built-in formats (``get_decoder(name)``):
 - ``tar``: webdataset layout. Regular members are grouped by directory + basename (the file name up to its first
   dot); one sample per group, in order of first appearance; the field name is the rest of the file name
   (``"jpg"``, ``"seg.png"``). Fields whose last extension is ``npy`` become arrays, ``cls`` an int, ``txt`` a
-  str, ``json`` the parsed value; images (``jpg``, ``png``, ...) become uint8 ``(3, H, W)`` arrays with
-  ``sampler.decode_images``; others stay bytes. ``__key__`` is ``f"{key}/{dir/basename}"``. Members with
+  str, ``json`` the parsed value; with ``sampler.decode_images`` the image fields become uint8 ``(3, H, W)``
+  arrays: those named in ``sampler.image_fields``, or by default those whose whole name is an image format
+  (``jpg``, ``png``, ...: not ``seg.png``, a mask that must keep its values); others stay bytes. ``__key__`` is
+  ``dir/basename``. A member that fails to decode (a corrupt JPEG, a ``cls`` that is not an integer) costs its
+  sample only: the sample is left out and named in ``Decoded.skipped``, its neighbours are kept. Members with
   absolute or ``..`` names, non-regular members (links, devices, directories) and names without an extension
   are skipped; nothing is ever extracted to disk. Compressed tars (gz, bz2, xz) are read transparently. An
   archive cut short (no end-of-archive zero block after the last member) is a ``DecodeError``, not fewer samples.
@@ -32,7 +41,7 @@ arrays (not of object dtype; numpy scalars become 0-d arrays), strided CPU torch
 float, bool, None, or lists/dicts (string keys) of those scalars, nested at most ``MAX_NESTING`` deep. Arrays
 are not allowed inside lists/dicts.
 
-Every failure raises ``DecodeError`` naming the key and the reason; the caller quarantines the object.
+Every other failure raises ``DecodeError`` naming the key and the reason; the caller quarantines the object.
 
 Why one long module: it is the registry of decoders (``BUILTIN_DECODERS``: the config validates names against it)
 and the formats it names; each decoder is a few lines, and the one-object-many-samples rules are shared.
@@ -61,6 +70,7 @@ from cachefeed._images import image_size as image_size_of
 __all__ = [
     "MAX_NESTING",
     "MSGPACK_NDARRAY_EXT",
+    "Decoded",
     "Decoder",
     "Sample",
     "check_sample",
@@ -71,6 +81,17 @@ __all__ = [
 ]
 
 Sample = dict[str, Any]
+
+
+class Decoded(list[Sample]):
+    """What a checked decoder returns: the samples of one object, and ``skipped``, the ``(__key__, reason)`` of each
+    sample left out because one of its parts failed to decode (tar members; the other samples are kept)."""
+
+    def __init__(self, samples: Iterable[Sample] = (), skipped: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(samples)
+        self.skipped = list(skipped)
+
+
 Decoder = Callable[[str, bytes], Iterable[Sample]]
 
 MSGPACK_NDARRAY_EXT = 78
@@ -223,8 +244,8 @@ def decode_image_object(key: str, body: bytes, *, size: tuple[int, int] | None =
 
 def _tar_field(extension: str, payload: bytes, images: _Images | None = None, key: str = "") -> Any:
     last = extension.rsplit(".", 1)[-1].lower()
-    if images is not None and last in IMAGE_EXTENSIONS:
-        return decode_image(payload, f"{key} member {extension}", size=images.size)
+    if images is not None and images.decodes(extension):
+        return decode_image(payload, key, size=images.size)
     if last == "npy":
         return _load_npy(payload)
     if last == "cls":
@@ -249,13 +270,21 @@ def _tar_group(name: str) -> tuple[str, str] | None:
 
 @dataclass(frozen=True, slots=True)
 class _Images:
-    """Decode tar members that are images (``sampler.decode_images``), to ``size`` if given."""
+    """Decode the image fields of tar shards (``sampler.decode_images``), to ``size`` if given: the fields named in
+    ``fields`` (``sampler.image_fields``), or when it is empty those whose whole name is an image format."""
 
     size: tuple[int, int] | None
+    fields: frozenset[str] = frozenset()
+
+    def decodes(self, field: str) -> bool:
+        return field in self.fields if self.fields else field.lower() in IMAGE_EXTENSIONS
 
 
-def decode_tar(key: str, body: bytes, *, images: _Images | None = None) -> list[Sample]:
+def decode_tar(key: str, body: bytes, *, images: _Images | None = None) -> Decoded:
+    """The samples of a webdataset shard (module docstring); a member that fails to decode leaves its sample out
+    (``Decoded.skipped``), a malformed archive raises."""
     groups: dict[str, Sample] = {}
+    failed: dict[str, str] = {}  # group -> why its sample is left out (the first member that failed)
     with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as archive:
         for member in archive:
             if not member.isreg():
@@ -264,18 +293,27 @@ def decode_tar(key: str, body: bytes, *, images: _Images | None = None) -> list[
             if where is None:
                 continue
             group, extension = where
-            sample = groups.setdefault(group, {"__key__": f"{key}/{group}"})
+            sample = groups.setdefault(group, {"__key__": group})
             if extension in sample:
                 raise ValueError(f"member {member.name!r}: field {extension!r} appears twice in {group!r}")
             handle = archive.extractfile(member)
             if handle is None:
                 continue
+            payload = handle.read()
+            if group in failed:
+                sample[extension] = None  # the sample is left out: only its fields' names are kept
+                continue
             try:
-                sample[extension] = _tar_field(extension, handle.read(), images, f"{key}/{group}")
-            except ValueError as exc:
-                raise ValueError(f"member {member.name!r}: {exc}") from exc
+                sample[extension] = _tar_field(extension, payload, images, member.name)
+            except (ValueError, DecodeError) as exc:  # bad data in this member: costs its sample, not the shard
+                sample[extension] = None
+                reason = str(exc) if isinstance(exc, DecodeError) else f"{type(exc).__name__}: {exc}"
+                failed[group] = reason if reason.startswith(member.name) else f"member {member.name!r}: {reason}"
         _check_end_of_archive(archive)
-    return list(groups.values())
+    return Decoded(
+        (sample for group, sample in groups.items() if group not in failed),
+        ((group, why) for group, why in failed.items()),
+    )
 
 
 def _check_end_of_archive(archive: tarfile.TarFile) -> None:
@@ -333,7 +371,8 @@ def _check_value(value: Any, depth: int) -> str | None:
 
 
 def check_sample(key: str, sample: Any) -> Sample:
-    """Return ``sample`` with ``__key__`` set (defaulting to ``key``), or raise ``DecodeError``."""
+    """Return ``sample`` with ``__key__`` set (defaulting to ``key``), or raise ``DecodeError``. ``__url__`` (a str,
+    set by the daemon) is the other reserved name allowed."""
     if not isinstance(sample, dict):
         raise DecodeError(f"{key}: a decoder must yield dicts of fields, got {type(sample).__name__}")
     sample.setdefault("__key__", key)
@@ -344,6 +383,8 @@ def check_sample(key: str, sample: Any) -> Sample:
             raise DecodeError(f"{key}: field names must be strings, got {name!r}")
         if name == "__key__":
             continue
+        if name == "__url__" and isinstance(value, str):
+            continue
         if name.startswith("__"):
             raise DecodeError(f"{key}: field {name!r}: names starting with '__' are reserved")
         if isinstance(value, np.generic):
@@ -353,31 +394,36 @@ def check_sample(key: str, sample: Any) -> Sample:
     return sample
 
 
-def _checked(name: str, decode: Callable[[str, bytes], Iterable[Any]]) -> Decoder:
-    def checked_decoder(key: str, body: bytes) -> list[Sample]:
+def _checked(name: str, decode: Callable[[str, bytes], Iterable[Any]]) -> Callable[[str, bytes], Decoded]:
+    def checked_decoder(key: str, body: bytes) -> Decoded:
         try:
-            samples = list(decode(key, body))
+            result = decode(key, body)
+            samples = list(result)
         except DecodeError:
             raise
         except Exception as exc:
             raise DecodeError(f"{key}: not valid {name} data: {type(exc).__name__}: {exc}") from exc
-        return [check_sample(key, sample) for sample in samples]
+        skipped = result.skipped if isinstance(result, Decoded) else ()
+        return Decoded((check_sample(key, sample) for sample in samples), skipped)
 
     checked_decoder.__name__ = f"decode_{name}"
     return checked_decoder
 
 
-def get_decoder(name: str, *, decode_images: bool = False, image_size: Any = None) -> Decoder:
+def get_decoder(
+    name: str, *, decode_images: bool = False, image_size: Any = None, image_fields: Iterable[str] = ()
+) -> Callable[[str, bytes], Decoded]:
     """The decoder for a built-in format name or a ``"package.module:function"`` spec (wrapped and checked).
 
-    ``image`` decodes each object as an image (``_images.py``); ``decode_images`` does the same for the image members
-    of ``tar`` shards; both resize and crop to ``image_size`` (``images.image_size`` forms) when given.
+    ``image`` decodes each object as an image (``_images.py``); ``decode_images`` does the same for the image fields
+    of ``tar`` shards (``image_fields``, or by default the fields named as an image format); both resize and crop
+    to ``image_size`` (``images.image_size`` forms) when given.
     """
     size = image_size_of(image_size)
     if name == "image":
         return _checked(name, functools.partial(decode_image_object, size=size))
     if name == "tar" and decode_images:
-        return _checked(name, functools.partial(decode_tar, images=_Images(size)))
+        return _checked(name, functools.partial(decode_tar, images=_Images(size, frozenset(image_fields))))
     builtin = _BUILTINS.get(name)
     if builtin is not None:
         return _checked(name, builtin)

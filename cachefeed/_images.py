@@ -1,4 +1,4 @@
-"""Images: encoded bytes -> contiguous ``uint8`` arrays ``(3, H, W)`` (RGB, channels first), with Pillow/simplejpeg.
+"""Images: encoded bytes -> contiguous ``uint8`` arrays ``(3, H, W)`` (RGB, channels first), with Pillow.
 
 Two places to decode, the same code in both:
 
@@ -13,25 +13,35 @@ Two places to decode, the same code in both:
 
 ``size`` (``sampler.image_size`` in the daemon) makes every image the same shape, which batching needs when the
 images differ: the shorter side is resized to fit (bilinear, with Pillow's antialiasing) and the centre is cropped.
-It is deterministic: the same bytes give the same pixels on every node and every restart. Random augmentation
-belongs in the workers' ``transform``, on the decoded tensor.
+It is deterministic: the same bytes give the same pixels on every node and every restart (the decoder is pinned:
+see below). Random augmentation belongs in the workers' ``transform``, on the decoded tensor.
 
 Safety: Pillow reads the header first; an image declaring more than ``MAX_PIXELS`` pixels (a decompression bomb,
 e.g. a tiny PNG claiming 100,000 x 100,000) is refused before anything is allocated. Truncated or corrupt files and
-non-images raise ``DecodeError`` naming the key (the daemon quarantines the object).
+non-images raise ``DecodeError`` naming the key (the daemon quarantines the object; in a tar shard, that sample).
 
-Decoders: Pillow for every format (it installs everywhere from a wheel, libjpeg-turbo and libpng inside), and for
-JPEG **simplejpeg** when it is installed (``pip install 'cachefeed[images]'`` brings both): a thin libjpeg-turbo
-binding that decoded the benchmark's JPEGs about 1.6x faster than Pillow on one core, to identical pixels
-(``python -m benchmarks.decode``, ``benchmarks/results/decode.json``). Either decodes at a reduced scale (1/2, 1/4,
-1/8: DCT scaling) when the target is at most that large; from 500 x 375 to 224 it is not. The resize and crop are
-Pillow's in both cases, so the two paths give the same pixels.
+One decoder, pinned: **Pillow decodes every image, whatever else is installed.** The pixels a node caches are a
+pure function of the bytes, the settings (``size``) and the Pillow build: two nodes of one job never cache
+different pixels for the same object because one of them has an optional package the other lacks. A JPEG is
+decoded at a reduced scale (1/2, 1/4, 1/8: libjpeg-turbo's DCT scaling, through Pillow's ``draft``) when the
+resize target is at most that large: the largest of 8, 4, 2 that still leaves at least the size the resize produces
+(``draft``'s rule); from 500 x 375 to 224 no reduced scale fits.
+
+Why not simplejpeg, which earlier versions used for JPEGs when it was installed: it is a second libjpeg-turbo
+build with its own version and its own choice among the scaling factors, and its reduced-scale output was not
+pixel-identical to Pillow's draft on every image (a user measured 60 of 300 images differ, mean 2.8 levels), so the
+cached pixels depended on the install. What it saved is small where it matters here: decoding *and* resizing the
+benchmark's 500 x 375 JPEGs to 224 x 224 ran at 226 images/s with simplejpeg and 215 with Pillow alone
+(``benchmarks/results/decode.json``), since the resize costs as much as the decode.
+
+``tests/test_image_pixels.py`` holds a committed reference JPEG and the hash of its decoded and resized pixels,
+checked with simplejpeg importable and with it blocked: a change of decoder, of the reduction rule, or a Pillow
+build that decodes differently fails it (then re-pin the hash deliberately, and say so: caches written before
+hold the old pixels).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import io
 import warnings
 from collections.abc import Iterable, Sequence
@@ -46,7 +56,6 @@ __all__ = [
     "MAX_PIXELS",
     "DecodeImages",
     "decode_image",
-    "fast_jpeg",
     "image_size",
     "require_pillow",
 ]
@@ -54,16 +63,6 @@ __all__ = [
 # Tar member extensions (the last one, lower case) that are images.
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm"})
 MAX_PIXELS = 89_478_485  # Pillow's own default (a 0.25 GB RGB image): larger declared sizes are refused
-_JPEG_MAGIC = b"\xff\xd8\xff"
-
-
-@functools.cache
-def fast_jpeg() -> Any | None:
-    """The ``simplejpeg`` module if it is installed (the JPEG path of ``decode_image``), else None."""
-    try:
-        return importlib.import_module("simplejpeg")
-    except ImportError:
-        return None
 
 
 def require_pillow() -> Any:
@@ -96,35 +95,10 @@ def decode_image(body: bytes, key: str, *, size: tuple[int, int] | None = None) 
     """The image in ``body`` as a ``uint8`` array ``(3, H, W)``, C-contiguous; resized and centre-cropped to
     ``size`` (height, width) when given. Raises ``DecodeError`` naming ``key``."""
     image_module = require_pillow()
-    jpeg = fast_jpeg() if body[:3] == _JPEG_MAGIC else None
-    pixels = _decode_jpeg(jpeg, body, key, size, image_module) if jpeg is not None else None
-    if pixels is None:
-        pixels = _decode_pillow(body, key, size, image_module)
+    pixels = _decode_pillow(body, key, size, image_module)
     if size is not None:
         pixels = _resize_and_crop(pixels, size, image_module)
     return np.ascontiguousarray(np.asarray(pixels, dtype=np.uint8).transpose(2, 0, 1))
-
-
-def _decode_jpeg(jpeg: Any, body: bytes, key: str, size: tuple[int, int] | None, image_module: Any) -> Any | None:
-    """A JPEG through simplejpeg, as a Pillow RGB image; None if simplejpeg cannot read its header or the image is
-    CMYK (Pillow then decodes it, or names what is wrong)."""
-    try:
-        height, width, colorspace, _subsampling = jpeg.decode_jpeg_header(body)
-    except ValueError:
-        return None
-    if colorspace not in ("YCbCr", "Gray"):
-        return None  # CMYK/YCCK (Adobe): Pillow converts them to RGB the way viewers do
-    if width * height > MAX_PIXELS:
-        raise DecodeError(
-            f"{key}: the image declares {width} x {height} pixels, more than {MAX_PIXELS:,} "
-            "(a decompression bomb?): refused"
-        )
-    scale = _draft_scale(width, height, _scaled(width, height, size)) if size is not None else 1
-    try:  # strict: a warning of libjpeg-turbo (truncated or corrupt data) is an error, as with Pillow
-        array = jpeg.decode_jpeg(body, colorspace="RGB", min_height=-(-height // scale), min_width=-(-width // scale))
-    except ValueError as exc:
-        raise DecodeError(f"{key}: not a readable image: {exc}") from exc
-    return image_module.fromarray(array)
 
 
 def _decode_pillow(body: bytes, key: str, size: tuple[int, int] | None, image_module: Any) -> Any:
@@ -149,13 +123,6 @@ def _decode_pillow(body: bytes, key: str, size: tuple[int, int] | None, image_mo
     except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, struct.error... for bad data
         raise DecodeError(f"{key}: not a readable image: {type(exc).__name__}: {exc}") from exc
     return pixels
-
-
-def _draft_scale(width: int, height: int, target: tuple[int, int]) -> int:
-    """The reduced scale (1, 2, 4 or 8) a JPEG decodes at for ``target`` (width, height): the largest that still
-    gives at least the target, as Pillow's ``draft`` picks it, so both decoders produce the same pixels."""
-    fits = min(width // target[0], height // target[1])
-    return next(scale for scale in (8, 4, 2, 1) if scale <= max(1, fits))
 
 
 def _scaled(width: int, height: int, size: tuple[int, int]) -> tuple[int, int]:

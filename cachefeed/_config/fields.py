@@ -27,6 +27,7 @@ __all__ = [
     "duration",
     "float_at_least",
     "fraction",
+    "image_fields",
     "image_size",
     "int_at_least",
     "label_rule",
@@ -147,6 +148,17 @@ def decoder(value: object) -> str:
 
 def image_size(value: object) -> tuple[int, int] | None:
     return images.image_size(value)  # type: ignore[arg-type]  # it checks the type itself
+
+
+def image_fields(value: object) -> tuple[str, ...]:
+    """Tar field names (``"jpg"``, ``"left.jpg"``), each ending in an image format of ``_images.IMAGE_EXTENSIONS``."""
+    formats = ", ".join(sorted(images.IMAGE_EXTENSIONS))
+    if not isinstance(value, list) or not all(isinstance(name, str) and name.strip() for name in value):
+        raise ValueError(f'expected a list of tar field names such as ["jpg", "left.jpg"], each ending in {formats}')
+    for name in value:
+        if name.rsplit(".", 1)[-1].lower() not in images.IMAGE_EXTENSIONS:
+            raise ValueError(f"{name!r} is not an image field: a field's last extension must be one of {formats}")
+    return tuple(value)
 
 
 def label_rule(value: object) -> str:

@@ -73,6 +73,7 @@ class SamplerConfig:
     concurrency: int = 32
     decode: str = "npy"
     decode_images: bool = False
+    image_fields: tuple[str, ...] = ()  # () = every field named as an image format (_codecs.py)
     image_size: tuple[int, int] | None = None
     label: str = ""
     preprocess: str = ""

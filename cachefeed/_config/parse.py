@@ -185,6 +185,11 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
         except ConfigError as exc:
             key = "sampler.decode" if sampler.get("decode") == "image" else "sampler.decode_images"
             raise ConfigError(f"{source}: {key}: {exc}") from None
+    if sampler.get("image_fields") and sampler.get("decode_images") is not True:
+        raise ConfigError(
+            f"{source}: sampler.image_fields = {list(sampler['image_fields'])!r} names the tar fields that "  # type: ignore[call-overload]
+            "decode_images decodes, but sampler.decode_images is not true: set it, or drop image_fields"
+        )
     if sampler.get("decode_images") is True and sampler.get("decode") != "tar":
         raise ConfigError(
             f"{source}: sampler.decode_images = true decodes the image members of tar shards, but sampler.decode "

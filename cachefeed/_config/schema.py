@@ -83,6 +83,11 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
             fields.boolean,
             "decode the image members of tar shards to uint8 (3, H, W) arrays in the daemon (false)",
         ),
+        "image_fields": (
+            "image_fields",
+            fields.image_fields,
+            'with decode_images: the tar fields to decode, e.g. ["jpg", "left.jpg"]; [] = those named jpg, png, ...',
+        ),
         "image_size": (
             "image_size",
             fields.image_size,

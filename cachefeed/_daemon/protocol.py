@@ -32,6 +32,10 @@ Sampler -> supervisor:
 * ``Done``: objects that produced no sample (done without a segment).
 * ``Failed``: one object could not be cached: ``kind`` is a ``RemoteError.kind`` (``not_found``, ``forbidden``,
   ``changed``, ``transient``, ``error``), ``decode`` (quarantined) or ``too_large``.
+* ``Quarantined``: what was left out, for ``cachefeed status`` to name (the object's URL, the sample's
+  ``__key__`` or None for the whole object, the kind and the reason): an object quarantined (``decode``,
+  ``too_large``, besides its ``Failed``), or one sample of an object whose other samples are cached (a tar member
+  that failed to decode: ``kind = "sample"``). Informational: it changes nothing in the plan.
 * ``Stats``: cumulative counters of this sampler process (remote requests, retries, errors by kind, bytes,
   objects), about once a second; doubles as the heartbeat.
 * ``Drained``: the answer to ``Drain``, sent last.
@@ -55,7 +59,7 @@ from typing import Any, ClassVar
 
 from cachefeed._daemon.wire import Message, message
 
-__all__ = ["Credit", "Done", "Drain", "Drained", "Failed", "Init", "Stats", "Work", "WorkItem"]
+__all__ = ["Credit", "Done", "Drain", "Drained", "Failed", "Init", "Quarantined", "Stats", "Work", "WorkItem"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,16 @@ class Failed(Message):
     oid: int
     kind: str
     error: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Quarantined(Message):
+    TAG: ClassVar[str] = "quarantined"
+    url: str
+    key: str | None
+    kind: str
+    reason: str
 
 
 @message

@@ -20,6 +20,7 @@ from cachefeed._cache.snapshots import SnapshotInfo, live_snapshots
 from cachefeed._cache.store import CacheStore
 from cachefeed._config import Config
 from cachefeed._daemon.pool import SamplerPool, SamplerState
+from cachefeed._daemon.quarantine import QuarantineLog
 from cachefeed._daemon.sources import Inputs
 from cachefeed._daemon.status_doc import RateMeter, RemoteTotals, build_status, write_status
 from cachefeed._logs import get_logger
@@ -48,8 +49,10 @@ class StatusReporter:
         inputs: Inputs,
         metrics: MetricsExporter | None,
         started_at: float,
+        quarantine: QuarantineLog | None = None,
     ) -> None:
         self._config = config
+        self._quarantine = quarantine or QuarantineLog()
         self._store = store
         self._pool = pool
         self._inputs = inputs
@@ -112,6 +115,7 @@ class StatusReporter:
             remote=remote,
             samplers=samplers,
             sources=self._inputs.table(store.samples_by_source()) if self._inputs.is_named else None,
+            quarantined=self._quarantine.recent(),
             plan={
                 "pass": plan.pass_index,
                 "owned": plan.owned,
@@ -153,6 +157,7 @@ class StatusReporter:
             retries_total=sum(int(entry.get("retries_total", 0)) for entry in stats),
             errors_by_kind=errors,
             quarantined_total=self._inputs.counters.quarantined_total,
+            quarantined_samples_total=self._quarantine.samples_total,
             bytes_total=sum(int(entry.get("bytes_total", 0)) for entry in stats),
             objects_failed_total=self._inputs.counters.failed_total,
             objects_dropped=self._inputs.dropped,

@@ -23,13 +23,24 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachefeed._codecs import get_decoder, get_preprocess
 from cachefeed._config import RemoteConfig
 from cachefeed._daemon.grants import GrantReply, PublishReply, RpcGrantProvider
-from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
+from cachefeed._daemon.protocol import (
+    Credit,
+    Done,
+    Drain,
+    Drained,
+    Failed,
+    Init,
+    Quarantined,
+    Stats,
+    Work,
+    WorkItem,
+)
 from cachefeed._daemon.sink import SegmentSink, SinkSettings
 from cachefeed._daemon.wire import Channel, Message
 from cachefeed._errors import ChannelClosed, RemoteError
@@ -45,6 +56,7 @@ log = get_logger("cachefeed._daemon.sampler")  # not __name__: this module runs 
 _PR_SET_PDEATHSIG = 1
 _STATS_INTERVAL_S = 1.0
 _EXIT_GRACE_S = 5.0
+_REASON_CHARS = 500  # a quarantine reason sent to the supervisor (status lists it) is cut to this length
 
 
 def die_with_parent(parent_pid: int) -> bool:
@@ -97,13 +109,16 @@ class Sampler:
                     str(source["decode"]),
                     decode_images=bool(init.sampler["decode_images"]),
                     image_size=init.sampler["image_size"],
+                    image_fields=init.sampler.get("image_fields") or (),
                 )
                 for source in sources
             ],
+            names=[_names_of(remote) for remote in self._remotes],
             tags=[int(source["tag"]) for source in sources],
             preprocess=get_preprocess(str(init.sampler["preprocess"])),
             on_handled=self._handled_threadsafe,
             on_failed=self._failed_threadsafe,
+            on_skipped=self._skipped_threadsafe,
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._objects_total = 0
@@ -230,10 +245,23 @@ class Sampler:
             self._loop.call_soon_threadsafe(self._failed, item, kind, message)
 
     def _failed(self, item: WorkItem, kind: str, message: str) -> None:
-        log.warning("object quarantined (%s): %s", kind, message)
+        url = self._remotes[item.source].url_of(item.path)
+        log.warning("object quarantined (%s) %s: %s", kind, url, message)
+        if kind in ("decode", "too_large"):  # what status lists; "error" objects are tried again
+            self._send(Quarantined(url, None, kind, message[:_REASON_CHARS]))
         self._send(Failed(item.oid, kind, message))
         self._give_credit(1)
         self._flush_if_idle()
+
+    def _skipped_threadsafe(self, item: WorkItem, skipped: list[tuple[str, str]]) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._skipped, item, skipped)
+
+    def _skipped(self, item: WorkItem, skipped: list[tuple[str, str]]) -> None:
+        url = self._remotes[item.source].url_of(item.path)
+        for key, reason in skipped:
+            log.warning("sample left out of %s: %s: %s", url, key, reason)
+            self._send(Quarantined(url, key, "sample", reason[:_REASON_CHARS]))
 
     # -- endings --------------------------------------------------------------------------------------------
 
@@ -268,6 +296,11 @@ class Sampler:
     def _finish(self, code: int) -> None:
         if self._finished is not None and not self._finished.done():
             self._finished.set_result(code)
+
+
+def _names_of(remote: Remote) -> Callable[[str], tuple[str, str]]:
+    """``path -> (key, url)`` of one source: the key its decoder is called with and the samples' ``__url__``."""
+    return lambda path: (remote.key_of(path), remote.url_of(path))
 
 
 def _unnamed_source(init: Init) -> dict[str, Any]:

@@ -4,6 +4,11 @@ The event loop fetches; this thread does the CPU work (decode, preprocess, encod
 waits on it, and it is the only thread that touches the segment being written. It talks to the supervisor's
 ``CacheStore`` through ``RpcGrantProvider`` (see NOTE [ Grant protocol ] in ``grants.py``).
 
+Keys: the decoder is called with the object's key relative to its source's URL, and every sample gets the
+object's URL as ``__url__`` (``_codecs.py``: the ``__key__``/``__url__`` contract). A sample that a decoder left out
+(a tar member that failed to decode, ``Decoded.skipped``) is reported through ``on_skipped``; its object's other
+samples are written.
+
 Sources: a segment holds samples of one source only (its tag in the trailer, ``_cache/records.py``): an object of
 another source than the open segment's first publishes that segment.
 
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cachefeed._cache.writer import CacheWriter, WriterStopped
-from cachefeed._codecs import Decoder, Sample
+from cachefeed._codecs import Decoded, Sample
 from cachefeed._daemon.grants import RpcGrantProvider
 from cachefeed._daemon.protocol import WorkItem
 from cachefeed._errors import ChannelClosed, CorruptRecordError, DecodeError, GrantTooLarge
@@ -61,7 +66,9 @@ class SegmentSink:
     """The writer thread of a sampler. ``put`` from the loop; callbacks run on this thread.
 
     Callbacks: ``on_handled(item, samples)`` when an object's samples are all in the writer (its slot is free;
-    ``samples == 0`` means done without a segment), ``on_failed(item, kind, message)`` when it cannot be cached.
+    ``samples == 0`` means done without a segment), ``on_failed(item, kind, message)`` when it cannot be cached,
+    ``on_skipped(item, [(key, reason)])`` before ``on_handled`` when the decoder left some of its samples out.
+    ``names[source](path)`` gives an object's ``(key, url)``: the key its decoder is called with, and ``__url__``.
     """
 
     def __init__(
@@ -69,16 +76,20 @@ class SegmentSink:
         provider: RpcGrantProvider,
         settings: SinkSettings,
         *,
-        decoders: Sequence[Decoder],
+        decoders: Sequence[Callable[[str, bytes], Decoded]],
+        names: Sequence[Callable[[str], tuple[str, str]]],
         tags: Sequence[int],
         preprocess: Callable[[Sample], Sample] | None,
         on_handled: Callable[[WorkItem, int], None],
         on_failed: Callable[[WorkItem, str, str], None],
+        on_skipped: Callable[[WorkItem, list[tuple[str, str]]], None] | None = None,
     ) -> None:
         self._provider = provider
         self._settings = settings
         self._decoders = list(decoders)  # by source index (WorkItem.source)
+        self._names = list(names)  # by source index too
         self._tags = list(tags)
+        self._on_skipped = on_skipped
         self._preprocess = preprocess
         self._on_handled = on_handled
         self._on_failed = on_failed
@@ -167,13 +178,18 @@ class SegmentSink:
             writer.abort()
 
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
+        key, url = self._names[item.source](item.path)
         try:
-            samples = list(self._decoders[item.source](item.path, body))
-            if item.label is not None:  # sampler.label: the class index of the object's path (_labels.py)
-                for sample in samples:
+            decoded = self._decoders[item.source](key, body)
+            samples = list(decoded)
+            for sample in samples:
+                sample["__url__"] = url
+                if item.label is not None:  # sampler.label: the class index of the object's path (_labels.py)
                     sample["label"] = item.label
             if self._preprocess is not None:
                 samples = [self._preprocess(_writable(sample)) for sample in samples]
+                for sample in samples:
+                    sample["__url__"] = url
         except DecodeError as exc:
             self._on_failed(item, "decode", str(exc))
             return
@@ -181,6 +197,8 @@ class SegmentSink:
             self._on_failed(item, "decode", f"{item.path}: {type(exc).__name__}: {exc}")
             return
         del body
+        if decoded.skipped and self._on_skipped is not None:
+            self._on_skipped(item, decoded.skipped)
         try:
             for sample in samples:
                 writer.add(sample)

@@ -62,6 +62,7 @@ class RemoteTotals:
     bytes_total: int
     objects_failed_total: int = 0
     objects_dropped: int = 0
+    quarantined_samples_total: int = 0
     not_cached: Mapping[str, int] = field(default_factory=dict)
 
 
@@ -84,6 +85,7 @@ def build_status(
     samplers: Sequence[Mapping[str, Any]],
     plan: Mapping[str, Any] | None = None,
     sources: Sequence[Mapping[str, Any]] | None = None,
+    quarantined: Sequence[Mapping[str, Any]] = (),
     now: float | None = None,
 ) -> dict[str, Any]:
     """The status document (see ``cachefeed._status.schema.STATUS_SCHEMA``).
@@ -101,13 +103,15 @@ def build_status(
     ``cache.evict_after_reads`` times, while paced), ``cache.max_reads``/``evicted.max_reads`` (the most reads of a
     cached/evicted segment: its least-read sample's), ``cache.sample_reads_total`` (per sample, the epochs that
     served it, summed; evicted included) and ``remote.bytes_per_sample_read`` (bytes downloaded per sample read by an
-    epoch). Beyond the contract, ``remote`` also carries ``objects_failed_total`` (objects that could not be cached, any
-    reason, counted per attempt at the object) and ``objects_dropped`` (objects dropped from the plan now: 404, 403, too
-    large); ``remote.not_cached`` (in the contract) counts the listed objects not cached for a reason, by reason
-    (``not_found``, ``forbidden``, ``too_large``, ``decode``), and ``plan`` (optional) describes the sampling plan
-    (pass, in flight, owned objects...). ``sources`` (only with ``[[source]]`` tables) breaks the cache, ingest and
-    errors down per named source: its weight, cached samples and their share of the cache, objects listed,
-    objects/samples/bytes ingested, objects failed and not cached by reason.
+    epoch). Beyond the contract, ``remote`` also carries ``objects_failed_total`` (objects that could not be cached,
+    any reason, counted per attempt at the object) and ``objects_dropped`` (objects dropped from the plan now: 404,
+    403, too large); ``remote.not_cached`` (in the contract) counts the listed objects not cached for a reason, by
+    reason (``not_found``, ``forbidden``, ``too_large``, ``decode``), ``remote.quarantined_samples_total`` the
+    samples left out of objects whose other samples are cached, ``quarantined`` the most recent quarantined objects
+    and samples (``_daemon/quarantine.py``), and ``plan`` (optional) describes the sampling plan (pass, in flight,
+    owned objects...). ``sources`` (only with ``[[source]]`` tables) breaks the cache, ingest and errors down per
+    named source: its weight, cached samples and their share of the cache, objects listed, objects/samples/bytes
+    ingested, objects failed and not cached by reason.
     """
     now = time.time() if now is None else now
     sample_reads = counters.evicted_sample_reads + usage.sample_reads
@@ -186,6 +190,7 @@ def build_status(
             "errors_total": sum(remote.errors_by_kind.values()),
             "errors_by_kind": dict(remote.errors_by_kind),
             "quarantined_total": remote.quarantined_total,
+            "quarantined_samples_total": remote.quarantined_samples_total,
             "bytes_total": remote.bytes_total,
             "bytes_per_sample_read": remote.bytes_total / sample_reads if sample_reads else None,
             "objects_failed_total": remote.objects_failed_total,
@@ -193,6 +198,7 @@ def build_status(
             "not_cached": dict(remote.not_cached),
         },
         "samplers": [dict(sampler) for sampler in samplers],
+        "quarantined": [dict(entry) for entry in quarantined],
         "plan": dict(plan or {}),
         **({"sources": [dict(row) for row in sources]} if sources is not None else {}),
     }

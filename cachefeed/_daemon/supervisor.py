@@ -40,7 +40,8 @@ from cachefeed._config import Config
 from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed._daemon.notify import SystemdNotifier
 from cachefeed._daemon.pool import SamplerHandle, SamplerPool, SamplerState
-from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
+from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Quarantined, Stats, Work, WorkItem
+from cachefeed._daemon.quarantine import QuarantineLog
 from cachefeed._daemon.reporter import StatusReporter
 from cachefeed._daemon.sources import Inputs
 from cachefeed._daemon.wire import Message
@@ -89,6 +90,7 @@ class Supervisor:
         self._evicted_seen = 0
         self._turnover_s: float | None = None
         self._reporter: StatusReporter | None = None
+        self.quarantine = QuarantineLog()  # the most recent objects and samples left out, for status
         self._next_handle = 0
         self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
 
@@ -358,6 +360,8 @@ class Supervisor:
             catalog = self.inputs.split(message.oid)[0].catalog
             if message.kind == "changed" and catalog is not None:
                 catalog.refresh_now()
+        elif isinstance(message, Quarantined):
+            self.quarantine.add(message.url, message.key, message.kind, message.reason)
         elif isinstance(message, Stats):
             handle.stats = message.remote
             handle.objects_total = message.objects_total
@@ -444,6 +448,7 @@ class Supervisor:
                 inputs=self.inputs,
                 metrics=self._metrics,
                 started_at=self.started_at,
+                quarantine=self.quarantine,
             )
         self.state = self._reporter.publish(self.state, turnover_s=self._turnover_s)
 

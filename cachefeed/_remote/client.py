@@ -102,6 +102,7 @@ class Remote:
         self._options = self._fs_options(max_connections)
         root = self._fs_class._strip_protocol(config.url)
         self._root = root.rstrip("/") or root
+        self._protocol = get_protocol(config.url)
         self._where = safe_url(config.url)
         self._matcher = compile_pattern(config.pattern)
         self._budget = RetryBudget(config.retry_budget, retry_budget_burst)
@@ -182,9 +183,7 @@ class Remote:
             if not _is_utf8(name):
                 unusable.append(ascii(name))  # a local file name of raw bytes: keys and messages need text
                 continue
-            relative = name[len(self._root) :].lstrip("/") if name.startswith(self._root) else None
-            if relative == "":
-                relative = name.rsplit("/", 1)[-1]  # the URL names one file
+            relative = self.key_of(name) if name.startswith(self._root) else None
             if relative is None or not self._matcher.match(relative):
                 continue
             objects.append(RemoteObject(name, int(info.get("size") or 0), version_of(info)))
@@ -196,6 +195,16 @@ class Remote:
             )
         objects.sort(key=lambda obj: obj.path)
         return objects
+
+    def key_of(self, path: str) -> str:
+        """A listed object's path relative to the URL (what ``pattern`` matches, and the key its samples get as
+        ``__key__``); the file name when the URL names the object itself."""
+        relative = path[len(self._root) :].lstrip("/") if path.startswith(self._root) else path
+        return relative or path.rsplit("/", 1)[-1]
+
+    def url_of(self, path: str) -> str:
+        """A listed object's URL (``s3://bucket/key``, ``file:///dir/name``): its samples' ``__url__``."""
+        return f"{self._protocol}://{path}"
 
     # -------------------------------------------------------------------------------------------------- fetching
 

@@ -210,7 +210,23 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     reasons = ", ".join(f"{_clean(reason, 24)} {_count(n)}" for reason, n in sorted(not_cached.items()))
     total = _count(sum(not_cached.values()))
     out.add("uncached", f"{total} listed objects not cached" + (f" ({reasons})" if reasons else ""))
+    _render_quarantined(out, remote, doc.get("quarantined"))
     _render_sources(out, doc.get("sources"))
+
+
+def _render_quarantined(out: _Text, remote: Mapping[str, Any], recent: object) -> None:
+    """The counts of objects and samples left out, and the most recent ones (object URL, sample key, reason)."""
+    entries = [entry for entry in recent if isinstance(entry, Mapping)] if isinstance(recent, list) else []
+    objects, samples = remote.get("quarantined_total", 0), remote.get("quarantined_samples_total", 0)
+    if not entries and not samples:  # quarantined objects alone are counted on the "uncached" line already
+        return
+    out.add("left out", f"{_plural(objects, 'object')} quarantined, {_plural(samples, 'sample')} of cached objects")
+    for entry in entries[:_MAX_LISTED]:
+        key = entry.get("key")
+        what = _clean(entry.get("url"), 120) + (f" {_clean(key, 60)}" if key is not None else "")
+        out.add("", f"- {what}: {_clean(entry.get('reason'), 200)}", indent=2)
+    if len(entries) > _MAX_LISTED:
+        out.add("", f"... and {len(entries) - _MAX_LISTED} more (cachefeed status --json lists them)", indent=2)
 
 
 def _render_sources(out: _Text, sources: object) -> None:

@@ -188,6 +188,8 @@ STATUS_SCHEMA: dict[str, Any] = {
         "errors_total": NUM,  # exported by kind (_status/metrics.py), with the remainder as "other"
         "errors_by_kind": {str: NUM},
         "quarantined_total": _counter("cachefeed_remote_quarantined_objects", "Objects quarantined."),
+        # samples left out of objects whose other samples are cached (a tar member that failed to decode)
+        "quarantined_samples_total": Omittable(NUM),
         "not_cached": {str: NUM},
         "objects_failed_total": Omittable(NUM),  # objects that failed once or more (retried in later passes)
         "objects_dropped": Omittable(NUM),  # dropped from the plan now: 404, 403, too large
@@ -201,6 +203,8 @@ STATUS_SCHEMA: dict[str, Any] = {
     "samplers": [
         {"index": INT, "pid": OPT_INT, "state": str, "restarts": NUM, "objects_total": NUM, "last_error": OPT_STR}
     ],
+    # the most recent quarantined objects (key null) and left-out samples, newest first, at most 20
+    "quarantined": Omittable([{"url": str, "key": OPT_STR, "kind": str, "reason": str, "at": NUM}]),
     "sources": Omittable([SOURCE_ROW]),  # only with [[source]] tables: the cache, ingest and errors per source
     "plan": Omittable(  # the sampling plan: its pass over the remote, this node's share
         {

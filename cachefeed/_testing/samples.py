@@ -53,14 +53,15 @@ def npy_bytes(array: npt.NDArray[Any]) -> bytes:
 def upload_arrays(
     client: Any, bucket: str, count: int, nbytes: int, *, prefix: str = "", start: int = 0, seed: int = 0
 ) -> dict[str, npt.NDArray[np.uint8]]:
-    """Put ``count`` .npy objects of ``nbytes`` uint8 each; returns ``{"bucket/key": array}``."""
+    """Put ``count`` .npy objects of ``nbytes`` uint8 each; returns ``{key: array}``: the samples' ``__key__`` when
+    the daemon reads ``s3://bucket/`` (keys are relative to the source's URL)."""
     rng = np.random.default_rng(seed + start)
     uploaded = {}
     for i in range(start, start + count):
         array = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
         key = f"{prefix}obj-{i:05d}.npy"
         client.put_object(Bucket=bucket, Key=key, Body=npy_bytes(array))
-        uploaded[f"{bucket}/{key}"] = array
+        uploaded[key] = array
     return uploaded
 
 

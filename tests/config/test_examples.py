@@ -24,7 +24,7 @@ REFERENCE = ROOT / "configs" / "s3-ssd.toml"
 SERVICE = ROOT / "systemd" / "cachefeed@.service"
 MOUNT = ROOT / "systemd" / "mnt-cachefeed.mount"
 REQUIRED = {("remote", "url"), ("cache", "dir"), ("cache", "max_bytes")}
-DEFAULT = re.compile(r'Default (\{\}|"[^"]*"|true|false|[0-9]+(?:\.[0-9]+)?)')
+DEFAULT = re.compile(r'Default (\{\}|\[\]|"[^"]*"|true|false|[0-9]+(?:\.[0-9]+)?)')
 MINIMAL = {
     "remote": {"url": "s3://bucket/prefix"},
     "cache": {"dir": "/var/cache/cachefeed/test", "max_bytes": "1GiB"},

@@ -2,8 +2,8 @@
 
 * **Self-verifying remote objects.** An object's key carries its payload size (``sv-00042-16384.npy``) and its
   bytes are ``payload(path + version, size)`` (``cachefeed/_testing/samples.py``), where ``path`` is the remote path
-  the daemon gives the sample as ``__key__`` (``"bucket/key"``). Any reader checks what it was served against
-  the key alone: a wrong, spliced, truncated or misattributed sample is a violation.
+  (``"bucket/key"``: the sample's ``__url__`` without ``s3://``; ``sample_path``). Any reader checks what it was
+  served against the path alone: a wrong, spliced, truncated or misattributed sample is a violation.
 * **One line of counts per scenario**: ``report("crash-loop", kills=20, verified=..., violations=0)`` prints
   ``[reliability] crash-loop: kills=20, verified=..., violations=0``; ``scripts/reliability.sh`` collects them.
 * **Watchers**: the cache directory's real size and the filesystem's free space, sampled in a thread; a fake
@@ -37,6 +37,7 @@ from tests.support.cache_helpers import tree_bytes
 
 REPORT_PREFIX = "[reliability]"
 _SIZED = re.compile(r"-(\d+)\.npy$")
+_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://")
 
 
 def report(scenario: str, **figures: Any) -> str:
@@ -81,12 +82,22 @@ def upload_sv(
     return paths
 
 
+def sample_path(sample: dict[str, Any]) -> str | None:
+    """The remote path a sample came from (``bucket/key``, or a local file's path: its ``__url__`` without the
+    scheme); its ``__key__`` for a sample written straight into a cache (no ``__url__``)."""
+    url = sample.get("__url__")
+    if isinstance(url, str):
+        return _SCHEME.sub("", url, count=1)
+    key = sample.get("__key__")
+    return key if isinstance(key, str) else None
+
+
 def sample_version(sample: dict[str, Any], versions: Iterable[str] = ("",)) -> tuple[str | None, str | None]:
     """``(version, None)`` if ``sample`` holds exactly the bytes its key implies for one of ``versions``, else
     ``(None, why not)``."""
-    key = sample.get("__key__")
-    if not isinstance(key, str):
-        return None, f"no string __key__ in {sorted(sample)}"
+    key = sample_path(sample)
+    if key is None:
+        return None, f"no string __url__ or __key__ in {sorted(sample)}"
     try:
         nbytes = size_of(key)
     except ValueError:
@@ -150,7 +161,7 @@ def check_cache(cache_dir: Path, versions: Iterable[str] = ("",), *, expect_inta
                     (result.problems if expect_intact else result.corrupt_segments).append(f"{path.name}: {exc}")
                     continue
                 version, problem = sample_version(sample, versions)
-                key = str(sample.get("__key__"))
+                key = str(sample_path(sample))
                 result.samples += 1
                 result.keys.append(key)
                 if problem is not None:

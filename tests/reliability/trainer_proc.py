@@ -27,7 +27,7 @@ from typing import Any
 
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._trainer import EpochLoaderFactory, SnapshotDataset
-from tests.reliability.common import sample_problem
+from tests.reliability.common import sample_path, sample_problem
 
 
 class Stopped(Exception):
@@ -59,7 +59,7 @@ class Counts:
         problem = sample_problem(sample, self.versions)
         if problem is None:
             self.verified += 1
-            self.keys.add(sample["__key__"])
+            self.keys.add(str(sample_path(sample)))
         else:
             self.wrong += 1
             if len(self.problems) < 10:
