@@ -28,9 +28,17 @@ from cachefeed._cache.records import SegmentReader
 from cachefeed._testing.daemon import DaemonProcess
 
 
+def identity(key: Any, url: Any = None) -> str:
+    """A sample's identity: its ``__key__`` (relative to its source) with the object's ``__url__`` when it has one."""
+    return str(key) if url is None else f"{url}::{key}"
+
+
 def sample_keys(batch: Mapping[str, Any]) -> list[str]:
-    """The identities of a batch's samples, as the loop received them (``__key__``)."""
-    return [str(key) for key in batch["__key__"]]
+    """The identities of a batch's samples, as the loop received them (``__key__`` and ``__url__``)."""
+    urls = batch.get("__url__")
+    if urls is None:
+        return [identity(key) for key in batch["__key__"]]
+    return [identity(key, url) for key, url in zip(batch["__key__"], urls, strict=True)]
 
 
 class SegmentWitness:
@@ -72,7 +80,8 @@ class SegmentWitness:
         for name in present - self.keys.keys():
             try:
                 with SegmentReader(self.segments_dir / name) as reader:
-                    self.keys[name] = [reader.key(i) for i in range(len(reader))]
+                    samples = (reader.read(i) for i in range(len(reader)))
+                    self.keys[name] = [identity(s["__key__"], s.get("__url__")) for s in samples]
             except FileNotFoundError:
                 self.unreadable.append(name)
         self.evicted |= self.keys.keys() - present
