@@ -97,8 +97,8 @@ class TorchCuda:
 
     def record(self, stream: Any) -> Event:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        return event
+        event.record(stream)  # under torch's guard of the stream's device, restored without making a context
+        return _DeviceEvent(event, int(stream.device_index))
 
     def host_register(self, device: int, address: int, nbytes: int) -> int | None:
         return _on_device_thread(device, lambda cudart: int(cudart.cudaHostRegister(address, nbytes, _PORTABLE)))
@@ -116,6 +116,26 @@ class TorchCuda:
         from torch.utils.data._utils.pin_memory import pin_memory
 
         return pin_memory(batch)  # type: ignore[no-untyped-call]
+
+
+class _DeviceEvent:
+    """A torch event queried and waited for with its own device current: the pool asks from several threads (the
+    training, build and teardown threads), whose current device may be one nobody uses, and a runtime call there
+    could make its context. ``torch.cuda.device`` restores the previous device without making one."""
+
+    __slots__ = ("_device", "_event")
+
+    def __init__(self, event: Any, device: int) -> None:
+        self._event = event
+        self._device = device
+
+    def query(self) -> bool:
+        with torch.cuda.device(self._device):
+            return bool(self._event.query())
+
+    def synchronize(self) -> None:
+        with torch.cuda.device(self._device):
+            self._event.synchronize()
 
 
 def _on_device_thread(device: int, call: Callable[[Any], int]) -> int | None:

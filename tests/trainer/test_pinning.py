@@ -9,9 +9,12 @@ GPU lag a few copies behind the loop, so regions are reused too (not merely neve
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.device import InFlightCopies
@@ -207,3 +211,43 @@ def test_a_grown_arena_registers_its_new_span_before_any_batch_lands_there(tmp_p
     assert len(fed.offsets) >= fed.batches - 3, "after the first batches, every batch lies in the arena"
     assert fed.pinned == len(fed.offsets), "every batch in the arena is pinned"
     assert gpu.torn == []
+
+
+def pinned_run(root: Path, device: int) -> dict[str, Any]:
+    """``tests/support/pinned_contexts.py`` in a fresh process (contexts are per process), its report."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.pinned_contexts", str(root), str(device)],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_arenas_wait_for_the_loops_device_and_make_no_context_of_their_own(tmp_path: Path) -> None:
+    """What the fake cannot show: registration and fences make no context (the first batch is read before anything
+    used CUDA), the arenas are registered once the loop used its GPU, and copies dropped at once arrive intact."""
+    report = pinned_run(build_cache(tmp_path / "c", 512, nbytes=16 << 10), 0)
+    assert report["contexts_before_use"] == [] and report["first_pinned"] is False
+    assert report["later_pinned"] and all(report["later_pinned"]), "registered once cuda:0 was in use"
+    assert report["intact"] is True and report["contexts_after"] == [0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_on_cuda_copies_to_cuda1_while_the_current_device_is_0_arrive_intact_and_cuda0_stays_unused(
+    tmp_path: Path,
+) -> None:
+    """DDP without ``torch.cuda.set_device`` on real GPUs: copies to cuda:1 behind busy work there, host batches
+    dropped at once, all intact; no context on cuda:0."""
+    report = pinned_run(build_cache(tmp_path / "c", 512, nbytes=16 << 10), 1)
+    assert all(report["later_pinned"]) and report["intact"] is True
+    assert report["contexts_after"] == [1], "nothing made a context on cuda:0"
