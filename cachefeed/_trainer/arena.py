@@ -46,7 +46,8 @@ def aligned(n: int) -> int:
 
 
 class Arena:
-    """One worker's shared memory: ``size`` bytes of a memfd, mapped ``MAP_SHARED`` by its creator.
+    """One worker's shared memory: ``size`` bytes of a memfd (its reserve: regions are cut only below the end the
+    worker's ``Allocator`` was given), mapped ``MAP_SHARED`` by its creator.
 
     Created by the training process before the worker starts. A forked worker inherits the map; for spawn and
     forkserver the descriptor travels with the process arguments (``multiprocessing.reduction.DupFd``). The file

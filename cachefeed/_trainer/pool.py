@@ -48,7 +48,8 @@ Scheduling: workers run under ``SCHED_BATCH`` (``cachefeed/_sched.py``, with the
 thread sends wakes a worker; under the default policy a woken worker may preempt the thread that woke it, inside
 its ``write``, when the worker lands on its core.
 
-Death: a worker exits on ``None``, when its parent changes (the trainer died: checked every 0.5 s while idle) or
+Death: a worker exits on ``None``, when the training process is gone (``multiprocessing.parent_process()``: its
+parent with fork, not the fork server's; checked every 0.5 s while idle) or
 when a pipe breaks. A thread of each worker reads its task pipe as fast as tasks come, so the training process
 never blocks on a send (a pipe holds 64 KiB; an epoch's index for thousands of segments is more). The training
 thread waits on the result pipe *and* the worker's sentinel, so a worker that dies raises ``RuntimeError`` naming
@@ -132,6 +133,7 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
     """A worker's life (NOTE above): seed as a DataLoader worker would, then serve tasks until told to stop."""
     index, num_workers, collate, seed, parent = spec.index, spec.num_workers, spec.collate, spec.seed, spec.parent
     worker_init_fn = spec.worker_init_fn
+    direct = os.getppid() == parent  # forked or spawned by the trainer, not by a fork server
     torch.set_num_threads(1)
     yield_to_training()
     random.seed(seed)
@@ -161,8 +163,8 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
             try:
                 raw = inbox.get(timeout=_IDLE_CHECK_S)
             except queue.Empty:
-                if os.getppid() != parent:
-                    return  # the training process died
+                if _trainer_gone(parent, direct):
+                    return
                 continue
             message = None if raw is None else pickle.loads(raw)  # noqa: S301 (our own process's pipe)
             if message is None:
@@ -195,6 +197,17 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
                 allocator.grow(message[1])
     except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return  # the training process is gone or stopping us
+
+
+def _trainer_gone(parent: int, direct: bool) -> bool:
+    """Whether the training process (pid ``parent``) died. A worker it started itself is orphaned then. Under
+    forkserver the worker's parent is the fork server, which outlives the trainer: multiprocessing's sentinel of
+    the process that asked for this one tells instead (for fork, the getppid test is kept: the sentinel's pipe is
+    inherited by every process the trainer forks later, which would keep it open)."""
+    if direct:
+        return os.getppid() != parent
+    starter = multiprocessing.parent_process()
+    return starter is not None and not starter.is_alive()
 
 
 def _drain_tasks(tasks: Connection, inbox: queue.SimpleQueue[bytes | None]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import namedtuple
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ import torch
 
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._trainer import EpochLoaderFactory
-from cachefeed._trainer.arena import Allocator, aligned
+from cachefeed._trainer.arena import Allocator, aligned, grown_end
 from cachefeed._trainer.collate import Nest, RowCollator, Slot, collate_into, place
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.pool import WorkerPool
@@ -476,6 +478,24 @@ def test_regions_go_back_and_merge() -> None:
     assert allocator.allocate(300) == 192, "three neighbours merged into one region"
 
 
+def test_a_grown_arena_never_cuts_a_region_across_two_spans() -> None:
+    """Each span is registered with CUDA on its own: a region across two would be half pinned."""
+    allocator = Allocator(64, 64 + 2 * 128)
+    first, second = allocator.allocate(100), allocator.allocate(100)
+    allocator.grow(64 + 2 * 128 + 256)
+    allocator.release(second, 100)  # free: the end of the first span, and the whole new one, side by side
+    assert allocator.allocate(300) is None, "not merged across the boundary"
+    assert allocator.allocate(256) == 64 + 2 * 128
+    allocator.release(first, 100)
+    assert allocator.allocate(256) == 64, "the first span's regions still merge"
+
+
+def test_an_arena_grows_by_room_for_that_many_batches_only_when_its_widest_span_lacks_it() -> None:
+    assert grown_end(1 << 20, (1 << 20) - 64, 100 << 10, 4, 1 << 30) is None, "4 fit: the caller holds batches"
+    assert grown_end(1 << 20, (1 << 20) - 64, 300 << 10, 4, 1 << 30) == (1 << 20) + 4 * (300 << 10)
+    assert grown_end(1 << 20, (1 << 20) - 64, 300 << 10, 4, 2 << 20) is None, "not beyond the reserve"
+
+
 def test_arena_bytes_takes_a_size_and_refuses_one_that_cannot_hold_batches(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 40, nbytes=4096)
     for bad, says in (("tiny", "arena_bytes: expected a size such as"), (1000, "at least 1MiB"), (-5, ">= 0")):
@@ -487,3 +507,54 @@ def test_arena_bytes_takes_a_size_and_refuses_one_that_cannot_hold_batches(tmp_p
         keys = [key for batch in factory.loader(0) for key in check_batch(batch)]
         assert factory._pool is not None and factory._pool._arena_end == 2 << 20
     assert sorted(keys) == sorted(f"k{i}" for i in range(40))
+
+
+_TRAINER = """
+import sys, time
+from pathlib import Path
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._trainer.dataset import SnapshotDataset
+from cachefeed._trainer.pool import WorkerPool
+from tests.trainer.test_pool import EIGHTS
+
+if __name__ == "__main__":
+    with Snapshot.create(Path(sys.argv[1]), "s") as snapshot:
+        dataset = SnapshotDataset.from_snapshot(snapshot)
+        pool = WorkerPool(2, collate_fn=None, context="forkserver")
+        assert len(list(pool.open_pass(pool.new_key(), dataset, EIGHTS))) == 8
+        before = [worker.process.pid for worker in pool._workers]
+        time.sleep(1.5)  # idle workers: they must not take the fork server's survival for the trainer's
+        assert all(worker.process.is_alive() for worker in pool._workers), "a worker exited during the pause"
+        assert len(list(pool.open_pass(pool.new_key(), dataset, EIGHTS))) == 8
+        assert [worker.process.pid for worker in pool._workers] == before, "the same workers, none replaced"
+        print(*before, flush=True)
+        time.sleep(600)
+"""
+
+
+def test_forkserver_workers_outlive_a_pause_and_exit_when_the_trainer_dies(tmp_path: Path) -> None:
+    """Under forkserver a worker's parent is the fork server: an idle worker once took that for its trainer's death
+    after 0.5 s, and the next batch failed. It must wait through a pause and still exit once the trainer is gone."""
+    root = build_cache(tmp_path / "c", 64)
+    repo = Path(__file__).resolve().parents[2]
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(root)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None
+        line = trainer.stdout.readline()
+        assert line.strip(), trainer.stderr.read() if trainer.stderr else ""
+        pids = [int(pid) for pid in line.split()]
+    finally:
+        trainer.kill()
+        trainer.wait()
+    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), what="the orphaned workers exit")
+    if trainer.stdout is not None:
+        trainer.stdout.close()
+    if trainer.stderr is not None:
+        trainer.stderr.close()
