@@ -12,6 +12,12 @@ batch is never overwritten while anyone can read it, however long the caller kee
 caller that keeps hundreds of batches), the worker sends the batch itself through the pipe instead: slower, never
 wrong.
 
+Size: the memfd and both maps are ``reserve`` bytes from the start (sparse: a page costs memory only once written),
+and regions are cut only below the arena's *end*, which starts at ``arena_bytes`` and is moved up by the training
+process when a batch is too large for the arena (``grown_end``: room for ``slots`` such batches, in a new *span*).
+The maps never move, so tensors over the arena stay valid; a region never straddles two spans, because the pinned
+memory of each span is registered with CUDA on its own (``pinning.py``).
+
 Layout of the arena: the first ``HEADER_BYTES`` are the worker's control words (``ACK_WORD``: the last ``forget``
 ticket the worker has handled, NOTE [ Feed protocol ] in ``pool.py``); regions follow, ``ALIGN``-aligned.
 """
@@ -27,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ACK_WORD", "ALIGN", "HEADER_BYTES", "Allocator", "Arena", "aligned"]
+__all__ = ["ACK_WORD", "ALIGN", "HEADER_BYTES", "Allocator", "Arena", "aligned", "grown_end"]
 
 ALIGN = 64  # every tensor in a region starts on a cache line (and on any dtype's alignment)
 HEADER_BYTES = 64
@@ -40,7 +46,8 @@ def aligned(n: int) -> int:
 
 
 class Arena:
-    """One worker's shared memory: ``size`` bytes of a memfd, mapped ``MAP_SHARED`` by its creator.
+    """One worker's shared memory: ``size`` bytes of a memfd (its reserve: regions are cut only below the end the
+    worker's ``Allocator`` was given), mapped ``MAP_SHARED`` by its creator.
 
     Created by the training process before the worker starts. A forked worker inherits the map; for spawn and
     forkserver the descriptor travels with the process arguments (``multiprocessing.reduction.DupFd``). The file
@@ -74,11 +81,34 @@ def _attach(dup: Any, size: int) -> Arena:
     return Arena(size, fd=dup.detach())
 
 
+def grown_end(end: int, widest: int, need: int, slots: int, reserve: int) -> int | None:
+    """The new end of an arena that could not place a batch of ``need`` bytes: a new span after ``end`` that holds
+    ``slots`` such batches. None where the widest span (``widest`` bytes) already holds them (the arena is full of
+    batches the caller keeps, and a larger one would fill up too) or where ``reserve`` does not allow it."""
+    room = slots * aligned(max(need, 1))
+    if widest >= room or end + room > reserve:
+        return None
+    return end + room
+
+
 class Allocator:
-    """First-fit regions of ``[start, size)``, ``ALIGN``-aligned; ``release`` merges neighbours back."""
+    """First-fit regions of ``[start, size)``, ``ALIGN``-aligned; ``release`` merges neighbours back, within a span.
+
+    ``grow`` adds a span after the current end; no region is ever cut across the boundary between two spans.
+    """
 
     def __init__(self, start: int, size: int) -> None:
         self._free: list[tuple[int, int]] = [(start, size - start)]  # (offset, length), sorted by offset
+        self._bounds: set[int] = set()  # where spans after the first begin
+        self.end = size
+
+    def grow(self, end: int) -> None:
+        """Add ``[self.end, end)`` as a span of its own (nothing when ``end`` is not beyond the current end)."""
+        if end <= self.end:
+            return
+        self._bounds.add(self.end)
+        self._free.append((self.end, end - self.end))  # after every other free region: the list stays sorted
+        self.end = end
 
     def allocate(self, nbytes: int) -> int | None:
         """The offset of a free region of ``nbytes`` (rounded up to ``ALIGN``), or None when none is large enough."""
@@ -103,10 +133,11 @@ class Allocator:
             else:
                 hi = mid
         free.insert(lo, (offset, length))
-        if lo + 1 < len(free) and free[lo][0] + free[lo][1] == free[lo + 1][0]:
+        bounds = self._bounds
+        if lo + 1 < len(free) and free[lo][0] + free[lo][1] == free[lo + 1][0] and free[lo + 1][0] not in bounds:
             free[lo] = (offset, length + free[lo + 1][1])
             del free[lo + 1]
-        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == free[lo][0]:
+        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == free[lo][0] and offset not in bounds:
             free[lo - 1] = (free[lo - 1][0], free[lo - 1][1] + free[lo][1])
             del free[lo]
 

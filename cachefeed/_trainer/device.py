@@ -9,9 +9,10 @@ How the streams are kept honest (the copy runs on a side stream, the training st
    step never reads a half-copied tensor;
 3. every tensor handed out is marked ``record_stream(current)``: its memory was allocated on the side stream, and
    without this the allocator could give it to another side-stream copy while the step still reads it;
-4. the *host* batch is kept alive until its copy's event has completed: an asynchronous copy reads the host memory
-   after ``to()`` returns, and the pool fences freed regions only on the current stream (NOTE [ Pinned arenas ]
-   in ``pinning.py``), not on this side stream.
+4. the *host* batch is kept alive until an event recorded on the side stream after its copy has passed
+   (``InFlightCopies``): an asynchronous copy reads the host memory after ``to()`` returns, and the pool fences
+   freed regions only on the current streams (NOTE [ Pinned arenas ] in ``pinning.py``), not on this side stream.
+   A prefetcher of your own that copies on a side stream must do the same, whatever its depth.
 
 Copies are ``non_blocking``; they only overlap when the source is in pinned memory (build the loader with
 ``pin_memory=True``). A pageable source still works, the copy is then synchronous with the host.
@@ -32,7 +33,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DevicePrefetcher", "move_to"]
+from cachefeed._trainer.cuda import CudaRuntime, Event, TorchCuda
+
+__all__ = ["DevicePrefetcher", "InFlightCopies", "move_to"]
 
 
 def move_to(batch: Any, device: torch.device, *, non_blocking: bool) -> Any:
@@ -67,6 +70,34 @@ def _record(batch: Any, stream: Any) -> None:
     elif isinstance(batch, list | tuple):
         for value in batch:
             _record(value, stream)
+
+
+class InFlightCopies:
+    """Host batches kept alive until the copies from them, queued on a stream, have run ((4) above).
+
+    ``add`` after queuing a batch's copies on ``stream``; ``release_done`` drops the batches whose copies ran
+    (in the order they were added: one stream runs its work in order); ``wait`` blocks until every copy ran.
+    """
+
+    def __init__(self, runtime: CudaRuntime) -> None:
+        self._runtime = runtime
+        self._copying: deque[tuple[Event, Any]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._copying)
+
+    def add(self, host: Any, stream: Any) -> None:
+        """Keep ``host`` until everything queued on ``stream`` so far has run."""
+        self._copying.append((self._runtime.record(stream), host))
+
+    def release_done(self) -> None:
+        while self._copying and self._copying[0][0].query():
+            self._copying.popleft()
+
+    def wait(self) -> None:
+        while self._copying:
+            self._copying[0][0].synchronize()
+            self._copying.popleft()
 
 
 class DevicePrefetcher:
@@ -106,11 +137,10 @@ class DevicePrefetcher:
         side = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         batches = iter(self.loader)
         hold = getattr(batches, "hold", None)  # an EpochLoader's: batches taken ahead are not consumed yet
-        copying: deque[tuple[Any, Any]] = deque()  # (event, host batch) of copies that may still read the host
+        copying = InFlightCopies(TorchCuda())  # host batches whose copies may still read them
 
         def issue() -> Any:
-            while copying and copying[0][0].query():  # (4): copies done, their host batches may go
-                copying.popleft()
+            copying.release_done()  # (4): copies done, their host batches may go
             try:
                 host = next(batches)
             except StopIteration:
@@ -120,9 +150,7 @@ class DevicePrefetcher:
             side.wait_stream(torch.cuda.current_stream(self.device))  # (1) in the module docstring
             with torch.cuda.stream(side):
                 moved = move_to(host, self.device, non_blocking=self.non_blocking)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(side)
-            copying.append((event, host))
+            copying.add(host, side)
             return moved
 
         try:
@@ -136,8 +164,7 @@ class DevicePrefetcher:
                     hold(-1)
                 yield ready
         finally:
-            for event, _host in copying:  # (4) also when the loop ends or breaks: no host batch goes mid-copy
-                event.synchronize()
+            copying.wait()  # (4) also when the loop ends or breaks: no host batch goes mid-copy
 
 
 _DONE = object()

@@ -74,9 +74,10 @@ from cachefeed._trainer.partition import (
     sanitize_run_id,
     snapshot_name,
 )
-from cachefeed._trainer.pool import WorkerPool
+from cachefeed._trainer.pool import ARENA_BYTES, WorkerPool
 from cachefeed._trainer.resume import ResumePoint, checkpoint, resume_point, resumed_snapshot
 from cachefeed._trainer.wait import parse_fill, wait_for_cache, wait_for_fill, wait_for_samples
+from cachefeed._units import parse_size
 
 __all__ = ["EpochLoaderFactory"]
 
@@ -88,6 +89,7 @@ DEFAULT_MIN_FILL = "75%"  # what the first epoch waits for by default (see min_s
 _LEAD_FACTOR = 2.0
 _LEAD_MARGIN_S = 0.1
 _PACE_WEIGHT = 0.2
+_MIN_ARENA_BYTES = 1 << 20
 _TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
 
 
@@ -134,6 +136,12 @@ class EpochLoaderFactory:
             ranks otherwise.
         rank, world_size: the ranks sharing this cache, if torch.distributed / torchrun do not say.
         progress: where the first wait writes its progress (None: silent).
+        arena_bytes: with ``num_workers > 0``, each worker's shared memory for its batches at start: bytes or a
+            size such as ``"1GiB"``, at least 1 MiB (default 256 MiB, sparse: pages cost memory once written; with
+            ``pin_memory`` all of it is page-locked). A batch that does not fit ``prefetch_factor + 2`` times
+            makes every worker's grow by room for that many (up to a quarter of RAM for all workers); the few
+            batches placed before the workers heard travel whole through a pipe. Size it for ``prefetch_factor
+            + 2`` batches to avoid that.
         **loader_options: passed to every ``DataLoader`` (pin_memory, prefetch_factor, multiprocessing_context,
             persistent_workers, worker_init_fn, timeout, generator, in_order, pin_memory_device).
     """
@@ -160,6 +168,7 @@ class EpochLoaderFactory:
         rank: int | None = None,
         world_size: int | None = None,
         progress: TextIO | None = sys.stderr,
+        arena_bytes: int | str | None = None,
         **loader_options: Any,
     ) -> None:
         if batch_size < 1:
@@ -179,6 +188,7 @@ class EpochLoaderFactory:
             raise ValueError(f"epochs must be >= 0 (or None), got {epochs}")
         if prepare_at is not None and not 0.0 <= prepare_at <= 1.0:
             raise ValueError(f"prepare_at must be a fraction between 0 and 1 (or None), got {prepare_at}")
+        self.arena_bytes = _arena_bytes(arena_bytes)
         reserved = sorted(set(loader_options) & set(_RESERVED_OPTIONS))
         if reserved:
             raise TypeError(f"EpochLoaderFactory sets {', '.join(reserved)} itself; use its own arguments")
@@ -323,6 +333,7 @@ class EpochLoaderFactory:
             worker_init_fn=options.get("worker_init_fn"),
             timeout_s=float(options.get("timeout") or 0.0),
             seed=seed,
+            arena_bytes=self.arena_bytes,
             pin_memory=bool(options.get("pin_memory")),
         )
 
@@ -643,6 +654,19 @@ class _Hooks:
 
     def on_exhausted(self, inner: Iterator[Any]) -> None:
         self._factory._on_exhausted(inner)
+
+
+def _arena_bytes(value: int | str | None) -> int:
+    """``arena_bytes`` as bytes (``ARENA_BYTES`` for None); ValueError naming what is expected."""
+    if value is None:
+        return ARENA_BYTES
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"arena_bytes: {exc}, got {value!r}") from None
+    if size < _MIN_ARENA_BYTES:
+        raise ValueError(f"arena_bytes must be at least 1MiB (it holds whole batches), got {value!r}")
+    return size
 
 
 def _logged(fn: Callable[..., object], what: str, *args: object) -> None:

@@ -2,116 +2,190 @@
 
 NOTE [ Pinned arenas ]
 ----------------------
-With ``pin_memory``, each worker's arena (``arena.py``) is page-locked with ``cudaHostRegister`` once, when the
-worker starts, so the batches the workers write there are pinned where they lie and ``.to(device,
-non_blocking=True)`` runs as a DMA while the training thread goes on. Three rules keep that correct:
+With ``pin_memory``, each worker's arena (``arena.py``) is page-locked with ``cudaHostRegister``, span by span (the
+arena's first ``arena_bytes`` when the worker starts, each span it grows by later), so the batches the workers write
+there are pinned where they lie and ``.to(device, non_blocking=True)`` runs as a DMA while the training thread goes
+on. Every CUDA call goes through ``CudaRuntime`` (``cuda.py``).
 
-* **Registration runs on a short-lived thread** whose current device is the training thread's. A failed CUDA
-  runtime call leaves its error as the calling thread's "last error", and torch's next kernel-launch check would
-  raise it from an unrelated kernel; on a thread of its own it dies with the thread. A failure only logs: copies
-  from pageable memory are synchronous, still correct.
-* **A region goes back to its worker only once the GPU has read it.** A region is freed when no Python object
-  refers to it any more, which for ``x = batch["x"].cuda(non_blocking=True)`` is right after the copy was queued,
-  not done. torch guards its own pinned blocks with an event recorded on each copy; it does not guard memory
-  registered from outside. So the pool records a fence (a CUDA event on the current stream of the pinned
-  device) each time the training thread asks for a batch and regions were freed since the last one, and gives
-  those regions back to their worker only once the fence has passed. A copy queued before the host tensor was
-  dropped, on that stream, is ordered before the fence. A copy on another stream or device must keep its host
-  tensor until it completes, as ``DevicePrefetcher`` does (it holds each host batch until its own event passed).
-* **Unregistration waits for the device** (``torch.cuda.synchronize``) and happens before the arena is unmapped:
-  when the pool closes and when a dead worker's arena is dropped. Tensors over the arena stay valid after it
-  (they are then pageable memory). A range left registered would stay locked in RAM until the process exits.
+**The promise.** A region of an arena goes back to its worker only once every copy from it that torch queued *on
+the current stream of its device, as the training thread sees that stream when it asks for its next batch,* has
+run. That is torch's own promise for its pinned blocks for the usual loop (``x = batch["x"].cuda(non_blocking=
+True)``, then drop the batch), on any device and on several devices: the GPU of a DDP rank that never called
+``torch.cuda.set_device`` (``model.to(rank)``), a model on ``cuda:1``, a batch split over two GPUs. How:
+
+* A region is freed when no Python object refers to it any more, which for the loop above is right after the copy
+  was queued, not done. So each time the training thread asks for a batch and regions were freed since the last
+  time, the pool records a *fence*: one CUDA event on the current stream of *every device in use* (a device whose
+  primary context exists, as torch's own pinned allocator and ``Tensor.is_pinned`` tell; a device without one can
+  have no copy queued). The regions go back once every event of their fence has passed. A copy queued on one of
+  those streams before its host tensor was dropped is ordered before the fence.
+* Nothing creates a context on a device nobody uses: an arena is registered from a device in use (the current one
+  if it is), and while no device is in use (the loader started before the model went to its GPU) its spans wait,
+  unregistered, until one is: batches are then pageable and their copies synchronous, still correct.
+* A copy on *another* stream (a side stream of the caller's own prefetcher) is not ordered before the fence. Whoever
+  issues it keeps the host batch alive until an event recorded on that stream after the copy has passed:
+  ``DevicePrefetcher`` does (``InFlightCopies`` in ``device.py``, with a queue of any depth), and the README says
+  what a prefetcher of the caller's own must do. The same holds for a copy queued on another thread whose current
+  stream is not the training thread's, or made by another library than torch.
+* **Where the pool cannot keep the promise it does not pin in place**: where this torch build cannot tell which
+  devices are in use (no ``torch._C._cuda_hasPrimaryContext``) or ``cudaHostRegister`` failed (``ulimit -l``, RAM),
+  each batch (and each batch sent whole through the pipe) is copied into torch's own pinned memory with
+  ``pin_memory()``, whose copies torch guards itself: slower, never a weaker guard. One log line says so.
+* Registration and unregistration run on a short-lived thread set to a device in use (``cuda.py`` says why).
+  Unregistration waits for every device in use (``synchronize``) and happens before the arena is unmapped: when the
+  pool closes and when a dead worker's arena is dropped. A range left registered would stay locked until exit.
+
+**What the tests show and what only a GPU run can confirm.** Without a GPU, a fake runtime whose devices and
+streams run their queued copies only when the test says so (``tests/support/fake_cuda.py``) shows the logic: no
+region is rewritten before every copy from it ran, with copies on ``cuda:1`` while the current device is 0, on two
+devices, and from a side-stream queue two deep; no context is created on an idle device. That the real calls do
+what the fake models needs a GPU (the ``gpu`` tests): that ``cudaHostRegister`` on a memfd's shared map makes its
+tensors ``is_pinned()`` and their copies asynchronous, that ``_cuda_hasPrimaryContext`` and event records create no
+context, and that a copy queued on ``cuda:1`` is really overwritten without the fence on ``cuda:1`` (two GPUs).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from cachefeed._logs import get_logger
 from cachefeed._trainer.arena import Arena
+from cachefeed._trainer.cuda import CudaRuntime, Event, TorchCuda
+from cachefeed._units import format_bytes
 
-__all__ = ["PinnedArenas"]
+__all__ = ["Fence", "PinnedArenas"]
 
 log = get_logger(__name__)
 
-_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, whichever device registered it
+Fence = list[Event]  # one event per device in use when it was recorded
+
+
+@dataclass(slots=True)
+class _Span:
+    """``[start, end)`` of an arena (offsets), registered from ``device`` once it is."""
+
+    address: int
+    start: int
+    end: int
+    device: int | None = None  # None: waiting for a device in use
+    failed: bool = False
 
 
 class PinnedArenas:
-    """The pool's CUDA side: page-locks arenas, releases them, and fences regions until the GPU has read them.
+    """The pool's CUDA side: page-locks arenas span by span, releases them, fences regions (NOTE above).
 
-    The device pinned for is the current one of the thread that starts the first worker (the training thread's,
-    as for torch's pin-memory thread). ``register``/``unregister`` run under the pool's lock; ``fence`` on the
-    training thread, ``passed`` on any thread.
+    ``register``, ``register_pending`` and ``unregister`` run under the pool's lock; ``fence`` and ``pin`` on the
+    training thread, ``passed`` and ``covers`` on any thread.
+
+    Args:
+        runtime: the CUDA calls (default: torch's).
     """
 
-    def __init__(self) -> None:
-        self.device: int | None = None  # chosen by the first ``register``: CUDA is not touched before
-        self._registered: dict[int, int] = {}  # id(arena) -> its address, while registered
+    def __init__(self, runtime: CudaRuntime | None = None) -> None:
+        self._runtime: CudaRuntime = runtime if runtime is not None else TorchCuda()
+        self._spans: dict[int, list[_Span]] = {}  # id(arena) -> its spans
+        self._waiting = 0  # spans waiting for a device in use
+        self._told_fallback = False  # one line says why batches are copied into torch's pinned memory
 
-    def register(self, arena: Arena) -> bool:
-        """Page-lock ``arena``; False (logged) where CUDA refused, then its copies are synchronous."""
-        if self.device is None:
-            self.device = torch.cuda.current_device()
-        address = _address(arena)
-        code = self._on_device_thread(lambda cudart: int(cudart.cudaHostRegister(address, arena.size, _PORTABLE)))
-        if code is None:  # logged where it raised
-            return False
-        if code != 0:
+    def register(self, arena: Arena, start: int, end: int) -> None:
+        """Page-lock ``[start, end)`` of ``arena`` now, or once a device is in use; a failure is logged, and batches
+        in that span are then copied into torch's pinned memory (``pin``)."""
+        span = _Span(_address(arena) + start, start, end)
+        self._spans.setdefault(id(arena), []).append(span)
+        if not self._runtime.tracks_contexts:
+            span.failed = True
+            if not self._told_fallback:
+                self._told_fallback = True
+                log.warning(
+                    "this torch build cannot tell which GPUs are in use (no torch._C._cuda_hasPrimaryContext), so "
+                    "cachefeed cannot fence its shared memory: batches are copied into torch's pinned memory instead"
+                )
+            return
+        self._waiting += 1
+        self.register_pending()
+
+    def register_pending(self) -> None:
+        """Register the spans that wait for a device in use, if one is now (cheap while none waits)."""
+        if not self._waiting:
+            return
+        device = self._device_in_use()
+        if device is None:
+            return
+        for spans in self._spans.values():
+            for span in spans:
+                if span.device is None and not span.failed:
+                    self._waiting -= 1
+                    self._register(span, device)
+
+    def _register(self, span: _Span, device: int) -> None:
+        code = self._runtime.host_register(device, span.address, span.end - span.start)
+        if code == 0:
+            span.device = device
+            return
+        span.failed = True
+        if code is not None and not self._told_fallback:  # None: logged where it raised
+            self._told_fallback = True
             log.warning(
-                "cudaHostRegister of a cachefeed worker's %d MiB of shared memory failed (CUDA error %s): copies of "
-                "its batches to the GPU will not overlap the training step (check `ulimit -l` and free RAM)",
-                arena.size >> 20,
+                "cudaHostRegister of %s of a cachefeed worker's shared memory failed (CUDA error %s): its "
+                "batches are copied into torch's pinned memory instead (check `ulimit -l` and free RAM)",
+                format_bytes(span.end - span.start),
                 code,
             )
-            return False
-        self._registered[id(arena)] = address
-        return True
 
     def unregister(self, arena: Arena) -> None:
-        """Release ``arena``'s page lock once the device is idle (no copy from it can still be queued)."""
-        address = self._registered.pop(id(arena), None)
-        if address is None:
-            return
+        """Release ``arena``'s page locks once every device in use is idle (no copy from it can still be queued)."""
+        for span in self._spans.pop(id(arena), []):
+            if span.device is None:
+                self._waiting -= 0 if span.failed else 1
+                continue
+            code = self._runtime.host_unregister(span.device, span.address)
+            if code:  # None: logged where it raised
+                log.warning("cudaHostUnregister of a cachefeed worker's shared memory failed (CUDA error %s)", code)
 
-        def release(cudart: Any) -> int:
-            torch.cuda.synchronize()
-            return int(cudart.cudaHostUnregister(address))
+    def covers(self, arena: Arena, offset: int, nbytes: int) -> bool:
+        """Whether ``[offset, offset + nbytes)`` of ``arena`` lies in a registered span (its tensors are pinned)."""
+        return any(
+            span.device is not None and span.start <= offset and offset + nbytes <= span.end
+            for span in self._spans.get(id(arena), ())
+        )
 
-        code = self._on_device_thread(release)
-        if code:  # None: logged where it raised
-            log.warning("cudaHostUnregister of a cachefeed worker's shared memory failed (CUDA error %s)", code)
+    def fence(self) -> Fence:
+        """A mark after every copy queued so far on the current stream of every device in use."""
+        runtime = self._runtime
+        return [runtime.record(runtime.current_stream(device)) for device in self._devices_in_use()]
 
-    def fence(self) -> Any:
-        """A mark after every copy queued so far on the current stream of the pinned device."""
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+    def passed(self, fence: Fence) -> bool:
+        """Whether every device is past ``fence`` (every copy queued before it on those streams is done)."""
+        return all(event.query() for event in fence)
 
-    def passed(self, fence: Any) -> bool:
-        """Whether the GPU is past ``fence`` (every copy queued before it is done)."""
-        return bool(fence.query())
+    def pin(self, batch: Any) -> Any:
+        """``batch`` (not in a registered span) in pinned memory the standard torch way; as it is while no device
+        is in use (its copies are then synchronous, and pinning it would create a context)."""
+        if self._runtime.tracks_contexts and self._device_in_use() is None:
+            return batch
+        if not self._told_fallback:
+            self._told_fallback = True
+            log.warning(
+                "batches that do not lie in shared memory registered with CUDA (sent whole through the pipe, or "
+                "not registered yet) are copied into torch's pinned memory (pin_memory) before they are handed out"
+            )
+        return self._runtime.pin(batch)
 
-    def _on_device_thread(self, call: Callable[[Any], int]) -> int | None:
-        """``call(cudart)`` on a new thread set to the pinned device; its result, or None (logged) where it raised."""
-        result: list[int | None] = [None]
+    def _devices_in_use(self) -> list[int]:
+        runtime = self._runtime
+        return [device for device in range(runtime.device_count()) if runtime.has_context(device)]
 
-        def run() -> None:
-            try:
-                torch.cuda.set_device(self.device)
-                result[0] = call(torch.cuda.cudart())  # type: ignore[no-untyped-call]
-            except Exception as exc:  # a CUDA build without the runtime binding
-                log.warning("the CUDA runtime call on cachefeed's shared memory failed: %s", exc)
-
-        thread = threading.Thread(target=run, name="cachefeed-pin", daemon=True)
-        thread.start()
-        thread.join()
-        return result[0]
+    def _device_in_use(self) -> int | None:
+        """The current device if it is in use, else the first in use, else None (torch's own choice for pinning)."""
+        runtime = self._runtime
+        current = runtime.current_device()
+        if runtime.has_context(current):
+            return current
+        in_use = self._devices_in_use()
+        return in_use[0] if in_use else None
 
 
 def _address(arena: Arena) -> int:

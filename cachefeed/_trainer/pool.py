@@ -24,6 +24,9 @@ training process), one arena (``arena.py``). Messages are pickled tuples; each p
 * ``("forget", key, ticket, freed)``: close dataset ``key``'s segment readers, then store ``ticket`` in the arena's
   ack word. ``forget`` waits for that word before the epoch's pin is dropped, so a released snapshot's segments
   are unmapped by every worker before the daemon may delete them (its space is really free when it says so);
+* ``("grow", end)``: regions may now be cut up to ``end`` of the arena, in a new span (``arena.py``). Sent to every
+  worker once a batch did not fit a worker's arena ``prefetch_factor + 2`` times (its size came with its
+  ``inline`` reply); with ``pin_memory``, after the new span was registered, so no batch lands in it unpinned;
 * ``None``: exit.
 
 Replies, one per batch and in the order of that worker's tasks: ``("region", offset, nbytes, skeleton id, leaves,
@@ -31,8 +34,9 @@ skeleton or None)``: the batch lies in that region of the arena; its layout (``c
 *skeleton* (the structure, the tensors' dtypes, shapes and offsets: the same for every full batch) and its *leaves*
 (the values without tensors, such as the samples' keys). A worker numbers the skeletons it sends and sends each
 one once, with the first batch that has it; the training process compiles it then (``worker.learn``, for every
-reply, read or dropped) and builds later batches from the id alone. ``("inline", batch)`` (the arena was full:
-the batch itself, pickled), ``("empty",)`` (every record corrupt) or ``("error", ExceptionWrapper)``.
+reply, read or dropped) and builds later batches from the id alone. ``("inline", batch, need, end)`` (the arena
+was full: the batch itself, pickled, the bytes it needed and the arena's end then), ``("empty",)`` (every record
+corrupt) or ``("error", ExceptionWrapper)``.
 
 Order: batches are dealt round robin, at most ``prefetch_factor`` outstanding per worker, and read back in the order
 they were sent, so every pass yields its batches in its sampler's order (as a DataLoader with ``in_order=True``).
@@ -44,7 +48,8 @@ Scheduling: workers run under ``SCHED_BATCH`` (``cachefeed/_sched.py``, with the
 thread sends wakes a worker; under the default policy a woken worker may preempt the thread that woke it, inside
 its ``write``, when the worker lands on its core.
 
-Death: a worker exits on ``None``, when its parent changes (the trainer died: checked every 0.5 s while idle) or
+Death: a worker exits on ``None``, when the training process is gone (``multiprocessing.parent_process()``: its
+parent with fork, not the fork server's; checked every 0.5 s while idle) or
 when a pipe breaks. A thread of each worker reads its task pipe as fast as tasks come, so the training process
 never blocks on a send (a pipe holds 64 KiB; an epoch's index for thousands of segments is more). The training
 thread waits on the result pipe *and* the worker's sentinel, so a worker that dies raises ``RuntimeError`` naming
@@ -85,16 +90,18 @@ from torch.utils.data._utils import worker as torch_worker
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._sched import yield_to_training
-from cachefeed._trainer.arena import ACK_WORD, HEADER_BYTES, Allocator, Arena
+from cachefeed._trainer.arena import ACK_WORD, HEADER_BYTES, Allocator, Arena, grown_end
 from cachefeed._trainer.collate import Builder, RowCollator, collate_into, compile_skeleton, split
 from cachefeed._trainer.dataset import SnapshotDataset, as_tensors
 from cachefeed._trainer.pinning import PinnedArenas
+from cachefeed._units import format_bytes
 
 __all__ = ["ARENA_BYTES", "EmptyBatch", "Pass", "WorkerPool"]
 
 log = get_logger(__name__)
 
-ARENA_BYTES = 256 << 20  # per worker, sparse: memory is used only as far as batches reach (see arena.py)
+ARENA_BYTES = 256 << 20  # per worker at start, sparse: memory is used only as far as batches reach (see arena.py)
+_RESERVE_SHARE = 4  # the workers' arenas may grow to this fraction of the machine's memory together
 _IDLE_CHECK_S = 0.5  # a waiting worker checks this often that its parent is alive
 _FORGET_TIMEOUT_S = 10.0
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -119,12 +126,14 @@ class _WorkerSpec:
     worker_init_fn: Callable[[int], None] | None
     seed: int
     parent: int
+    arena_end: int  # regions are cut below this until a ``grow``
 
 
 def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, arena: Arena) -> None:
     """A worker's life (NOTE above): seed as a DataLoader worker would, then serve tasks until told to stop."""
     index, num_workers, collate, seed, parent = spec.index, spec.num_workers, spec.collate, spec.seed, spec.parent
     worker_init_fn = spec.worker_init_fn
+    direct = os.getppid() == parent  # forked or spawned by the trainer, not by a fork server
     torch.set_num_threads(1)
     yield_to_training()
     random.seed(seed)
@@ -134,12 +143,16 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
     _set_worker_info(index, num_workers, seed, None)
     if worker_init_fn is not None:
         worker_init_fn(index)
-    allocator = Allocator(HEADER_BYTES, arena.size)
+    allocator = Allocator(HEADER_BYTES, spec.arena_end)
     skeletons: dict[Any, int] = {}  # the layouts' skeletons sent so far, by id (see the replies in the NOTE)
+    need = [0]  # the size of the last region that did not fit
 
     def allocate(nbytes: int) -> tuple[int, Any]:
         offset = allocator.allocate(nbytes)
-        return (-1, None) if offset is None else (offset, arena.view(offset, nbytes))
+        if offset is None:
+            need[0] = nbytes
+            return -1, None
+        return offset, arena.view(offset, nbytes)
 
     release = allocator.release
 
@@ -150,8 +163,8 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
             try:
                 raw = inbox.get(timeout=_IDLE_CHECK_S)
             except queue.Empty:
-                if os.getppid() != parent:
-                    return  # the training process died
+                if _trainer_gone(parent, direct):
+                    return
                 continue
             message = None if raw is None else pickle.loads(raw)  # noqa: S301 (our own process's pipe)
             if message is None:
@@ -165,6 +178,8 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
                 reply = _read_batch(
                     index, datasets[key], indices, collate, allocate, release=release, skeletons=skeletons
                 )
+                if reply[0] == "inline":
+                    reply = (*reply, need[0], allocator.end)
                 results.send_bytes(pickle.dumps(reply, protocol=_PICKLE))
             elif kind == "epoch":
                 _kind, key, dataset = message
@@ -178,8 +193,21 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
                 if forgotten is not None:
                     forgotten.close()
                 arena.words[ACK_WORD] = ticket
+            elif kind == "grow":
+                allocator.grow(message[1])
     except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return  # the training process is gone or stopping us
+
+
+def _trainer_gone(parent: int, direct: bool) -> bool:
+    """Whether the training process (pid ``parent``) died. A worker it started itself is orphaned then. Under
+    forkserver the worker's parent is the fork server, which outlives the trainer: multiprocessing's sentinel of
+    the process that asked for this one tells instead (for fork, the getppid test is kept: the sentinel's pipe is
+    inherited by every process the trainer forks later, which would keep it open)."""
+    if direct:
+        return os.getppid() != parent
+    starter = multiprocessing.parent_process()
+    return starter is not None and not starter.is_alive()
 
 
 def _drain_tasks(tasks: Connection, inbox: queue.SimpleQueue[bytes | None]) -> None:
@@ -377,11 +405,14 @@ class WorkerPool:
         worker_init_fn: called with the worker id in each worker, once (workers persist across epochs).
         timeout_s: how long one batch may take before ``RuntimeError`` (0: no limit), as DataLoader's ``timeout``.
         seed: the workers' base seed (worker ``i`` seeds ``random``, torch and numpy with ``seed + i``).
-        arena_bytes: each worker's shared memory (sparse). A batch that does not fit travels pickled instead.
-        pin_memory: with CUDA, register each arena as page-locked host memory (``cudaHostRegister``, once), so
-            batches are pinned where the workers write them and copies to the GPU run asynchronously. This locks
-            ``arena_bytes`` of RAM per worker. Without CUDA it changes nothing (NOTE [ Pinned arenas ]).
-        pinned: the pinning to use instead of the one ``pin_memory`` makes (tests give one that needs no CUDA).
+        arena_bytes: each worker's shared memory at start (sparse). A batch that does not fit travels pickled
+            instead; when it would not fit ``prefetch_factor + 2`` times, every worker's arena grows by room for
+            that many such batches (``grow`` in NOTE [ Feed protocol ]), up to a quarter of the machine's memory
+            for all workers together.
+        pin_memory: with CUDA, register each arena as page-locked host memory (``cudaHostRegister``, span by
+            span), so batches are pinned where the workers write them and copies to the GPU run asynchronously.
+            This locks each arena's size in RAM. Without CUDA it changes nothing (NOTE [ Pinned arenas ]).
+        pinned: the pinning to use instead of the one ``pin_memory`` makes (tests give one over a fake CUDA).
     """
 
     def __init__(
@@ -409,7 +440,11 @@ class WorkerPool:
         self._worker_init_fn = worker_init_fn
         self._timeout_s = timeout_s
         self._seed = seed
-        self._arena_bytes = arena_bytes
+        if arena_bytes <= HEADER_BYTES:
+            raise ValueError(f"arena_bytes must be more than {HEADER_BYTES}, got {arena_bytes}")
+        self._arena_end = arena_bytes  # every worker's arena is cut below this (it grows: ``_grow``)
+        self._widest = arena_bytes - HEADER_BYTES  # the widest span every worker's arena has
+        self._reserve = max(arena_bytes, _memory_bytes() // (_RESERVE_SHARE * num_workers))
         if pinned is None and pin_memory and torch.cuda.is_available():
             pinned = PinnedArenas()
         self._pinned = pinned
@@ -436,11 +471,13 @@ class WorkerPool:
 
     def _spawn(self, index: int) -> _Worker:
         """Start worker ``index`` with a new arena and new pipes (under the lock)."""
-        arena = Arena(self._arena_bytes)
+        arena = Arena(self._reserve)
         task_recv, task_send = self._context.Pipe(duplex=False)
         result_recv, result_send = self._context.Pipe(duplex=False)
         seed = self._seed + index
-        spec = _WorkerSpec(index, self.num_workers, self._collate, self._worker_init_fn, seed, os.getpid())
+        spec = _WorkerSpec(
+            index, self.num_workers, self._collate, self._worker_init_fn, seed, os.getpid(), self._arena_end
+        )
         process = self._context.Process(
             target=_worker_main,
             args=(spec, task_recv, result_send, arena),
@@ -452,7 +489,7 @@ class WorkerPool:
         result_send.close()
         arena.close()  # the map stays; the descriptor is not needed once the worker has its own
         if self._pinned is not None:
-            self._pinned.register(arena)
+            self._pinned.register(arena, 0, self._arena_end)
         return _Worker(index, process, task_send, result_recv, arena)
 
     def _replace_dead(self) -> None:
@@ -606,6 +643,7 @@ class WorkerPool:
                     self._deal_anew(reading)
                 self._reading = reading.order
                 if self._pinned is not None:
+                    self._pinned.register_pending()
                     self._fence_freed(self._pinned)
                 self._deal()
                 if reading.received >= len(reading.batches) or not self._inflight:
@@ -654,23 +692,56 @@ class WorkerPool:
 
     def _unpack(self, worker: _Worker, reply: tuple[Any, ...]) -> Any:
         kind = reply[0]
+        pinned = self._pinned
         if kind == "region":
             _kind, offset, nbytes, skeleton, leaves, _new = reply
-            return worker.builders[skeleton](worker.hand_out(offset, nbytes), iter(leaves))
+            batch = worker.builders[skeleton](worker.hand_out(offset, nbytes), iter(leaves))
+            if pinned is not None and not pinned.covers(worker.arena, offset, nbytes):
+                return pinned.pin(batch)  # the region goes back once ``batch`` is gone: nothing copies from it
+            return batch
         if kind == "empty":
             return EmptyBatch()
         if kind == "inline":
-            if not self._told_inline:
+            if not self._grow(reply[2], reply[3]) and not self._told_inline:
                 self._told_inline = True
                 log.warning(
-                    "a batch did not fit the worker's %d MiB of shared memory (batches kept by the caller, or very "
-                    "large batches): such batches travel through a pipe, which is slower",
-                    self._arena_bytes >> 20,
+                    "a batch did not fit the worker's %s of shared memory (batches kept by the caller, or "
+                    "batches larger than a quarter of the memory allows): such batches travel through a pipe, "
+                    "which is slower",
+                    format_bytes(self._arena_end),
                 )
-            return reply[1]
+            return reply[1] if pinned is None else pinned.pin(reply[1])
         reply[1].reraise()
         raise AssertionError("unreachable")
+
+    def _grow(self, need: int, worker_end: int) -> bool:
+        """Grow every worker's arena by room for ``prefetch_factor + 2`` batches of ``need`` bytes, unless the
+        widest span already has it or the reserve does not (``grown_end``). True where the arenas grew now, or
+        had grown since the worker placed this batch (``worker_end``: its arena's end then)."""
+        with self._lock:
+            if worker_end < self._arena_end:
+                return True
+            end = grown_end(self._arena_end, self._widest, need, self.prefetch_factor + 2, self._reserve)
+            if end is None:
+                return False
+            log.info(
+                "a batch of %s did not fit the workers' shared memory: each worker's grows to %s",
+                format_bytes(need),
+                format_bytes(end),
+            )
+            for worker in self._workers:
+                if self._pinned is not None:
+                    self._pinned.register(worker.arena, self._arena_end, end)  # before any batch can land there
+                self._send(worker, ("grow", end))
+            self._widest = max(self._widest, end - self._arena_end)
+            self._arena_end = end
+            return True
 
     def _drop(self, worker: _Worker, reply: tuple[Any, ...]) -> None:
         if reply[0] == "region":
             worker.freed.append((reply[1], reply[2]))
+
+
+def _memory_bytes() -> int:
+    """The machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

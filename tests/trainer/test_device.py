@@ -88,6 +88,7 @@ def test_on_cuda_pinned_batches_copied_and_dropped_at_once_arrive_intact(tmp_pat
         for batch in factory.loader(0):
             expected.update(zip(batch["__key__"], batch["data"].clone(), strict=True))
     copies = []
+    weights = torch.zeros(1, device="cuda")  # the model on its GPU: registration waits for a GPU in use
     with EpochLoaderFactory(
         root, batch_size=32, num_workers=2, shuffle=False, pin_memory=True, run_id="t", epochs=1
     ) as factory:
@@ -99,6 +100,7 @@ def test_on_cuda_pinned_batches_copied_and_dropped_at_once_arrive_intact(tmp_pat
             copies.append((batch["__key__"], batch["data"].cuda(non_blocking=True)))
             del batch  # the host batch is gone while its copy is still queued
         torch.cuda.synchronize()
+    del weights
     for keys, data in copies:
         for key, row in zip(keys, data.cpu(), strict=True):
             assert torch.equal(row, expected[key]), key

@@ -26,7 +26,7 @@ import pytest
 from cachefeed._testing.daemon import DaemonProcess, wait_for
 from cachefeed._testing.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 from cachefeed._trainer import DevicePrefetcher, EpochLoaderFactory
-from tests.support import fake_cuda
+from tests.support import fake_prefetch
 from tests.witness.test_promises import make_remote, start
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def trainer_main(root: str, progress: str, prefetch: bool) -> None:
     from cachefeed._fsutil import atomic_write
 
     if prefetch:
-        fake_cuda.install()
+        fake_prefetch.install()
     received: list[list[str]] = []
     with factory_for(root) as factory:
         for epoch in range(EPOCHS):
