@@ -60,7 +60,7 @@ def test_the_next_epoch_is_pinned_near_the_end_so_two_snapshots_rarely_share_the
     with EpochLoaderFactory(root, batch_size=20, num_workers=2, run_id="t", epochs=EPOCHS, progress=None) as factory:
         for epoch in range(EPOCHS - 1):
             loader = factory.loader(epoch)
-            following = root / "snapshots" / f"t-e{epoch + 1:06d}"
+            following = root / "snapshots" / factory.snapshot_id(epoch + 1)
             seen = None
             for index, batch in enumerate(loader):
                 check_batch(batch)

@@ -185,10 +185,10 @@ def test_a_released_epoch_is_unmapped_by_every_worker_before_its_pin_goes(tmp_pa
         assert any(inode in mapped_inodes(pid) for pid in workers), "the workers read the evicted segment"
         for _batch in f.loader(1):
             pass
-        wait_until(lambda: not (root / "snapshots" / "t-e000000").exists(), what="epoch 0's pin released")
+        wait_until(lambda: not (root / "snapshots" / f.snapshot_id(0)).exists(), what="epoch 0's pin released")
         for pid in workers:
             assert inode not in mapped_inodes(pid), f"worker {pid} still maps the evicted segment"
-        live = {p.stat().st_ino for p in (root / "snapshots" / "t-e000001").iterdir()}
+        live = {p.stat().st_ino for p in (root / "snapshots" / f.snapshot_id(1)).iterdir()}
         assert any(mapped_inodes(pid) & live for pid in workers), "shared segments stay mapped across epochs"
 
 
