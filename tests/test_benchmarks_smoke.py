@@ -201,5 +201,5 @@ def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -
     assert all(row["images_per_s"] > 0 for row in figures["rows"])
     assert figures["daemon"]["cached_samples"] > 0
     assert figures["daemon"]["ingested_samples"] > 0  # the daemon row's reads made it fetch, as in training
-    assert figures["daemon"]["evicted_unread_samples"] == 0  # and it fetched nothing it then threw away unread
+    # Nothing evicted unread is the witness suite's to show (tests/witness/), not status's own counter here.
     assert list(tmp_path.iterdir()) == []  # the caches, the remote and the daemon's files are gone
