@@ -204,6 +204,7 @@ class CacheStore:
         self._pinned_published: set[int] = set()
         self._reads: dict[int, SampleReads] = {}  # seq -> its samples' reads (absent: none; see "Epoch reads")
         self._levels: dict[int, int] = {}  # seq -> the segment's reads (its least-read sample's), where > 0
+        self._evicted_pinned: dict[str, tuple[int, SampleReads]] = {}  # name -> (inode, reads), evicted but pinned
         self.source_weights: dict[int, float] = {}  # source tag -> share (see "Weighted sources"); {}: unweighted
         self._samples_by_tag: dict[int, int] = {}  # published samples per source tag, kept as segments come and go
         self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
@@ -336,6 +337,9 @@ class CacheStore:
         self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
         self._live_snapshots = len(live_snapshots(self.layout))
         self._collect_receipts()
+        # A segment evicted while pinned may still be served by the epoch pinning it; once no snapshot holds it
+        # (its receipt, written before its snapshot went, was collected just above), its reads are final.
+        self._evicted_pinned = {n: e for n, e in self._evicted_pinned.items() if e[0] in self._pinned_only}
         self._metadata_bytes = metadata_bytes(self.layout)
         self._pins_scanned_at = time.monotonic()
 
@@ -348,11 +352,24 @@ class CacheStore:
             for name, count, served in receipt.segments:
                 seq = segment_seq(name) if SEGMENT_NAME.match(name) else -1
                 segment = self._published.get(seq)
-                if segment is None or segment.name != name or segment.samples != count:
-                    continue  # evicted meanwhile (it was evictable), or not ours
-                self._set_reads(seq, self._sample_reads(seq).served(served))
+                if segment is not None and segment.name == name and segment.samples == count:
+                    self._set_reads(seq, self._sample_reads(seq).served(served))
+                elif name in self._evicted_pinned:
+                    self._settle_late(name, served)
         self._ledger.commit(receipts, {self._published[seq].name: reads.counts for seq, reads in self._reads.items()})
         self.counters.epochs_seen = self._ledger.epochs_total
+
+    def _settle_late(self, name: str, served: bytes) -> None:
+        """Reads of a segment evicted while an epoch still pinned it (possible at ``evict_after_reads = 0``, or by
+        the free-space floor): the counters settled at its eviction take them in, so "evicted unread" counts only
+        samples no epoch ever served."""
+        inode, before = self._evicted_pinned[name]
+        after = before.served(served)
+        self._evicted_pinned[name] = (inode, after)
+        counters = self.counters
+        counters.evicted_sample_reads += after.total - before.total
+        counters.evicted_unread_samples -= before.unread - after.unread
+        counters.evicted_max_reads = max(counters.evicted_max_reads, after.level)
 
     def _sample_reads(self, seq: int) -> SampleReads:
         return self._reads.get(seq) or SampleReads.none(self._published[seq].samples)
@@ -569,6 +586,8 @@ class CacheStore:
         segment = self._published.pop(seq)
         self._published_bytes -= segment.nbytes
         self._samples_by_tag[segment.source] -= segment.samples
+        reads = self._reads.pop(seq, None) or SampleReads.none(segment.samples)
+        self._levels.pop(seq, None)
         path = self.layout.segments / segment.name
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -582,13 +601,12 @@ class CacheStore:
             os.close(fd)
         if links_left > 0:
             self._pinned_only[segment.inode] = segment.nbytes  # lives on in a snapshot (see the NOTE there)
+            self._evicted_pinned[segment.name] = (segment.inode, reads)  # its epoch may still serve it
         self._pinned_published.discard(seq)
         counters = self.counters
         counters.evicted_segments += 1
         counters.evicted_samples += segment.samples
         counters.evicted_bytes += segment.nbytes
-        reads = self._reads.pop(seq, None) or SampleReads.none(segment.samples)
-        self._levels.pop(seq, None)
         counters.evicted_sample_reads += reads.total
         counters.evicted_max_reads = max(counters.evicted_max_reads, reads.level)
         counters.evicted_unread_samples += reads.unread

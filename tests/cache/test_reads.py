@@ -264,3 +264,24 @@ def test_a_receipt_is_counted_once_whatever_kills_its_writer(tmp_path: Path, whe
     assert store.counters.epochs_seen == 1, "one epoch, one receipt"
     assert store.reserve(SEGMENT_BYTES) is None, "counted once: one read is not the two required"
     store.close()
+
+
+def test_samples_served_from_a_segment_evicted_under_its_epoch_are_not_counted_evicted_unread(tmp_path: Path) -> None:
+    """Free-running (``evict_after_reads = 0``), a segment may go while an epoch still pins and reads it: what that
+    epoch served is settled when its receipt arrives, so "evicted unread" counts samples no epoch ever served."""
+    root = tmp_path / "c"
+    store = paced_store(root, reads=0)
+    write_until_paced(store, limit=600)
+    snapshot = Snapshot.create(root, "reading")
+    store.collect_reads()  # the daemon sees the pin
+    write_until_paced(store, 600, limit=3_000)  # free-running: the pinned segments are evicted under the epoch
+    evicted = store.counters.evicted_samples
+    assert evicted > 0 and store.counters.evicted_unread_samples == evicted
+    snapshot.record_served(np.arange(snapshot.samples))  # the epoch goes on to serve all it pinned
+    snapshot.release()
+    store.collect_reads()
+    gone = [name for name in snapshot.names if not (root / "segments" / name).exists()]
+    served_then_evicted = sum(c for n, c in zip(snapshot.names, snapshot.counts, strict=True) if n in gone)
+    assert served_then_evicted > 0
+    assert store.counters.evicted_unread_samples == evicted - served_then_evicted
+    store.close()
