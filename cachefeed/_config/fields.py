@@ -99,10 +99,7 @@ def fraction(value: object) -> float:
 
 
 def positive_size(value: object) -> int:
-    size = parse_size(value)
-    if size <= 0:
-        raise ValueError("expected a size > 0 such as 64MiB")
-    return size
+    return parse_size(value, minimum=1)
 
 
 def positive_duration(value: object) -> float:
@@ -204,8 +201,8 @@ def turnover(value: object) -> object:
         return ("percent", percent)
     try:
         return parse_size(value)
-    except ValueError:
-        raise ValueError('expected a size such as 2GiB or a percentage of max_bytes such as "25%"') from None
+    except ValueError as exc:
+        raise ValueError(f'{exc}; or a percentage of max_bytes such as "25%"') from None
 
 
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
