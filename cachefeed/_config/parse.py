@@ -102,6 +102,7 @@ def parse_config(
         node["count"] = _env_int(env, source, "NNODES") or 1
     _check_cross_field(sections, source)
 
+    _check_image_size_is_read(sections["sampler"], sources, source)
     for index, entry in enumerate(sources):
         _check_decoder(entry.decode or str(sections["sampler"].get("decode", "npy")), f"source[{index}].decode", source)
     built = {name: SECTION_TYPES[name](**values) for name, values in sections.items()}
@@ -143,6 +144,27 @@ def _parse_sources(raw: object, source: str) -> list[SourceConfig]:
         tags[entry.tag] = entry.name
         parsed.append(entry)
     return parsed
+
+
+def _check_image_size_is_read(sampler: Mapping[str, object], sources: list[SourceConfig], source: str) -> None:
+    """``sampler.image_size`` is read only by the image decoders (``decode = "image"``, or ``"tar"`` with
+    ``decode_images = true``): set for decoders that never read it, it is refused rather than silently ignored."""
+    size = sampler.get("image_size")
+    if not isinstance(size, tuple):  # None: not set, or 0
+        return
+    default = str(sampler.get("decode", "npy"))
+    decoders = [entry.decode or default for entry in sources] or [default]
+    decodes_images = sampler.get("decode_images") is True
+    if any(name == "image" or (name == "tar" and decodes_images) for name in decoders):
+        return
+    shown = size[0] if size[0] == size[1] else list(size)
+    where = "sampler.decode" if not sources else "the sources' decode"
+    raise ConfigError(
+        f'{source}: sampler.image_size = {shown!r} is read only by the image decoders (decode = "image", or '
+        f'decode = "tar" with decode_images = true), but {where} is '
+        f"{', '.join(repr(name) for name in dict.fromkeys(decoders))}: remove image_size (resize in your "
+        "decoder, preprocess or transform) or decode images"
+    )
 
 
 def _check_decoder(decode: str, key: str, source: str) -> None:

@@ -239,11 +239,47 @@ CROSS_FIELD = [
         id="turnover-size-above-budget",
     ),
     pytest.param(
+        {"sampler.decode": "npz", "sampler.image_size": 224},
+        {},
+        ["sampler.image_size = 224 is read only by the image decoders", "sampler.decode is 'npz'", "remove image_size"],
+        id="image-size-with-a-decoder-that-never-reads-it",
+    ),
+    pytest.param(
+        {"sampler.decode": "tar", "sampler.image_size": [24, 32]},
+        {},
+        ["sampler.image_size = [24, 32]", "decode_images = true", "sampler.decode is 'tar'"],
+        id="image-size-with-tar-but-no-decode-images",
+    ),
+    pytest.param(
+        {"remote": DROP, "source": [{"name": "a", "url": "s3://a/", "decode": "npy"}], "sampler.image_size": 64},
+        {},
+        ["sampler.image_size = 64", "the sources' decode is 'npy'"],
+        id="image-size-with-sources-that-never-read-it",
+    ),
+    pytest.param(
         {"node.rank": 2, "node.count": 2}, {}, ["node.rank = 2", "below node.count = 2"], id="rank-equals-count"
     ),
     pytest.param({}, {"NODE_RANK": "3"}, ["node.rank = 3", "below node.count = 1"], id="env-rank-without-nnodes"),
     pytest.param({"node.count": 2}, {"NODE_RANK": "5"}, ["node.rank = 5", "node.count = 2"], id="env-rank-above-count"),
 ]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"sampler.decode": "image", "sampler.image_size": 224},
+        {"sampler.decode": "tar", "sampler.decode_images": True, "sampler.image_size": 224},
+        {"sampler.decode": "npz", "sampler.image_size": 0},  # 0: keep each image's size, the default
+        {
+            "remote": DROP,
+            "source": [{"name": "a", "url": "s3://a/", "decode": "npy"}, {"name": "b", "url": "s3://b/"}],
+            "sampler.decode": "image",
+            "sampler.image_size": 64,
+        },
+    ],
+)
+def test_image_size_is_accepted_where_a_decoder_reads_it(overrides: dict[str, Any]) -> None:
+    parse_config(document(overrides), env={})
 
 
 @pytest.mark.parametrize(("overrides", "env", "parts"), CROSS_FIELD)
