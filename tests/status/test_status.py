@@ -638,11 +638,11 @@ def closed_pipe_run(*argv: str, timeout_s: float = 30) -> subprocess.CompletedPr
 
 def test_a_reader_that_goes_away_ends_status_quietly(tmp_path: Path) -> None:
     layout = make_cache(tmp_path / "cache")
-    write_status(layout, make_document(layout.root, state="degraded", degraded_reasons=["a reason"]))
+    write_status(layout, make_document(layout.root, state="stopped"))  # a verdict that no heartbeat age changes
     for argv in (("--json",), (), ("--json", "--watch", "0.1")):
         finished = closed_pipe_run("--cache-dir", str(layout.root), *argv)
         assert finished.stderr == "", (argv, finished.stderr)  # no BrokenPipeError traceback, nothing at all
-        assert finished.returncode == int(Health.DEGRADED), argv
+        assert finished.returncode == int(Health.NOT_RUNNING), argv
 
 
 def test_json_piped_into_head_prints_no_traceback(tmp_path: Path) -> None:
