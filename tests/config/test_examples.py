@@ -126,6 +126,20 @@ def test_cache_dir_is_writable_under_the_unit(path: Path) -> None:
     assert any(cache_dir.is_relative_to(root) and cache_dir != root for root in writable), (cache_dir, writable)
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_a_file_remote_lies_where_the_unit_lets_the_daemon_see_it(path: Path) -> None:
+    hidden = {"ProtectHome": ("/home", "/root", "/run/user"), "PrivateTmp": ("/tmp", "/var/tmp")}
+    config = load_config(path, env={})
+    urls = [source.url for source in config.sources] or [config.remote.url]
+    for setting, roots in hidden.items():
+        assert _unit_setting(SERVICE, setting) == "yes"
+        for url in urls:
+            if url.startswith("file://"):
+                where = Path(url.removeprefix("file://"))
+                assert not any(where.is_relative_to(root) for root in roots), (url, setting)
+                assert any(root in path.read_text() for root in roots)  # and the config says so
+
+
 def test_tmpfs_example_fits_the_mount_unit() -> None:
     config = load_config(ROOT / "configs" / "s3-tmpfs.toml", env={})
     where = Path(_unit_setting(MOUNT, "Where"))
