@@ -8,6 +8,7 @@ that defines them (``POLICIES`` in ``_cache/eviction.py`` is checked in ``schema
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from collections.abc import Callable
@@ -29,6 +30,7 @@ __all__ = [
     "fraction",
     "image_size",
     "int_at_least",
+    "ip_address",
     "label_rule",
     "mode",
     "nonempty_string",
@@ -84,6 +86,15 @@ def float_at_least(low: float) -> Callable[[object], float]:
         return float(value)
 
     return parse
+
+
+def ip_address(value: object) -> str:
+    """An IPv4 or IPv6 address to listen on, such as "127.0.0.1", "0.0.0.0" or "::"."""
+    text = string(value)
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ValueError('expected an IP address such as "127.0.0.1", "0.0.0.0" (every interface) or "::"') from None
 
 
 def port(value: object) -> int:
