@@ -76,7 +76,11 @@ class MeanRegressor(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         factory = self.trainer.datamodule.factory
         stats = factory.stats(self.current_epoch)
-        print(f"epoch {self.current_epoch}: {stats.batches_served} batches, snapshot {stats.snapshot_id}", flush=True)
+        print(
+            f"rank {self.global_rank} epoch {self.current_epoch}: {stats.batches_served} batches of "
+            f"{stats.rank_samples} samples, snapshot {stats.snapshot_id}",
+            flush=True,
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -90,6 +94,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--width", type=int, default=256, help="length of each sample's data vector")
     parser.add_argument("--run-id", default="lightning")
+    parser.add_argument("--devices", type=int, default=1, help="processes (DDP when > 1; on the CPU over gloo)")
     args = parser.parse_args()
     data = CacheDataModule(
         args.cache_dir, batch_size=args.batch, num_workers=args.workers, epochs=args.epochs, run_id=args.run_id
@@ -98,7 +103,8 @@ def main() -> None:
         max_epochs=args.epochs,
         reload_dataloaders_every_n_epochs=1,  # a new loader, over a new snapshot, every epoch
         accelerator="auto",
-        devices=1,
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -77,9 +77,26 @@ def test_the_lightning_example_trains_each_epoch_on_its_own_snapshot(tmp_path: P
     root = build_cache(tmp_path / "c", 300)
     done = run_example("lightning_datamodule.py", str(root), "--epochs", "3", "--batch", "64", "--workers", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    epochs = [line for line in done.stdout.splitlines() if line.startswith("epoch ")]
-    assert epochs == [f"epoch {e}: 5 batches, snapshot lightning-e{e:06d}" for e in range(3)], done.stdout
+    epochs = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    expected = [f"rank 0 epoch {e}: 5 batches of 300 samples, snapshot lightning-e{e:06d}" for e in range(3)]
+    assert epochs == expected, done.stdout
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # two processes that each import Lightning: 15 s on an idle 2-core machine, minutes under load
+def test_the_lightning_example_under_ddp_splits_each_epoch_once_between_the_ranks(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="pip install -c constraints.txt -e '.[examples]'")
+    root = build_cache(tmp_path / "c", 300)
+    argv = ["--epochs", "2", "--batch", "64", "--workers", "0", "--devices", "2"]
+    done = run_example("lightning_datamodule.py", str(root), *argv)
+    assert done.returncode == 0, done.stderr[-3000:]
+    epochs = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    # Lightning left the loader alone (no DistributedSampler): cachefeed's own split, half the snapshot each
+    assert epochs == [
+        f"rank {rank} epoch {e}: 3 batches of 150 samples, snapshot lightning-e{e:06d}"
+        for rank in range(2)
+        for e in range(2)
+    ], done.stdout
 
 
 def test_the_accelerate_example_trains_each_epoch_on_its_own_snapshot(tmp_path: Path) -> None:
