@@ -4,6 +4,7 @@ that train with Lightning and Accelerate on it (real subprocesses, CPU), and ``p
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import warnings
@@ -17,6 +18,7 @@ from cachefeed._trainer.partition import EpochBatchSampler
 from tests.trainer.test_loader import build_cache, check_batch
 
 REPO = Path(__file__).resolve().parents[2]
+EPOCH_LINE = re.compile(r"rank \d+ epoch \d+: \d+ batches of \d+ samples, snapshot \S+?-e\d{6}")
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -77,7 +79,7 @@ def test_the_lightning_example_trains_each_epoch_on_its_own_snapshot(tmp_path: P
     root = build_cache(tmp_path / "c", 300)
     done = run_example("lightning_datamodule.py", str(root), "--epochs", "3", "--batch", "64", "--workers", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    epochs = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    epochs = EPOCH_LINE.findall(done.stdout)
     expected = [f"rank 0 epoch {e}: 5 batches of 300 samples, snapshot lightning-e{e:06d}" for e in range(3)]
     assert epochs == expected, done.stdout
     assert "Traceback" not in done.stderr
@@ -90,7 +92,7 @@ def test_the_lightning_example_under_ddp_splits_each_epoch_once_between_the_rank
     argv = ["--epochs", "2", "--batch", "64", "--workers", "0", "--devices", "2"]
     done = run_example("lightning_datamodule.py", str(root), *argv)
     assert done.returncode == 0, done.stderr[-3000:]
-    epochs = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    epochs = sorted(EPOCH_LINE.findall(done.stdout))  # the ranks share stdout: their lines may interleave
     # Lightning left the loader alone (no DistributedSampler): cachefeed's own split, half the snapshot each
     assert epochs == [
         f"rank {rank} epoch {e}: 3 batches of 150 samples, snapshot lightning-e{e:06d}"
