@@ -22,6 +22,15 @@ bytes) and an int label, converted to float on the device. Each system is timed 
   trainer reads; the row also gives what the daemon ingested and evicted unread over all the runs. Every other
   row starts once the daemon fetches nothing again (``settled``), so no other row pays for its ingest.
 
+What a run needs, printed before it starts and checked against the machine (it exits with the figures and what
+to change rather than fail half-way): under ``--dir`` (``/dev/shm`` by default) the static caches, and with
+``--daemon`` its ``file://`` remote of twice the largest cache plus the daemon's cache (about 11 GB with the
+defaults; a container's ``/dev/shm`` is 64 MB unless the runtime is told otherwise: pass ``--dir`` on a disk or a
+larger tmpfs, or fewer ``--samples``); and the workers' shared memory: every cachefeed row keeps its factory, so
+its ``--workers`` workers, alive for the whole run (the rows are measured in turn within each repeat), each with a
+256 MiB arena that CUDA page-locks whole (3 factories x 8 workers x 256 MiB = 6 GiB pinned with the defaults;
+more than half of ``MemAvailable`` is refused).
+
 Every loader drops its last partial batch: the daemon's snapshots change size every epoch, and under
 ``cudnn.benchmark`` each new batch shape would be tuned anew inside the timed window.
 
@@ -50,10 +59,42 @@ from benchmarks.common.results import save
 from benchmarks.common.static_cache import write_static_cache
 from cachefeed import DevicePrefetcher, EpochLoaderFactory
 from cachefeed._testing.daemon import DaemonProcess, start_daemon, write_config
+from cachefeed._trainer.pool import ARENA_BYTES
 
 IMAGE_SHAPE = (3, 224, 224)
 CLASSES = 10
 SEGMENT_BYTES = 64 << 20
+
+
+SAMPLE_BYTES = int(np.prod(IMAGE_SHAPE)) + 1024  # one image and its label, as a record or an .npz, with headroom
+
+
+def footprint(sizes: list[int], workers: int, daemon: bool) -> tuple[int, int]:
+    """(bytes written under --dir, bytes of the workers' arenas while every row's factory is alive)."""
+    disk = sum(sizes) * SAMPLE_BYTES + (3 * max(sizes) * SAMPLE_BYTES if daemon else 0)  # remote 2x + its cache 1x
+    arenas = (len(sizes) + int(daemon)) * workers * ARENA_BYTES
+    return disk, arenas
+
+
+def check_machine(where: Path, disk: int, arenas: int, *, pinned: bool) -> None:
+    """Exit with what the run needs and what to change when ``where`` or the memory cannot hold it."""
+    free = shutil.disk_usage(where).free
+    if disk > free:
+        raise SystemExit(
+            f"--dir {where}: this run writes about {disk / 1e9:.1f} GB there but {free / 1e9:.1f} GB are free "
+            "(a container's /dev/shm is 64 MB unless enlarged): pass --dir on a disk or a larger tmpfs, or fewer "
+            "--samples"
+        )
+    if pinned:
+        available = next(
+            int(line.split()[1]) << 10 for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemAvailable:")
+        )  # fmt: skip
+        if arenas > available // 2:
+            raise SystemExit(
+                f"the workers' arenas, pinned whole, take {arenas / 2**30:.1f} GiB (rows x --workers x "
+                f"{ARENA_BYTES >> 20} MiB) of {available / 2**30:.1f} GiB available: fewer --workers or --samples"
+            )
 
 
 def make_model(name: str) -> nn.Module:
@@ -207,6 +248,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
     pinned = device.type == "cuda"  # pinned host memory: the DataLoader's pin thread, cachefeed's registered arenas
     sizes = [int(x) for x in args.samples.split(",")]
+    disk, arenas = footprint(sizes, args.workers, args.daemon)
+    print(
+        f"needs about {disk / 1e9:.1f} GB under {args.dir} and {arenas / 2**30:.1f} GiB of worker arenas"
+        f"{' (pinned)' if pinned else ''}",
+        flush=True,
+    )
+    check_machine(args.dir, disk, arenas, pinned=pinned)
     work = Path(tempfile.mkdtemp(prefix="cachefeed-feed-gpu-", dir=args.dir))
     trainer = Trainer(args.model, device)
     runs: dict[str, list[float]] = {}

@@ -203,3 +203,14 @@ def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -
     assert figures["daemon"]["ingested_samples"] > 0  # the daemon row's reads made it fetch, as in training
     # Nothing evicted unread is the witness suite's to show (tests/witness/), not status's own counter here.
     assert list(tmp_path.iterdir()) == []  # the caches, the remote and the daemon's files are gone
+
+
+def test_feed_gpu_refuses_a_run_its_directory_cannot_hold_before_writing_anything(tmp_path: Path) -> None:
+    from benchmarks import feed_gpu
+
+    argv = ["--device", "cpu", "--model", "tiny", "--samples", "100000000", "--workers", "2", "--daemon"]
+    with pytest.raises(SystemExit, match=r"--dir .*: this run writes about [0-9.]+ GB there but [0-9.]+ GB are free"):
+        feed_gpu.main([*argv, "--dir", str(tmp_path), "--no-save"])
+    assert list(tmp_path.iterdir()) == []
+    disk, arenas = feed_gpu.footprint([8192, 16384], 8, daemon=True)  # the defaults, as the docstring says
+    assert 10e9 < disk < 12e9 and arenas == 3 * 8 * (256 << 20)

@@ -146,7 +146,7 @@ sudo() { "$@"; }
 python3() {
     [ "$1 $2" = "-m venv" ] || { echo "unexpected python3 $*" >&2; return 1; }
     mkdir -p "$3/bin"
-    printf '#!/bin/sh\nexit 0\n' > "$3/bin/pip" && chmod 0755 "$3/bin/pip"
+    printf '#!/bin/sh\necho "$*" >> "$ROOT/pip.log"\n' > "$3/bin/pip" && chmod 0755 "$3/bin/pip"
     ln -s "$CACHEFEED_SCRIPT" "$3/bin/cachefeed"
 }
 systemd-sysusers() { command systemd-sysusers --root="$ROOT" "$@"; }
@@ -166,12 +166,25 @@ journalctl() { :; }
 """
 
 
-def _deployment_snippet() -> str:
-    """The bash block of the README's "Deploying with systemd" section, as a user would paste it."""
+def _deployment_blocks() -> list[str]:
+    """The bash blocks of the README's "Deploying with systemd" section, in order, as a user would paste them."""
     section = README.read_text().split("## Deploying with systemd", 1)[1].split("\n## ", 1)[0]
-    match = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert match, "no bash block in README's 'Deploying with systemd'"
-    return match.group(1)
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert blocks, "no bash block in README's 'Deploying with systemd'"
+    return blocks
+
+
+def _deployment_snippet() -> str:
+    return "".join(_deployment_blocks())
+
+
+def test_readme_deployment_starts_nothing_before_the_prose_says_to_edit_the_config() -> None:
+    install, *start = _deployment_blocks()
+    assert "/etc/cachefeed/train.toml" in install and "systemctl" not in install
+    assert start and "systemctl enable --now" in start[0]
+    section = README.read_text().split("## Deploying with systemd", 1)[1].split("\n## ", 1)[0]
+    between = section.split(install, 1)[1].split(start[0], 1)[0]
+    assert "edit `/etc/cachefeed/train.toml`" in between and "`remote.url`" in between
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="systemd-sysusers --root needs root to write the passwd copy")
@@ -206,6 +219,15 @@ def test_readme_deployment_snippet_works_on_a_fresh_host(tmp_path: Path) -> None
     assert (root / "etc/sysusers.d/cachefeed.conf").is_file()
     assert (root / "etc/tmpfiles.d/cachefeed.conf").is_file()
     assert not (units / "cachefeed.sysusers").exists()  # systemd ignores it there; the old snippet put it there
+    # pip: the CPU build of torch through the constraints, and the images extra an images config needs.
+    [pip_args] = (root / "pip.log").read_text().splitlines()
+    assert pip_args == "install -c constraints.txt .[images]", pip_args
+    assert (SYSTEMD_DIR.parent / "constraints.txt").is_file()
+    # The unit's Documentation= names a file the steps installed.
+    documentation = re.search(r"^Documentation=file://(/\S+)$", (units / TEMPLATE).read_text(), re.M)
+    assert documentation, "Documentation= is not a file:// URL"
+    installed_doc = root / documentation.group(1).lstrip("/")
+    assert installed_doc.read_bytes() == README.read_bytes(), documentation.group(1)
     # The user, and the SSD cache root owned by it.
     entry = next(line for line in (root / "etc/passwd").read_text().splitlines() if line.startswith("cachefeed:"))
     info = (root / "var/cache/cachefeed").stat()

@@ -128,6 +128,10 @@ class CacheLayout:
     def create(self, *, dir_mode: int = 0o750, file_mode: int = 0o640) -> None:
         """Create the directories with explicit modes. Refuses a root or subdirectory that is a symlink.
 
+        The root gets ``dir_mode`` only when this call creates it: an existing root (made by the user, or by an
+        earlier run) keeps its mode and owner, whoever runs the daemon; one the daemon's user cannot write is
+        refused with its mode and owner. The subdirectories are the daemon's and always get their mode.
+
         Raises:
             CacheUnusableError: the directory cannot be created or written (the message names path and cause).
         """
@@ -140,7 +144,11 @@ class CacheLayout:
             ) from None
 
     def _create(self, dir_mode: int, file_mode: int) -> None:
-        self.root.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(mode=dir_mode, parents=True)
+            is_ours = True
+        except FileExistsError:
+            is_ours = False  # the user's (or an earlier run's) directory: its mode is kept, see below
         for directory in (self.root, self.segments, self.tmp, self.snapshots):
             try:
                 directory.mkdir(mode=dir_mode)
@@ -149,11 +157,25 @@ class CacheLayout:
             info = os.lstat(directory)
             if not stat.S_ISDIR(info.st_mode):
                 raise NoSuchCacheError(f"{directory} is not a directory (a symlink or a file): refusing to use it")
+            if directory == self.root and not is_ours:
+                self._check_usable_root(info)
+                continue
             os.chmod(directory, self._mode_of(directory, dir_mode), follow_symlinks=False)
         if not self.tag_file.exists():
             fd = os.open(self.tag_file, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode)
             with os.fdopen(fd, "w") as handle:
                 handle.write(_TAG)
+
+    def _check_usable_root(self, info: os.stat_result) -> None:
+        """An existing root keeps its mode and owner (a directory the daemon did not create is not its to change,
+        run as root or not); one the daemon's user cannot write is refused, saying so."""
+        if os.access(self.root, os.W_OK | os.X_OK) or os.statvfs(self.root).f_flag & os.ST_RDONLY:
+            return  # a read-only filesystem fails on the first write, which names it
+        raise CacheUnusableError(
+            f"cache.dir {self.root}: exists with mode {stat.S_IMODE(info.st_mode):04o} and owner uid {info.st_uid}, "
+            f"not writable by uid {os.geteuid()} (the daemon's user); the daemon never changes the mode of a "
+            "directory it did not create: make it writable for that user (chown or chmod) or choose another cache.dir"
+        )
 
     def _mode_of(self, directory: Path, dir_mode: int) -> int:
         """snapshots/ is where trainers write: if the group may read the cache, it may pin too.

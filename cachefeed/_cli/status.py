@@ -4,7 +4,7 @@ Usage::
 
     cachefeed status --config /etc/cachefeed/train.toml     # or --cache-dir /dev/shm/cachefeed/train
     cachefeed status --cache-dir DIR --json                 # the daemon's document + heartbeat_age_s + health
-    cachefeed status --cache-dir DIR --watch [SECONDS]      # refresh in place until Ctrl-C (exits 0)
+    cachefeed status --cache-dir DIR --watch [SECONDS]      # refresh in place until Ctrl-C
 
 The exit status (one invocation, without ``--watch``) is the verdict: the table is in ``_status/verdict.py``, with
 ``Health``; the staleness rule and the pid check are there too. The reading is ``_status/report.py``, the output
@@ -12,7 +12,13 @@ The exit status (one invocation, without ``--watch``) is the verdict: the table 
 
 ``--watch`` re-reads the file every SECONDS (a poll: the heartbeat age changes every second anyway). On a terminal
 each frame replaces the last (cursor home, clear); otherwise frames follow each other, and with ``--json`` each is
-one line (NDJSON). A cache that does not exist yet is reported and watched for. Ctrl-C exits 0.
+one line (NDJSON). A cache that does not exist yet is reported and watched for. Ctrl-C exits with the last frame's
+verdict (0 only if the daemon was running and healthy then; 66 if the last frame found no cache), as one
+invocation would have exited at that moment.
+
+A reader that goes away (``cachefeed status --json | head -c 400``) ends the command quietly: the rest of the output
+goes to ``/dev/null`` (the recipe in the Python docs' ``signal`` module notes), no ``BrokenPipeError`` traceback,
+and the exit status is still the verdict.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=1.0,
         type=_positive_seconds,
-        help="refresh every SECONDS (default 1) until Ctrl-C",
+        help="refresh every SECONDS (default 1) until Ctrl-C, then exit with the last verdict",
     )
     parser.epilog = "exit status: " + ", ".join(f"{int(code)} {label}" for code, label in _EXIT_STATUSES)
 
@@ -76,11 +82,21 @@ def run(args: argparse.Namespace) -> int:
     if args.watch is not None:
         return _watch(cache_dir, interval_s, period_s=args.watch, as_json=args.json)
     report = read_report(cache_dir, interval_s=interval_s)
-    if args.json:
-        print(json.dumps(to_json(report), indent=2))
-    else:
-        print(render_human(report), end="")
+    text = json.dumps(to_json(report), indent=2) + "\n" if args.json else render_human(report)
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
     return int(report.health)
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout went away: point stdout at /dev/null so that Python's flush at exit cannot fail
+    again (and print a traceback). The Python docs' recipe for SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 _HOME_CLEAR = "\x1b[H\x1b[2J"
@@ -89,13 +105,16 @@ _HOME_CLEAR = "\x1b[H\x1b[2J"
 def _watch(cache_dir: Path, interval_s: float | None, *, period_s: float, as_json: bool) -> int:
     """Redraw until interrupted. A missing cache is shown as such (the daemon may not have created it yet)."""
     is_tty = sys.stdout.isatty() and not as_json
+    verdict = int(Health.NOT_RUNNING)  # a Ctrl-C before the first frame: nothing seen running
     try:
         while True:
             try:
                 report = read_report(cache_dir, interval_s=interval_s)
                 text = json.dumps(to_json(report)) + "\n" if as_json else render_human(report)
+                verdict = int(report.health)
             except CachefeedError as exc:
                 text = json.dumps({"error": str(exc)}) + "\n" if as_json else f"cachefeed status: {exc}\n"
+                verdict = exc.exit_code
             if is_tty:
                 sys.stdout.write(_HOME_CLEAR + text)
             else:
@@ -103,8 +122,7 @@ def _watch(cache_dir: Path, interval_s: float | None, *, period_s: float, as_jso
             sys.stdout.flush()
             time.sleep(period_s)
     except KeyboardInterrupt:
-        return 0
+        return verdict
     except BrokenPipeError:
-        # the reader went away (``| head``): stop quietly, and keep Python from complaining at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        _silence_stdout()  # the reader went away (``| head``): stop quietly
+        return verdict

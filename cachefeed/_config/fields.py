@@ -8,6 +8,7 @@ that defines them (``POLICIES`` in ``_cache/eviction.py`` is checked in ``schema
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from collections.abc import Callable
@@ -30,6 +31,7 @@ __all__ = [
     "image_fields",
     "image_size",
     "int_at_least",
+    "ip_address",
     "label_rule",
     "mode",
     "nonempty_string",
@@ -87,6 +89,15 @@ def float_at_least(low: float) -> Callable[[object], float]:
     return parse
 
 
+def ip_address(value: object) -> str:
+    """An IPv4 or IPv6 address to listen on, such as "127.0.0.1", "0.0.0.0" or "::"."""
+    text = string(value)
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ValueError('expected an IP address such as "127.0.0.1", "0.0.0.0" (every interface) or "::"') from None
+
+
 def port(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ValueError("expected a TCP port from 1 to 65535, or 0 for off")
@@ -100,10 +111,7 @@ def fraction(value: object) -> float:
 
 
 def positive_size(value: object) -> int:
-    size = parse_size(value)
-    if size <= 0:
-        raise ValueError("expected a size > 0 such as 64MiB")
-    return size
+    return parse_size(value, minimum=1)
 
 
 def positive_duration(value: object) -> float:
@@ -216,8 +224,8 @@ def turnover(value: object) -> object:
         return ("percent", percent)
     try:
         return parse_size(value)
-    except ValueError:
-        raise ValueError('expected a size such as 2GiB or a percentage of max_bytes such as "25%"') from None
+    except ValueError as exc:
+        raise ValueError(f'{exc}; or a percentage of max_bytes such as "25%"') from None
 
 
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

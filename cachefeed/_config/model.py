@@ -93,6 +93,7 @@ class StatusConfig:
     interval_s: float = 1.0
     stuck_after_s: float = 600.0
     metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
     metrics_textfile: str = ""
 
 

@@ -33,7 +33,7 @@ from cachefeed._config.schema import (
 from cachefeed._errors import ConfigError
 from cachefeed._images import require_pillow
 
-__all__ = ["load_config", "parse_config"]
+__all__ = ["BUDGET_FORMULA", "load_config", "minimum_max_bytes", "parse_config"]
 
 
 def _unknown(kind: str, name: str, known: list[str]) -> str:
@@ -102,6 +102,7 @@ def parse_config(
         node["count"] = _env_int(env, source, "NNODES") or 1
     _check_cross_field(sections, source)
 
+    _check_image_size_is_read(sections["sampler"], sources, source)
     for index, entry in enumerate(sources):
         _check_decoder(entry.decode or str(sections["sampler"].get("decode", "npy")), f"source[{index}].decode", source)
     built = {name: SECTION_TYPES[name](**values) for name, values in sections.items()}
@@ -145,6 +146,27 @@ def _parse_sources(raw: object, source: str) -> list[SourceConfig]:
     return parsed
 
 
+def _check_image_size_is_read(sampler: Mapping[str, object], sources: list[SourceConfig], source: str) -> None:
+    """``sampler.image_size`` is read only by the image decoders (``decode = "image"``, or ``"tar"`` with
+    ``decode_images = true``): set for decoders that never read it, it is refused rather than silently ignored."""
+    size = sampler.get("image_size")
+    if not isinstance(size, tuple):  # None: not set, or 0
+        return
+    default = str(sampler.get("decode", "npy"))
+    decoders = [entry.decode or default for entry in sources] or [default]
+    decodes_images = sampler.get("decode_images") is True
+    if any(name == "image" or (name == "tar" and decodes_images) for name in decoders):
+        return
+    shown = size[0] if size[0] == size[1] else list(size)
+    where = "sampler.decode" if not sources else "the sources' decode"
+    raise ConfigError(
+        f'{source}: sampler.image_size = {shown!r} is read only by the image decoders (decode = "image", or '
+        f'decode = "tar" with decode_images = true), but {where} is '
+        f"{', '.join(repr(name) for name in dict.fromkeys(decoders))}: remove image_size (resize in your "
+        "decoder, preprocess or transform) or decode images"
+    )
+
+
 def _check_decoder(decode: str, key: str, source: str) -> None:
     """A source's decoder that needs Pillow needs it installed (the other decoders load at preflight)."""
     if decode == "image":
@@ -154,6 +176,35 @@ def _check_decoder(decode: str, key: str, source: str) -> None:
             raise ConfigError(f"{source}: {key}: {exc}") from None
 
 
+# The budget floor, as the README's config table and configs/s3-ssd.toml state it (tests check all three agree).
+BUDGET_FORMULA = (
+    "max_bytes >= 1 MiB metadata reserve + max(max(4, 2 x sampler.processes) x segment_bytes, "
+    "2 x segment_bytes + turnover)"
+)
+
+
+def _percent_of(max_bytes: int, percent: float) -> int:
+    """``cache.turnover = "P%"`` in bytes: the one rounding (down), for the check and for the daemon."""
+    return int(max_bytes * percent / 100)
+
+
+def minimum_max_bytes(segment_bytes: int, processes: int, turnover_bytes: int | None, percent: float | None) -> int:
+    """The least ``cache.max_bytes`` that ``BUDGET_FORMULA`` accepts: room for ``max(4, 2 x processes)`` segments
+    (two in flight per sampler) and, after the turnover room, two segments for the cached set, plus the metadata
+    reserve. Turnover is either ``turnover_bytes`` or ``percent`` of max_bytes (then the least integer that holds)."""
+    floor = max(MIN_SEGMENTS_IN_BUDGET, 2 * processes) * segment_bytes + METADATA_RESERVE_BYTES
+    cached_set = 2 * segment_bytes + METADATA_RESERVE_BYTES
+    if percent is None:
+        return max(floor, cached_set + int(turnover_bytes or 0))
+    # max_bytes - _percent_of(max_bytes) grows by 0 or 1 per byte: walk from the real-valued solution to the least
+    least = max(0, int(cached_set / (1 - percent / 100)))
+    while least > 0 and least - 1 - _percent_of(least - 1, percent) >= cached_set:
+        least -= 1
+    while least - _percent_of(least, percent) < cached_set:
+        least += 1
+    return max(floor, least)
+
+
 def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> None:
     cache = sections["cache"]
     sampler = sections["sampler"]
@@ -161,21 +212,16 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
     max_bytes = int(cache["max_bytes"])  # type: ignore[call-overload]
     segment_bytes = int(cache.get("segment_bytes", DEFAULT_SEGMENT_BYTES))  # type: ignore[call-overload]
     processes = int(sampler.get("processes", DEFAULT_PROCESSES))  # type: ignore[call-overload]
-    floor = max(MIN_SEGMENTS_IN_BUDGET, 2 * processes) * segment_bytes + METADATA_RESERVE_BYTES
-    if max_bytes < floor:
-        raise ConfigError(
-            f"{source}: cache.max_bytes = {max_bytes} bytes is below {floor} bytes "
-            f"(max({MIN_SEGMENTS_IN_BUDGET}, 2 x sampler.processes) x cache.segment_bytes + 1 MiB metadata): "
-            "raise max_bytes or lower segment_bytes"
-        )
     turnover = cache.get("turnover_bytes", ("percent", float(DEFAULT_TURNOVER_PERCENT)))
-    if isinstance(turnover, tuple):
-        turnover = int(max_bytes * float(turnover[1]) / 100)
-    turnover_bytes = int(turnover)  # type: ignore[call-overload]
-    if turnover_bytes > max_bytes - METADATA_RESERVE_BYTES - 2 * segment_bytes:
+    percent = float(turnover[1]) if isinstance(turnover, tuple) else None
+    turnover_bytes = _percent_of(max_bytes, percent) if percent is not None else int(turnover)  # type: ignore[call-overload]
+    minimum = minimum_max_bytes(segment_bytes, processes, turnover_bytes if percent is None else None, percent)
+    if max_bytes < minimum:
+        shown = f"{percent:g}% = {turnover_bytes} bytes" if percent is not None else f"{turnover_bytes} bytes"
         raise ConfigError(
-            f"{source}: cache.turnover = {turnover_bytes} bytes leaves less than two segments for the "
-            "cached set: lower turnover or raise max_bytes"
+            f"{source}: cache.max_bytes = {max_bytes} bytes is below the minimum of {minimum} bytes for "
+            f"cache.segment_bytes = {segment_bytes}, sampler.processes = {processes} and cache.turnover = {shown}: "
+            f"{BUDGET_FORMULA}: raise max_bytes, or lower segment_bytes or turnover"
         )
     cache["turnover_bytes"] = turnover_bytes
     decodes_images = sampler.get("decode") == "image" or sampler.get("decode_images") is True

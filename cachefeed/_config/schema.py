@@ -114,7 +114,12 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
             fields.positive_duration,
             "a pinned snapshot nobody has read from for this long while fetching waits: degraded (10m)",
         ),
-        "metrics_port": ("metrics_port", fields.port, "Prometheus HTTP port on 127.0.0.1, 0 = off (0)"),
+        "metrics_port": ("metrics_port", fields.port, "Prometheus HTTP port on metrics_address, 0 = off (0)"),
+        "metrics_address": (
+            "metrics_address",
+            fields.ip_address,
+            'address the metrics port listens on: "0.0.0.0" for a scrape from another host or pod ("127.0.0.1")',
+        ),
         "metrics_textfile": ("metrics_textfile", fields.string, "node-exporter textfile path, empty = off"),
     },
     "log": {

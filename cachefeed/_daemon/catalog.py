@@ -111,7 +111,14 @@ class Catalog:
                 retry_s = min(retry_s * 2, max(self._interval_s, _RETRY_MIN_S))
             else:
                 retry_s = _RETRY_MIN_S
-                log.info("listed %d objects%s in %.2fs", len(listing), self._of(), time.monotonic() - started)
+                if listing:
+                    log.info("listed %d objects%s in %.2fs", len(listing), self._of(), time.monotonic() - started)
+                else:  # status says degraded; the journal says why
+                    log.warning(
+                        "listed 0 objects under %s matching %r: nothing to cache (check the URL and the pattern)",
+                        self._safe_url(),
+                        self._config.pattern,
+                    )
                 with self._lock:
                     self._fresh = listing
                     self._state = CatalogState(len(listing), time.time(), self._state.list_errors_total, "", False)

@@ -7,8 +7,9 @@ final "stopped" document). The exporter keeps only the latest document; a collec
 
 Outputs, both optional (``[status]`` in the config):
 
-- ``metrics_port``: an HTTP endpoint on ``127.0.0.1:<port>/metrics`` (the standard client's server, in a daemon
-  thread). A port that cannot be bound raises ``ConfigError`` at construction (exit 78: systemd must not loop).
+- ``metrics_port``: an HTTP endpoint on ``<metrics_address>:<port>/metrics`` (127.0.0.1 unless configured; "0.0.0.0"
+  for a scrape from another pod, as in ``deploy/kubernetes``; the standard client's server, in a daemon thread). A
+  port that cannot be bound raises ``ConfigError`` at construction (exit 78: systemd must not loop).
 - ``metrics_textfile``: a file for node-exporter's textfile collector (name it ``*.prom``), rewritten atomically
   (temp file in the same directory, then rename; the temp name does not end in ``.prom``) with mode 0644 at each
   ``update``. Its parent directory must exist. A failing write is logged once per distinct error and retried at
@@ -221,15 +222,16 @@ class MetricsExporter:
         if config.metrics_port:
             try:
                 self._server, self._thread = start_http_server(
-                    config.metrics_port, addr="127.0.0.1", registry=self.registry
+                    config.metrics_port, addr=config.metrics_address, registry=self.registry
                 )
             except OSError as exc:
                 raise ConfigError(
-                    f"status.metrics_port = {config.metrics_port}: cannot listen on 127.0.0.1:{config.metrics_port}"
-                    f" ({exc.strerror or exc}): choose a free port, or 0 to turn the endpoint off"
+                    f"status.metrics_port = {config.metrics_port}: cannot listen on "
+                    f"{config.metrics_address}:{config.metrics_port} ({exc.strerror or exc}): choose a free port "
+                    "(or another status.metrics_address), or 0 to turn the endpoint off"
                 ) from None
             self.port = int(self._server.server_port)
-            logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", self.port)
+            logger.info("Prometheus metrics on http://%s:%d/metrics", config.metrics_address, self.port)
 
     def update(self, document: Mapping[str, Any]) -> None:
         """Publish ``document`` (the one just written to status.json) to both outputs."""

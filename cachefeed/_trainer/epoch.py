@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
+from cachefeed._trainer.compat import DataLoaderAttributes, LoaderSettings
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.partition import EpochBatchSampler
 from cachefeed._trainer.pool import EmptyBatch, Pass, WorkerPool
@@ -268,8 +269,9 @@ def shutdown_iterator(inner: Iterator[Any]) -> None:
         shutdown()
 
 
-class EpochLoader:
-    """The loader of one epoch, as ``factory.loader(epoch)`` returns it.
+class EpochLoader(DataLoaderAttributes):
+    """The loader of one epoch, as ``factory.loader(epoch)`` returns it. It answers what code written for a
+    DataLoader reads (``batch_size``, ``sampler``, ``num_workers``, ``drop_last``, ...: ``compat.py``).
 
     Iterate it once per epoch (a second ``iter()`` starts a fresh DataLoader iterator, without the head start).
     ``len()`` is the number of batches planned for this rank; batches left empty by corrupt records are dropped,
@@ -282,7 +284,10 @@ class EpochLoader:
             batches come from the factory's worker pool (``pool.py``).
     """
 
-    def __init__(self, state: EpochState, hooks: EpochHooks, stats: Callable[[], EpochStats]) -> None:
+    def __init__(
+        self, state: EpochState, hooks: EpochHooks, stats: Callable[[], EpochStats], settings: LoaderSettings
+    ) -> None:
+        self._loader_settings, self._epoch_indices = settings, state.indices
         self._state = state
         self._hooks = hooks
         self._stats = stats

@@ -62,6 +62,7 @@ from cachefeed._cache.sources import read_sources
 from cachefeed._labels import read_classes
 from cachefeed._logs import get_logger
 from cachefeed._trainer.background import SerialWorker
+from cachefeed._trainer.compat import LoaderSettings, pin_memory_in_effect
 from cachefeed._trainer.dataset import SnapshotDataset, Transform
 from cachefeed._trainer.epoch import EpochLoader, EpochState, EpochStats, SkipEmptyCollate, shutdown_iterator
 from cachefeed._trainer.partition import (
@@ -219,7 +220,7 @@ class EpochLoaderFactory:
         self.prepare_at = prepare_at
         self.epochs = epochs
         self.progress = progress
-        self.loader_options = dict(loader_options)
+        self.loader_options = pin_memory_in_effect(loader_options)  # one log line where nothing can pin
         # Fail here, on the caller's thread, on options DataLoader refuses (e.g. prefetch_factor without workers).
         DataLoader(
             cast(Dataset[Any], []),
@@ -255,7 +256,10 @@ class EpochLoaderFactory:
         started = time.perf_counter()
         state = self._activate(epoch, with_loader=True)
         self._on_wait(time.perf_counter() - started, first_batch=None)
-        return EpochLoader(state, _Hooks(self), lambda: self.stats(epoch))
+        settings = LoaderSettings(
+            self.batch_size, self.drop_last, self.num_workers, self.collate_fn, self.loader_options
+        )
+        return EpochLoader(state, _Hooks(self), lambda: self.stats(epoch), settings)
 
     def dataset(self, epoch: int) -> SnapshotDataset:
         """The snapshot dataset of ``epoch``, for your own DataLoader. Pinned until the factory moves on or closes.

@@ -84,12 +84,8 @@ INVALID = [
     pytest.param(
         {"sampler.concurrency": 1.5}, "sampler.concurrency", "1.5", "expected an integer >= 1", id="float-for-int"
     ),
-    pytest.param(
-        {"cache.max_bytes": 1.5e9}, "cache.max_bytes", "1500000000.0", "expected a size such as", id="float-size"
-    ),
-    pytest.param(
-        {"cache.max_bytes": "-5GiB"}, "cache.max_bytes", "'-5GiB'", "expected a size >= 0", id="negative-size"
-    ),
+    pytest.param({"cache.max_bytes": 1.5e9}, "cache.max_bytes", "1500000000.0", "expected a size > 0", id="float-size"),
+    pytest.param({"cache.max_bytes": "-5GiB"}, "cache.max_bytes", "'-5GiB'", "expected a size > 0", id="negative-size"),
     pytest.param(
         {"cache.min_free_bytes": -1}, "cache.min_free_bytes", "-1", "expected a size >= 0", id="negative-int-size"
     ),
@@ -200,7 +196,7 @@ INVALID = [
     pytest.param({"sampler.seed": -1}, "sampler.seed", "-1", "integer >= 0", id="negative-seed"),
     pytest.param({"cache.turnover": "100%"}, "cache.turnover", "'100%'", 'below "100%"', id="turnover-100pc"),
     pytest.param({"cache.turnover": "lots%"}, "cache.turnover", "'lots%'", '"25%"', id="turnover-not-a-pc"),
-    pytest.param({"cache.turnover": "lots"}, "cache.turnover", "'lots'", "such as 2GiB", id="turnover-not-a-size"),
+    pytest.param({"cache.turnover": "lots"}, "cache.turnover", "'lots'", "such as 64MiB", id="turnover-not-a-size"),
 ]
 
 
@@ -221,26 +217,44 @@ CROSS_FIELD = [
     pytest.param(
         {"cache.max_bytes": "100MiB"},
         {},
-        ["cache.max_bytes = 104857600 bytes", "below 269484032 bytes", "cache.segment_bytes"],
+        ["cache.max_bytes = 104857600 bytes", "below the minimum of 269484032 bytes", "cache.segment_bytes"],
         id="budget-below-four-segments",
     ),
     pytest.param(
         {"cache.max_bytes": "512MiB", "cache.segment_bytes": "32MiB", "sampler.processes": 16},
         {},
-        ["cache.max_bytes = 536870912 bytes", "below 1074790400 bytes", "2 x sampler.processes"],
+        ["cache.max_bytes = 536870912 bytes", "below the minimum of 1074790400 bytes", "sampler.processes = 16"],
         id="budget-below-two-segments-per-sampler",
     ),
     pytest.param(
         {"cache.turnover": "90%"},
         {},
-        ["cache.turnover = 966367641 bytes", "less than two segments", "lower turnover"],
+        ["cache.turnover = 90% = 966367641 bytes", "2 x segment_bytes + turnover", "lower segment_bytes or turnover"],
         id="turnover-percent-too-large",
     ),
     pytest.param(
         {"cache.turnover": "2GiB"},
         {},
-        ["cache.turnover = 2147483648 bytes", "less than two segments"],
+        ["cache.turnover = 2147483648 bytes", "below the minimum of 2282749952 bytes"],
         id="turnover-size-above-budget",
+    ),
+    pytest.param(
+        {"sampler.decode": "npz", "sampler.image_size": 224},
+        {},
+        ["sampler.image_size = 224 is read only by the image decoders", "sampler.decode is 'npz'", "remove image_size"],
+        id="image-size-with-a-decoder-that-never-reads-it",
+    ),
+    pytest.param(
+        {"sampler.decode": "tar", "sampler.image_size": [24, 32]},
+        {},
+        ["sampler.image_size = [24, 32]", "decode_images = true", "sampler.decode is 'tar'"],
+        id="image-size-with-tar-but-no-decode-images",
+    ),
+    pytest.param(
+        {"remote": DROP, "source": [{"name": "a", "url": "s3://a/", "decode": "npy"}], "sampler.image_size": 64},
+        {},
+        ["sampler.image_size = 64", "the sources' decode is 'npy'"],
+        id="image-size-with-sources-that-never-read-it",
     ),
     pytest.param(
         {"node.rank": 2, "node.count": 2}, {}, ["node.rank = 2", "below node.count = 2"], id="rank-equals-count"
@@ -248,6 +262,24 @@ CROSS_FIELD = [
     pytest.param({}, {"NODE_RANK": "3"}, ["node.rank = 3", "below node.count = 1"], id="env-rank-without-nnodes"),
     pytest.param({"node.count": 2}, {"NODE_RANK": "5"}, ["node.rank = 5", "node.count = 2"], id="env-rank-above-count"),
 ]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"sampler.decode": "image", "sampler.image_size": 224},
+        {"sampler.decode": "tar", "sampler.decode_images": True, "sampler.image_size": 224},
+        {"sampler.decode": "npz", "sampler.image_size": 0},  # 0: keep each image's size, the default
+        {
+            "remote": DROP,
+            "source": [{"name": "a", "url": "s3://a/", "decode": "npy"}, {"name": "b", "url": "s3://b/"}],
+            "sampler.decode": "image",
+            "sampler.image_size": 64,
+        },
+    ],
+)
+def test_image_size_is_accepted_where_a_decoder_reads_it(overrides: dict[str, Any]) -> None:
+    parse_config(document(overrides), env={})
 
 
 @pytest.mark.parametrize(("overrides", "env", "parts"), CROSS_FIELD)
@@ -406,11 +438,10 @@ def test_config_is_frozen() -> None:
     ("text", "expected"),
     [
         ("64GiB", 64 * GiB),
-        ("64 GiB", 64 * GiB),
         ("1.5GiB", 3 * GiB // 2),
         ("500MB", 500_000_000),
         ("2TB", 2 * 10**12),
-        ("8g", 8 * GiB),
+        ("8192KiB", 8 << 20),
         ("1073741824", GiB),
         (GiB, GiB),
     ],
@@ -418,6 +449,26 @@ def test_config_is_frozen() -> None:
 def test_sizes_are_parsed_to_bytes(text: str | int, expected: int) -> None:
     config = parse_config(document({"cache.max_bytes": text, "cache.segment_bytes": "1MiB"}), env={})
     assert config.cache.max_bytes == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "meant"), [("8mb", "8MB"), ("8 MB", None), ("8Mb", "8MB"), ("8g", None), ("8gib", "8GiB"), (" 8MB", None)]
+)
+def test_a_size_has_one_spelling_per_unit(text: str, meant: str | None) -> None:
+    message = rejected({"cache.max_bytes": text, "cache.segment_bytes": "1MiB"})
+    assert f"cache.max_bytes = {text!r}" in message
+    assert "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)" in message, message
+    assert (f"did you mean {meant}?" in message) if meant else ("did you mean" not in message), message
+
+
+@pytest.mark.parametrize(
+    ("key", "bound", "values"),
+    [("cache.max_bytes", "> 0", [-1, "-1", 0, "0", "0MiB"]), ("cache.min_free_bytes", ">= 0", [-1, "-1", "-1MiB"])],
+)
+def test_a_size_refused_states_the_same_bound_whatever_was_wrong(key: str, bound: str, values: list[object]) -> None:
+    for value in [*values, "lots", 1.5]:
+        message = rejected({key: value})
+        assert f"expected a size {bound}:" in message, message
 
 
 @pytest.mark.parametrize(
@@ -536,3 +587,49 @@ def test_generated_configs_read_back_to_the_same_values(tmp_path: Path) -> None:
     config = load_config(path, env={})
     assert config.remote.pattern == odd and config.remote.storage_options == {"key": odd, "anon": False}
     assert config.cache.dir == tmp_path / "c" and config.cache.fsync is False
+
+
+def _least_budget_by_the_readme(segment_bytes: int, processes: int, turnover: str) -> int:
+    """The README's formula, worked out here independently: the least max_bytes with max_bytes >= 1 MiB +
+    max(max(4, 2 x processes) x segment_bytes, 2 x segment_bytes + turnover), turnover in bytes or "P%" of
+    max_bytes (rounded down), found by bisection."""
+    mib = 1 << 20
+
+    def holds(max_bytes: int) -> bool:
+        room = int(max_bytes * float(turnover[:-1]) / 100) if turnover.endswith("%") else int(turnover)
+        return max_bytes >= mib + max(max(4, 2 * processes) * segment_bytes, 2 * segment_bytes + room)
+
+    low, high = 0, 1 << 50
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(middle) else (middle + 1, high)
+    return low
+
+
+@pytest.mark.parametrize(
+    ("segment_bytes", "processes", "turnover"),
+    [
+        (16 << 10, 2, "25%"),  # the issue's case: small segments, where the turnover term and the reserve dominate
+        (64 << 20, 2, "25%"),  # the defaults
+        (32 << 20, 16, "0%"),  # many samplers
+        (64 << 20, 2, str(300 << 20)),  # turnover as a size
+        (1 << 20, 1, "90%"),
+    ],
+)
+def test_a_budget_at_the_readmes_minimum_is_accepted_and_one_byte_less_refused_naming_the_formula(
+    segment_bytes: int, processes: int, turnover: str
+) -> None:
+    from cachefeed._config.parse import BUDGET_FORMULA
+
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert f"`{BUDGET_FORMULA}`" in readme  # the formula the check applies is the README's
+    least = _least_budget_by_the_readme(segment_bytes, processes, turnover)
+    overrides = {
+        "cache.segment_bytes": segment_bytes,
+        "sampler.processes": processes,
+        "cache.turnover": turnover if turnover.endswith("%") else int(turnover),
+    }
+    assert parse_config(document({**overrides, "cache.max_bytes": least}), env={}).cache.max_bytes == least
+    message = rejected({**overrides, "cache.max_bytes": least - 1})
+    assert f"cache.max_bytes = {least - 1} bytes is below the minimum of {least} bytes" in message
+    assert BUDGET_FORMULA in message

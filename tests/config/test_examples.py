@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from cachefeed._config import SCHEMA, load_config, parse_config
+from cachefeed._config.parse import BUDGET_FORMULA
 from cachefeed._errors import ConfigError
-from cachefeed._units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -126,22 +126,37 @@ def test_cache_dir_is_writable_under_the_unit(path: Path) -> None:
     assert any(cache_dir.is_relative_to(root) and cache_dir != root for root in writable), (cache_dir, writable)
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_a_file_remote_lies_where_the_unit_lets_the_daemon_see_it(path: Path) -> None:
+    hidden = {"ProtectHome": ("/home", "/root", "/run/user"), "PrivateTmp": ("/tmp", "/var/tmp")}
+    config = load_config(path, env={})
+    urls = [source.url for source in config.sources] or [config.remote.url]
+    for setting, roots in hidden.items():
+        assert _unit_setting(SERVICE, setting) == "yes"
+        for url in urls:
+            if url.startswith("file://"):
+                where = Path(url.removeprefix("file://"))
+                assert not any(where.is_relative_to(root) for root in roots), (url, setting)
+                assert any(root in path.read_text() for root in roots)  # and the config says so
+
+
 def test_tmpfs_example_fits_the_mount_unit() -> None:
     config = load_config(ROOT / "configs" / "s3-tmpfs.toml", env={})
     where = Path(_unit_setting(MOUNT, "Where"))
     assert config.cache.dir.parent == where
     options = dict(item.partition("=")[::2] for item in _unit_setting(MOUNT, "Options").split(",") if "=" in item)
-    size = parse_size(options["size"])  # tmpfs takes k/m/g suffixes as powers of 1024, like parse_size
+    number, unit = re.fullmatch(r"([0-9]+)([kmgKMG]?)", options["size"]).groups()  # type: ignore[union-attr]
+    size = int(number) * 1024 ** " kmg".index(unit.lower() or " ")  # tmpfs: k/m/g are powers of 1024
     assert config.cache.max_bytes + config.cache.min_free_bytes <= size
 
 
 def test_the_reference_states_the_budget_floor_that_the_check_applies() -> None:
-    comment = comments_above_keys(REFERENCE)[("cache", "max_bytes")]
-    assert "max(4, 2 x sampler.processes) x segment_bytes + 1 MiB" in comment
+    comment = " ".join(comments_above_keys(REFERENCE)[("cache", "max_bytes")].split())
+    assert BUDGET_FORMULA in comment
     document = tomllib.loads(REFERENCE.read_text())
     processes = document["sampler"]["processes"]
     segment_bytes = 64 << 20
-    floor = max(4, 2 * processes) * segment_bytes + (1 << 20)
+    floor = max(4, 2 * processes) * segment_bytes + (1 << 20)  # the turnover term is 0 here
     for max_bytes, is_accepted in ((floor, True), (floor - 1, False)):
         cache = {**document["cache"], "max_bytes": max_bytes, "segment_bytes": segment_bytes, "turnover": 0}
         candidate = {**document, "cache": cache}

@@ -150,6 +150,8 @@ def test_a_remote_that_lists_nothing_makes_the_daemon_degraded_naming_url_and_pa
         assert read_report(cache_dir).health is Health.DEGRADED
     finally:
         assert proc.stop() == 0
+    [warning] = [line for line in proc.stderr().splitlines() if "listed 0 objects" in line]
+    assert " WARNING " in warning and "'**/*.{jpg,png}'" in warning and "file://" in warning, warning
 
 
 def test_brace_lists_in_the_pattern_select_each_alternative(tmp_path: Path) -> None:

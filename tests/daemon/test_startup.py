@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -155,3 +156,33 @@ def test_second_daemon_on_the_same_cache_exits_75_naming_the_first(bucket: Any, 
     assert "Traceback" not in err
     assert first.process.poll() is None
     assert first.stop() == 0
+
+
+def test_an_existing_cache_dir_keeps_its_mode_and_one_the_daemon_cannot_write_is_refused(tmp_path: Path) -> None:
+    from cachefeed._testing.daemon import start_daemon
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "one.npy").write_bytes(b"x" * 64)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    os.chmod(cache_dir, 0o555)  # the user's directory, read-only to everyone but root
+    config = tmp_path / "d.toml"
+    config.write_text(
+        f'[remote]\nurl = "{remote.as_uri()}"\n[cache]\ndir = "{cache_dir}"\nmax_bytes = "64MiB"\n'
+        'segment_bytes = "1MiB"\nmin_free_bytes = 0\ndir_mode = "0750"\n[status]\ninterval = "200ms"\n'
+    )
+    if os.geteuid() == 0:  # root may write it: the daemon runs, and leaves the mode as it found it
+        proc = start_daemon(config, cache_dir, tmp_path / "d.stderr")
+        try:
+            proc.wait_status(lambda d: d["state"] in ("running", "degraded"), timeout_s=30, what="ready")
+            assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o555
+            assert stat.S_IMODE(os.stat(cache_dir / "segments").st_mode) == 0o750  # its own directories
+        finally:
+            assert proc.stop() == 0
+    else:  # the daemon's user cannot: one line saying so, exit 73, nothing changed
+        result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
+        assert result.returncode == 73, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert f"cache.dir {cache_dir}: exists with mode 0555" in line and "never changes the mode" in line, line
+    assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o555

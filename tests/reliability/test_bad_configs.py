@@ -73,6 +73,13 @@ CASES: dict[str, tuple[str | bytes | None, dict[str, str], str]] = {
     "budget-fraction": (variant("remote", "retry_budget", 1.5), {}, "remote.retry_budget"),
     "log-level": (variant("log", "level", "verbose"), {}, "log.level"),
     "compression": (variant("cache", "compression", "lz4"), {}, "cache.compression"),
+    "size-lowercase-unit": (variant("cache", "max_bytes", "64mib"), {}, "did you mean 64MiB?"),
+    "size-with-space": (variant("cache", "max_bytes", "64 MiB"), {}, "spelled exactly so"),
+    "image-size-unread": (
+        toml_text({**GOOD, "sampler": {"decode": "npz", "image_size": 224}}),
+        {},
+        "sampler.image_size = 224 is read only by the image decoders",
+    ),
 }
 # Checked once the config parsed (importing the decoder, resolving the protocol), still before any log line.
 RUNTIME_CASES: dict[str, tuple[str | bytes | None, dict[str, str], str]] = {

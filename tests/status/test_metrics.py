@@ -169,3 +169,33 @@ def test_http_endpoint_on_loopback(tmp_path: Path) -> None:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
     exporter.close()  # idempotent
     assert os.path.exists(tmp_path)
+
+
+def test_the_endpoint_listens_on_the_configured_address_for_a_scrape_from_another_pod(tmp_path: Path) -> None:
+    from cachefeed._config import parse_config
+
+    config = parse_config(
+        {
+            "remote": {"url": "s3://b/p"},
+            "cache": {"dir": "/var/cache/cachefeed/t", "max_bytes": "1GiB"},
+            "status": {"metrics_port": free_port(), "metrics_address": "0.0.0.0"},
+        },
+        env={},
+    )
+    exporter = MetricsExporter(config.status)
+    try:
+        assert exporter._server.server_address[0] == "0.0.0.0"  # every interface: the pod's IP too
+        exporter.update(make_document(tmp_path))
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as response:
+            assert value(parse(response.read().decode()), "cachefeed_cache_samples") is not None
+    finally:
+        exporter.close()
+    with pytest.raises(ConfigError, match=r"status.metrics_address = 'localhost': expected an IP address"):
+        parse_config(
+            {
+                "remote": {"url": "s3://b/p"},
+                "cache": {"dir": "/var/cache/cachefeed/t", "max_bytes": "1GiB"},
+                "status": {"metrics_address": "localhost"},
+            },
+            env={},
+        )

@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -609,3 +610,47 @@ def test_a_usage_error_has_its_own_exit_status_apart_from_degraded(capsys: pytes
         cli.main(["status"])  # neither --cache-dir nor --config
     assert exited.value.code == 64 != int(Health.DEGRADED)
     assert "one of the arguments --config --cache-dir is required" in capsys.readouterr().err
+
+
+def test_watch_ctrl_c_exits_with_the_last_verdict(tmp_path: Path) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root, state="stopped"))
+    with watching("--cache-dir", str(layout.root), "--watch", "0.1", "--json") as process:
+        assert process.stdout is not None
+        assert json.loads(process.stdout.readline())["health"]["status"] == "not_running"
+        err = interrupt(process)
+    assert process.returncode == int(Health.NOT_RUNNING), err
+    assert "Traceback" not in err
+
+
+def closed_pipe_run(*argv: str, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
+    """``cachefeed status ARGV`` whose stdout is a pipe nobody reads any more (``| head -c 400`` after its 400
+    bytes): the read end is closed before the command writes, so every write fails with EPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [*STATUS_CMD, *argv], cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=timeout_s
+        )
+    finally:
+        os.close(write_end)
+
+
+def test_a_reader_that_goes_away_ends_status_quietly(tmp_path: Path) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root, state="stopped"))  # a verdict that no heartbeat age changes
+    for argv in (("--json",), (), ("--json", "--watch", "0.1")):
+        finished = closed_pipe_run("--cache-dir", str(layout.root), *argv)
+        assert finished.stderr == "", (argv, finished.stderr)  # no BrokenPipeError traceback, nothing at all
+        assert finished.returncode == int(Health.NOT_RUNNING), argv
+
+
+def test_json_piped_into_head_prints_no_traceback(tmp_path: Path) -> None:
+    layout = make_cache(tmp_path / "cache")
+    snapshot = make_document(layout.root)["cache"]["snapshots"][0]
+    many = [{**snapshot, "id": f"run1-e{index}"} for index in range(2000)]  # more than a pipe holds: head exits first
+    write_status(layout, make_document(layout.root, cache__snapshots=many))
+    command = shlex.join([*STATUS_CMD, "--cache-dir", str(layout.root), "--json"]) + " | head -c 400"
+    finished = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert len(finished.stdout) == 400 and finished.stdout.startswith("{")
+    assert "Traceback" not in finished.stderr and "BrokenPipe" not in finished.stderr
