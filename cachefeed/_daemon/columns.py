@@ -143,7 +143,7 @@ class FoldedPage:
     paths: list[str]  # owned objects only
     hashes: U64
     sizes: npt.NDArray[np.int64]
-    versions: list[str | None]
+    versions: list[str | None]  # meaningful where vkinds is _OTHER (a catalog file gives None elsewhere)
     vkinds: npt.NDArray[np.uint8]
     vraw: npt.NDArray[np.uint8]  # (n, 16)
     listed: int  # every object of the page that matched the pattern, owned or not
@@ -227,16 +227,26 @@ class ObjectTable:
     def get(self, oid: int) -> RemoteObject:
         return RemoteObject(self.path(oid), self.size(oid), self.version(oid))
 
-    def changed(self, oids: npt.NDArray[np.int64], page: FoldedPage, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+    def changed(
+        self, oids: npt.NDArray[np.int64], page: FoldedPage, rows: npt.NDArray[np.intp]
+    ) -> npt.NDArray[np.bool_]:
         """For each ``oids[i]``: whether ``page`` row ``rows[i]`` lists another size or version of it."""
         differs = (self._sizes.data[oids] != page.sizes[rows]) | (self._vkind.data[oids] != page.vkinds[rows])
         differs |= (self._vraw.data[oids] != page.vraw[rows]).any(axis=1)
         for i in np.flatnonzero(~differs & (page.vkinds[rows] == _OTHER)):
             differs[i] = self._other.get(int(oids[i])) != page.versions[rows[i]]
-        return differs
+        out: npt.NDArray[np.bool_] = differs
+        return out
 
     def set_version_from(self, oid: int, page: FoldedPage, row: int) -> None:
-        self.set_version(oid, int(page.sizes[row]), page.versions[row])
+        """Row ``oid`` takes the size and version of ``page`` row ``row``."""
+        self._sizes.data[oid] = page.sizes[row]
+        kind = int(page.vkinds[row])
+        self._vkind.data[oid] = kind
+        self._vraw.data[oid] = page.vraw[row]
+        self._other.pop(oid, None)
+        if kind == _OTHER:
+            self._other[oid] = str(page.versions[row])
 
     def hashes_and_oids(self) -> tuple[U64, npt.NDArray[np.uint32]]:
         """Every row's hash and oid (in hash order)."""
@@ -268,11 +278,11 @@ class ObjectTable:
             at_clipped = np.minimum(at, len(run_hashes) - 1)
             hit = (run_hashes[at_clipped] == hashes) & (found < 0)
             found[hit] = run_oids[at_clipped[hit]]
-        for i in np.flatnonzero(found >= 0):
+        for i in np.flatnonzero(found >= 0).tolist():
             if self.path(int(found[i])) != paths[i]:  # a hash collision: not this path
                 found[i] = self._collided.get(paths[i], -1)
         if self._collided:
-            for i in np.flatnonzero(found < 0):
+            for i in np.flatnonzero(found < 0).tolist():
                 found[i] = self._collided.get(paths[i], -1)
         return found
 
@@ -292,15 +302,15 @@ class ObjectTable:
         self._vkind.extend(page.vkinds[rows])
         self._vraw.extend(page.vraw[rows])
         for i in np.flatnonzero(page.vkinds[rows] == _OTHER):
-            self._other[first + int(i)] = page.versions[rows[i]]  # type: ignore[assignment]  # kind 0 is None
+            self._other[first + int(i)] = str(page.versions[rows[i]])  # kind 0 is None: this one is a string
         oids = np.arange(first, first + len(paths), dtype=np.uint32)
         taken = self._hash_known(hashes)
         _, first_of = np.unique(hashes, return_index=True)
         repeated = np.ones(len(paths), dtype=bool)
         repeated[first_of] = False  # a hash seen earlier in this batch
         collided = taken | repeated
-        for i in np.flatnonzero(collided):  # another path has this hash: found by path instead
-            self._collided[paths[i]] = first + int(i)
+        for row in np.flatnonzero(collided).tolist():  # another path has this hash: found by path instead
+            self._collided[paths[row]] = first + row
         fresh = ~collided
         order = np.argsort(hashes[fresh], kind="stable")
         self._runs.append((hashes[fresh][order], oids[fresh][order]))
@@ -315,15 +325,39 @@ class ObjectTable:
                 known |= run_hashes[at] == hashes
         return known
 
-    def set_version(self, oid: int, size: int, version: str | None) -> None:
-        self._sizes.data[oid] = size
-        self._other.pop(oid, None)
-        kind, raw = encode_version(version)
-        self._vkind.data[oid] = kind
-        if kind == _OTHER:
-            self._other[oid] = version  # type: ignore[assignment]
-        else:
-            self._vraw.data[oid] = np.frombuffer(raw, np.uint8)
+    # -- saving and loading (``catalog_file.py``) ---------------------------------------------------------------
+
+    def arrays(self) -> tuple[dict[str, npt.NDArray[Any]], dict[int, str]]:
+        """The table's columns (trimmed and merged first) and its overflow versions, for ``catalog_file``."""
+        self.trim()
+        hashes, oids = self.hashes_and_oids()
+        return {
+            "blob": np.frombuffer(bytes(self._blob), np.uint8),
+            "ends": self._ends.view,
+            "sizes": self._sizes.view,
+            "vkind": self._vkind.view,
+            "vraw": self._vraw.view,
+            "hashes": hashes,
+            "oids": oids,
+        }, dict(self._other)
+
+    @classmethod
+    def from_arrays(
+        cls, arrays: dict[str, npt.NDArray[Any]], other: dict[int, str], collided: dict[str, int] | None = None
+    ) -> ObjectTable:
+        """A table from ``arrays()``'s output (trusting it: ``catalog_file`` checks lengths)."""
+        table = cls()
+        table._blob = bytearray(arrays["blob"].tobytes())
+        for column, name in ((table._ends, "ends"), (table._sizes, "sizes"), (table._vkind, "vkind")):
+            column.data, column.n = arrays[name], len(arrays[name])
+        table._vraw.data, table._vraw.n = arrays["vraw"].reshape(-1, 16), len(arrays["vraw"]) // 16
+        table._other = dict(other)
+        table._runs = [(arrays["hashes"], arrays["oids"])] if len(arrays["hashes"]) else []
+        if len(arrays["hashes"]) != len(table):  # collided rows are indexed by path
+            indexed = np.zeros(len(table), dtype=bool)
+            indexed[arrays["oids"]] = True
+            table._collided = {table.path(oid): oid for oid in np.flatnonzero(~indexed).tolist()}
+        return table
 
     def trim(self) -> None:
         """Give back spare capacity (after a complete listing) and merge the index into one run."""

@@ -121,6 +121,7 @@ class SamplingPlan:
         self._is_waiting = False
         self._idle_backoff_s = _IDLE_BACKOFF_MIN_S
         self._is_changed = False
+        self.revision = 0  # changes whenever the owned catalog does (what the restart catalog keeps)
 
     # -- the catalog ----------------------------------------------------------------------------------------
 
@@ -136,7 +137,8 @@ class SamplingPlan:
     @property
     def nbytes(self) -> int:
         """The memory of the plan's per-object columns (the table's included)."""
-        return self.table.nbytes + self._seen.nbytes + self._segment_of.nbytes
+        queued = sum(int(chunk.nbytes) for chunk in self._queue)
+        return self.table.nbytes + self._seen.nbytes + self._segment_of.nbytes + queued
 
     def object(self, oid: int) -> RemoteObject:
         return self.table.get(oid)
@@ -200,13 +202,21 @@ class SamplingPlan:
             [np.arange(oids.start, oids.stop, dtype=np.uint32), known[np.isin(known, joined)].astype(np.uint32)]
         )
         if len(joined_oids):
+            self.revision += 1
             order = np.argsort(order_keys(hashes, _pass_seed(self.seed, self._pass)), kind="stable")
             self._queue.append(joined_oids[order])
             self._is_changed = True
         return len(joined_oids)
 
-    def end_listing(self) -> None:
-        """The listing being folded in is complete: what it did not show is no longer drawn."""
+    def listed_oids(self) -> npt.NDArray[np.intp]:
+        """The owned objects the last complete listing showed (what a restart catalog keeps)."""
+        return np.flatnonzero(self._seen.view >= self._complete)
+
+    def end_listing(self, *, is_restored: bool = False) -> None:
+        """The listing being folded in is complete: what it did not show is no longer drawn.
+
+        ``is_restored``: it was the restart catalog, not the remote: recovered segments whose objects it did not
+        hold stay adoptable until the first real listing completes."""
         if not self._is_listing:
             self._is_listing = True
             self._generation += 1  # an empty listing: everything vanished
@@ -214,11 +224,13 @@ class SamplingPlan:
         before = self._owned
         self._complete = self._generation
         self._owned = int(np.count_nonzero(self._seen.view >= self._complete))
-        self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
+        if not is_restored:
+            self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
         self.table.trim()
         self._seen.trim()
         self._segment_of.trim()
         if before > self._owned:
+            self.revision += 1
             log.info("%d objects vanished from the remote listing", before - self._owned)
 
     # -- drawing --------------------------------------------------------------------------------------------

@@ -37,14 +37,16 @@ from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.store import CacheStore
 from cachefeed._codecs import get_decoder, get_preprocess
 from cachefeed._config import Config
+from cachefeed._daemon.catalog import ListingEnd
+from cachefeed._daemon.catalog_file import MAX_SHARE, CatalogHeader, load_restart, restart_header, save_restart
 from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed._daemon.notify import SystemdNotifier
 from cachefeed._daemon.pool import SamplerHandle, SamplerPool, SamplerState
 from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Stats, Work, WorkItem
 from cachefeed._daemon.reporter import StatusReporter
-from cachefeed._daemon.sources import Inputs
+from cachefeed._daemon.sources import Input, Inputs
 from cachefeed._daemon.wire import Message
-from cachefeed._errors import ConfigError
+from cachefeed._errors import CachefeedError, ConfigError
 from cachefeed._labels import ClassIndex
 from cachefeed._logs import get_logger
 from cachefeed._scrub import safe_url
@@ -153,10 +155,11 @@ class Supervisor:
             for seq, sources in store.recovered_sources.items():
                 self.inputs.adopt(seq, tags.get(seq, 0), sources)  # what the cache holds is not fetched again
             store.recovered_sources.clear()
-            self.inputs.write_table(str(store.layout.sources_file), mode=config.cache.file_mode)
             if config.sampler.label:  # continues the index a previous run kept in the cache (_labels.py)
                 layout = CacheLayout(config.cache.dir)
                 self._classes = ClassIndex(layout.classes_file, config.sampler.label, file_mode=config.cache.file_mode)
+            self._restore_catalogs(store)
+            self.inputs.write_table(str(store.layout.sources_file), mode=config.cache.file_mode)
             try:
                 self._metrics = MetricsExporter(config.status)
                 self._pool = SamplerPool(
@@ -281,16 +284,76 @@ class Supervisor:
             for catalog in self.inputs.catalogs():
                 catalog.refresh_now()
         for entry in self.inputs.inputs:
-            listing = entry.catalog.take() if entry.catalog is not None else None
-            if listing is None:
-                continue
-            if self._classes is not None:  # before any of the listing's objects is handed out with a label
-                self._classes.update(obj.path for obj in listing)
-            added = entry.plan.update_catalog(listing)
-            if added:
-                of = f" of source {entry.name!r}" if self.inputs.is_named else ""
-                log.info("%d new objects%s join pass %d", added, of, entry.plan.pass_index)
+            for item in entry.catalog.take() if entry.catalog is not None else ():
+                if isinstance(item, ListingEnd):
+                    entry.plan.end_listing()
+                    self._save_catalog(entry)
+                    continue
+                if self._classes is not None:  # before any of the page's objects is handed out with a label
+                    self._classes.add(item.classes)
+                added = entry.plan.update_page(item)
+                if added:
+                    of = f" of source {entry.name!r}" if self.inputs.is_named else ""
+                    log.debug("%d new objects%s join pass %d", added, of, entry.plan.pass_index)
         self._assign()
+
+    # -- the restart catalog (catalog_file.py) ------------------------------------------------------------------
+
+    def _restart_header(self, entry: Input) -> CatalogHeader:
+        node = self.config.node
+        return restart_header(entry.config.url, entry.config.pattern, node.rank, node.count)
+
+    def _restore_catalogs(self, store: CacheStore) -> None:
+        """Plan from each source's restart catalog at once (the remote is listed in the background)."""
+        for entry in self.inputs.inputs:
+            path = store.layout.catalog_file(entry.tag)
+            started = time.monotonic()
+            try:
+                for page in load_restart(path, self._restart_header(entry)):
+                    entry.plan.update_page(page)
+            except CachefeedError as exc:
+                log.warning("the restart catalog %s is not usable (%s): listing the remote instead", path, exc)
+                continue
+            if entry.plan.owned:
+                entry.plan.end_listing(is_restored=True)
+                entry.catalog_revision = entry.plan.revision
+                log.info(
+                    "planning from the restart catalog: %d objects in %.2fs",
+                    entry.plan.owned,
+                    time.monotonic() - started,
+                )
+
+    def _save_catalog(self, entry: Input) -> None:
+        """Keep the last complete listing's owned objects for the next start, if they changed."""
+        plan = entry.plan
+        if plan.revision == entry.catalog_revision:
+            return
+        store = self._require_store()
+        path = store.layout.catalog_file(entry.tag)
+        limit = int(self.config.cache.max_bytes * MAX_SHARE)
+        started = time.monotonic()
+        try:
+            kept = save_restart(
+                path,
+                plan.table,
+                plan.listed_oids(),
+                self._restart_header(entry),
+                mode=self.config.cache.file_mode,
+                max_bytes=limit,
+            )
+        except OSError as exc:
+            log.warning("cannot keep the restart catalog %s: %s", path, exc)
+            return
+        entry.catalog_revision = plan.revision
+        if kept:
+            log.info("kept the restart catalog (%d objects) in %.2fs", plan.owned, time.monotonic() - started)
+        elif not entry.catalog_too_large:
+            entry.catalog_too_large = True
+            log.warning(
+                "the catalog of %d objects would exceed %.0f%% of cache.max_bytes: not kept for restarts",
+                plan.owned,
+                MAX_SHARE * 100,
+            )
 
     def _assign(self) -> None:
         pool = self._require_pool()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import time
+import re
 from typing import Any
 
 import fsspec
@@ -42,8 +42,9 @@ from cachefeed._config import RemoteConfig
 from cachefeed._errors import ConfigError, RemoteError, RemoteTransientError
 from cachefeed._logs import get_logger
 from cachefeed._remote.errors import translate_error
-from cachefeed._remote.integrity import check_local, check_md5, check_s3_response, version_of
+from cachefeed._remote.integrity import check_local, check_md5, check_s3_response
 from cachefeed._remote.limits import RetryBudget, backoff_delay, rate_bucket
+from cachefeed._remote.listing import OnPage, list_pages
 from cachefeed._remote.objects import RemoteObject, RemoteStats
 from cachefeed._remote.patterns import compile_pattern
 from cachefeed._scrub import Scrubber, safe_url, secrets_from_options
@@ -53,15 +54,6 @@ __all__ = ["Remote"]
 logger = get_logger(__name__)
 
 _S3_NO_RETRIES = {"total_max_attempts": 1, "mode": "standard"}  # NOTE [ One retry layer ]
-
-
-def _is_utf8(name: str) -> bool:
-    """False for a name holding lone surrogates (how Python decodes file name bytes that are not UTF-8)."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class Remote:
@@ -101,7 +93,7 @@ class Remote:
         self._is_local = any(c.__name__ == "LocalFileSystem" for c in self._fs_class.__mro__)
         self._options = self._fs_options(max_connections)
         root = self._fs_class._strip_protocol(config.url)
-        self._root = root.rstrip("/") or root
+        self._root: str = root.rstrip("/") or root
         self._where = safe_url(config.url)
         self._matcher = compile_pattern(config.pattern)
         self._budget = RetryBudget(config.retry_budget, retry_budget_burst)
@@ -150,50 +142,48 @@ class Remote:
 
     # -------------------------------------------------------------------------------------------------- listing
 
-    def list_objects(self) -> list[RemoteObject]:
-        """Every file under the URL whose path relative to it matches the pattern, sorted by path.
+    @property
+    def root(self) -> str:
+        """The URL's path without protocol (what listed paths start with)."""
+        return self._root
 
-        One listing request per page, no HEAD per object; sizes and versions come from the listing. Transient
-        failures are retried with the same backoff as fetches; the last error is raised as a ``RemoteError``.
-        """
+    @property
+    def where(self) -> str:
+        return self._where
+
+    @property
+    def is_s3(self) -> bool:
+        return self._is_s3
+
+    @property
+    def matcher(self) -> re.Pattern[str]:
+        return self._matcher
+
+    @property
+    def rng(self) -> random.Random:
+        return self._rng
+
+    def translate(self, exc: BaseException, path: str) -> RemoteError:
+        """``exc`` as a scrubbed ``RemoteError``, counted by kind."""
+        error = self._error(exc, path)
+        self._count(error)
+        return error
+
+    def list_pages(self, on_page: OnPage) -> int:
+        """Hand every object under the URL matching the pattern to ``on_page``, one LIST page at a time (see
+        ``listing.py``); returns how many were listed. No HEAD per object: sizes and versions come from the
+        listing. Transient failures are retried per request; the last error is raised as a ``RemoteError``."""
         if self._sync_fs is None:
             self._sync_fs = self._make_fs()
-        fs = self._sync_fs
-        found: dict[str, dict[str, Any]] = {}
-        for attempt in range(self.config.max_attempts):
-            fs.invalidate_cache()  # a refresh must see new objects
-            self.stats.listings_total += 1
-            try:
-                found = fs.find(self._root, detail=True)
-                break
-            except Exception as exc:
-                error = self._error(exc, self._where)
-                self._count(error)
-                if not isinstance(error, RemoteTransientError) or attempt + 1 >= self.config.max_attempts:
-                    raise error from None
-                delay = backoff_delay(attempt, self.config.backoff_base_s, self.config.backoff_max_s, self._rng)
-                logger.warning("listing failed (%s); retrying in %.2fs", error, delay)
-                time.sleep(delay)
-        objects = []
-        unusable: list[str] = []
-        for name, info in found.items():
-            if info.get("type") != "file":
-                continue
-            if not _is_utf8(name):
-                unusable.append(ascii(name))  # a local file name of raw bytes: keys and messages need text
-                continue
-            relative = name[len(self._root) :].lstrip("/") if name.startswith(self._root) else None
-            if relative == "":
-                relative = name.rsplit("/", 1)[-1]  # the URL names one file
-            if relative is None or not self._matcher.match(relative):
-                continue
-            objects.append(RemoteObject(name, int(info.get("size") or 0), version_of(info)))
-        if unusable:
-            logger.warning(
-                "skipping %d objects whose names are not valid UTF-8 (rename them to cache them), e.g. %s",
-                len(unusable),
-                unusable[0],
-            )
+        self._sync_fs.invalidate_cache()  # a refresh must see new objects
+        self.stats.listings_total += 1
+        return list_pages(self, self._sync_fs, on_page)
+
+    def list_objects(self) -> list[RemoteObject]:
+        """Every file under the URL whose path relative to it matches the pattern, sorted by path (all pages of
+        ``list_pages`` at once)."""
+        objects: list[RemoteObject] = []
+        self.list_pages(objects.extend)
         objects.sort(key=lambda obj: obj.path)
         return objects
 

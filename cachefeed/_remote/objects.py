@@ -25,6 +25,7 @@ class RemoteStats:
     retries_total: int = 0
     bytes_total: int = 0
     listings_total: int = 0
+    list_requests_total: int = 0  # LIST requests (pages) sent, retries included
     budget_exhausted_total: int = 0
     throttled_s: float = 0.0
     errors_total: dict[str, int] = field(default_factory=dict)
@@ -35,6 +36,7 @@ class RemoteStats:
             "retries_total": self.retries_total,
             "bytes_total": self.bytes_total,
             "listings_total": self.listings_total,
+            "list_requests_total": self.list_requests_total,
             "budget_exhausted_total": self.budget_exhausted_total,
             "throttled_s": self.throttled_s,
             "errors_total": dict(self.errors_total),
