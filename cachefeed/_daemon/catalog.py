@@ -25,6 +25,7 @@ what this node costs the store per hour, steady state).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -73,7 +74,8 @@ class ListingEnd:
 
 # Where a listing comes from: called with a page callback, returns how many objects it listed. The default is the
 # remote's paged LIST (``Remote.list_pages``); a manifest or a shared catalog replaces it (``_remote/manifest.py``).
-ListingSource = Callable[[Callable[[list[RemoteObject]], None]], int]
+# It returns None when its input is unchanged since the last read (a manifest or catalog: nothing listed again).
+ListingSource = Callable[[Callable[[list[RemoteObject]], None]], int | None]
 
 
 class Catalog:
@@ -161,8 +163,13 @@ class Catalog:
             started = time.monotonic()
             requests_before = self._remote.stats.list_requests_total
             try:
-                listed = self.source(self._on_page)
-                self._put(ListingEnd(listed, time.monotonic() - started))
+                found = self.source(self._on_page)
+                unchanged = found is None
+                if found is None:  # unchanged: the listing in force stays
+                    listed = self._state.objects_listed
+                else:
+                    listed = found
+                    self._put(ListingEnd(listed, time.monotonic() - started))
             except _Stopped:
                 return
             except CachefeedError as exc:
@@ -180,8 +187,10 @@ class Catalog:
                 duration = time.monotonic() - started
                 wait_s = max(self._config.refresh_interval_s, _COST_FACTOR * duration)
                 requests = self._remote.stats.list_requests_total - requests_before
-                log.info(
-                    "listed %d objects%s in %.2fs (%d LIST requests; next listing in %.0fs)",
+                log.log(
+                    logging.DEBUG if unchanged else logging.INFO,
+                    "%s %d objects%s in %.2fs (%d LIST requests; next listing in %.0fs)",
+                    "unchanged:" if unchanged else "listed",
                     listed,
                     self._of(),
                     duration,

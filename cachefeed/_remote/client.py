@@ -44,7 +44,8 @@ from cachefeed._logs import get_logger
 from cachefeed._remote.errors import translate_error
 from cachefeed._remote.integrity import check_local, check_md5, check_s3_response
 from cachefeed._remote.limits import RetryBudget, backoff_delay, rate_bucket
-from cachefeed._remote.listing import OnPage, list_pages
+from cachefeed._remote.listing import OnPage, Pager, list_pages
+from cachefeed._remote.manifest import Manifest
 from cachefeed._remote.objects import RemoteObject, RemoteStats
 from cachefeed._remote.patterns import compile_pattern
 from cachefeed._scrub import Scrubber, safe_url, secrets_from_options
@@ -103,6 +104,7 @@ class Remote:
         self._async_fs: Any = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self._closing: asyncio.Task[None] | None = None
+        self._manifest: Manifest | None = None
 
     def __reduce__(self) -> Any:
         raise TypeError("a Remote is not picklable: create it inside the process that uses it")
@@ -169,21 +171,31 @@ class Remote:
         self._count(error)
         return error
 
-    def list_pages(self, on_page: OnPage) -> int:
+    def list_pages(self, on_page: OnPage) -> int | None:
         """Hand every object under the URL matching the pattern to ``on_page``, one LIST page at a time (see
-        ``listing.py``); returns how many were listed. No HEAD per object: sizes and versions come from the
-        listing. Transient failures are retried per request; the last error is raised as a ``RemoteError``."""
+        ``listing.py``), or read from ``remote.manifest`` (``manifest.py``: no LIST at all); returns how many
+        were listed, or None when the manifest is unchanged since the last read. No HEAD per object: sizes and
+        versions come from the listing. Transient failures are retried per request; the last error is raised as
+        a ``RemoteError``."""
+        fs = self._listing_fs()
+        fs.invalidate_cache()  # a refresh must see new objects
+        self.stats.listings_total += 1
+        if self.config.manifest:
+            if self._manifest is None:
+                self._manifest = Manifest(self.config.manifest, self._listing_fs, lambda: Pager(self, on_page))
+            return self._manifest.read(on_page)
+        return list_pages(self, fs, on_page)
+
+    def _listing_fs(self) -> Any:
         if self._sync_fs is None:
             self._sync_fs = self._make_fs()
-        self._sync_fs.invalidate_cache()  # a refresh must see new objects
-        self.stats.listings_total += 1
-        return list_pages(self, self._sync_fs, on_page)
+        return self._sync_fs
 
     def list_objects(self) -> list[RemoteObject]:
         """Every file under the URL whose path relative to it matches the pattern, sorted by path (all pages of
         ``list_pages`` at once)."""
         objects: list[RemoteObject] = []
-        self.list_pages(objects.extend)
+        self.list_pages(objects.extend)  # (a manifest unchanged since the last call lists nothing)
         objects.sort(key=lambda obj: obj.path)
         return objects
 
@@ -206,7 +218,7 @@ class Remote:
             if self._requests is not None:
                 self.stats.throttled_s += await self._requests.acquire(1)
             if self._bytes is not None:
-                self.stats.throttled_s += await self._bytes.acquire(obj.size)
+                self.stats.throttled_s += await self._bytes.acquire(max(obj.size, 0))
             self.stats.requests_total += 1
             try:
                 body = await self._fetch_once(obj)
@@ -232,7 +244,7 @@ class Remote:
             body = await (await self._get_async_fs())._cat_file(obj.path)
         else:
             body = await asyncio.to_thread(self._read_sync, obj)
-        if len(body) != obj.size:
+        if obj.size >= 0 and len(body) != obj.size:  # -1: a manifest that gives no size
             raise RemoteTransientError(f"short body for {obj.path}: {len(body)} of {obj.size} bytes")
         return bytes(body)
 

@@ -31,7 +31,7 @@ from cachefeed._remote.objects import RemoteObject
 if TYPE_CHECKING:
     from cachefeed._remote.client import Remote
 
-__all__ = ["OnPage", "list_pages"]
+__all__ = ["OnPage", "Pager", "list_pages"]
 
 logger = get_logger(__name__)
 
@@ -46,7 +46,9 @@ def _is_utf8(name: str) -> bool:
     return True
 
 
-class _Pager:
+class Pager:
+    """Hands pages of one listing to ``on_page`` (pattern and root applied) and sends its requests."""
+
     def __init__(self, remote: Remote, on_page: OnPage) -> None:
         self.remote = remote
         self.on_page = on_page
@@ -54,11 +56,12 @@ class _Pager:
         self.unusable: list[str] = []
         self.total = 0
 
-    def request(self, call: Callable[[], Any]) -> Any:
-        """One LIST request, counted, retried on transient errors."""
+    def request(self, call: Callable[[], Any], *, is_list: bool = True) -> Any:
+        """One request (a LIST unless ``is_list`` is False: counted), retried on transient errors."""
         config = self.remote.config
         for attempt in range(config.max_attempts):
-            self.remote.stats.list_requests_total += 1
+            if is_list:
+                self.remote.stats.list_requests_total += 1
             try:
                 return call()
             except Exception as exc:
@@ -84,7 +87,8 @@ class _Pager:
                 continue
             if not self.remote.matcher.match(relative):
                 continue
-            objects.append(RemoteObject(name, int(info.get("size") or info.get("Size") or 0), version_of(info)))
+            size = info.get("size", info.get("Size"))
+            objects.append(RemoteObject(name, int(size) if size is not None else 0, version_of(info)))
         objects.sort(key=lambda obj: obj.path)
         self.total += len(objects)
         self.on_page(objects)
@@ -92,7 +96,7 @@ class _Pager:
 
 def list_pages(remote: Remote, fs: Any, on_page: OnPage) -> int:
     """List ``remote``'s URL through ``fs`` page by page (see the module docstring); returns the objects listed."""
-    pager = _Pager(remote, on_page)
+    pager = Pager(remote, on_page)
     if remote.is_s3:
         _s3_pages(pager, fs)
     else:
@@ -106,7 +110,7 @@ def list_pages(remote: Remote, fs: Any, on_page: OnPage) -> int:
     return pager.total
 
 
-def _s3_pages(pager: _Pager, fs: Any) -> None:
+def _s3_pages(pager: Pager, fs: Any) -> None:
     from fsspec.asyn import sync
 
     bucket, prefix, _ = fs.split_path(pager.root)
@@ -141,7 +145,7 @@ def _ls(fs: Any, directory: str, *, is_root: bool) -> list[dict[str, Any]]:
     return entries
 
 
-def _walk_pages(pager: _Pager, fs: Any) -> None:
+def _walk_pages(pager: Pager, fs: Any) -> None:
     """Depth-first in name order: one ``ls`` (one page) per directory."""
     stack = [pager.root]
     first = True

@@ -10,7 +10,8 @@ __all__ = ["RemoteObject", "RemoteStats"]
 
 @dataclass(frozen=True, slots=True)
 class RemoteObject:
-    """One listed object. ``path`` is the fsspec path without protocol; ``etag`` pins the version read."""
+    """One listed object. ``path`` is the fsspec path without protocol; ``etag`` pins the version read; ``size``
+    is -1 where a manifest gave none (the body's length is then not checked)."""
 
     path: str
     size: int
