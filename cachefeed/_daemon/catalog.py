@@ -31,9 +31,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from cachefeed._config import RemoteConfig
 from cachefeed._daemon.columns import FoldedPage, fold_page
+from cachefeed._daemon.shared import SharedCatalog
 from cachefeed._errors import CachefeedError
 from cachefeed._logs import get_logger
 from cachefeed._remote import Remote, RemoteObject
@@ -75,7 +77,7 @@ class ListingEnd:
 # Where a listing comes from: called with a page callback, returns how many objects it listed. The default is the
 # remote's paged LIST (``Remote.list_pages``); a manifest or a shared catalog replaces it (``_remote/manifest.py``).
 # It returns None when its input is unchanged since the last read (a manifest or catalog: nothing listed again).
-ListingSource = Callable[[Callable[[list[RemoteObject]], None]], int | None]
+ListingSource = Callable[[Callable[[Any], None]], int | None]
 
 
 class Catalog:
@@ -96,6 +98,8 @@ class Catalog:
         self._interval_s = config.refresh_interval_s
         self._remote = Remote(config)  # validates the URL now: a bad protocol is a ConfigError before READY
         self.source: ListingSource = self._remote.list_pages
+        if config.catalog:  # a shared catalog replaces the listing (shared.py)
+            self.source = SharedCatalog(self._remote, config.catalog, rank=rank, count=count, label=label)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -148,8 +152,11 @@ class Catalog:
                 continue
         raise _Stopped
 
-    def _on_page(self, objects: list[RemoteObject]) -> None:
-        self._put(fold_page(objects, self._rank, self._count, label=self._label))
+    def _on_page(self, objects: list[RemoteObject] | FoldedPage) -> None:
+        if isinstance(objects, FoldedPage):  # a catalog file's block: folded for this node already
+            self._put(objects)
+        else:
+            self._put(fold_page(objects, self._rank, self._count, label=self._label))
 
     def _failed(self, message: str) -> None:
         with self._lock:

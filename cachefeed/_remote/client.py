@@ -177,16 +177,41 @@ class Remote:
         were listed, or None when the manifest is unchanged since the last read. No HEAD per object: sizes and
         versions come from the listing. Transient failures are retried per request; the last error is raised as
         a ``RemoteError``."""
-        fs = self._listing_fs()
+        fs = self.listing_fs()
         fs.invalidate_cache()  # a refresh must see new objects
         self.stats.listings_total += 1
         if self.config.manifest:
             if self._manifest is None:
-                self._manifest = Manifest(self.config.manifest, self._listing_fs, lambda: Pager(self, on_page))
+                self._manifest = Manifest(self.config.manifest, self.listing_fs, lambda: Pager(self, on_page))
             return self._manifest.read(on_page)
         return list_pages(self, fs, on_page)
 
-    def _listing_fs(self) -> Any:
+    def read_small(self, path: str) -> bytes:
+        """The whole body of the object at ``path`` (no protocol) with one GET and nothing else (s3fs's
+        ``cat_file`` would HEAD first, and LIST when the object is missing). For small control objects; errors
+        are raised untranslated (the caller's ``Pager.request`` translates and retries them)."""
+        fs = self.listing_fs()
+        if not self._is_s3:
+            data: bytes = fs.cat_file(path)
+            return data
+        from fsspec.asyn import sync
+
+        async def get() -> bytes:
+            if getattr(fs, "_s3", None) is None:
+                await fs.set_session()
+            bucket, key, _ = fs.split_path(path)
+            client = await fs.get_s3(bucket)
+            kwargs = fs._get_s3_method_kwargs(client.get_object, Bucket=bucket, Key=key)
+            response = await client.get_object(**kwargs)
+            async with response["Body"] as stream:
+                body: bytes = await stream.read()
+            return body
+
+        result: bytes = sync(fs.loop, get)
+        return result
+
+    def listing_fs(self) -> Any:
+        """The synchronous filesystem this process lists and reads manifests through (made on first use)."""
         if self._sync_fs is None:
             self._sync_fs = self._make_fs()
         return self._sync_fs
