@@ -69,6 +69,8 @@ def publish(remote: Remote, out: str, *, on_progress: Callable[[int], None] | No
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     name = f"gen-{stamp}-{secrets.token_hex(4)}.cfcat"
     header = CatalogHeader(remote.root, remote.config.pattern, 0, 1, name)
+    if not remote.is_s3:  # object stores have no directories to make (and s3fs would probe the bucket)
+        fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/{name}", "wb") as handle:
         writer = CatalogWriter(handle, header)
 
