@@ -111,6 +111,13 @@ def encode_version(version: str | None) -> tuple[int, bytes]:
     """(kind, 16 bytes) for a version string; kind ``_OTHER`` keeps the string elsewhere."""
     if version is None:
         return _NONE, bytes(16)
+    if len(version) == 34 and version[0] == version[-1] == '"':  # the common case, without a regex
+        try:
+            raw = bytes.fromhex(version[1:33])
+        except ValueError:
+            raw = b""
+        if len(raw) == 16 and raw.hex() == version[1:33]:
+            return _HEX_QUOTED, raw
     match = _HEX_ETAG.fullmatch(version)
     if match is not None and match.group(1) == match.group(1).lower():
         if len(version) == 34 and version[0] == version[-1] == '"':
@@ -249,11 +256,14 @@ class ObjectTable:
             self._other[oid] = str(page.versions[row])
 
     def hashes_and_oids(self) -> tuple[U64, npt.NDArray[np.uint32]]:
-        """Every row's hash and oid (in hash order)."""
+        """Every row's hash and oid (the indexed rows in hash order, then any whose hash collided)."""
         self._merge(everything=True)
-        if not self._runs:
-            return np.zeros(0, np.uint64), np.zeros(0, np.uint32)
-        return self._runs[0]
+        hashes, oids = self._runs[0] if self._runs else (np.zeros(0, np.uint64), np.zeros(0, np.uint32))
+        if self._collided:
+            extra = sorted(self._collided.values())
+            hashes = np.concatenate([hashes, np.array([key_hash(self.path(o)) for o in extra], np.uint64)])
+            oids = np.concatenate([oids, np.array(extra, np.uint32)])
+        return hashes, oids
 
     @property
     def nbytes(self) -> int:
@@ -330,7 +340,7 @@ class ObjectTable:
     def arrays(self) -> tuple[dict[str, npt.NDArray[Any]], dict[int, str]]:
         """The table's columns (trimmed and merged first) and its overflow versions, for ``catalog_file``."""
         self.trim()
-        hashes, oids = self.hashes_and_oids()
+        hashes, oids = self._runs[0] if self._runs else (np.zeros(0, np.uint64), np.zeros(0, np.uint32))
         return {
             "blob": np.frombuffer(bytes(self._blob), np.uint8),
             "ends": self._ends.view,

@@ -54,6 +54,7 @@ class Pager:
         self.on_page = on_page
         self.root = remote.root
         self.unusable: list[str] = []
+        self.matches_all = remote.config.pattern == "**"
         self.total = 0
 
     def request(self, call: Callable[[], Any], *, is_list: bool = True) -> Any:
@@ -85,7 +86,7 @@ class Pager:
                 relative = name[len(self.root) :].lstrip("/")
             else:
                 continue
-            if not self.remote.matcher.match(relative):
+            if not self.matches_all and not self.remote.matcher.match(relative):
                 continue
             size = info.get("size", info.get("Size"))
             objects.append(RemoteObject(name, int(size) if size is not None else 0, version_of(info)))

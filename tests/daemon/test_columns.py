@@ -78,6 +78,7 @@ def test_paths_whose_hashes_collide_keep_their_own_rows() -> None:
     table.add(third, np.arange(1))
     assert table.lookup(third.paths, third.hashes).tolist() == [2]
     assert table.get(2) == RemoteObject("b/three", 3, None)
+    assert sorted(table.hashes_and_oids()[1].tolist()) == [0, 1, 2]  # every row takes part in passes
 
 
 def test_the_first_page_is_drawn_before_the_listing_ends() -> None:
