@@ -72,6 +72,7 @@ class ListingEnd:
 
     objects: int
     duration_s: float
+    is_restored: bool = False  # the restart catalog, not the remote (``SamplingPlan.end_listing``)
 
 
 # Where a listing comes from: called with a page callback, returns how many objects it listed. The default is the
@@ -97,6 +98,7 @@ class Catalog:
         self._rank, self._count, self._label = rank, count, label
         self._interval_s = config.refresh_interval_s
         self._remote = Remote(config)  # validates the URL now: a bad protocol is a ConfigError before READY
+        self.restore: ListingSource | None = None  # streamed once before the first listing (the restart catalog)
         self.source: ListingSource = self._remote.list_pages
         if config.catalog:  # a shared catalog replaces the listing (shared.py)
             self.source = SharedCatalog(self._remote, config.catalog, rank=rank, count=count, label=label)
@@ -164,7 +166,30 @@ class Catalog:
                 self._state, list_errors_total=self._state.list_errors_total + 1, last_error=message, is_failing=True
             )
 
+    def _restore(self) -> None:
+        """Stream the restart catalog (if any) as a listing of its own, before the first real one."""
+        if self.restore is None:
+            return
+        started = time.monotonic()
+        try:
+            restored = self.restore(self._on_page)
+        except CachefeedError as exc:
+            log.warning("the restart catalog%s is not usable (%s): listing the remote instead", self._of(), exc)
+            return
+        if restored:
+            self._put(ListingEnd(restored, time.monotonic() - started, is_restored=True))
+            log.info(
+                "planned from the restart catalog%s: %d objects in %.2fs",
+                self._of(),
+                restored,
+                time.monotonic() - started,
+            )
+
     def _run(self) -> None:
+        try:
+            self._restore()
+        except _Stopped:
+            return
         retry_s = _RETRY_MIN_S
         while not self._stop.is_set():
             started = time.monotonic()

@@ -31,7 +31,9 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.store import CacheStore
@@ -46,8 +48,8 @@ from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Ini
 from cachefeed._daemon.reporter import StatusReporter
 from cachefeed._daemon.sources import Input, Inputs
 from cachefeed._daemon.wire import Message
-from cachefeed._errors import CachefeedError, ConfigError
-from cachefeed._labels import ClassIndex
+from cachefeed._errors import ConfigError
+from cachefeed._labels import ClassIndex, class_name
 from cachefeed._logs import get_logger
 from cachefeed._scrub import safe_url
 from cachefeed._status.metrics import MetricsExporter
@@ -286,11 +288,15 @@ class Supervisor:
         for entry in self.inputs.inputs:
             for item in entry.catalog.take() if entry.catalog is not None else ():
                 if isinstance(item, ListingEnd):
-                    entry.plan.end_listing()
-                    self._save_catalog(entry)
+                    entry.plan.end_listing(is_restored=item.is_restored)
+                    if item.is_restored:
+                        entry.catalog_revision = entry.plan.revision  # what the file holds already
+                    else:
+                        self._save_catalog(entry)
                     continue
                 if self._classes is not None:  # before any of the page's objects is handed out with a label
-                    self._classes.add(item.classes)
+                    rule = self._classes.rule  # (a restart catalog's pages name no classes: from their paths)
+                    self._classes.add(item.classes or {class_name(path, rule) for path in item.paths})
                 added = entry.plan.update_page(item)
                 if added:
                     of = f" of source {entry.name!r}" if self.inputs.is_named else ""
@@ -304,24 +310,22 @@ class Supervisor:
         return restart_header(entry.config.url, entry.config.pattern, node.rank, node.count)
 
     def _restore_catalogs(self, store: CacheStore) -> None:
-        """Plan from each source's restart catalog at once (the remote is listed in the background)."""
+        """Each source's restart catalog streams into the plan first, in the listing thread (``catalog.py``), so
+        the first objects are handed out after its first block; the remote is listed after it."""
         for entry in self.inputs.inputs:
-            path = store.layout.catalog_file(entry.tag)
-            started = time.monotonic()
-            try:
-                for page in load_restart(path, self._restart_header(entry)):
-                    entry.plan.update_page(page)
-            except CachefeedError as exc:
-                log.warning("the restart catalog %s is not usable (%s): listing the remote instead", path, exc)
+            if entry.catalog is None:
                 continue
-            if entry.plan.owned:
-                entry.plan.end_listing(is_restored=True)
-                entry.catalog_revision = entry.plan.revision
-                log.info(
-                    "planning from the restart catalog: %d objects in %.2fs",
-                    entry.plan.owned,
-                    time.monotonic() - started,
-                )
+            path = store.layout.catalog_file(entry.tag)
+            header = self._restart_header(entry)
+
+            def restore(on_page: Callable[[Any], None], path: Path = path, header: CatalogHeader = header) -> int:
+                restored = 0
+                for page in load_restart(path, header):
+                    restored += page.listed
+                    on_page(page)
+                return restored
+
+            entry.catalog.restore = restore
 
     def _save_catalog(self, entry: Input) -> None:
         """Keep the last complete listing's owned objects for the next start, if they changed."""
