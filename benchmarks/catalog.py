@@ -149,11 +149,14 @@ def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
     del plan
     started = time.perf_counter()
     restarted = SamplingPlan(rank=rank, count=count)
-    for page in load_restart(path, header):
+    restart_first = None
+    for page in load_restart(path, header):  # as the listing thread streams it to the supervisor
         restarted.update_page(page)
+        if restart_first is None and restarted.next(1):
+            restart_first = time.perf_counter() - started
     restarted.end_listing(is_restored=True)
-    assert restarted.next(1)
-    figures["restart_first_fetch_s"] = round(time.perf_counter() - started, 3)
+    figures["restart_first_fetch_s"] = round(restart_first or 0.0, 3)
+    figures["restart_whole_s"] = round(time.perf_counter() - started, 3)
     return figures
 
 
