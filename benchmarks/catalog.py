@@ -224,7 +224,9 @@ def readme_table(doc: dict[str, Any]) -> str:
     for row in figures["rows"]:
         one, share, nodes = row["one_node"], row["node_of_100"], row["nodes"]
         node_counts = sorted(nodes, key=int)
-        per_node = ", ".join(f"{nodes[c]['list_job_per_hour']:,.0f} ({int(c):,} nodes)" for c in node_counts)
+        per_node = ", ".join(
+            f"{nodes[c]['list_job_per_hour']:,.0f} ({int(c):,} node{'s' if int(c) > 1 else ''})" for c in node_counts
+        )
         shared = ", ".join(f"{nodes[c]['shared_list_job_per_hour']:,.0f} ({int(c):,})" for c in node_counts)
         lines.append(
             f"| {row['size']:,} | {one['rss_per_object']:.0f} B | {one['plan_bytes_per_owned']:.0f} B "
