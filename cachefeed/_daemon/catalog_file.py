@@ -50,6 +50,7 @@ __all__ = [
     "CatalogFileError",
     "CatalogHeader",
     "CatalogWriter",
+    "TableSnapshot",
     "load_restart",
     "read_pages",
     "restart_header",
@@ -119,15 +120,10 @@ class CatalogWriter:
             classes=sorted({_parent(obj.path) for obj in objects}),
         )
 
-    def write_table(self, table: ObjectTable, rows: npt.NDArray[np.intp]) -> None:
+    def write_table(self, table: ObjectTable | TableSnapshot, rows: npt.NDArray[np.intp]) -> None:
         """The table's ``rows`` (what a node owns and its last listing showed), in blocks."""
-        arrays, other = table.arrays()
-        hashes = np.zeros(len(table), np.uint64)
-        hashes[arrays["oids"]] = arrays["hashes"]
-        indexed = np.zeros(len(table), dtype=bool)
-        indexed[arrays["oids"]] = True
-        for oid in np.flatnonzero(~indexed).tolist():  # rows whose hash collided are indexed by path
-            hashes[oid] = xxhash.xxh3_64_intdigest(table.path(oid).encode())
+        snapshot = table if isinstance(table, TableSnapshot) else TableSnapshot.of(table)
+        arrays, other, hashes = snapshot.arrays, snapshot.other, snapshot.hashes
         ends, blob = arrays["ends"], arrays["blob"]
         for start in range(0, len(rows), BLOCK_ROWS):
             chunk = rows[start : start + BLOCK_ROWS]
@@ -170,6 +166,30 @@ class CatalogWriter:
     def close(self) -> None:
         """Write the trailer (a file without it reads as truncated)."""
         self._json({"rows": -1, "objects": self.objects})
+
+
+@dataclass(frozen=True, slots=True)
+class TableSnapshot:
+    """A copy of an ``ObjectTable``'s columns with each row's hash: taken on the supervisor's loop (a memory copy),
+    written to disk in another thread while the table goes on changing."""
+
+    arrays: dict[str, npt.NDArray[Any]]
+    other: dict[int, str]
+    hashes: npt.NDArray[np.uint64]
+    key_bytes: int
+    rows: int
+
+    @classmethod
+    def of(cls, table: ObjectTable) -> TableSnapshot:
+        arrays, other = table.arrays()
+        arrays = {name: array.copy() for name, array in arrays.items()}
+        hashes = np.zeros(len(table), np.uint64)
+        hashes[arrays["oids"]] = arrays["hashes"]
+        indexed = np.zeros(len(table), dtype=bool)
+        indexed[arrays["oids"]] = True
+        for oid in np.flatnonzero(~indexed).tolist():  # rows whose hash collided are indexed by path
+            hashes[oid] = xxhash.xxh3_64_intdigest(table.path(oid).encode())
+        return cls(arrays, other, hashes, table.key_bytes, len(table))
 
 
 def _header_doc(header: CatalogHeader) -> dict[str, Any]:
@@ -256,11 +276,18 @@ def restart_header(url: str, pattern: str, rank: int, count: int) -> CatalogHead
 
 
 def save_restart(
-    path: Path, table: ObjectTable, rows: npt.NDArray[np.intp], header: CatalogHeader, *, mode: int, max_bytes: int
+    path: Path,
+    table: ObjectTable | TableSnapshot,
+    rows: npt.NDArray[np.intp],
+    header: CatalogHeader,
+    *,
+    mode: int,
+    max_bytes: int,
 ) -> bool:
-    """Keep ``rows`` of ``table`` as the restart catalog at ``path``, atomically; False (and no file) when it
-    would exceed ``max_bytes``."""
-    estimate = table.key_bytes + 41 * len(table) + 1024
+    """Keep ``rows`` of ``table`` (or of its snapshot) as the restart catalog at ``path``, atomically; False (and
+    no file) when it would exceed ``max_bytes``."""
+    rows_total = table.rows if isinstance(table, TableSnapshot) else len(table)
+    estimate = table.key_bytes + 41 * rows_total + 1024
     if estimate > max_bytes:
         path.unlink(missing_ok=True)
         return False

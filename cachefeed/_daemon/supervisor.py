@@ -15,7 +15,8 @@ Lifecycle (what a test or systemd observes)::
 * ``degraded`` while a sampler is down (restarting), while listing fails, or while nearly every remote request
   of the last seconds failed; the reasons are listed in the status document.
 
-Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``).
+Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``) and
+the thread that writes a snapshot of the restart catalog (``catalog_file.py``).
 
 Why one long module: it is the daemon's one loop (the lifecycle above); each job it delegates has a module of its
 own: grants (``grants.py``), sources and plans (``sources.py``, ``plan.py``), samplers (``pool.py``), status
@@ -28,6 +29,7 @@ import dataclasses
 import multiprocessing.connection
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,7 +42,14 @@ from cachefeed._cache.store import CacheStore
 from cachefeed._codecs import get_decoder, get_preprocess
 from cachefeed._config import Config
 from cachefeed._daemon.catalog import ListingEnd
-from cachefeed._daemon.catalog_file import MAX_SHARE, CatalogHeader, load_restart, restart_header, save_restart
+from cachefeed._daemon.catalog_file import (
+    MAX_SHARE,
+    CatalogHeader,
+    TableSnapshot,
+    load_restart,
+    restart_header,
+    save_restart,
+)
 from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed._daemon.notify import SystemdNotifier
 from cachefeed._daemon.pool import SamplerHandle, SamplerPool, SamplerState
@@ -95,6 +104,7 @@ class Supervisor:
         self._reporter: StatusReporter | None = None
         self._next_handle = 0
         self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
+        self._saver: threading.Thread | None = None  # writes the restart catalog (catalog_file.py)
 
     # -- signals: handlers only set flags (and the wakeup fd wakes the loop) -----------------------------------
 
@@ -236,6 +246,8 @@ class Supervisor:
                 self._undo(handle)
         for catalog in self.inputs.catalogs():
             catalog.stop()
+        if self._saver is not None:
+            self._saver.join(timeout=10.0)  # atomic: a write cut short leaves the previous catalog
         if self._metrics is not None:
             self._metrics.close()
         if self._store is not None:
@@ -328,36 +340,37 @@ class Supervisor:
             entry.catalog.restore = restore
 
     def _save_catalog(self, entry: Input) -> None:
-        """Keep the last complete listing's owned objects for the next start, if they changed."""
+        """Keep the last complete listing's owned objects for the next start, if they changed: a snapshot of the
+        columns here (a memory copy), written in a thread (one at a time; a later listing saves what it missed)."""
         plan = entry.plan
-        if plan.revision == entry.catalog_revision:
+        if plan.revision == entry.catalog_revision or (self._saver is not None and self._saver.is_alive()):
             return
         store = self._require_store()
         path = store.layout.catalog_file(entry.tag)
         limit = int(self.config.cache.max_bytes * MAX_SHARE)
-        started = time.monotonic()
-        try:
-            kept = save_restart(
-                path,
-                plan.table,
-                plan.listed_oids(),
-                self._restart_header(entry),
-                mode=self.config.cache.file_mode,
-                max_bytes=limit,
-            )
-        except OSError as exc:
-            log.warning("cannot keep the restart catalog %s: %s", path, exc)
-            return
+        snapshot, rows, owned = TableSnapshot.of(plan.table), plan.listed_oids(), plan.owned
+        header, mode = self._restart_header(entry), self.config.cache.file_mode
         entry.catalog_revision = plan.revision
-        if kept:
-            log.info("kept the restart catalog (%d objects) in %.2fs", plan.owned, time.monotonic() - started)
-        elif not entry.catalog_too_large:
-            entry.catalog_too_large = True
-            log.warning(
-                "the catalog of %d objects would exceed %.0f%% of cache.max_bytes: not kept for restarts",
-                plan.owned,
-                MAX_SHARE * 100,
-            )
+
+        def save() -> None:
+            started = time.monotonic()
+            try:
+                kept = save_restart(path, snapshot, rows, header, mode=mode, max_bytes=limit)
+            except OSError as exc:
+                log.warning("cannot keep the restart catalog %s: %s", path, exc)
+                return
+            if kept:
+                log.info("kept the restart catalog (%d objects) in %.2fs", owned, time.monotonic() - started)
+            elif not entry.catalog_too_large:
+                entry.catalog_too_large = True
+                log.warning(
+                    "the catalog of %d objects would exceed %.0f%% of cache.max_bytes: not kept for restarts",
+                    owned,
+                    MAX_SHARE * 100,
+                )
+
+        self._saver = threading.Thread(target=save, name="restart catalog", daemon=True)
+        self._saver.start()
 
     def _assign(self) -> None:
         pool = self._require_pool()
