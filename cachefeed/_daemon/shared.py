@@ -20,6 +20,9 @@ Protocol (who writes what, and what a crash leaves):
 3. It deletes the generations LATEST no longer names (the KEEP newest stay, so a reader that read LATEST just
    before step 2 can still open the generation it found there). A crash here leaves extra objects, harmless.
 
+The catalog holds what the build's ``--pattern`` selected; a reader whose ``remote.pattern`` is not the default
+``"**"`` must name the same pattern (else the refresh fails with a message saying so).
+
 A reader GETs ``LATEST`` on every refresh (one small request); when it names the generation already read, that
 is all (the listing in force stays). Otherwise it streams the generation block by block; a damaged or truncated
 generation is an error (the listing in force stays, and the refresh is retried).
@@ -131,6 +134,12 @@ class SharedCatalog:
                 raise CatalogFileError(
                     f"the catalog {self.url} lists {header.url}, not remote.url ({self._remote.where}): "
                     "point remote.catalog at the catalog built for this URL"
+                )
+            pattern = self._remote.config.pattern
+            if isinstance(header, CatalogHeader) and pattern not in ("**", header.pattern):
+                raise CatalogFileError(
+                    f"the catalog {self.url} was built with pattern {header.pattern!r}, remote.pattern is "
+                    f"{pattern!r}: build it with --pattern {pattern!r}, or leave remote.pattern at its default"
                 )
             for page in pages:
                 if isinstance(page, FoldedPage):

@@ -65,3 +65,19 @@ def test_build_refuses_what_it_cannot_do_in_one_line(tmp_path: Path, capsys: pyt
     code, _, err = run(capsys, "build", "s3://bucket")
     assert code == 78 and "--out" in err
     assert "Traceback" not in err
+
+
+def test_a_reader_with_another_pattern_is_told_to_build_with_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachefeed._daemon.catalog_file import CatalogFileError
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jpg").write_bytes(b"x")
+    assert run(capsys, "build", f"file://{data}", "--pattern", "*.png")[0] == 0
+    reader = SharedCatalog(
+        Remote(RemoteConfig(url=f"file://{data}", pattern="*.jpg")), f"file://{data}.cfcatalog", rank=0, count=1
+    )
+    with pytest.raises(CatalogFileError, match=r"build it with --pattern '\*.jpg'"):
+        reader(lambda page: None)
