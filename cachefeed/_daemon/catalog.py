@@ -131,7 +131,11 @@ class Catalog:
             self._last_early = now
             self._wake.set()
 
-    def take(self, limit: int = 8) -> list[FoldedPage | ListingEnd]:
+    def pending(self) -> bool:
+        """Whether pages wait to be taken (the supervisor then polls without waiting)."""
+        return not self._pages.empty()
+
+    def take(self, limit: int = 16) -> list[FoldedPage | ListingEnd]:
         """Up to ``limit`` pages (and listing ends) not taken yet, in order."""
         out: list[FoldedPage | ListingEnd] = []
         while len(out) < limit:

@@ -213,7 +213,8 @@ class Supervisor:
         while True:
             now = time.monotonic()
             timers = [next_status, next_upkeep] + ([next_watchdog] if watchdog_s else [])
-            self._poll(min(_MAX_WAIT_S, max(0.0, min(timers) - now)))
+            is_listing = any(catalog.pending() for catalog in self.inputs.catalogs())  # pages waiting: no nap
+            self._poll(0.0 if is_listing else min(_MAX_WAIT_S, max(0.0, min(timers) - now)))
             if self.should_exit and not self._is_draining:
                 self._begin_drain()
             if self._is_draining:
