@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from cachefeed._daemon.columns import _OTHER, FoldedPage, ObjectTable, encode_version
+from cachefeed._daemon.columns import KIND_OTHER, FoldedPage, ObjectTable, encode_version
 from cachefeed._errors import CachefeedError
 from cachefeed._fsutil import atomic_write
 from cachefeed._remote import RemoteObject
@@ -105,7 +105,7 @@ class CatalogWriter:
         for i, obj in enumerate(objects):
             kind, raw = encode_version(obj.etag)
             kinds[i] = kind
-            if kind == _OTHER:
+            if kind == KIND_OTHER:
                 other[str(i)] = str(obj.etag)
             else:
                 raws[i] = np.frombuffer(raw, np.uint8)

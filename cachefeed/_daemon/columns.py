@@ -40,13 +40,23 @@ import xxhash
 
 from cachefeed._remote import RemoteObject
 
-__all__ = ["FoldedPage", "ObjectTable", "fold_page", "key_hash", "mix", "order_keys"]
+__all__ = [
+    "KIND_OTHER",
+    "Column",
+    "FoldedPage",
+    "ObjectTable",
+    "encode_version",
+    "fold_page",
+    "key_hash",
+    "mix",
+    "order_keys",
+]
 
 U64 = npt.NDArray[np.uint64]
 _MASK = (1 << 64) - 1
 _HEX_ETAG = re.compile(r'"?([0-9a-fA-F]{32})"?')
 _LOCAL_VERSION = re.compile(r"(-?\d{1,19})-(\d+)")
-_NONE, _HEX_QUOTED, _HEX_BARE, _LOCAL, _OTHER = 0, 1, 2, 3, 4
+_NONE, _HEX_QUOTED, _HEX_BARE, _LOCAL, KIND_OTHER = 0, 1, 2, 3, 4
 
 
 def key_hash(path: str) -> int:
@@ -71,7 +81,7 @@ def order_keys(hashes: U64, seed: int) -> U64:
     return out
 
 
-class _Column:
+class Column:
     """A growable numpy array (amortised O(1) appends; ``trim`` drops the spare capacity)."""
 
     def __init__(self, dtype: Any, width: int = 0, fill: int = 0) -> None:
@@ -108,7 +118,7 @@ class _Column:
 
 
 def encode_version(version: str | None) -> tuple[int, bytes]:
-    """(kind, 16 bytes) for a version string; kind ``_OTHER`` keeps the string elsewhere."""
+    """(kind, 16 bytes) for a version string; kind ``KIND_OTHER`` keeps the string elsewhere."""
     if version is None:
         return _NONE, bytes(16)
     if len(version) == 34 and version[0] == version[-1] == '"':  # the common case, without a regex
@@ -129,7 +139,7 @@ def encode_version(version: str | None) -> tuple[int, bytes]:
         mtime, size = int(local.group(1)), int(local.group(2))
         if f"{mtime}-{size}" == version and -(2**63) <= mtime < 2**63 and size < 2**63:
             return _LOCAL, struct.pack("<qq", mtime, size)
-    return _OTHER, bytes(16)
+    return KIND_OTHER, bytes(16)
 
 
 def _decode_version(kind: int, raw: bytes) -> str | None:
@@ -150,7 +160,7 @@ class FoldedPage:
     paths: list[str]  # owned objects only
     hashes: U64
     sizes: npt.NDArray[np.int64]
-    versions: list[str | None]  # meaningful where vkinds is _OTHER (a catalog file gives None elsewhere)
+    versions: list[str | None]  # meaningful where vkinds is KIND_OTHER (a catalog file gives None elsewhere)
     vkinds: npt.NDArray[np.uint8]
     vraw: npt.NDArray[np.uint8]  # (n, 16)
     listed: int  # every object of the page that matched the pattern, owned or not
@@ -185,7 +195,7 @@ def fold_page(objects: Sequence[RemoteObject], rank: int, count: int, *, label: 
     for i, version in enumerate(versions):
         kind, raw = encode_version(version)
         vkinds[i] = kind
-        if kind != _OTHER:
+        if kind != KIND_OTHER:
             vraw[i] = np.frombuffer(raw, np.uint8)
     return FoldedPage(
         paths,
@@ -204,10 +214,10 @@ class ObjectTable:
 
     def __init__(self) -> None:
         self._blob = bytearray()
-        self._ends = _Column(np.int64)
-        self._sizes = _Column(np.int64)
-        self._vkind = _Column(np.uint8)
-        self._vraw = _Column(np.uint8, width=16)
+        self._ends = Column(np.int64)
+        self._sizes = Column(np.int64)
+        self._vkind = Column(np.uint8)
+        self._vraw = Column(np.uint8, width=16)
         self._other: dict[int, str] = {}  # oid -> a version that fits no fixed-width kind
         self._runs: list[tuple[U64, npt.NDArray[np.uint32]]] = []  # sorted (hash, oid) runs
         self._collided: dict[str, int] = {}  # path -> oid, for a path whose hash another path has
@@ -227,7 +237,7 @@ class ObjectTable:
 
     def version(self, oid: int) -> str | None:
         kind = int(self._vkind.data[oid])
-        if kind == _OTHER:
+        if kind == KIND_OTHER:
             return self._other[oid]
         return _decode_version(kind, self._vraw.data[oid].tobytes())
 
@@ -240,7 +250,7 @@ class ObjectTable:
         """For each ``oids[i]``: whether ``page`` row ``rows[i]`` lists another size or version of it."""
         differs = (self._sizes.data[oids] != page.sizes[rows]) | (self._vkind.data[oids] != page.vkinds[rows])
         differs |= (self._vraw.data[oids] != page.vraw[rows]).any(axis=1)
-        for i in np.flatnonzero(~differs & (page.vkinds[rows] == _OTHER)):
+        for i in np.flatnonzero(~differs & (page.vkinds[rows] == KIND_OTHER)):
             differs[i] = self._other.get(int(oids[i])) != page.versions[rows[i]]
         out: npt.NDArray[np.bool_] = differs
         return out
@@ -252,7 +262,7 @@ class ObjectTable:
         self._vkind.data[oid] = kind
         self._vraw.data[oid] = page.vraw[row]
         self._other.pop(oid, None)
-        if kind == _OTHER:
+        if kind == KIND_OTHER:
             self._other[oid] = str(page.versions[row])
 
     def hashes_and_oids(self) -> tuple[U64, npt.NDArray[np.uint32]]:
@@ -311,7 +321,7 @@ class ObjectTable:
         self._sizes.extend(page.sizes[rows])
         self._vkind.extend(page.vkinds[rows])
         self._vraw.extend(page.vraw[rows])
-        for i in np.flatnonzero(page.vkinds[rows] == _OTHER):
+        for i in np.flatnonzero(page.vkinds[rows] == KIND_OTHER):
             self._other[first + int(i)] = str(page.versions[rows[i]])  # kind 0 is None: this one is a string
         oids = np.arange(first, first + len(paths), dtype=np.uint32)
         taken = self._hash_known(hashes)

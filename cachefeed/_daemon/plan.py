@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from cachefeed._daemon.columns import FoldedPage, ObjectTable, _Column, fold_page, key_hash, mix, order_keys
+from cachefeed._daemon.columns import Column, FoldedPage, ObjectTable, fold_page, key_hash, mix, order_keys
 from cachefeed._logs import get_logger
 from cachefeed._remote import RemoteObject
 
@@ -98,8 +98,8 @@ class SamplingPlan:
         self.counters = PlanCounters()
         self._now = clock
         self.table = ObjectTable()
-        self._seen = _Column(np.uint32)  # oid -> the last listing generation that showed it
-        self._segment_of = _Column(np.int64, fill=-1)  # oid -> seq of the segment holding its last sample, or -1
+        self._seen = Column(np.uint32)  # oid -> the last listing generation that showed it
+        self._segment_of = Column(np.int64, fill=-1)  # oid -> seq of the segment holding its last sample, or -1
         self._generation = 0  # the listing being folded in, or the last one
         self._complete = 0  # the last complete listing: an object is listed if seen >= this
         self._is_listing = False

@@ -44,7 +44,6 @@ __all__ = ["PAGE_OBJECTS", "Manifest"]
 log = get_logger(__name__)
 
 PAGE_OBJECTS = 10_000
-_HEX = frozenset("0123456789abcdef")
 
 
 def _quoted(etag: str) -> str:
