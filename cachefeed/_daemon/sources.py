@@ -53,6 +53,7 @@ class Input:
     objects_done: int = 0  # objects whose samples were all published (or that had none)
     catalog_revision: int = -1  # the plan's revision kept in the restart catalog
     catalog_too_large: bool = False  # said once
+    is_joining: bool = False  # a page of the current listing added objects already (logged once per listing)
 
     @property
     def name(self) -> str:

@@ -26,6 +26,7 @@ own: grants (``grants.py``), sources and plans (``sources.py``, ``plan.py``), sa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing.connection
 import signal
 import socket
@@ -301,6 +302,7 @@ class Supervisor:
         for entry in self.inputs.inputs:
             for item in entry.catalog.take() if entry.catalog is not None else ():
                 if isinstance(item, ListingEnd):
+                    entry.is_joining = False
                     entry.plan.end_listing(is_restored=item.is_restored)
                     if item.is_restored:
                         entry.catalog_revision = entry.plan.revision  # what the file holds already
@@ -311,9 +313,11 @@ class Supervisor:
                     rule = self._classes.rule  # (a restart catalog's pages name no classes: from their paths)
                     self._classes.add(item.classes or {class_name(path, rule) for path in item.paths})
                 added = entry.plan.update_page(item)
-                if added:
+                if added:  # said once per listing at info (benchmarks.ingest times pass 0 from it), then at debug
                     of = f" of source {entry.name!r}" if self.inputs.is_named else ""
-                    log.debug("%d new objects%s join pass %d", added, of, entry.plan.pass_index)
+                    level = logging.DEBUG if entry.is_joining else logging.INFO
+                    log.log(level, "%d new objects%s join pass %d", added, of, entry.plan.pass_index)
+                    entry.is_joining = True
         self._assign()
 
     # -- the restart catalog (catalog_file.py) ------------------------------------------------------------------
