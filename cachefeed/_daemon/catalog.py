@@ -171,23 +171,29 @@ class Catalog:
             )
 
     def _restore(self) -> None:
-        """Stream the restart catalog (if any) as a listing of its own, before the first real one."""
+        """Stream the restart catalog (if any) as a listing of its own, before the first real one. A file that
+        fails part way still ends its listing, so that the real listing's end drops what it does not show."""
         if self.restore is None:
             return
         started = time.monotonic()
+        pages = 0
+
+        def on_page(page: Any) -> None:
+            nonlocal pages
+            self._on_page(page)
+            pages += 1
+
         try:
-            restored = self.restore(self._on_page)
-        except CachefeedError as exc:
+            restored = self.restore(on_page) or 0
+        except _Stopped:
+            raise
+        except Exception as exc:  # a damaged or unreadable file must never stop the listing that follows
             log.warning("the restart catalog%s is not usable (%s): listing the remote instead", self._of(), exc)
-            return
-        if restored:
+            restored = 0
+        if pages:
             self._put(ListingEnd(restored, time.monotonic() - started, is_restored=True))
-            log.info(
-                "planned from the restart catalog%s: %d objects in %.2fs",
-                self._of(),
-                restored,
-                time.monotonic() - started,
-            )
+            took = time.monotonic() - started
+            log.info("planned from the restart catalog%s: %d objects in %.2fs", self._of(), restored, took)
 
     def _run(self) -> None:
         try:

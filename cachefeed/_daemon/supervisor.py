@@ -304,8 +304,8 @@ class Supervisor:
                 if isinstance(item, ListingEnd):
                     entry.is_joining = False
                     entry.plan.end_listing(is_restored=item.is_restored)
-                    if item.is_restored:
-                        entry.catalog_revision = entry.plan.revision  # what the file holds already
+                    if item.is_restored:  # what the file holds already (0 objects: it failed, write it again)
+                        entry.catalog_revision = entry.plan.revision if item.objects else -1
                     else:
                         self._save_catalog(entry)
                     continue

@@ -85,3 +85,20 @@ def test_the_refresh_interval_is_never_under_ten_listings(tmp_path: Path) -> Non
         assert abs(state.list_requests_per_hour - 3 * 3600 / state.refresh_interval_s) < 1e-6
     finally:
         catalog.stop()
+
+
+def test_an_unreadable_restart_catalog_is_skipped_and_the_remote_is_listed(tmp_path: Path) -> None:
+    make_tree(tmp_path / "data", 1, 3)
+    catalog = Catalog(RemoteConfig(url=f"file://{tmp_path}/data"))
+
+    def damaged(on_page: Callable[[Any], None]) -> int:
+        raise ValueError("not JSON")  # what a damaged block header gives
+
+    catalog.restore = damaged
+    catalog.start()
+    try:
+        items: list[FoldedPage | ListingEnd] = []
+        wait_for(lambda: items.extend(catalog.take()) or (items and isinstance(items[-1], ListingEnd)), timeout_s=10)
+        assert items[-1] == ListingEnd(3, items[-1].duration_s)  # the listing, not a restore
+    finally:
+        catalog.stop()
