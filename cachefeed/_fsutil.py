@@ -6,14 +6,23 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 __all__ = ["atomic_write", "fsync_dir", "remove_tree"]
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o640, fsync: bool = False) -> None:
+def atomic_write(
+    path: str | os.PathLike[str],
+    data: bytes | Callable[[IO[bytes]], None],
+    *,
+    mode: int = 0o640,
+    fsync: bool = False,
+) -> None:
     """Replace ``path`` with ``data`` atomically: a temp file in the same directory, then ``os.replace``.
 
+    ``data`` is the content, or a function that writes it to the open temp file (a large file streamed out).
     Readers see the old content or the new one, never a mix. On error the temp file is removed.
     """
     target = Path(path)
@@ -21,7 +30,10 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o640
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            if callable(data):
+                data(handle)
+            else:
+                handle.write(data)
             if fsync:
                 handle.flush()
                 os.fsync(handle.fileno())

@@ -53,8 +53,14 @@ class ClassIndex:
     def update(self, paths: Iterable[str]) -> list[str]:
         """Add the classes of a listing that are not indexed yet (sorted, after the known ones); save if any.
         Returns the new class names."""
-        found = {class_name(path, self.rule) for path in paths}
-        new = sorted(found - self._index.keys())
+        return self.add({class_name(path, self.rule) for path in paths})
+
+    def add(self, found: Iterable[str]) -> list[str]:
+        """Add class names not indexed yet (sorted, after the known ones); save if any. The daemon calls this
+        with each listing page's names, before the page's objects are handed out; pages come in path order
+        (``_remote/listing.py``), so a ``<root>/<class>/<name>`` layout still numbers its classes in sorted
+        order, and nodes reading the same pages build the same index. Returns the new class names."""
+        new = sorted(set(found) - self._index.keys())
         if new:
             first = len(self.classes)
             for name in new:

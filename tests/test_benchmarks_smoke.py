@@ -214,3 +214,29 @@ def test_feed_gpu_refuses_a_run_its_directory_cannot_hold_before_writing_anythin
     assert list(tmp_path.iterdir()) == []
     disk, arenas = feed_gpu.footprint([8192, 16384], 8, daemon=True)  # the defaults, as the docstring says
     assert 10e9 < disk < 12e9 and arenas == 3 * 8 * (256 << 20)
+
+
+def test_catalog_measures_a_tiny_dataset_and_renders_its_table(tmp_path: Path) -> None:
+    from benchmarks import catalog
+
+    one = catalog.measure_one(3000, 0, 1, tmp_path)
+    assert one["owned"] == 3000 and one["list_requests"] == 4  # the root and three directories of 1,000
+    assert one["plan_bytes_per_owned"] <= 64
+    assert 0 < one["first_fetch_s"] <= one["listing_s"]
+    row = {
+        "size": 3000,
+        "one_node": one,
+        "node_of_100": one,
+        "nodes": {
+            "1": dict.fromkeys(
+                (
+                    "list_per_node_per_hour",
+                    "list_job_per_hour",
+                    "shared_list_per_node_per_hour",
+                    "shared_list_job_per_hour",
+                ),
+                1.0,
+            )
+        },
+    }
+    assert "| 3,000 |" in catalog.readme_table({"figures": {"rows": [row]}})

@@ -120,6 +120,10 @@ class CacheLayout:
         """The configured sources, their tags and weights (``cachefeed/sources.py``)."""
         return self.root / "sources.json"
 
+    def catalog_file(self, tag: int) -> Path:
+        """The restart catalog of source ``tag`` (``cachefeed/_daemon/catalog_file.py``); metadata in the budget."""
+        return self.root / f"catalog-{tag:08x}.cfcat"
+
     @property
     def classes_file(self) -> Path:
         """The class index of ``sampler.label`` (``cachefeed/_labels.py``)."""

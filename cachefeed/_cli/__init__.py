@@ -1,4 +1,4 @@
-"""The ``cachefeed`` command: ``daemon``, ``status``, ``demo``; ``main`` is the console entry point.
+"""The ``cachefeed`` command: ``daemon``, ``status``, ``catalog``, ``demo``; ``main`` is the console entry point.
 
 Each subcommand lives in its own module of this package (``_cli/daemon.py``, ``_cli/status.py``, ``_cli/demo.py``)
 and exposes ``add_arguments(parser)`` and ``run(args) -> int``; this module only wires them up. A
@@ -22,6 +22,7 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("cachefeed._cli.daemon", "run the cache daemon in the foreground (what systemd starts)"),
     "status": ("cachefeed._cli.status", "show what the cache and its daemon are doing"),
+    "catalog": ("cachefeed._cli.catalog", "list a remote once and publish its catalog for every node to read"),
     "demo": ("cachefeed._cli.demo", "run the whole system end to end on a local S3 server, no set-up needed"),
 }
 

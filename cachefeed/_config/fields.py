@@ -191,6 +191,13 @@ def url(value: object) -> str:
     return text
 
 
+def optional_url(value: object) -> str:
+    """A URL, or "" for none."""
+    if value == "":
+        return ""
+    return url(value)
+
+
 def table(value: object) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError('expected a table such as { endpoint_url = "http://127.0.0.1:9000" }')

@@ -34,6 +34,8 @@ class RemoteConfig:
     pattern: str = "**"
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     refresh_interval_s: float = 300.0
+    manifest: str = ""  # a key list or an S3 Inventory manifest.json: read instead of listing
+    catalog: str = ""  # a shared catalog's directory (cachefeed catalog build): read instead of listing
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
     max_attempts: int = 5
@@ -58,6 +60,8 @@ class SourceConfig:
     url: str
     pattern: str = "**"
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    manifest: str = ""
+    catalog: str = ""
     decode: str = ""
     weight: float = 1.0
 
@@ -119,12 +123,26 @@ class Config:
         if self.sources:
             return self.sources
         remote = self.remote
-        return (SourceConfig("", remote.url, remote.pattern, remote.storage_options, "", 1.0),)
+        return (
+            SourceConfig(
+                "",
+                remote.url,
+                remote.pattern,
+                remote.storage_options,
+                manifest=remote.manifest,
+                catalog=remote.catalog,
+            ),
+        )
 
     def remote_for(self, source: SourceConfig) -> RemoteConfig:
         """The ``[remote]`` settings with ``source``'s URL, pattern and storage options."""
         return dataclasses.replace(
-            self.remote, url=source.url, pattern=source.pattern, storage_options=source.storage_options
+            self.remote,
+            url=source.url,
+            pattern=source.pattern,
+            storage_options=source.storage_options,
+            manifest=source.manifest,
+            catalog=source.catalog,
         )
 
     def weights(self) -> tuple[float, ...]:

@@ -252,6 +252,9 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
             raise ConfigError(
                 f"{source}: {section}.{base} = {base_s}s is above {section}.{cap} = {cap_s}s: expected {base} <= {cap}"
             )
+    remote = sections["remote"]
+    if remote.get("manifest") and remote.get("catalog"):
+        raise ConfigError(f"{source}: remote.manifest and remote.catalog both replace the listing: set one of them")
     if int(node["rank"]) >= int(node["count"]):  # type: ignore[call-overload]
         raise ConfigError(f"{source}: node.rank = {node['rank']} must be below node.count = {node['count']}")
 

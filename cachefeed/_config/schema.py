@@ -42,6 +42,16 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
         "pattern": ("pattern", fields.nonempty_string, 'glob under url selecting the objects (default "**")'),
         "storage_options": ("storage_options", fields.table, "passed to fsspec as is (endpoint_url, key, ...)"),
         "refresh_interval": ("refresh_interval_s", fields.positive_duration, "re-list the remote this often (5m)"),
+        "manifest": (
+            "manifest",
+            fields.optional_url,
+            "a key list or an S3 Inventory manifest.json to read instead of LIST",
+        ),
+        "catalog": (
+            "catalog",
+            fields.optional_url,
+            "a shared catalog (cachefeed catalog build) to read instead of LIST",
+        ),
         "connect_timeout": ("connect_timeout_s", fields.positive_duration, "TCP connect timeout per request (5s)"),
         "read_timeout": ("read_timeout_s", fields.positive_duration, "socket read timeout per request (30s)"),
         "max_attempts": ("max_attempts", fields.int_at_least(1), "attempts per object, first included (5)"),
@@ -133,10 +143,12 @@ SOURCE_SCHEMA: dict[str, tuple[str, Parser, str]] = {
     "url": ("url", fields.url, "fsspec URL of this source's root, as remote.url"),
     "pattern": ("pattern", fields.nonempty_string, 'glob under url, as remote.pattern (default "**")'),
     "storage_options": ("storage_options", fields.table, "passed to fsspec as is, as remote.storage_options"),
+    "manifest": ("manifest", fields.optional_url, "this source's listing from a manifest, as remote.manifest"),
+    "catalog": ("catalog", fields.optional_url, "this source's listing from a shared catalog, as remote.catalog"),
     "decode": ("decode", fields.decoder, "this source's decoder (default: sampler.decode)"),
     "weight": ("weight", fields.weight, "its share of every epoch and of the cache, relative to the others (1)"),
 }
-SOURCE_SECRET_KEYS = {"url", "storage_options"}  # never echoed in errors
+SOURCE_SECRET_KEYS = {"url", "storage_options", "manifest", "catalog"}  # never echoed in errors
 
 SECTION_TYPES: dict[str, type] = {
     "remote": RemoteConfig,
@@ -146,7 +158,12 @@ SECTION_TYPES: dict[str, type] = {
     "status": StatusConfig,
     "log": LogConfig,
 }
-SECRET_KEYS = {("remote", "url"), ("remote", "storage_options")}  # never echoed in errors
+SECRET_KEYS = {
+    ("remote", "url"),
+    ("remote", "storage_options"),
+    ("remote", "manifest"),
+    ("remote", "catalog"),
+}  # never echoed in errors
 REQUIRED = {("remote", "url"), ("cache", "dir"), ("cache", "max_bytes")}
 REMOVED = {  # keys earlier versions took: what to do instead
     ("cache", "max_samples"): (

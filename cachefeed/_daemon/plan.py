@@ -6,10 +6,16 @@ Contract:
 
 * **Node partition.** Node ``rank`` of ``count`` owns the objects whose ``xxh3_64(path) % count == rank``:
   disjoint across nodes, deterministic, and stable when the catalog grows (an object never changes owner).
+  The plan keeps only the objects it owns, as columns (``columns.py``); the others are counted, not kept.
+* **Listings arrive as pages.** ``update_page`` folds one page in (objects join the current pass at once, so the
+  first fetch follows the first page); ``end_listing`` closes a listing: owned objects it did not show are no
+  longer drawn (until listed again). Until then, what the last complete listing showed stays drawable.
+  ``update_catalog`` is a whole listing as one page.
 * **Passes.** Each pass visits every owned object at most once, in a seeded order: objects sorted by
-  ``xxh3_64(path, seed=h(seed, pass))``. The same (seed, pass, catalog) gives the same order on every run.
-  Objects that a catalog refresh adds, and new versions (another ETag) of known ones, join the current pass,
-  appended in that same seeded order.
+  ``pass_order_key`` (a bijective mix of the path's hash and ``h(seed, pass)``). The same (seed, pass, catalog)
+  gives the same order on every run. Objects that a page adds, and new versions (another ETag) of known ones,
+  join the current pass, appended in that same seeded order; a pass over a catalog that grows while it is listed
+  is still a pass without replacement.
 * **Pass boundary.** A pass is completed when all its objects were drawn *and* resolved (done, failed or
   skipped); only then does the next pass start, so an object is never in two passes at once. A pass that drew
   nothing (everything is already cached) or cached nothing (every object failed) is followed by a wait
@@ -35,8 +41,11 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
+from cachefeed._daemon.columns import Column, FoldedPage, ObjectTable, fold_page, key_hash, mix, order_keys
 from cachefeed._logs import get_logger
 from cachefeed._remote import RemoteObject
 
@@ -51,7 +60,7 @@ _DROP_KINDS = frozenset({"not_found", "forbidden", "too_large"})
 
 def owner_of(path: str, count: int) -> int:
     """The node (0..count-1) that owns ``path``."""
-    return xxhash.xxh3_64_intdigest(path.encode()) % count
+    return key_hash(path) % count
 
 
 def _pass_seed(seed: int, pass_index: int) -> int:
@@ -60,7 +69,7 @@ def _pass_seed(seed: int, pass_index: int) -> int:
 
 def pass_order_key(path: str, seed: int, pass_index: int) -> int:
     """The sort key of ``path`` in pass ``pass_index``: a seeded permutation, stable under catalog growth."""
-    return xxhash.xxh3_64_intdigest(path.encode(), seed=_pass_seed(seed, pass_index))
+    return mix(key_hash(path), _pass_seed(seed, pass_index))
 
 
 @dataclass(slots=True)
@@ -88,19 +97,23 @@ class SamplingPlan:
         self.count = count
         self.counters = PlanCounters()
         self._now = clock
-        self._objects: list[RemoteObject] = []
-        self._by_path: dict[str, int] = {}
-        self._listed: set[int] = set()  # owned oids present in the latest listing
+        self.table = ObjectTable()
+        self._seen = Column(np.uint32)  # oid -> the last listing generation that showed it
+        self._segment_of = Column(np.int64, fill=-1)  # oid -> seq of the segment holding its last sample, or -1
+        self._generation = 0  # the listing being folded in, or the last one
+        self._complete = 0  # the last complete listing: an object is listed if seen >= this
+        self._is_listing = False
+        self._owned = 0
         self._pass = 0
-        self._queue: deque[int] = deque()
+        self._queue: deque[npt.NDArray[np.uint32]] = deque()
+        self._head = 0  # position in self._queue[0]
         self._front: deque[int] = deque()
         self._in_flight: dict[int, str | None] = {}  # oid -> the version (ETag) drawn
         self._failed_this_pass: set[int] = set()
         self._dropped: dict[int, str | None] = {}  # oid -> etag it was dropped at
         self._quarantined: dict[int, str | None] = {}
         self._reason: dict[int, str] = {}  # oid -> why it is dropped or quarantined (the failure kind)
-        self._segment_of: dict[int, int] = {}  # oid -> seq of the published segment holding its last sample
-        self._objects_in: dict[int, list[int]] = {}  # seq -> oids whose last sample it holds
+        self._objects_in: dict[int, list[npt.NDArray[np.uint32]]] = {}  # seq -> oids whose last sample it holds
         self._adopted: dict[str, tuple[str | None, int]] = {}  # path -> (version, seq), from recovered segments
         self._drawn_this_pass = 0
         self._done_this_pass = 0
@@ -108,6 +121,7 @@ class SamplingPlan:
         self._is_waiting = False
         self._idle_backoff_s = _IDLE_BACKOFF_MIN_S
         self._is_changed = False
+        self.revision = 0  # changes whenever the owned catalog does (what the restart catalog keeps)
 
     # -- the catalog ----------------------------------------------------------------------------------------
 
@@ -118,87 +132,158 @@ class SamplingPlan:
     @property
     def owned(self) -> int:
         """Objects of this node in the latest listing."""
-        return len(self._listed)
+        return self._owned
+
+    @property
+    def nbytes(self) -> int:
+        """The memory of the plan's per-object columns (the table's included)."""
+        queued = sum(int(chunk.nbytes) for chunk in self._queue)
+        return self.table.nbytes + self._seen.nbytes + self._segment_of.nbytes + queued
 
     def object(self, oid: int) -> RemoteObject:
-        return self._objects[oid]
+        return self.table.get(oid)
+
+    def _etag(self, oid: int) -> str | None:
+        return self.table.version(oid)
+
+    def _is_listed(self, oid: int) -> bool:
+        return int(self._seen.data[oid]) >= self._complete
+
+    def fold(self, listing: Iterable[RemoteObject], *, label: str = "") -> FoldedPage:
+        """A page of objects as this node keeps it (``columns.fold_page``)."""
+        return fold_page(list(listing), self.rank, self.count, label=label)
 
     def update_catalog(self, listing: Iterable[RemoteObject]) -> int:
-        """Apply a fresh listing; returns how many owned objects joined the current pass (new or new versions).
+        """Apply a whole fresh listing; returns how many owned objects joined the current pass."""
+        added = self.update_page(self.fold(listing))
+        self.end_listing()
+        return added
 
-        Objects missing from the listing are no longer drawn (until listed again).
-        """
-        listed: set[int] = set()
-        added: list[int] = []
-        for obj in listing:
-            if owner_of(obj.path, self.count) != self.rank:
-                continue
-            oid = self._by_path.get(obj.path)
-            if oid is None:
-                oid = len(self._objects)
-                self._objects.append(obj)
-                self._by_path[obj.path] = oid
-                self._adopt_listed(oid)
-                added.append(oid)
-            elif self._objects[oid] != obj:
+    def update_page(self, page: FoldedPage) -> int:
+        """Fold one listing page in; returns how many owned objects joined the current pass (new or new
+        versions, or listed again after they vanished)."""
+        if not self._is_listing:
+            self._is_listing = True
+            self._generation += 1
+        generation = self._generation
+        found = self.table.lookup(page.paths, page.hashes)
+        known_rows = np.flatnonzero(found >= 0)
+        known = found[known_rows]
+        joined: list[int] = []
+        if len(known):
+            was_listed = self._seen.data[known] >= self._complete
+            changed = self.table.changed(known, page, known_rows)
+            for i in np.flatnonzero(changed):
                 # A new version is a new object: it joins the current pass, whatever happened to the old one.
-                self._objects[oid] = obj
+                oid = int(known[i])
+                self.table.set_version_from(oid, page, int(known_rows[i]))
                 self._dropped.pop(oid, None)
                 self._quarantined.pop(oid, None)
                 self._failed_this_pass.discard(oid)
-                self._segment_of.pop(oid, None)
-                added.append(oid)
-            elif oid not in self._listed:
-                added.append(oid)  # listed again after it vanished
-            listed.add(oid)
-        removed = len(self._listed - listed)
-        self._listed = listed
-        self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
-        if added:
-            added.sort(key=lambda i: pass_order_key(self._objects[i].path, self.seed, self._pass))
-            self._queue.extend(added)
+                self._segment_of.data[oid] = -1
+            back = ~was_listed & ~changed  # listed again after it vanished
+            joined.extend(int(oid) for oid in known[changed | back])
+            self._owned += int(np.count_nonzero(~was_listed))
+            self._seen.data[known] = generation
+        new_rows = np.flatnonzero(found < 0)
+        oids = self.table.add(page, new_rows)
+        if len(oids):
+            self._seen.grow_to(len(self.table))
+            self._segment_of.grow_to(len(self.table))
+            self._seen.data[oids.start : oids.stop] = generation
+            self._owned += len(oids)
+            if self._adopted:
+                for oid in oids:
+                    self._adopt_listed(oid)
+        hashes = page.hashes[new_rows]
+        if joined:
+            hashes = np.concatenate([hashes, page.hashes[known_rows[np.isin(known, joined)]]])
+        joined_oids = np.concatenate(
+            [np.arange(oids.start, oids.stop, dtype=np.uint32), known[np.isin(known, joined)].astype(np.uint32)]
+        )
+        if len(joined_oids):
+            self.revision += 1
+            order = np.argsort(order_keys(hashes, _pass_seed(self.seed, self._pass)), kind="stable")
+            self._queue.append(joined_oids[order])
             self._is_changed = True
-        if removed:
-            log.info("%d objects vanished from the remote listing", removed)
-        return len(added)
+        return len(joined_oids)
+
+    def listed_oids(self) -> npt.NDArray[np.intp]:
+        """The owned objects the last complete listing showed (what a restart catalog keeps)."""
+        return np.flatnonzero(self._seen.view >= self._complete)
+
+    def end_listing(self, *, is_restored: bool = False) -> None:
+        """The listing being folded in is complete: what it did not show is no longer drawn.
+
+        ``is_restored``: it was the restart catalog, not the remote: recovered segments whose objects it did not
+        hold stay adoptable until the first real listing completes."""
+        if not self._is_listing:
+            self._is_listing = True
+            self._generation += 1  # an empty listing: everything vanished
+        self._is_listing = False
+        before = self._owned
+        self._complete = self._generation
+        self._owned = int(np.count_nonzero(self._seen.view >= self._complete))
+        if not is_restored:
+            self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
+        self.table.trim()
+        self._seen.trim()
+        self._segment_of.trim()
+        if before > self._owned:
+            self.revision += 1
+            log.info("%d objects vanished from the remote listing", before - self._owned)
 
     # -- drawing --------------------------------------------------------------------------------------------
 
     def _is_skipped(self, oid: int) -> bool:
-        etag = self._objects[oid].etag
-        if oid not in self._listed or oid in self._in_flight or oid in self._failed_this_pass:
+        if not self._is_listed(oid) or oid in self._in_flight or oid in self._failed_this_pass:
             return True
-        if oid in self._dropped and self._dropped[oid] == etag:
-            return True
-        if oid in self._quarantined and self._quarantined[oid] == etag:
-            return True
-        if oid in self._segment_of:
+        if oid in self._dropped or oid in self._quarantined:
+            etag = self._etag(oid)
+            if oid in self._dropped and self._dropped[oid] == etag:
+                return True
+            if oid in self._quarantined and self._quarantined[oid] == etag:
+                return True
+        if self._segment_of.data[oid] >= 0:
             self.counters.skipped_cached_total += 1
             return True
         return False
+
+    def _pop_queue(self) -> int | None:
+        while self._queue:
+            head = self._queue[0]
+            if self._head < len(head):
+                oid = int(head[self._head])
+                self._head += 1
+                return oid
+            self._queue.popleft()
+            self._head = 0
+        return None
 
     def next(self, n: int) -> list[tuple[int, RemoteObject]]:
         """Draw up to ``n`` objects and mark them in flight (maybe none: nothing to do right now)."""
         out: list[tuple[int, RemoteObject]] = []
         while len(out) < n:
             if self._front:
-                oid = self._front.popleft()
-            elif self._queue:
-                oid = self._queue.popleft()
-            elif self._start_next_pass():
-                continue
+                oid: int | None = self._front.popleft()
             else:
-                break
+                oid = self._pop_queue()
+                if oid is None:
+                    if self._start_next_pass():
+                        continue
+                    break
+            assert oid is not None
             if self._is_skipped(oid):
                 continue
-            self._in_flight[oid] = self._objects[oid].etag
+            obj = self.table.get(oid)
+            self._in_flight[oid] = obj.etag
             self._drawn_this_pass += 1
             self.counters.drawn_total += 1
-            out.append((oid, self._objects[oid]))
+            out.append((oid, obj))
         return out
 
     def _start_next_pass(self) -> bool:
-        if self._in_flight or not self._listed:
+        if self._in_flight or not self._owned:
             return False  # a pass ends when its last object is resolved
         now: float = self._now()
         is_productive = self._drawn_this_pass > 0 and self._done_this_pass > 0
@@ -220,8 +305,12 @@ class SamplingPlan:
         self._is_changed = self._is_waiting = False
         self._failed_this_pass.clear()
         self._drawn_this_pass = self._done_this_pass = 0
-        order = sorted(self._listed, key=lambda i: pass_order_key(self._objects[i].path, self.seed, self._pass))
-        self._queue = deque(order)
+        hashes, oids = self.table.hashes_and_oids()
+        listed = self._seen.data[oids] >= self._complete
+        hashes, oids = hashes[listed], oids[listed]
+        order = np.argsort(order_keys(hashes, _pass_seed(self.seed, self._pass)), kind="stable")
+        self._queue = deque([oids[order]])
+        self._head = 0
         return True
 
     # -- outcomes -------------------------------------------------------------------------------------------
@@ -237,9 +326,9 @@ class SamplingPlan:
     def _resolve(self, oid: int) -> bool:
         """Take ``oid`` out of flight; False if the listing moved to another version meanwhile (queued again)."""
         drawn = self._in_flight.pop(oid, None)
-        if drawn == self._objects[oid].etag:
+        if drawn == self._etag(oid):
             return True
-        self._queue.append(oid)  # the new version, in this pass
+        self._queue.append(np.array([oid], dtype=np.uint32))  # the new version, in this pass
         self._is_changed = True
         return False
 
@@ -252,16 +341,16 @@ class SamplingPlan:
             if oid not in self._in_flight or self._resolve(oid):
                 current.append(oid)
         if seq is not None and current:
-            for oid in current:
-                self._segment_of[oid] = seq
-            self._objects_in.setdefault(seq, []).extend(current)
+            held = np.array(current, dtype=np.uint32)
+            self._segment_of.data[held] = seq
+            self._objects_in.setdefault(seq, []).append(held)
 
     def failed(self, oid: int, kind: str) -> None:
         """An object could not be cached; see the module docstring for what each ``kind`` implies."""
         self.counters.failed_total += 1
         if oid in self._in_flight and not self._resolve(oid):
             return  # the failure concerned an old version; the new one is queued
-        etag = self._objects[oid].etag
+        etag = self._etag(oid)
         if kind in _DROP_KINDS or kind == "decode":
             self._reason[oid] = kind
         if kind in _DROP_KINDS:
@@ -284,13 +373,12 @@ class SamplingPlan:
                 self._adopted[path] = (version, seq)
 
     def _adopt_listed(self, oid: int) -> None:
-        obj = self._objects[oid]
-        adopted = self._adopted.pop(obj.path, None)
-        if adopted is None or adopted[0] != obj.etag:
+        adopted = self._adopted.pop(self.table.path(oid), None)
+        if adopted is None or adopted[0] != self._etag(oid):
             return
         seq = adopted[1]
-        self._segment_of[oid] = seq
-        self._objects_in.setdefault(seq, []).append(oid)
+        self._segment_of.data[oid] = seq
+        self._objects_in.setdefault(seq, []).append(np.array([oid], dtype=np.uint32))
 
     def evicted(self, seqs: Iterable[int]) -> None:
         """Segments left the cache: their objects may be drawn again."""
@@ -298,10 +386,14 @@ class SamplingPlan:
         if self._adopted:
             self._adopted = {path: entry for path, entry in self._adopted.items() if entry[1] not in gone}
         for seq in gone:
-            for oid in self._objects_in.pop(seq, ()):
-                if self._segment_of.get(oid) == seq:
-                    del self._segment_of[oid]
-                    self._is_changed = True
+            held = self._objects_in.pop(seq, None)
+            if not held:
+                continue
+            oids = np.concatenate(held)
+            oids = oids[self._segment_of.data[oids] == seq]
+            if len(oids):
+                self._segment_of.data[oids] = -1
+                self._is_changed = True
 
     def cached_segments(self) -> set[int]:
         """The segments the plan believes hold some object's last sample."""

@@ -162,6 +162,9 @@ class StatusReporter:
             objects_failed_total=self._inputs.counters.failed_total,
             objects_dropped=self._inputs.dropped,
             not_cached=self._inputs.not_cached,
+            list_requests_total=catalog.list_requests_total,
+            list_requests_per_hour=catalog.list_requests_per_hour,
+            refresh_interval_s=catalog.refresh_interval_s,
         )
 
     def _stuck_readers(self, snapshots: list[SnapshotInfo]) -> list[str]:

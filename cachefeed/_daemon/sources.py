@@ -51,6 +51,9 @@ class Input:
     samples_total: int = 0  # published samples of this source (ingest)
     bytes_total: int = 0  # published bytes of this source
     objects_done: int = 0  # objects whose samples were all published (or that had none)
+    catalog_revision: int = -1  # the plan's revision kept in the restart catalog
+    catalog_too_large: bool = False  # said once
+    is_joining: bool = False  # a page of the current listing added objects already (logged once per listing)
 
     @property
     def name(self) -> str:
@@ -89,7 +92,13 @@ class Inputs:
             if entry.catalog is not None:
                 continue
             try:
-                entry.catalog = Catalog(self.config.remote_for(entry.config), name=entry.name)
+                entry.catalog = Catalog(
+                    self.config.remote_for(entry.config),
+                    name=entry.name,
+                    rank=self.config.node.rank,
+                    count=self.config.node.count,
+                    label=self.config.sampler.label,
+                )
             except ConfigError as exc:
                 key = f"source[{entry.index}].url" if self.is_named else "remote.url"
                 reason = str(exc).removeprefix("remote.url = ")
@@ -244,6 +253,10 @@ class Inputs:
             sum(state.list_errors_total for state in states),
             failing[0].last_error if failing else "",
             bool(failing),
+            sum(state.list_requests_total for state in states),
+            sum(state.list_requests_per_hour for state in states),
+            max((state.refresh_interval_s for state in states), default=0.0),
+            max((state.last_listing_s for state in states), default=0.0),
         )
 
     def empty_listings(self) -> list[str]:

@@ -64,6 +64,9 @@ class RemoteTotals:
     objects_dropped: int = 0
     quarantined_samples_total: int = 0
     not_cached: Mapping[str, int] = field(default_factory=dict)
+    list_requests_total: int = 0
+    list_requests_per_hour: float = 0.0
+    refresh_interval_s: float = 0.0
 
 
 def build_status(
@@ -184,6 +187,9 @@ def build_status(
             "objects_listed": remote.objects_listed,
             "last_listed_at": remote.last_listed_at or None,
             "list_errors_total": remote.list_errors_total,
+            "list_requests_total": remote.list_requests_total,
+            "list_requests_per_hour": remote.list_requests_per_hour,
+            "refresh_interval_s": remote.refresh_interval_s,
             "passes_completed": remote.passes_completed,
             "requests_total": remote.requests_total,
             "retries_total": remote.retries_total,

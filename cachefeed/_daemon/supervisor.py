@@ -15,7 +15,8 @@ Lifecycle (what a test or systemd observes)::
 * ``degraded`` while a sampler is down (restarting), while listing fails, or while nearly every remote request
   of the last seconds failed; the reasons are listed in the status document.
 
-Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``).
+Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``) and
+the thread that writes a snapshot of the restart catalog (``catalog_file.py``).
 
 Why one long module: it is the daemon's one loop (the lifecycle above); each job it delegates has a module of its
 own: grants (``grants.py``), sources and plans (``sources.py``, ``plan.py``), samplers (``pool.py``), status
@@ -25,28 +26,41 @@ own: grants (``grants.py``), sources and plans (``sources.py``, ``plan.py``), sa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing.connection
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.store import CacheStore
 from cachefeed._codecs import get_decoder, get_preprocess
 from cachefeed._config import Config
+from cachefeed._daemon.catalog import ListingEnd
+from cachefeed._daemon.catalog_file import (
+    MAX_SHARE,
+    CatalogHeader,
+    TableSnapshot,
+    load_restart,
+    restart_header,
+    save_restart,
+)
 from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed._daemon.notify import SystemdNotifier
 from cachefeed._daemon.pool import SamplerHandle, SamplerPool, SamplerState
 from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Quarantined, Stats, Work, WorkItem
 from cachefeed._daemon.quarantine import QuarantineLog
 from cachefeed._daemon.reporter import StatusReporter
-from cachefeed._daemon.sources import Inputs
+from cachefeed._daemon.sources import Input, Inputs
 from cachefeed._daemon.wire import Message
 from cachefeed._errors import ConfigError
-from cachefeed._labels import ClassIndex
+from cachefeed._labels import ClassIndex, class_name
 from cachefeed._logs import get_logger
 from cachefeed._scrub import safe_url
 from cachefeed._status.metrics import MetricsExporter
@@ -93,6 +107,7 @@ class Supervisor:
         self.quarantine = QuarantineLog()  # the most recent objects and samples left out, for status
         self._next_handle = 0
         self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
+        self._saver: threading.Thread | None = None  # writes the restart catalog (catalog_file.py)
 
     # -- signals: handlers only set flags (and the wakeup fd wakes the loop) -----------------------------------
 
@@ -155,10 +170,11 @@ class Supervisor:
             for seq, sources in store.recovered_sources.items():
                 self.inputs.adopt(seq, tags.get(seq, 0), sources)  # what the cache holds is not fetched again
             store.recovered_sources.clear()
-            self.inputs.write_table(str(store.layout.sources_file), mode=config.cache.file_mode)
             if config.sampler.label:  # continues the index a previous run kept in the cache (_labels.py)
                 layout = CacheLayout(config.cache.dir)
                 self._classes = ClassIndex(layout.classes_file, config.sampler.label, file_mode=config.cache.file_mode)
+            self._restore_catalogs(store)
+            self.inputs.write_table(str(store.layout.sources_file), mode=config.cache.file_mode)
             try:
                 self._metrics = MetricsExporter(config.status)
                 self._pool = SamplerPool(
@@ -200,7 +216,8 @@ class Supervisor:
         while True:
             now = time.monotonic()
             timers = [next_status, next_upkeep] + ([next_watchdog] if watchdog_s else [])
-            self._poll(min(_MAX_WAIT_S, max(0.0, min(timers) - now)))
+            is_listing = any(catalog.pending() for catalog in self.inputs.catalogs())  # pages waiting: no nap
+            self._poll(0.0 if is_listing else min(_MAX_WAIT_S, max(0.0, min(timers) - now)))
             if self.should_exit and not self._is_draining:
                 self._begin_drain()
             if self._is_draining:
@@ -233,6 +250,8 @@ class Supervisor:
                 self._undo(handle)
         for catalog in self.inputs.catalogs():
             catalog.stop()
+        if self._saver is not None:
+            self._saver.join(timeout=10.0)  # atomic: a write cut short leaves the previous catalog
         if self._metrics is not None:
             self._metrics.close()
         if self._store is not None:
@@ -283,16 +302,82 @@ class Supervisor:
             for catalog in self.inputs.catalogs():
                 catalog.refresh_now()
         for entry in self.inputs.inputs:
-            listing = entry.catalog.take() if entry.catalog is not None else None
-            if listing is None:
-                continue
-            if self._classes is not None:  # before any of the listing's objects is handed out with a label
-                self._classes.update(obj.path for obj in listing)
-            added = entry.plan.update_catalog(listing)
-            if added:
-                of = f" of source {entry.name!r}" if self.inputs.is_named else ""
-                log.info("%d new objects%s join pass %d", added, of, entry.plan.pass_index)
+            for item in entry.catalog.take() if entry.catalog is not None else ():
+                if isinstance(item, ListingEnd):
+                    entry.is_joining = False
+                    entry.plan.end_listing(is_restored=item.is_restored)
+                    if item.is_restored:  # what the file holds already (0 objects: it failed, write it again)
+                        entry.catalog_revision = entry.plan.revision if item.objects else -1
+                    else:
+                        self._save_catalog(entry)
+                    continue
+                if self._classes is not None:  # before any of the page's objects is handed out with a label
+                    rule = self._classes.rule  # (a restart catalog's pages name no classes: from their paths)
+                    self._classes.add(item.classes or {class_name(path, rule) for path in item.paths})
+                added = entry.plan.update_page(item)
+                if added:  # said once per listing at info (benchmarks.ingest times pass 0 from it), then at debug
+                    of = f" of source {entry.name!r}" if self.inputs.is_named else ""
+                    level = logging.DEBUG if entry.is_joining else logging.INFO
+                    log.log(level, "%d new objects%s join pass %d", added, of, entry.plan.pass_index)
+                    entry.is_joining = True
         self._assign()
+
+    # -- the restart catalog (catalog_file.py) ------------------------------------------------------------------
+
+    def _restart_header(self, entry: Input) -> CatalogHeader:
+        node = self.config.node
+        return restart_header(entry.config.url, entry.config.pattern, node.rank, node.count)
+
+    def _restore_catalogs(self, store: CacheStore) -> None:
+        """Each source's restart catalog streams into the plan first, in the listing thread (``catalog.py``), so
+        the first objects are handed out after its first block; the remote is listed after it."""
+        for entry in self.inputs.inputs:
+            if entry.catalog is None:
+                continue
+            path = store.layout.catalog_file(entry.tag)
+            header = self._restart_header(entry)
+
+            def restore(on_page: Callable[[Any], None], path: Path = path, header: CatalogHeader = header) -> int:
+                restored = 0
+                for page in load_restart(path, header):
+                    restored += page.listed
+                    on_page(page)
+                return restored
+
+            entry.catalog.restore = restore
+
+    def _save_catalog(self, entry: Input) -> None:
+        """Keep the last complete listing's owned objects for the next start, if they changed: a snapshot of the
+        columns here (a memory copy), written in a thread (one at a time; a later listing saves what it missed)."""
+        plan = entry.plan
+        if plan.revision == entry.catalog_revision or (self._saver is not None and self._saver.is_alive()):
+            return
+        store = self._require_store()
+        path = store.layout.catalog_file(entry.tag)
+        limit = int(self.config.cache.max_bytes * MAX_SHARE)
+        snapshot, rows, owned = TableSnapshot.of(plan.table), plan.listed_oids(), plan.owned
+        header, mode = self._restart_header(entry), self.config.cache.file_mode
+        entry.catalog_revision = plan.revision
+
+        def save() -> None:
+            started = time.monotonic()
+            try:
+                kept = save_restart(path, snapshot, rows, header, mode=mode, max_bytes=limit)
+            except OSError as exc:
+                log.warning("cannot keep the restart catalog %s: %s", path, exc)
+                return
+            if kept:
+                log.info("kept the restart catalog (%d objects) in %.2fs", owned, time.monotonic() - started)
+            elif not entry.catalog_too_large:
+                entry.catalog_too_large = True
+                log.warning(
+                    "the catalog of %d objects would exceed %.0f%% of cache.max_bytes: not kept for restarts",
+                    owned,
+                    MAX_SHARE * 100,
+                )
+
+        self._saver = threading.Thread(target=save, name="restart catalog", daemon=True)
+        self._saver.start()
 
     def _assign(self) -> None:
         pool = self._require_pool()

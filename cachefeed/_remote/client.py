@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import time
+import re
 from typing import Any
 
 import fsspec
@@ -42,8 +42,10 @@ from cachefeed._config import RemoteConfig
 from cachefeed._errors import ConfigError, RemoteError, RemoteTransientError
 from cachefeed._logs import get_logger
 from cachefeed._remote.errors import translate_error
-from cachefeed._remote.integrity import check_local, check_md5, check_s3_response, version_of
+from cachefeed._remote.integrity import check_local, check_md5, check_s3_response
 from cachefeed._remote.limits import RetryBudget, backoff_delay, rate_bucket
+from cachefeed._remote.listing import OnPage, Pager, list_pages
+from cachefeed._remote.manifest import Manifest
 from cachefeed._remote.objects import RemoteObject, RemoteStats
 from cachefeed._remote.patterns import compile_pattern
 from cachefeed._scrub import Scrubber, safe_url, secrets_from_options
@@ -53,15 +55,6 @@ __all__ = ["Remote"]
 logger = get_logger(__name__)
 
 _S3_NO_RETRIES = {"total_max_attempts": 1, "mode": "standard"}  # NOTE [ One retry layer ]
-
-
-def _is_utf8(name: str) -> bool:
-    """False for a name holding lone surrogates (how Python decodes file name bytes that are not UTF-8)."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class Remote:
@@ -101,7 +94,7 @@ class Remote:
         self._is_local = any(c.__name__ == "LocalFileSystem" for c in self._fs_class.__mro__)
         self._options = self._fs_options(max_connections)
         root = self._fs_class._strip_protocol(config.url)
-        self._root = root.rstrip("/") or root
+        self._root: str = root.rstrip("/") or root
         self._protocol = get_protocol(config.url)
         self._where = safe_url(config.url)
         self._matcher = compile_pattern(config.pattern)
@@ -112,6 +105,7 @@ class Remote:
         self._async_fs: Any = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self._closing: asyncio.Task[None] | None = None
+        self._manifest: Manifest | None = None
 
     def __reduce__(self) -> Any:
         raise TypeError("a Remote is not picklable: create it inside the process that uses it")
@@ -151,48 +145,83 @@ class Remote:
 
     # -------------------------------------------------------------------------------------------------- listing
 
-    def list_objects(self) -> list[RemoteObject]:
-        """Every file under the URL whose path relative to it matches the pattern, sorted by path.
+    @property
+    def root(self) -> str:
+        """The URL's path without protocol (what listed paths start with)."""
+        return self._root
 
-        One listing request per page, no HEAD per object; sizes and versions come from the listing. Transient
-        failures are retried with the same backoff as fetches; the last error is raised as a ``RemoteError``.
-        """
+    @property
+    def where(self) -> str:
+        return self._where
+
+    @property
+    def is_s3(self) -> bool:
+        return self._is_s3
+
+    @property
+    def matcher(self) -> re.Pattern[str]:
+        return self._matcher
+
+    @property
+    def rng(self) -> random.Random:
+        return self._rng
+
+    def translate(self, exc: BaseException, path: str) -> RemoteError:
+        """``exc`` as a scrubbed ``RemoteError``, counted by kind."""
+        error = self._error(exc, path)
+        self._count(error)
+        return error
+
+    def list_pages(self, on_page: OnPage) -> int | None:
+        """Hand every object under the URL matching the pattern to ``on_page``, one LIST page at a time (see
+        ``listing.py``), or read from ``remote.manifest`` (``manifest.py``: no LIST at all); returns how many
+        were listed, or None when the manifest is unchanged since the last read. No HEAD per object: sizes and
+        versions come from the listing. Transient failures are retried per request; the last error is raised as
+        a ``RemoteError``."""
+        fs = self.listing_fs()
+        fs.invalidate_cache()  # a refresh must see new objects
+        self.stats.listings_total += 1
+        if self.config.manifest:
+            if self._manifest is None:
+                self._manifest = Manifest(self.config.manifest, self.listing_fs, lambda: Pager(self, on_page))
+            return self._manifest.read(on_page)
+        return list_pages(self, fs, on_page)
+
+    def read_small(self, path: str) -> bytes:
+        """The whole body of the object at ``path`` (no protocol) with one GET and nothing else (s3fs's
+        ``cat_file`` would HEAD first, and LIST when the object is missing). For small control objects; errors
+        are raised untranslated (the caller's ``Pager.request`` translates and retries them)."""
+        fs = self.listing_fs()
+        if not self._is_s3:
+            data: bytes = fs.cat_file(path)
+            return data
+        from fsspec.asyn import sync
+
+        async def get() -> bytes:
+            if getattr(fs, "_s3", None) is None:
+                await fs.set_session()
+            bucket, key, _ = fs.split_path(path)
+            client = await fs.get_s3(bucket)
+            kwargs = fs._get_s3_method_kwargs(client.get_object, Bucket=bucket, Key=key)
+            response = await client.get_object(**kwargs)
+            async with response["Body"] as stream:
+                body: bytes = await stream.read()
+            return body
+
+        result: bytes = sync(fs.loop, get)
+        return result
+
+    def listing_fs(self) -> Any:
+        """The synchronous filesystem this process lists and reads manifests through (made on first use)."""
         if self._sync_fs is None:
             self._sync_fs = self._make_fs()
-        fs = self._sync_fs
-        found: dict[str, dict[str, Any]] = {}
-        for attempt in range(self.config.max_attempts):
-            fs.invalidate_cache()  # a refresh must see new objects
-            self.stats.listings_total += 1
-            try:
-                found = fs.find(self._root, detail=True)
-                break
-            except Exception as exc:
-                error = self._error(exc, self._where)
-                self._count(error)
-                if not isinstance(error, RemoteTransientError) or attempt + 1 >= self.config.max_attempts:
-                    raise error from None
-                delay = backoff_delay(attempt, self.config.backoff_base_s, self.config.backoff_max_s, self._rng)
-                logger.warning("listing failed (%s); retrying in %.2fs", error, delay)
-                time.sleep(delay)
-        objects = []
-        unusable: list[str] = []
-        for name, info in found.items():
-            if info.get("type") != "file":
-                continue
-            if not _is_utf8(name):
-                unusable.append(ascii(name))  # a local file name of raw bytes: keys and messages need text
-                continue
-            relative = self.key_of(name) if name.startswith(self._root) else None
-            if relative is None or not self._matcher.match(relative):
-                continue
-            objects.append(RemoteObject(name, int(info.get("size") or 0), version_of(info)))
-        if unusable:
-            logger.warning(
-                "skipping %d objects whose names are not valid UTF-8 (rename them to cache them), e.g. %s",
-                len(unusable),
-                unusable[0],
-            )
+        return self._sync_fs
+
+    def list_objects(self) -> list[RemoteObject]:
+        """Every file under the URL whose path relative to it matches the pattern, sorted by path (all pages of
+        ``list_pages`` at once)."""
+        objects: list[RemoteObject] = []
+        self.list_pages(objects.extend)  # (a manifest unchanged since the last call lists nothing)
         objects.sort(key=lambda obj: obj.path)
         return objects
 
@@ -225,7 +254,7 @@ class Remote:
             if self._requests is not None:
                 self.stats.throttled_s += await self._requests.acquire(1)
             if self._bytes is not None:
-                self.stats.throttled_s += await self._bytes.acquire(obj.size)
+                self.stats.throttled_s += await self._bytes.acquire(max(obj.size, 0))
             self.stats.requests_total += 1
             try:
                 body = await self._fetch_once(obj)
@@ -251,7 +280,7 @@ class Remote:
             body = await (await self._get_async_fs())._cat_file(obj.path)
         else:
             body = await asyncio.to_thread(self._read_sync, obj)
-        if len(body) != obj.size:
+        if obj.size >= 0 and len(body) != obj.size:  # -1: a manifest that gives no size
             raise RemoteTransientError(f"short body for {obj.path}: {len(body)} of {obj.size} bytes")
         return bytes(body)
 

@@ -51,7 +51,7 @@ def check_s3_response(obj: RemoteObject, response: Mapping[str, Any]) -> None:
     length = response.get("ContentLength")
     if obj.etag and etag and _strip_quotes(etag) != _strip_quotes(obj.etag):
         raise RemoteChangedError(f"object changed since it was listed for {obj.path}: ETag differs")
-    if length is not None and int(length) != obj.size:
+    if length is not None and obj.size >= 0 and int(length) != obj.size:
         raise RemoteChangedError(
             f"object changed since it was listed for {obj.path}: {length} bytes, listed {obj.size}"
         )

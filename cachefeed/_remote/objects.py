@@ -10,7 +10,8 @@ __all__ = ["RemoteObject", "RemoteStats"]
 
 @dataclass(frozen=True, slots=True)
 class RemoteObject:
-    """One listed object. ``path`` is the fsspec path without protocol; ``etag`` pins the version read."""
+    """One listed object. ``path`` is the fsspec path without protocol; ``etag`` pins the version read; ``size``
+    is -1 where a manifest gave none (the body's length is then not checked)."""
 
     path: str
     size: int
@@ -25,6 +26,7 @@ class RemoteStats:
     retries_total: int = 0
     bytes_total: int = 0
     listings_total: int = 0
+    list_requests_total: int = 0  # LIST requests (pages) sent, retries included
     budget_exhausted_total: int = 0
     throttled_s: float = 0.0
     errors_total: dict[str, int] = field(default_factory=dict)
@@ -35,6 +37,7 @@ class RemoteStats:
             "retries_total": self.retries_total,
             "bytes_total": self.bytes_total,
             "listings_total": self.listings_total,
+            "list_requests_total": self.list_requests_total,
             "budget_exhausted_total": self.budget_exhausted_total,
             "throttled_s": self.throttled_s,
             "errors_total": dict(self.errors_total),

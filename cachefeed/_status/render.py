@@ -198,6 +198,12 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
         f"{_count(remote['objects_listed'])} objects, {when}, {_count(remote['passes_completed'])} passes done, "
         f"{_count(remote['list_errors_total'])} failed",
     )
+    if "list_requests_total" in remote:
+        out.add(
+            "LIST",
+            f"{_count(remote['list_requests_total'])} requests, {remote['list_requests_per_hour']:.0f} per hour "
+            f"(refresh every {format_duration(remote['refresh_interval_s'])})",
+        )
     out.add(
         "requests",
         f"{_count(remote['requests_total'])} requests, {_count(remote['retries_total'])} retries, "

@@ -75,6 +75,7 @@ class Scalar:
 
     shape: Any
     metric: Metric
+    is_omittable: bool = False  # as ``Omittable``: documents from before it was added lack it
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +183,29 @@ STATUS_SCHEMA: dict[str, Any] = {
             "When the remote was last listed (absent before the first listing).",
         ),
         "list_errors_total": _counter("cachefeed_remote_list_errors", "Failed listings."),
+        "list_requests_total": Scalar(
+            NUM,
+            Metric(
+                "cachefeed_remote_list_requests",
+                "counter",
+                "LIST requests this node sent (0 with a manifest or shared catalog).",
+            ),
+            is_omittable=True,
+        ),
+        "list_requests_per_hour": Scalar(
+            NUM,
+            Metric(
+                "cachefeed_remote_list_requests_per_hour",
+                "gauge",
+                "LIST requests per hour at the current refresh interval (the last listing's, steady state).",
+            ),
+            is_omittable=True,
+        ),
+        "refresh_interval_s": Scalar(
+            NUM,
+            Metric("cachefeed_remote_refresh_interval_seconds", "gauge", "The refresh interval in force (adapted)."),
+            is_omittable=True,
+        ),
         "passes_completed": _counter("cachefeed_remote_passes_completed", "Passes over the catalog."),
         "requests_total": _counter("cachefeed_remote_requests", "Requests sent to the remote."),
         "retries_total": _counter("cachefeed_remote_retries", "Requests that were retries."),
@@ -278,7 +302,7 @@ def shape_error(value: object, spec: object, where: str = "") -> str | None:
             return None
         for key, item_spec in spec.items():
             if key not in value:
-                if isinstance(item_spec, Omittable):
+                if isinstance(item_spec, Omittable) or (isinstance(item_spec, Scalar) and item_spec.is_omittable):
                     continue
                 return f"{where}.{key} is missing".lstrip(".")
             if problem := shape_error(value[key], item_spec, f"{where}.{key}".lstrip(".")):

@@ -175,7 +175,7 @@ def test_a_new_version_listed_while_the_old_one_is_in_flight_is_fetched_again() 
     assert [(obj.path, obj.etag) for _, obj in again] == [("b/k0001", "v2")]
     plan.done([again[0][0]], 8)
     plan.evicted([7])  # the old version's segment goes: the new version is still cached in 8
-    assert [obj.path for _, obj in plan.next(10)] == ["b/k0000", "b/k0002"]
+    assert sorted(obj.path for _, obj in plan.next(10)) == ["b/k0000", "b/k0002"]
 
 
 def test_a_failure_of_an_old_version_does_not_hold_back_the_new_one() -> None:

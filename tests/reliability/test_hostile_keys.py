@@ -255,7 +255,10 @@ def run_and_check(proc: DaemonProcess, expected: set[str], scenario: str, **figu
     foreign = [
         path
         for path in tree_listing(proc.cache_dir)
-        if not re.fullmatch(r"CACHEDIR\.TAG|lock|status\.json|segments|tmp|snapshots|segments/[0-9a-f]{16}\.seg", path)
+        if not re.fullmatch(
+            r"CACHEDIR\.TAG|lock|status\.json|catalog-[0-9a-f]{8}\.cfcat|segments|tmp|snapshots|segments/[0-9a-f]{16}\.seg",
+            path,
+        )
     ]
     served = {key: found.keys.count(key) for key in expected}
     report(

@@ -1,0 +1,242 @@
+"""The catalog at scale: memory per object, time to the first fetch, LIST requests per node per hour, restarts.
+
+    python -m benchmarks.catalog [--sizes 100000 1000000 10000000] [--nodes 1 100 1000]
+
+A synthetic dataset (``--sizes`` keys of about 60 bytes, ``<root>/class-NNNNN/<name>.jpg``, 1,000 per directory)
+is served by an in-process fsspec filesystem (``SyntheticFS``) that answers one ``ls`` per directory: one LIST
+request of 1,000 keys, counted. Each size runs in a fresh process, through the daemon's own listing code
+(``Catalog``: the paged listing, folding in the listing thread) and plan (``SamplingPlan``), driven as the
+supervisor drives them (pages taken as they come, ``update_page``, ``end_listing``), and reports:
+
+* ``rss_per_object``: the process's peak RSS over its RSS before listing, per listed object (node 0 of 1), and
+  ``plan_bytes_per_object``: what the plan's columns hold (``SamplingPlan.nbytes``), per owned object;
+* ``first_fetch_s``: from the start of the listing to the first object the plan hands out (the supervisor sends
+  it to a sampler at once), and ``listing_s``: to the end of the listing;
+* ``restart_first_fetch_s``: from reading the restart catalog (``catalog_file``, written after the listing) to
+  the first object handed out: what a restarted daemon waits;
+* per node count in ``--nodes``: the RSS per node owning ``1/count`` (measured for 100 nodes, the largest size
+  that ran), and LIST requests per node per hour: each node lists everything every refresh interval (the default
+  5 minutes, never under 10 times the listing's duration, as ``Catalog`` does), or none with a manifest or a
+  shared catalog (one listing per interval for the whole job, by the lister). Nodes beyond the one measured are
+  simulated by that same arithmetic (every node's listing costs the same requests).
+
+What it does not measure: the samplers' downloads (the first fetch is the plan handing out its first object), and
+a real S3 server's listing speed (the synthetic filesystem answers at memory speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import fsspec
+from fsspec.spec import AbstractFileSystem
+
+from benchmarks.common.results import provenance_line, save
+
+PER_DIR = 1000
+DEFAULT_REFRESH_S = 300.0
+COST_FACTOR = 10.0
+
+
+class SyntheticFS(AbstractFileSystem):
+    """``synthetic://<n>``: n keys, 1,000 per directory, generated on demand; every ``ls`` is counted."""
+
+    protocol = "synthetic"
+    root_marker = ""
+    requests: ClassVar[int] = 0
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        SyntheticFS.requests += 1
+        path = self._strip_protocol(path).strip("/")
+        parts = path.split("/")
+        total = int(parts[0])
+        if len(parts) == 1:
+            dirs = math.ceil(total / PER_DIR)
+            return [{"name": f"{total}/class-{d:05d}", "type": "directory", "size": 0} for d in range(dirs)]
+        d = int(parts[1].removeprefix("class-"))
+        start, stop = d * PER_DIR, min(total, (d + 1) * PER_DIR)
+        return [
+            {
+                "name": f"{path}/n{i:09d}_{i * 2654435761 % 1000003:07d}.jpg",
+                "type": "file",
+                "size": 1000 + i % 50000,
+                "ETag": f'"{i:032x}"',
+            }
+            for i in range(start, stop)
+        ]
+
+
+fsspec.register_implementation("synthetic", SyntheticFS, clobber=True)
+
+
+def _rss_mb(field: str = "VmRSS") -> float:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
+    """One size in this process (see the module docstring)."""
+    from cachefeed._config import RemoteConfig
+    from cachefeed._daemon.catalog import Catalog, ListingEnd
+    from cachefeed._daemon.catalog_file import load_restart, restart_header, save_restart
+    from cachefeed._daemon.plan import SamplingPlan
+
+    url = f"synthetic://{size}"
+    base = _rss_mb()
+    _reset_peak()
+    catalog = Catalog(RemoteConfig(url=url, refresh_interval_s=DEFAULT_REFRESH_S), rank=rank, count=count)
+    plan = SamplingPlan(rank=rank, count=count)
+    started = time.perf_counter()
+    catalog.start()
+    first_fetch = None
+    end: ListingEnd | None = None
+    while end is None:
+        items = catalog.take(64)
+        if not items:
+            time.sleep(0.001)
+        for item in items:
+            if isinstance(item, ListingEnd):
+                plan.end_listing()
+                end = item
+            else:
+                plan.update_page(item)
+        if first_fetch is None and plan.next(1):
+            first_fetch = time.perf_counter() - started
+    listing_s = time.perf_counter() - started
+    plan.next(1)  # the pass is laid out
+    peak = _rss_mb("VmHWM")
+    state = catalog.state()
+    catalog.stop()
+    list_requests = SyntheticFS.requests
+    figures: dict[str, Any] = {
+        "objects": size,
+        "owned": plan.owned,
+        "rank": rank,
+        "count": count,
+        "listing_s": round(listing_s, 3),
+        "first_fetch_s": round(first_fetch or listing_s, 3),
+        "list_requests": list_requests,
+        "refresh_interval_s": state.refresh_interval_s,
+        "rss_mb": round(peak - base, 1),
+        "rss_per_object": round((peak - base) * 2**20 / size, 1),
+        "plan_bytes_per_owned": round((plan.nbytes - plan.table.key_bytes) / max(plan.owned, 1), 1),
+        "key_bytes_per_owned": round(plan.table.key_bytes / max(plan.owned, 1), 1),
+    }
+    path = work / "catalog.cfcat"
+    header = restart_header(url, "**", rank, count)
+    save_restart(path, plan.table, plan.listed_oids(), header, mode=0o600, max_bytes=1 << 40)
+    figures["restart_file_mb"] = round(path.stat().st_size / 2**20, 1)
+    del plan
+    started = time.perf_counter()
+    restarted = SamplingPlan(rank=rank, count=count)
+    restart_first = None
+    for page in load_restart(path, header):  # as the listing thread streams it to the supervisor
+        restarted.update_page(page)
+        if restart_first is None and restarted.next(1):
+            restart_first = time.perf_counter() - started
+    restarted.end_listing(is_restored=True)
+    figures["restart_first_fetch_s"] = round(restart_first or 0.0, 3)
+    figures["restart_whole_s"] = round(time.perf_counter() - started, 3)
+    return figures
+
+
+def run_one(size: int, rank: int, count: int) -> dict[str, Any]:
+    """``measure_one`` in a fresh process (clean RSS)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.catalog", "--one", str(size), str(rank), str(count)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=3600,
+    )
+    figures: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def per_hour(requests: int, listing_s: float) -> float:
+    """LIST requests per hour of one node listing every refresh interval (``Catalog``'s rule)."""
+    return requests * 3600.0 / max(DEFAULT_REFRESH_S, COST_FACTOR * listing_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 1000])
+    parser.add_argument("--one", type=int, nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    if args.one:
+        with tempfile.TemporaryDirectory() as work:
+            print(json.dumps(measure_one(*args.one, Path(work))))
+        return
+    rows = []
+    for size in args.sizes:
+        one = run_one(size, 0, 1)
+        print(json.dumps(one), flush=True)
+        share = run_one(size, 0, 100)
+        print(json.dumps(share), flush=True)
+        nodes = {}
+        for count in args.nodes:
+            listing = per_hour(one["list_requests"], one["listing_s"])
+            lister = per_hour(one["list_requests"], one["listing_s"])  # the one lister of a shared catalog
+            nodes[str(count)] = {
+                "list_per_node_per_hour": round(listing, 1),
+                "list_job_per_hour": round(listing * count, 1),
+                "shared_list_per_node_per_hour": round(lister / count, 3),
+                "shared_list_job_per_hour": round(lister, 1),
+            }
+        rows.append({"size": size, "one_node": one, "node_of_100": share, "nodes": nodes})
+    figures = {"per_dir": PER_DIR, "refresh_s": DEFAULT_REFRESH_S, "rows": rows}
+    if not args.no_save:
+        print(save("catalog", figures, work_dir=Path(os.getcwd())))
+    print(readme_table({"figures": figures, "command": "", "provenance": None}) if args.no_save else "")
+
+
+def readme_table(doc: dict[str, Any]) -> str:
+    """The README's catalog table, from a committed result document."""
+    figures = doc["figures"]
+    lines = [
+        "| objects listed | RSS per object (1 node) | plan bytes per owned object | RSS per node of 100 | "
+        "first fetch | whole listing | restart to first fetch | LIST requests per hour, whole job, every node "
+        "listing | the same with a shared catalog |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in figures["rows"]:
+        one, share, nodes = row["one_node"], row["node_of_100"], row["nodes"]
+        node_counts = sorted(nodes, key=int)
+        per_node = ", ".join(
+            f"{nodes[c]['list_job_per_hour']:,.0f} ({int(c):,} node{'s' if int(c) > 1 else ''})" for c in node_counts
+        )
+        shared = ", ".join(f"{nodes[c]['shared_list_job_per_hour']:,.0f} ({int(c):,})" for c in node_counts)
+        lines.append(
+            f"| {row['size']:,} | {one['rss_per_object']:.0f} B | {one['plan_bytes_per_owned']:.0f} B "
+            f"+ {one['key_bytes_per_owned']:.0f} B key | {share['rss_mb']:.0f} MB | {one['first_fetch_s']:.2f} s "
+            f"| {one['listing_s']:.1f} s | {one['restart_first_fetch_s']:.2f} s | {per_node} | {shared} |"
+        )
+    if doc.get("provenance"):
+        lines += ["", "Measured with " + provenance_line(doc) + "."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

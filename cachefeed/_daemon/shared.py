@@ -1,0 +1,150 @@
+"""The shared catalog: one lister publishes catalog generations to the object store; every node reads the newest.
+
+``cachefeed catalog build URL [--out DIR]`` (``publish``) lists the remote once and writes a catalog file
+(``catalog_file.py``, every object, node 0 of 1) as a new generation under ``DIR`` (default ``<URL>.cfcatalog``,
+next to the data). Daemons with ``remote.catalog = DIR`` (``SharedCatalog``) read the newest generation instead
+of listing, keeping the objects their node owns. The object store is the only coordination point: no service,
+no node-to-node traffic, and **no LIST request from any reader**: across a job, LIST requests per refresh are
+one listing's (the publisher's), whatever the node count.
+
+Layout of ``DIR``::
+
+    gen-<UTC time>-<random>.cfcat   one generation each (written whole, then named in LATEST)
+    LATEST                          text: the newest generation's name first, then up to KEEP - 1 older ones
+
+Protocol (who writes what, and what a crash leaves):
+
+1. The publisher writes a new generation object under a fresh name. A crash here leaves an unnamed object that
+   no reader opens (it is not in LATEST).
+2. It replaces ``LATEST`` (one PUT: readers see the old text or the new one), naming the new generation first.
+3. It deletes the generations LATEST no longer names (the KEEP newest stay, so a reader that read LATEST just
+   before step 2 can still open the generation it found there). A crash here leaves extra objects, harmless.
+
+The catalog holds what the build's ``--pattern`` selected; a reader whose ``remote.pattern`` is not the default
+``"**"`` must name the same pattern (else the refresh fails with a message saying so).
+
+A reader GETs ``LATEST`` on every refresh (one small request); when it names the generation already read, that
+is all (the listing in force stays). Otherwise it streams the generation block by block; a damaged or truncated
+generation is an error (the listing in force stays, and the refresh is retried).
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cachefeed._daemon.catalog_file import CatalogFileError, CatalogHeader, CatalogWriter, read_pages
+from cachefeed._daemon.columns import FoldedPage
+from cachefeed._errors import ConfigError
+from cachefeed._logs import get_logger
+from cachefeed._remote import Remote, RemoteObject
+from cachefeed._remote.listing import Pager
+
+__all__ = ["KEEP", "SharedCatalog", "default_out", "publish"]
+
+log = get_logger(__name__)
+
+KEEP = 3
+LATEST = "LATEST"
+
+
+def default_out(url: str) -> str:
+    """Where ``catalog build`` writes by default: next to the data, ``<url>.cfcatalog``."""
+    stripped = url.rstrip("/")
+    _, _, path = stripped.partition("://")
+    if not path or "/" not in path:
+        raise ConfigError(f"{url}: the data is a whole bucket: name where the catalog goes with --out")
+    return f"{stripped}.cfcatalog"
+
+
+def _generations(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("gen-")]
+
+
+def publish(remote: Remote, out: str, *, on_progress: Callable[[int], None] | None = None) -> tuple[str, int]:
+    """List ``remote`` once and publish the listing as a new generation under ``out``; returns the generation's
+    name and the objects it holds. See the module docstring for the protocol."""
+    fs = remote.listing_fs()
+    root = fs._strip_protocol(out).rstrip("/")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    name = f"gen-{stamp}-{secrets.token_hex(4)}.cfcat"
+    header = CatalogHeader(remote.root, remote.config.pattern, 0, 1, name)
+    if not remote.is_s3:  # object stores have no directories to make (and s3fs would probe the bucket)
+        fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root}/{name}", "wb") as handle:
+        writer = CatalogWriter(handle, header)
+
+        def on_page(objects: list[RemoteObject]) -> None:
+            writer.write_objects(objects)
+            if on_progress is not None:
+                on_progress(writer.objects)
+
+        remote.list_pages(on_page)
+        writer.close()
+    try:
+        previous = _generations(remote.read_small(f"{root}/{LATEST}").decode())
+    except Exception as exc:
+        error = remote.translate(exc, out)
+        if error.kind != "not_found":
+            raise error from None
+        previous = []  # the first generation
+    kept = [name, *[g for g in previous if g != name]][:KEEP]
+    fs.pipe_file(f"{root}/{LATEST}", ("\n".join(kept) + "\n").encode())
+    for old in previous:
+        if old not in kept:
+            try:
+                fs.rm_file(f"{root}/{old}")
+            except FileNotFoundError:
+                pass
+    return name, writer.objects
+
+
+class SharedCatalog:
+    """A ``ListingSource`` (``catalog.py``) reading the newest generation under ``url`` for node ``rank`` of
+    ``count``; returns None when LATEST names the generation already read."""
+
+    def __init__(self, remote: Remote, url: str, *, rank: int, count: int, label: str = "") -> None:
+        self._remote = remote
+        self.url = url
+        self._rank, self._count, self._label = rank, count, label
+        self._last = ""
+
+    def __call__(self, on_page: Callable[[Any], None]) -> int | None:
+        fs = self._remote.listing_fs()
+        root = fs._strip_protocol(self.url).rstrip("/")
+        pager = Pager(self._remote, on_page)
+        fs.invalidate_cache()
+        latest = _generations(
+            pager.request(lambda: self._remote.read_small(f"{root}/{LATEST}"), is_list=False).decode()
+        )
+        if not latest:
+            raise CatalogFileError(f"{self.url}/{LATEST} names no generation: run cachefeed catalog build first")
+        name = latest[0]
+        if name == self._last:
+            return None
+        started = time.monotonic()
+        listed = 0
+        with pager.request(lambda: fs.open(f"{root}/{name}", "rb", block_size=8 << 20), is_list=False) as handle:
+            pages = read_pages(handle.read, self._rank, self._count, label=self._label)
+            header = next(pages)
+            if isinstance(header, CatalogHeader) and header.url.rstrip("/") != self._remote.root.rstrip("/"):
+                raise CatalogFileError(
+                    f"the catalog {self.url} lists {header.url}, not remote.url ({self._remote.where}): "
+                    "point remote.catalog at the catalog built for this URL"
+                )
+            pattern = self._remote.config.pattern
+            if isinstance(header, CatalogHeader) and pattern not in ("**", header.pattern):
+                raise CatalogFileError(
+                    f"the catalog {self.url} was built with pattern {header.pattern!r}, remote.pattern is "
+                    f"{pattern!r}: build it with --pattern {pattern!r}, or leave remote.pattern at its default"
+                )
+            for page in pages:
+                if isinstance(page, FoldedPage):
+                    listed += page.listed
+                    on_page(page)
+        self._last = name
+        log.info("read catalog generation %s: %d objects in %.2fs", name, listed, time.monotonic() - started)
+        return listed

@@ -1,0 +1,167 @@
+"""Paged listing: the objects under a URL, handed out page by page as the store answers, each request counted.
+
+A page is one LIST request's worth of objects: on S3, one ``ListObjectsV2`` call (up to 1,000 keys, sent straight
+to the aiobotocore client, continuation token by token); elsewhere, one ``fs.ls`` of one directory (a depth-first
+walk in name order, so pages come in path order as on S3). Pages are given to ``on_page`` as they arrive, so the
+caller can plan from the first page while the rest is still being listed.
+
+Contract of ``list_pages(remote, fs, on_page)``:
+
+- Every request is counted in ``remote.stats.list_requests_total`` (retries included), before it is sent.
+- A transient failure of one request is retried with the fetches' backoff, up to ``max_attempts`` attempts for
+  that request; pages already handed out stay handed out (the caller folds pages idempotently). The last error is
+  raised as a ``RemoteError``.
+- Only files whose path relative to the URL matches ``remote.pattern`` are handed out; a URL that names one file
+  lists that file. Names that are not valid UTF-8 are skipped (one warning per listing).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from cachefeed._errors import RemoteTransientError
+from cachefeed._logs import get_logger
+from cachefeed._remote.integrity import version_of
+from cachefeed._remote.limits import backoff_delay
+from cachefeed._remote.objects import RemoteObject
+
+if TYPE_CHECKING:
+    from cachefeed._remote.client import Remote
+
+__all__ = ["OnPage", "Pager", "list_pages"]
+
+logger = get_logger(__name__)
+
+OnPage = Callable[[list[RemoteObject]], None]
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class Pager:
+    """Hands pages of one listing to ``on_page`` (pattern and root applied) and sends its requests."""
+
+    def __init__(self, remote: Remote, on_page: OnPage) -> None:
+        self.remote = remote
+        self.on_page = on_page
+        self.root = remote.root
+        self.unusable: list[str] = []
+        self.matches_all = remote.config.pattern == "**"
+        self.total = 0
+
+    def request(self, call: Callable[[], Any], *, is_list: bool = True) -> Any:
+        """One request (a LIST unless ``is_list`` is False: counted), retried on transient errors."""
+        config = self.remote.config
+        for attempt in range(config.max_attempts):
+            if is_list:
+                self.remote.stats.list_requests_total += 1
+            try:
+                return call()
+            except Exception as exc:
+                error = self.remote.translate(exc, self.remote.where)
+                if not isinstance(error, RemoteTransientError) or attempt + 1 >= config.max_attempts:
+                    raise error from None
+                delay = backoff_delay(attempt, config.backoff_base_s, config.backoff_max_s, self.remote.rng)
+                logger.warning("listing failed (%s); retrying in %.2fs", error, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def emit(self, entries: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+        objects = []
+        for name, info in entries:
+            if not _is_utf8(name):
+                self.unusable.append(ascii(name))  # a local file name of raw bytes: keys and messages need text
+                continue
+            if name == self.root:
+                relative = name.rsplit("/", 1)[-1]  # the URL names one file
+            elif name.startswith(self.root + "/") or not self.root:
+                relative = name[len(self.root) :].lstrip("/")
+            else:
+                continue
+            if not self.matches_all and not self.remote.matcher.match(relative):
+                continue
+            size = info.get("size", info.get("Size"))
+            objects.append(RemoteObject(name, int(size) if size is not None else 0, version_of(info)))
+        objects.sort(key=lambda obj: obj.path)
+        self.total += len(objects)
+        self.on_page(objects)
+
+
+def list_pages(remote: Remote, fs: Any, on_page: OnPage) -> int:
+    """List ``remote``'s URL through ``fs`` page by page (see the module docstring); returns the objects listed."""
+    pager = Pager(remote, on_page)
+    if remote.is_s3:
+        _s3_pages(pager, fs)
+    else:
+        _walk_pages(pager, fs)
+    if pager.unusable:
+        logger.warning(
+            "skipping %d objects whose names are not valid UTF-8 (rename them to cache them), e.g. %s",
+            len(pager.unusable),
+            pager.unusable[0],
+        )
+    return pager.total
+
+
+def _s3_pages(pager: Pager, fs: Any) -> None:
+    from fsspec.asyn import sync
+
+    bucket, prefix, _ = fs.split_path(pager.root)
+
+    async def one_page(token: str | None) -> dict[str, Any]:
+        if getattr(fs, "_s3", None) is None:
+            await fs.set_session()
+        client = await fs.get_s3(bucket)
+        extra = {"ContinuationToken": token} if token else {}
+        kwargs = fs._get_s3_method_kwargs(client.list_objects_v2, Bucket=bucket, Prefix=prefix, **extra)
+        page: dict[str, Any] = await client.list_objects_v2(**kwargs)
+        return page
+
+    token: str | None = None
+    while True:
+        page: dict[str, Any] = pager.request(functools.partial(sync, fs.loop, one_page, token))
+        pager.emit([(f"{bucket}/{item['Key']}", item) for item in page.get("Contents", ())])
+        if not page.get("IsTruncated"):
+            return
+        token = page.get("NextContinuationToken")
+        if not token:
+            return
+
+
+def _ls(fs: Any, directory: str, *, is_root: bool) -> list[dict[str, Any]]:
+    try:
+        entries: list[dict[str, Any]] = fs.ls(directory, detail=True)
+    except FileNotFoundError:
+        if is_root:
+            return []  # nothing under the URL: an empty listing (the daemon says which keys to check)
+        raise
+    return entries
+
+
+def _walk_pages(pager: Pager, fs: Any) -> None:
+    """Depth-first in name order: one ``ls`` (one page) per directory."""
+    stack = [pager.root]
+    first = True
+    while stack:
+        directory = stack.pop()
+        entries: list[dict[str, Any]] = pager.request(functools.partial(_ls, fs, directory, is_root=first))
+        first = False
+        files = []
+        subdirs = []
+        for info in entries:
+            name = str(info["name"]).rstrip("/")
+            if info.get("type") == "directory":
+                if name != directory:
+                    subdirs.append(name)
+            elif info.get("type") == "file":
+                files.append((name, info))
+        pager.emit(files)
+        stack.extend(sorted(subdirs, reverse=True))

@@ -1,0 +1,131 @@
+"""The compact catalog: memory per object, exact versions, the index, and listings folded in page by page."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachefeed._daemon.columns import ObjectTable, fold_page
+from cachefeed._daemon.plan import SamplingPlan
+from cachefeed._remote import RemoteObject
+
+
+def listing(n: int, start: int = 0, *, version: str = "v") -> list[RemoteObject]:
+    return [
+        RemoteObject(f"bucket/train/class-{i % 100:03d}/{i:09d}.jpg", 1000 + i, f'"{i:031x}{version[0]}"')
+        for i in range(start, start + n)
+    ]
+
+
+def paths_of(drawn: list[tuple[int, RemoteObject]]) -> list[str]:
+    return [obj.path for _, obj in drawn]
+
+
+def test_a_settled_catalog_costs_at_most_64_bytes_per_owned_object_beyond_its_keys() -> None:
+    objects = listing(200_000, version="a")
+    plan = SamplingPlan(seed=1)
+    for page in range(0, len(objects), 1000):
+        plan.update_page(plan.fold(objects[page : page + 1000]))
+    plan.end_listing()
+    plan.next(1)  # a pass started: its queue is counted too
+    assert plan.owned == 200_000
+    beyond_keys = plan.nbytes - plan.table.key_bytes
+    assert beyond_keys / plan.owned <= 64
+
+
+def test_objects_other_nodes_own_cost_nothing() -> None:
+    objects = listing(100_000, version="a")
+    plan = SamplingPlan(rank=3, count=10)
+    plan.update_catalog(objects)
+    plan.next(1)
+    assert 9_000 < plan.owned < 11_000
+    assert (plan.nbytes - plan.table.key_bytes) / plan.owned <= 64  # nothing kept for the other 90%
+    assert plan.table.key_bytes < sum(len(o.path) for o in objects) / 5
+
+
+def test_every_kind_of_version_reads_back_exactly() -> None:
+    versions = [
+        '"0123456789abcdef0123456789abcdef"',  # S3, quoted MD5
+        "0123456789abcdef0123456789abcdef",  # bare (S3 Inventory)
+        '"0123456789ABCDEF0123456789ABCDEF"',  # upper case: kept as a string
+        '"0123456789abcdef0123456789abcdef-12"',  # multipart
+        "1700000000123456789-4096",  # a local file's mtime_ns and size
+        "-5-7",
+        "007-1",  # not canonical: kept as a string
+        "1712345678901234",  # a GCS generation
+        None,
+    ]
+    objects = [RemoteObject(f"b/k{i}", i, v) for i, v in enumerate(versions)]
+    table = ObjectTable()
+    page = fold_page(objects, 0, 1)
+    table.add(page, np.arange(len(objects)))
+    assert [table.get(i) for i in range(len(objects))] == objects
+    changed = [RemoteObject(o.path, o.size, "x") for o in objects]
+    other = fold_page(changed, 0, 1)
+    oids = table.lookup(other.paths, other.hashes)
+    assert table.changed(oids, other, np.arange(len(objects))).all()
+    assert not table.changed(oids, page, np.arange(len(objects))).any()
+
+
+def test_paths_whose_hashes_collide_keep_their_own_rows() -> None:
+    table = ObjectTable()
+    page = fold_page([RemoteObject("b/one", 1, None), RemoteObject("b/two", 2, None)], 0, 1)
+    page.hashes[:] = 42  # force a collision
+    table.add(page, np.arange(2))
+    assert table.lookup(page.paths, page.hashes).tolist() == [0, 1]
+    third = fold_page([RemoteObject("b/three", 3, None)], 0, 1)
+    third.hashes[:] = 42
+    assert table.lookup(third.paths, third.hashes).tolist() == [-1]
+    table.add(third, np.arange(1))
+    assert table.lookup(third.paths, third.hashes).tolist() == [2]
+    assert table.get(2) == RemoteObject("b/three", 3, None)
+    assert sorted(table.hashes_and_oids()[1].tolist()) == [0, 1, 2]  # every row takes part in passes
+
+
+def test_the_first_page_is_drawn_before_the_listing_ends() -> None:
+    plan = SamplingPlan(seed=3)
+    plan.update_page(plan.fold(listing(1000)))
+    first = plan.next(10)
+    assert len(first) == 10
+
+
+def test_a_pass_over_a_catalog_listed_page_by_page_is_without_replacement() -> None:
+    objects = listing(5000)
+    plan = SamplingPlan(seed=4)
+    drawn: list[str] = []
+    for page in range(0, len(objects), 1000):
+        plan.update_page(plan.fold(objects[page : page + 1000]))
+        batch = plan.next(700)  # draws run ahead of the listing, then fall behind it
+        plan.done([oid for oid, _ in batch], 1)
+        drawn += paths_of(batch)
+    plan.end_listing()
+    while batch := plan.next(1000):
+        plan.done([oid for oid, _ in batch], 1)
+        drawn += paths_of(batch)
+    assert sorted(drawn) == sorted(o.path for o in objects)  # each object once
+    # the next listing shows the same objects again: they are cached, nothing is drawn twice
+    for page in range(0, len(objects), 1000):
+        plan.update_page(plan.fold(objects[page : page + 1000]))
+    plan.end_listing()
+    assert plan.next(1000) == []
+
+
+def test_objects_vanish_only_when_a_listing_completes() -> None:
+    objects = listing(3000)
+    plan = SamplingPlan()
+    plan.update_catalog(objects)
+    plan.update_page(plan.fold(objects[:1000]))  # a refresh, still listing: the rest is still drawable
+    assert plan.owned == 3000
+    assert len(plan.next(5000)) == 3000
+    plan.end_listing()
+    assert plan.owned == 1000
+
+
+def test_a_failed_listing_drops_nothing() -> None:
+    objects = listing(2000)
+    plan = SamplingPlan()
+    plan.update_catalog(objects)
+    plan.update_page(plan.fold(objects[:500]))  # the listing fails after one page: no end_listing
+    plan.update_page(plan.fold(objects[:1000]))  # the retry lists further, then completes
+    plan.update_page(plan.fold(objects[1000:]))
+    plan.end_listing()
+    assert plan.owned == 2000

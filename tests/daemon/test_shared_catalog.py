@@ -1,0 +1,102 @@
+"""The shared catalog: ``cachefeed catalog build`` lists once; N daemons read its generations and never list.
+
+Witness: the S3 proxy's request counts (what the store saw), with LIST refused for the daemons.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_for, write_config
+from cachefeed._testing.local_s3 import LocalS3, storage_options
+from cachefeed._testing.proxy import FaultProxy, Rule
+from cachefeed._testing.samples import cache_samples, upload_arrays
+
+NODES = 3
+CATALOGS = "catalogs"
+
+
+def build(proxy: FaultProxy) -> str:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cachefeed",
+            "catalog",
+            "build",
+            f"s3://{BUCKET}/",
+            "--out",
+            f"s3://{CATALOGS}/train",
+            "--storage-options",
+            json.dumps(storage_options(proxy.endpoint)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def cached_keys(proc: DaemonProcess) -> set[str]:
+    return {sample["__key__"] for _, sample in cache_samples(proc.cache_dir)}
+
+
+def test_n_daemons_on_a_shared_catalog_cost_one_listing_of_list_requests(
+    tmp_path: Path, s3: LocalS3, bucket: Any, fault_proxy: FaultProxy
+) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 1100, 16)  # two LIST pages of 1,000
+    bucket.create_bucket(Bucket=CATALOGS)
+    fault_proxy.reset_counts()
+    out = build(fault_proxy)
+    assert "1100 objects" in out, out
+    one_listing = fault_proxy.counts().ops.get("ListObjectsV2", 0)
+    assert one_listing == 2
+
+    fault_proxy.set_rules([Rule("status", op="ListObjectsV2", status=403)])  # the daemons may not list
+    daemons = []
+    try:
+        for rank in range(NODES):
+            config = write_config(
+                tmp_path / f"node-{rank}.toml",
+                endpoint=fault_proxy.endpoint,
+                bucket=BUCKET,
+                cache_dir=tmp_path / f"cache-{rank}",
+                sections={
+                    "remote": {"catalog": f"s3://{CATALOGS}/train", "refresh_interval": "1s"},
+                    "node": {"rank": rank, "count": NODES},
+                    "sampler": {"processes": 1},
+                },
+            )
+            daemons.append(start_daemon(config, tmp_path / f"cache-{rank}", tmp_path / f"node-{rank}.stderr", env={}))
+
+        def all_cached() -> bool:
+            return sum(len(cached_keys(proc)) for proc in daemons if proc.status()) == len(uploaded)
+
+        wait_for(all_cached, timeout_s=90, what="every object cached by one of the nodes")
+        per_node = [cached_keys(proc) for proc in daemons]
+        assert set().union(*per_node) == set(uploaded)
+        assert sum(len(keys) for keys in per_node) == len(uploaded)  # disjoint
+        assert all(per_node)
+
+        # a refresh: the lister publishes a new generation; the nodes pick up its new objects, still no LIST
+        fault_proxy.set_rules([])
+        uploaded |= upload_arrays(bucket, BUCKET, 30, 16, start=1100)
+        build(fault_proxy)
+        fault_proxy.set_rules([Rule("status", op="ListObjectsV2", status=403)])
+        wait_for(all_cached, timeout_s=60, what="the 30 new objects cached")
+        for proc in daemons:
+            doc = proc.status()
+            assert doc is not None and doc["remote"]["list_requests_total"] == 0
+            assert doc["remote"]["objects_listed"] == len(uploaded)
+        counts = fault_proxy.counts()
+        assert counts.faults.get("status", 0) == 0, "no daemon tried to list"
+        assert counts.ops.get("ListObjectsV2", 0) == 2 * one_listing  # two listings, by the lister, for N nodes
+    finally:
+        for proc in daemons:
+            proc.kill_group()
