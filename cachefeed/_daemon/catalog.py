@@ -235,16 +235,17 @@ class Catalog:
                         self._safe_url(),
                         self._config.pattern,
                     )
-                log.log(
-                    logging.DEBUG if unchanged else logging.INFO,
-                    "%s %d objects%s in %.2fs (%d LIST requests; next listing in %.0fs)",
-                    "unchanged:" if unchanged else "listed",
-                    listed,
-                    self._of(),
-                    duration,
-                    requests,
-                    wait_s,
-                )
+                else:
+                    log.log(
+                        logging.DEBUG if unchanged else logging.INFO,
+                        "%s %d objects%s in %.2fs (%d LIST requests; next listing in %.0fs)",
+                        "unchanged:" if unchanged else "listed",
+                        listed,
+                        self._of(),
+                        duration,
+                        requests,
+                        wait_s,
+                    )
                 with self._lock:
                     self._interval_s = wait_s
                     self._state = CatalogState(

@@ -18,7 +18,13 @@ from cachefeed._trainer.partition import EpochBatchSampler
 from tests.trainer.test_loader import build_cache, check_batch
 
 REPO = Path(__file__).resolve().parents[2]
+# The snapshot's job id (``<run_id>-<job>-e<epoch>``) differs per run: the lines are compared without it.
 EPOCH_LINE = re.compile(r"rank \d+ epoch \d+: \d+ batches of \d+ samples, snapshot \S+?-e\d{6}")
+JOB_ID = re.compile(r"-[0-9a-f]{12}-e(\d{6})")
+
+
+def epoch_lines(stdout: str) -> list[str]:
+    return [JOB_ID.sub(r"-e\1", line) for line in EPOCH_LINE.findall(stdout)]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -79,7 +85,7 @@ def test_the_lightning_example_trains_each_epoch_on_its_own_snapshot(tmp_path: P
     root = build_cache(tmp_path / "c", 300)
     done = run_example("lightning_datamodule.py", str(root), "--epochs", "3", "--batch", "64", "--workers", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    epochs = EPOCH_LINE.findall(done.stdout)
+    epochs = epoch_lines(done.stdout)
     expected = [f"rank 0 epoch {e}: 5 batches of 300 samples, snapshot lightning-e{e:06d}" for e in range(3)]
     assert epochs == expected, done.stdout
     assert "Traceback" not in done.stderr
@@ -92,7 +98,7 @@ def test_the_lightning_example_under_ddp_splits_each_epoch_once_between_the_rank
     argv = ["--epochs", "2", "--batch", "64", "--workers", "0", "--devices", "2"]
     done = run_example("lightning_datamodule.py", str(root), *argv)
     assert done.returncode == 0, done.stderr[-3000:]
-    epochs = sorted(EPOCH_LINE.findall(done.stdout))  # the ranks share stdout: their lines may interleave
+    epochs = sorted(epoch_lines(done.stdout))  # the ranks share stdout: their lines may interleave
     # Lightning left the loader alone (no DistributedSampler): cachefeed's own split, half the snapshot each
     assert epochs == [
         f"rank {rank} epoch {e}: 3 batches of 150 samples, snapshot lightning-e{e:06d}"
