@@ -301,25 +301,20 @@ def rank_main(root: str, port: int, rank: int, out: str) -> None:
 
 
 def test_two_nodes_each_give_every_epoch_the_weighted_shares_of_their_own_objects(tmp_path: Path, data: Path) -> None:
-    from cachefeed._testing.local_s3 import free_port
-    from tests.trainer.test_distributed import python
+    from tests.support.nodes import run_one_rank_per_node
 
     daemons = [start(tmp_path, rank=rank, count=2) for rank in range(2)]
     try:
         for daemon in daemons:
             assert [e.name for e in read_sources(daemon.cache_dir / "sources.json")] == ["crawl", "curated"]
-        port = free_port()
         outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
-        ranks = [
-            python(
+        run_one_rank_per_node(
+            lambda rank, port: (
                 f"from tests.test_sources import rank_main; "
-                f"rank_main({str(daemons[rank].cache_dir)!r}, {port}, {rank}, {str(outs[rank])!r})",
-                extra_env={"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
-            )
-            for rank in range(2)
-        ]
-        for proc in ranks:
-            assert proc.wait(timeout=180) == 0, "a rank failed (its traceback is above)"
+                f"rank_main({str(daemons[rank].cache_dir)!r}, {port}, {rank}, {str(outs[rank])!r})"
+            ),
+            timeout_s=180,
+        )
         reports = [json.loads(out.read_text()) for out in outs]
         for epoch in range(2):
             job = [tuple(sample) for report in reports for sample in report[epoch]]

@@ -24,6 +24,7 @@ from cachefeed._testing.daemon import DaemonProcess, start_daemon
 from cachefeed._testing.samples import payload
 from cachefeed._testing.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 from cachefeed._trainer import EpochLoaderFactory
+from tests.support.nodes import run_one_rank_per_node
 
 OBJECTS = 600
 PER_OBJECT = 20  # 12,000 samples on the remote: no test serves them all, so no object is fetched twice
@@ -179,25 +180,17 @@ def rank_main(root: str, port: int, rank: int, out: str, epochs: int) -> None:
 
 
 def test_two_nodes_agreeing_on_the_smaller_share_evict_only_what_they_served(tmp_path: Path) -> None:
-    from cachefeed._testing.local_s3 import free_port
-    from tests.trainer.test_distributed import python
-
     remote = make_remote(tmp_path / "data", 2 * OBJECTS)  # each node owns half
     daemons = [start(tmp_path, f"node{rank}", remote=remote, node=(rank, 2)) for rank in range(2)]
     epochs = 4  # one pass over some 2,000 cached samples each: fewer than a node owns
-    port = free_port()
     outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
     witnesses = [SegmentWitness(d.cache_dir).__enter__() for d in daemons]
-    ranks = [
-        python(
+    run_one_rank_per_node(
+        lambda rank, port: (
             f"from tests.witness.test_promises import rank_main; "
-            f"rank_main({str(daemons[rank].cache_dir)!r}, {port}, {rank}, {str(outs[rank])!r}, {epochs})",
-            extra_env={"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
+            f"rank_main({str(daemons[rank].cache_dir)!r}, {port}, {rank}, {str(outs[rank])!r}, {epochs})"
         )
-        for rank in range(2)
-    ]
-    for proc in ranks:
-        assert proc.wait(timeout=240) == 0, "a rank failed (its traceback is above)"
+    )
     statuses = [final_status(d, epochs) for d in daemons]
     for witness, out, status in zip(witnesses, outs, statuses, strict=True):
         witness.stop()
