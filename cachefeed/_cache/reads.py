@@ -56,6 +56,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -216,7 +217,7 @@ def _unpack_counts(blob: bytes) -> Counts:
     return np.frombuffer(zlib.decompress(blob), dtype="<u2").astype(np.uint16)
 
 
-def _load_ledger(path: Path) -> dict[str, object]:
+def _load_ledger(path: Path) -> dict[str, Any]:
     document = msgpack.unpackb(path.read_bytes(), raw=False)
     if not isinstance(document, dict) or document.get("version") != _LEDGER_VERSION:
         raise ValueError("not a ledger of this version")
@@ -227,7 +228,7 @@ def read_counts(root: Path) -> dict[str, Counts]:
     """The ledger's per-sample reads per segment name, for trainers: empty if there is none or it is unreadable."""
     try:
         document = _load_ledger(root / LEDGER_NAME)
-        return {str(name): _unpack_counts(blob) for name, blob in document["counts"].items()}  # type: ignore[attr-defined]
+        return {str(name): _unpack_counts(blob) for name, blob in document["counts"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, zlib.error):
         return {}
 
@@ -247,9 +248,9 @@ class ReadLedger:
         read: every segment then counts as unread)."""
         try:
             document = _load_ledger(self.path)
-            counts = {str(name): _unpack_counts(blob) for name, blob in document["counts"].items()}  # type: ignore[attr-defined]
-            self._applied = frozenset(str(name) for name in document["applied"])  # type: ignore[attr-defined]
-            self.epochs_total = int(document["epochs_total"])  # type: ignore[call-overload]
+            counts = {str(name): _unpack_counts(blob) for name, blob in document["counts"].items()}
+            self._applied = frozenset(str(name) for name in document["applied"])
+            self.epochs_total = int(document["epochs_total"])
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError, zlib.error) as exc:

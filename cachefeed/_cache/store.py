@@ -371,6 +371,11 @@ class CacheStore:
         counters.evicted_unread_samples -= before.unread - after.unread
         counters.evicted_max_reads = max(counters.evicted_max_reads, after.level)
 
+    def _samples_below(self, k: int) -> int:
+        """Published samples served fewer than ``k`` times (a segment without reads: all of its samples)."""
+        reads = self._reads
+        return sum(reads[seq].below(k) if seq in reads else s.samples for seq, s in self._published.items() if k)
+
     def _sample_reads(self, seq: int) -> SampleReads:
         return self._reads.get(seq) or SampleReads.none(self._published[seq].samples)
 
@@ -696,13 +701,9 @@ class CacheStore:
             free_bytes=self._free_bytes(),
             min_free_bytes=self.config.min_free_bytes,
             is_backpressured=self._is_backpressured,
-            unread_samples=sum(self._sample_reads(seq).unread for seq in self._published),
+            unread_samples=self._samples_below(1),
             is_paced=self._is_paced,
-            waiting_for_reads_samples=(
-                sum(self._sample_reads(seq).below(self.config.evict_after_reads) for seq in self._published)
-                if self._is_paced
-                else 0
-            ),
+            waiting_for_reads_samples=(self._samples_below(self.config.evict_after_reads) if self._is_paced else 0),
             max_reads=max(self._levels.values(), default=0),
             sample_reads=sum(reads.total for reads in self._reads.values()),
             oldest_published_at=min((s.published_at for s in self._published.values()), default=None),

@@ -455,7 +455,7 @@ class EpochLoaderFactory:
         """This rank's indices into ``snapshot`` for ``epoch`` (see partition.py)."""
         return rank_share(
             snapshot.counts,
-            snapshot.sample_reads(),
+            snapshot.sample_reads,
             snapshot.tags,
             {tag: weight for tag, (_name, weight) in snapshot.sources.items()},
             epoch=epoch,

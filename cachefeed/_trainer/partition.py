@@ -291,7 +291,7 @@ def weighted_order(
 
 def rank_share(
     counts: Sequence[int],
-    sample_reads: npt.NDArray[np.int64],
+    sample_reads: Callable[[], npt.NDArray[np.int64]],
     tags: Sequence[int],
     weights: Mapping[int, float],
     *,
@@ -302,19 +302,20 @@ def rank_share(
     samples_per_epoch: int | None,
     agree_min: Callable[[int], int],
 ) -> npt.NDArray[np.int64]:
-    """This rank's indices into a snapshot (its segments' ``counts`` and source ``tags``, its per-sample reads)
-    for ``epoch``, by the rules of the module docstring: weighted over named sources (``weights`` by tag, empty
-    without), of a set size (``samples_per_epoch``) or one pass (least-read first when the pass is cut to fewer
-    samples than the snapshot holds: the smallest node's share, or the remainder of an uneven split).
-    ``agree_min`` agrees a per-rank size across nodes (a MIN all-reduce; identity on one node)."""
+    """This rank's indices into a snapshot (its segments' ``counts`` and source ``tags``; ``sample_reads`` gives its
+    per-sample reads, asked for only where an order needs them) for ``epoch``, by the rules of the module docstring:
+    weighted over named sources (``weights`` by tag, empty without), of a set size (``samples_per_epoch``) or one pass
+    (least-read first when the pass is cut to fewer samples than the snapshot holds: the smallest node's share, or the
+    remainder of an uneven split). ``agree_min`` agrees a per-rank size across nodes (a MIN all-reduce; identity on one
+    node)."""
     local, world = ranks.local_rank, ranks.local_world_size
     samples = int(sum(counts))
     per_rank = samples_per_epoch // world if samples_per_epoch is not None else agree_min(samples // world)
     n = per_rank * world
     if weights:
-        order = weighted_order(counts, sample_reads, tags, weights, n, seed=seed, epoch=epoch, shuffle=shuffle)
+        order = weighted_order(counts, sample_reads(), tags, weights, n, seed=seed, epoch=epoch, shuffle=shuffle)
     elif samples_per_epoch is not None or n < samples:
-        order = fixed_size_order(sample_reads, n, seed=seed, epoch=epoch, shuffle=shuffle)
+        order = fixed_size_order(sample_reads(), n, seed=seed, epoch=epoch, shuffle=shuffle)
     else:
         return epoch_share(
             samples,
