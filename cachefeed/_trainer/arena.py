@@ -85,7 +85,8 @@ def grown_end(end: int, widest: int, need: int, slots: int, reserve: int) -> int
     """The new end of an arena that could not place a batch of ``need`` bytes: a new span after ``end`` that holds
     ``slots`` such batches. None where the widest span (``widest`` bytes) already holds them (the arena is full of
     batches the caller keeps, and a larger one would fill up too) or where ``reserve`` does not allow it."""
-    room = slots * aligned(max(need, 1))
+    room = -(-slots * aligned(max(need, 1)) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: each span is
+    # page-locked on its own (CUDA locks whole pages: two spans sharing one would refuse the second)
     if widest >= room or end + room > reserve:
         return None
     return end + room

@@ -83,7 +83,11 @@ class DataLoaderAttributes:
     """A DataLoader's attributes (the module docstring), from ``_loader_settings`` and ``_epoch_indices``."""
 
     _loader_settings: LoaderSettings
-    _epoch_indices: npt.NDArray[np.int64]
+
+    @property
+    def _epoch_indices(self) -> npt.NDArray[np.int64]:
+        """This rank's indices of the epoch, in the order served (the subclass gives them)."""
+        raise NotImplementedError
 
     @property
     def batch_size(self) -> int:

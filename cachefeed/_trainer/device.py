@@ -83,9 +83,6 @@ class InFlightCopies:
         self._runtime = runtime
         self._copying: deque[tuple[Event, Any]] = deque()
 
-    def __len__(self) -> int:
-        return len(self._copying)
-
     def add(self, host: Any, stream: Any) -> None:
         """Keep ``host`` until everything queued on ``stream`` so far has run."""
         self._copying.append((self._runtime.record(stream), host))

@@ -287,7 +287,7 @@ class EpochLoader(DataLoaderAttributes):
     def __init__(
         self, state: EpochState, hooks: EpochHooks, stats: Callable[[], EpochStats], settings: LoaderSettings
     ) -> None:
-        self._loader_settings, self._epoch_indices = settings, state.indices
+        self._loader_settings = settings
         self._state = state
         self._hooks = hooks
         self._stats = stats
@@ -296,6 +296,10 @@ class EpochLoader(DataLoaderAttributes):
         if not state.fed:
             raise SnapshotError(f"epoch {state.epoch} has no loader")
         self.dataloader: DataLoader[Any] | None = state.dataloader
+
+    @property
+    def _epoch_indices(self) -> npt.NDArray[np.int64]:  # read from the state: a released epoch drops its indices
+        return self._state.indices
 
     def __len__(self) -> int:
         return self._state.batches

@@ -89,6 +89,10 @@ class PinnedArenas:
         self._spans: dict[int, list[_Span]] = {}  # id(arena) -> its spans
         self._waiting = 0  # spans waiting for a device in use
         self._told_fallback = False  # one line says why batches are copied into torch's pinned memory
+        # Devices whose context exists: a context lasts as long as the process, so a device found in use is never
+        # probed again (the fence runs once a batch on the training thread); the others are probed at each fence.
+        self._in_use: set[int] = set()
+        self._device_count: int | None = None
 
     def register(self, arena: Arena, start: int, end: int) -> None:
         """Page-lock ``[start, end)`` of ``arena`` now, or once a device is in use; a failure is logged, and batches
@@ -176,7 +180,12 @@ class PinnedArenas:
 
     def _devices_in_use(self) -> list[int]:
         runtime = self._runtime
-        return [device for device in range(runtime.device_count()) if runtime.has_context(device)]
+        if self._device_count is None:
+            self._device_count = runtime.device_count()
+        if len(self._in_use) < self._device_count:
+            unknown = (device for device in range(self._device_count) if device not in self._in_use)
+            self._in_use.update(device for device in unknown if runtime.has_context(device))
+        return sorted(self._in_use)
 
     def _device_in_use(self) -> int | None:
         """The current device if it is in use, else the first in use, else None (torch's own choice for pinning)."""

@@ -66,6 +66,7 @@ the worker's loop must agree message for message, so they are read together.
 from __future__ import annotations
 
 import itertools
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -442,6 +443,7 @@ class WorkerPool:
         self._seed = seed
         if arena_bytes <= HEADER_BYTES:
             raise ValueError(f"arena_bytes must be more than {HEADER_BYTES}, got {arena_bytes}")
+        arena_bytes = -(-arena_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: a grown span starts on one
         self._arena_end = arena_bytes  # every worker's arena is cut below this (it grows: ``_grow``)
         self._widest = arena_bytes - HEADER_BYTES  # the widest span every worker's arena has
         self._reserve = max(arena_bytes, _memory_bytes() // (_RESERVE_SHARE * num_workers))

@@ -21,6 +21,7 @@ queued copies ran.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,11 @@ class FakeCuda:
         self._touch(device)
         if self.register_error:
             return self.register_error
+        page = mmap.PAGESIZE
+        first, last = address // page, (address + nbytes - 1) // page
+        for start, size in self.registered.items():  # CUDA locks whole pages: a page locked twice is refused
+            if first <= (start + size - 1) // page and start // page <= last:
+                return 712  # cudaErrorHostMemoryAlreadyRegistered
         self.registered[address] = nbytes
         self.registrations.append((device, address, nbytes))
         return 0

@@ -20,9 +20,6 @@ class FakeStream:
 
 
 class FakeEvent:
-    def record(self, stream: FakeStream | None = None) -> None:
-        pass
-
     def query(self) -> bool:
         return True
 
@@ -50,7 +47,6 @@ def install(monkeypatch: Any | None = None) -> None:
     current = FakeStream()
     patches: list[tuple[Any, str, Any]] = [
         (torch.cuda, "Stream", FakeStream),
-        (torch.cuda, "Event", FakeEvent),
         (torch.cuda, "current_stream", lambda device=None: current),
         (torch.cuda, "stream", _stream),
         (device, "move_to", lambda batch, device, non_blocking: batch),

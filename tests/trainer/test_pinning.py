@@ -201,11 +201,13 @@ def test_each_arena_is_registered_once_and_released_when_its_worker_goes(tmp_pat
     assert gpu.registered == {}, "closing released the rest"
 
 
-def test_a_grown_arena_registers_its_new_span_before_any_batch_lands_there(tmp_path: Path) -> None:
-    """Batches larger than the arena: it grows (``arena.py``), and every batch placed in the new span is pinned."""
+@pytest.mark.parametrize("arena_bytes", [64 << 10, (64 << 10) + 100])  # a size of whole pages, and one not
+def test_a_grown_arena_registers_its_new_span_before_any_batch_lands_there(tmp_path: Path, arena_bytes: int) -> None:
+    """Batches larger than the arena: it grows (``arena.py``), and every batch placed in the new span is pinned
+    (the fake refuses a page registered twice, as CUDA does: spans must not share a page)."""
     gpu = FakeCuda(devices=1, in_use=(0,))
     root = build_cache(tmp_path / "c", 64, nbytes=16 << 10)  # batches of 8 x 16 KiB
-    with pool_over(root, 1, arena_bytes=64 << 10, pinned=PinnedArenas(gpu)) as (_snapshot, dataset, pool):
+    with pool_over(root, 1, arena_bytes=arena_bytes, pinned=PinnedArenas(gpu)) as (_snapshot, dataset, pool):
         fed = feed(pool, dataset, gpu, lambda i: gpu.streams[0])
     assert len(gpu.registrations) == 2, "the first span, then the grown one"
     assert len(fed.offsets) >= fed.batches - 3, "after the first batches, every batch lies in the arena"
