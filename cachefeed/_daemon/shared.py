@@ -42,6 +42,7 @@ from cachefeed._errors import ConfigError
 from cachefeed._logs import get_logger
 from cachefeed._remote import Remote, RemoteObject
 from cachefeed._remote.listing import Pager
+from cachefeed._scrub import safe_url
 
 __all__ = ["KEEP", "SharedCatalog", "default_out", "publish"]
 
@@ -87,7 +88,7 @@ def publish(remote: Remote, out: str, *, on_progress: Callable[[int], None] | No
     try:
         previous = _generations(remote.read_small(f"{root}/{LATEST}").decode())
     except Exception as exc:
-        error = remote.translate(exc, out)
+        error = remote.translate(exc, safe_url(out))
         if error.kind != "not_found":
             raise error from None
         previous = []  # the first generation
@@ -109,6 +110,7 @@ class SharedCatalog:
     def __init__(self, remote: Remote, url: str, *, rank: int, count: int, label: str = "") -> None:
         self._remote = remote
         self.url = url
+        self._where = safe_url(url)  # what messages name: credentials in the URL never reach a log
         self._rank, self._count, self._label = rank, count, label
         self._last = ""
 
@@ -121,7 +123,7 @@ class SharedCatalog:
             pager.request(lambda: self._remote.read_small(f"{root}/{LATEST}"), is_list=False).decode()
         )
         if not latest:
-            raise CatalogFileError(f"{self.url}/{LATEST} names no generation: run cachefeed catalog build first")
+            raise CatalogFileError(f"{self._where}/{LATEST} names no generation: run cachefeed catalog build first")
         name = latest[0]
         if name == self._last:
             return None
@@ -132,13 +134,13 @@ class SharedCatalog:
             header = next(pages)
             if isinstance(header, CatalogHeader) and header.url.rstrip("/") != self._remote.root.rstrip("/"):
                 raise CatalogFileError(
-                    f"the catalog {self.url} lists {header.url}, not remote.url ({self._remote.where}): "
+                    f"the catalog {self._where} lists {safe_url(header.url)}, not remote.url ({self._remote.where}): "
                     "point remote.catalog at the catalog built for this URL"
                 )
             pattern = self._remote.config.pattern
             if isinstance(header, CatalogHeader) and pattern not in ("**", header.pattern):
                 raise CatalogFileError(
-                    f"the catalog {self.url} was built with pattern {header.pattern!r}, remote.pattern is "
+                    f"the catalog {self._where} was built with pattern {header.pattern!r}, remote.pattern is "
                     f"{pattern!r}: build it with --pattern {pattern!r}, or leave remote.pattern at its default"
                 )
             for page in pages:

@@ -365,6 +365,7 @@ class Supervisor:
                 kept = save_restart(path, snapshot, rows, header, mode=mode, max_bytes=limit)
             except OSError as exc:
                 log.warning("cannot keep the restart catalog %s: %s", path, exc)
+                entry.catalog_revision = -1  # not kept: try again after the next listing, changed or not
                 return
             if kept:
                 log.info("kept the restart catalog (%d objects) in %.2fs", owned, time.monotonic() - started)

@@ -136,24 +136,22 @@ def _s3_pages(pager: Pager, fs: Any) -> None:
             return
 
 
-def _ls(fs: Any, directory: str, *, is_root: bool) -> list[dict[str, Any]]:
+def _ls(fs: Any, directory: str) -> list[dict[str, Any]]:
+    """One directory's entries; none where it is gone: the URL itself (nothing under it: an empty listing, the
+    daemon says which keys to check), or a subdirectory removed while the walk went (its objects left with it)."""
     try:
         entries: list[dict[str, Any]] = fs.ls(directory, detail=True)
     except FileNotFoundError:
-        if is_root:
-            return []  # nothing under the URL: an empty listing (the daemon says which keys to check)
-        raise
+        return []
     return entries
 
 
 def _walk_pages(pager: Pager, fs: Any) -> None:
     """Depth-first in name order: one ``ls`` (one page) per directory."""
     stack = [pager.root]
-    first = True
     while stack:
         directory = stack.pop()
-        entries: list[dict[str, Any]] = pager.request(functools.partial(_ls, fs, directory, is_root=first))
-        first = False
+        entries: list[dict[str, Any]] = pager.request(functools.partial(_ls, fs, directory))
         files = []
         subdirs = []
         for info in entries:

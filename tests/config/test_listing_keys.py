@@ -33,3 +33,6 @@ def test_a_manifest_or_a_catalog_reaches_the_remote_of_each_input() -> None:
 def test_a_manifest_and_a_catalog_together_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"remote.manifest and remote.catalog both replace the listing"):
         parse_config({"remote": {"url": "s3://b/p", "manifest": "m", "catalog": "c"}, "cache": CACHE}, env={})
+    both = {"name": "a", "url": "s3://b/a", "manifest": "m", "catalog": "c"}
+    with pytest.raises(ConfigError, match=r"source\[0\].manifest and source\[0\].catalog both replace the listing"):
+        parse_config({"cache": CACHE, "source": [both]}, env={})
