@@ -160,10 +160,11 @@ def _served_union(directory: Path, samples: int) -> npt.NDArray[np.bool_]:
             continue
         try:
             document = msgpack.unpackb(Path(entry.path).read_bytes(), raw=False)
-            if int(document["samples"]) != samples:
-                raise ValueError(f"{document['samples']} samples, the snapshot has {samples}")
+            recorded = int(document["samples"])
+            if recorded > samples:  # fewer is a prefix: a growing snapshot only appends (``_trainer/growing.py``)
+                raise ValueError(f"{recorded} samples, the snapshot has {samples}")
             bits = np.frombuffer(document["bits"], dtype=np.uint8)
-            union |= np.unpackbits(bits, count=samples).astype(bool)
+            union[:recorded] |= np.unpackbits(bits, count=recorded).astype(bool)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring an unreadable served record %s (%s): its samples count as unread", entry.path, exc)
     return union

@@ -54,7 +54,15 @@ import numpy as np
 import numpy.typing as npt
 
 from cachefeed._cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
-from cachefeed._cache.reads import RECEIPT_SUFFIX, decode_reads, emit_receipt, encode_reads, read_counts, write_served
+from cachefeed._cache.reads import (
+    RECEIPT_SUFFIX,
+    Counts,
+    decode_reads,
+    emit_receipt,
+    encode_reads,
+    read_counts,
+    write_served,
+)
 from cachefeed._cache.records import segment_trailer
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
@@ -104,14 +112,16 @@ class Snapshot:
         self.directory = layout.snapshots / snap_id
         self._lock_fd: int | None = lock_fd
         self._owner_pid = os.getpid()
-        entries = manifest.get("segments", [])
-        if not isinstance(entries, list):
-            raise SnapshotError(f"snapshot {snap_id}: malformed MANIFEST")
-        self.names: tuple[str, ...] = tuple(str(entry[0]) for entry in entries)
-        self.counts: tuple[int, ...] = tuple(int(entry[1]) for entry in entries)
-        self.reads: tuple[int, ...] = tuple(int(entry[2]) if len(entry) > 2 else 0 for entry in entries)
-        self.tags: tuple[int, ...] = tuple(int(entry[3]) if len(entry) > 3 else 0 for entry in entries)
-        self._above: tuple[bytes, ...] = tuple(bytes(entry[4]) if len(entry) > 4 else b"" for entry in entries)
+        self.names: tuple[str, ...] = ()
+        self.counts: tuple[int, ...] = ()
+        self.reads: tuple[int, ...] = ()
+        self.tags: tuple[int, ...] = ()
+        self._above: tuple[bytes, ...] = ()
+        self.generations: tuple[int, ...] | None = None  # a growing snapshot's segments at each generation's end
+        self.is_open = False
+        self._manifest: dict[str, object] = {}
+        self._manifest_stat: tuple[int, int, int] | None = None
+        self._load(manifest)
         self.job = str(manifest.get("job", ""))
         self.nonce = str(manifest.get("nonce", ""))
         named = manifest.get("sources", [])
@@ -128,18 +138,24 @@ class Snapshot:
     def paths(self) -> list[Path]:
         return [self.directory / name for name in self.names]
 
-    def sample_reads(self) -> npt.NDArray[np.int64]:
+    def sample_reads(self, first: int = 0, last: int | None = None) -> npt.NDArray[np.int64]:
         """Each sample's reads when the snapshot was made (for the least-read-first order; samples in dataset
-        order): its segment's reads, plus one where the sample was read more than its segment's least-read one."""
-        parts = [decode_reads(c, r, a) for c, r, a in zip(self.counts, self.reads, self._above, strict=True)]
+        order): its segment's reads, plus one where the sample was read more than its segment's least-read one.
+        ``first``/``last``: of segments ``first .. last - 1`` only."""
+        segments = slice(first, last)
+        entries = zip(self.counts[segments], self.reads[segments], self._above[segments], strict=True)
+        parts = [decode_reads(c, r, a) for c, r, a in entries]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     # -- creation and joining -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, root: str | os.PathLike[str], snap_id: str, *, job: str = "") -> Snapshot:
+    def create(cls, root: str | os.PathLike[str], snap_id: str, *, job: str = "", growing: bool = False) -> Snapshot:
         """Pin every segment published right now, for ``job``. If another process of that job created
-        ``snap_id`` first, join it (``SnapshotError`` if another job did)."""
+        ``snap_id`` first, join it (``SnapshotError`` if another job did).
+
+        ``growing``: the snapshot stays open and its creator adds segments published later (``grow``; NOTE
+        [ Growing snapshots ])."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
@@ -158,20 +174,8 @@ class Snapshot:
             directory = layout.snapshots / snap_id
             remove_tree(directory)  # a directory without its lock is garbage (see the NOTE)
             directory.mkdir(mode=0o750)
-            entries = []
             reads = read_counts(layout.root)
-            for name, _info in layout.list_segments():
-                try:
-                    os.link(layout.segments / name, directory / name, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # evicted between the listing and the link
-                count, tag = segment_trailer(directory / name)
-                if count > 0:
-                    counts = reads.get(name)
-                    level, above = encode_reads(counts) if counts is not None and len(counts) == count else (0, b"")
-                    entries.append([name, count, level, tag, above])
-                else:
-                    os.unlink(directory / name)
+            entries = _link_entries(layout, directory, [name for name, _info in layout.list_segments()], reads)
             named = [[e.tag, e.name, e.weight] for e in read_sources(layout.sources_file)]
             manifest = {
                 "id": snap_id,
@@ -181,6 +185,9 @@ class Snapshot:
                 "job": job,
                 "nonce": secrets.token_hex(8),
             }
+            if growing:
+                manifest["generations"] = [len(entries)]
+                manifest["open"] = True
             atomic_write(directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
             snapshot = cls(layout, snap_id, fd, manifest)
             fd = -1
@@ -226,6 +233,64 @@ class Snapshot:
                     "is the rank that creates it (local rank 0) running?"
                 )
             time.sleep(0.02)
+
+    # -- growing (NOTE [ Growing snapshots ]) ------------------------------------------------------------------
+
+    def grow(self, *, close: bool = False) -> int:
+        """Creator only: pin the segments published since the last generation as a new one; with ``close``, end
+        the growth. Returns the number of segments added. A no-op on a closed snapshot."""
+        if self._lock_fd is None or os.getpid() != self._owner_pid:
+            raise SnapshotError(f"snapshot {self.snap_id}: only its holding creator grows it")
+        if not self.is_open:
+            return 0
+        have = set(self.names)
+        fresh = [name for name, _info in self.layout.list_segments() if name not in have]
+        entries = _link_entries(self.layout, self.directory, fresh, read_counts(self.layout.root)) if fresh else []
+        if not entries and not close:
+            return 0
+        manifest = dict(self._manifest)
+        manifest["segments"] = [*manifest.get("segments", []), *entries]  # type: ignore[misc]
+        generations = list(self.generations or ())
+        if entries or not generations:
+            generations.append(len(manifest["segments"]))  # type: ignore[arg-type]
+        manifest["generations"] = generations
+        manifest["open"] = not close
+        atomic_write(self.directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
+        self._load(manifest)
+        return len(entries)
+
+    def refresh(self) -> bool:
+        """Joiners: read the MANIFEST again if its creator grew or closed it since; True if anything changed."""
+        if not self.is_open:
+            return False
+        path = self.directory / MANIFEST
+        try:
+            info = os.stat(path)
+            seen = (info.st_ino, info.st_size, info.st_mtime_ns)
+            if seen == self._manifest_stat:
+                return False
+            manifest = msgpack.unpackb(path.read_bytes(), raw=False)
+        except (OSError, ValueError) as exc:
+            raise SnapshotError(f"snapshot {self.snap_id}: its MANIFEST could not be read again: {exc}") from None
+        before = (len(self.names), self.is_open)
+        self._load(manifest)
+        self._manifest_stat = seen
+        return (len(self.names), self.is_open) != before
+
+    def _load(self, manifest: dict[str, object]) -> None:
+        """Take a grown MANIFEST's segments and state (same id, job and nonce)."""
+        entries = manifest.get("segments", [])
+        if not isinstance(entries, list):
+            raise SnapshotError(f"snapshot {self.snap_id}: malformed MANIFEST")
+        self.names = tuple(str(entry[0]) for entry in entries)
+        self.counts = tuple(int(entry[1]) for entry in entries)
+        self.reads = tuple(int(entry[2]) if len(entry) > 2 else 0 for entry in entries)
+        self.tags = tuple(int(entry[3]) if len(entry) > 3 else 0 for entry in entries)
+        self._above = tuple(bytes(entry[4]) if len(entry) > 4 else b"" for entry in entries)
+        generations = manifest.get("generations")
+        self.generations = tuple(int(g) for g in generations) if isinstance(generations, list) else None
+        self.is_open = bool(manifest.get("open", False))
+        self._manifest = manifest
 
     # -- reads and release ----------------------------------------------------------------------------------
 
@@ -303,6 +368,27 @@ def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:
             finally:
                 os.close(fd)
     return False
+
+
+def _link_entries(
+    layout: CacheLayout, directory: Path, names: list[str], reads: dict[str, Counts]
+) -> list[list[object]]:
+    """Hard-link the published segments ``names`` into ``directory``; their MANIFEST entries (name, samples, reads
+    level, source tag, reads above the level). A segment evicted meanwhile, or empty, is left out."""
+    entries: list[list[object]] = []
+    for name in names:
+        try:
+            os.link(layout.segments / name, directory / name, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # evicted between the listing and the link
+        count, tag = segment_trailer(directory / name)
+        if count > 0:
+            counts = reads.get(name)
+            level, above = encode_reads(counts) if counts is not None and len(counts) == count else (0, b"")
+            entries.append([name, count, level, tag, above])
+        else:
+            os.unlink(directory / name)
+    return entries
 
 
 def _checked_layout(root: str | os.PathLike[str], snap_id: str) -> CacheLayout:

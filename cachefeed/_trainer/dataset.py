@@ -192,6 +192,17 @@ class SnapshotDataset(Dataset[Any]):
             snapshot.directory, snapshot.names, snapshot.counts, snap_id=snapshot.snap_id, sources=sources, **kwargs
         )
 
+    def extend(self, names: Sequence[str], counts: Sequence[int]) -> None:
+        """Append segments (a growing snapshot's new generation, ``_trainer/growing.py``): every index keeps its
+        sample. Not for a dataset of named sources (growing epochs do not weigh sources)."""
+        if len(names) != len(counts) or any(int(c) < 0 for c in counts):
+            raise ValueError(f"{len(names)} segment names but {len(counts)} counts (each >= 0)")
+        if self._source_names:
+            raise ValueError("a dataset of named sources cannot grow")
+        self._names = np.concatenate((self._names, np.array([n.encode() for n in names], dtype=np.bytes_)))
+        added = self._starts[-1] + np.cumsum(np.asarray(counts, dtype=np.int64))
+        self._starts = np.concatenate((self._starts, added))
+
     # -- pickling: only the index travels to workers ---------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:

@@ -26,13 +26,14 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._trainer.compat import DataLoaderAttributes, LoaderSettings
 from cachefeed._trainer.dataset import SnapshotDataset
+from cachefeed._trainer.growing import GrowingEpoch
 from cachefeed._trainer.partition import EpochBatchSampler
 from cachefeed._trainer.pool import EmptyBatch, Pass, WorkerPool
 
@@ -111,8 +112,10 @@ class EpochState:
         new_samples: int,
         new_segments: int,
         wait_for_samples_s: float,
+        growing: GrowingEpoch | None = None,
     ) -> None:
         self.epoch = epoch
+        self.growing = growing  # an epoch over a growing snapshot (``growing.py``): its batches come as it grows
         self.snapshot = snapshot
         self.dataset = dataset
         self.indices = indices
@@ -128,7 +131,7 @@ class EpochState:
         self.pool_key = -1
         self._batch_list: list[npt.NDArray[np.int64]] = []
         self.fed = False  # a loader (pool pass or DataLoader) was set up: the factory reads it, not the caller
-        self.batches = 0
+        self._batches = 0
         self.batches_served = 0
         self.batches_consumed = 0  # batches the training loop received (empty ones included), this iteration
         self.batches_received = 0  # the most any iteration of this epoch received: what it served
@@ -143,20 +146,35 @@ class EpochState:
         self._released = False
         self._final_skipped: int | None = None
 
+    @property
+    def batches(self) -> int:
+        """This rank's batches in the epoch (an estimate while a growing epoch grows: ``growing.py``)."""
+        return self.growing.planned_batches() if self.growing is not None else self._batches
+
     def start_loader(
-        self, make: Callable[[SnapshotDataset, EpochBatchSampler], DataLoader[Any]], batch_size: int, drop_last: bool
+        self,
+        make: Callable[[SnapshotDataset, Sampler[npt.NDArray[np.int64]]], DataLoader[Any]],
+        batch_size: int,
+        drop_last: bool,
     ) -> None:
         """Without workers: build the DataLoader, start its iterator and fetch the first item."""
-        sampler = EpochBatchSampler(self.indices, batch_size, drop_last=drop_last)
+        sampler: Sampler[npt.NDArray[np.int64]] = (
+            EpochBatchSampler(self.indices, batch_size, drop_last=drop_last)
+            if self.growing is None
+            else GrowingBatchSampler(self.growing)
+        )
         self._batch_size = batch_size
         loader = make(self.dataset, sampler)
         self.dataloader = loader
-        self.batches = len(sampler)
+        self._batches = len(sampler)  # type: ignore[arg-type]
         self.fed = True
         inner = iter(loader)
         first: list[Any] = []
-        if self.batches:
-            first.append(next(inner))
+        if self._batches:
+            try:
+                first.append(next(inner))
+            except StopIteration:  # a growing epoch that closed empty
+                pass
         with self._lock:
             self._started = (inner, first)
             self._inners[id(inner)] = inner
@@ -166,10 +184,11 @@ class EpochState:
         self.pool = pool
         self._batch_size = batch_size
         self.pool_key = pool.new_key()
-        self._batch_list = list(EpochBatchSampler(self.indices, batch_size, drop_last=drop_last))
-        self.batches = len(self._batch_list)
+        if self.growing is None:
+            self._batch_list = list(EpochBatchSampler(self.indices, batch_size, drop_last=drop_last))
+        self._batches = len(self._batch_list)
         self.fed = True
-        inner = pool.open_pass(self.pool_key, self.dataset, self._batch_list)
+        inner = pool.open_pass(self.pool_key, self.dataset, self._batch_list, self.growing)
         with self._lock:
             self._started = (inner, [])
             self._inners[id(inner)] = inner
@@ -187,7 +206,7 @@ class EpochState:
                 return started
             inner: Iterator[Any]
             if self.pool is not None:
-                inner = self.pool.open_pass(self.pool_key, self.dataset, self._batch_list)
+                inner = self.pool.open_pass(self.pool_key, self.dataset, self._batch_list, self.growing)
             elif self.dataloader is not None:
                 inner = iter(self.dataloader)
             else:
@@ -208,7 +227,7 @@ class EpochState:
             segments=len(self.snapshot.names),
             new_samples=self.new_samples,
             new_segments=self.new_segments,
-            rank_samples=self.rank_samples,
+            rank_samples=len(self.growing.share.indices) if self.growing is not None else self.rank_samples,
             batches=self.batches,
             batches_served=self.batches_served,
             skipped_corrupt=skipped,
@@ -228,6 +247,13 @@ class EpochState:
             inners = list(self._inners.values())
             self._inners.clear()
             self._started = None
+        if self.growing is not None:
+            if self.growing.grower is not None:
+                self.growing.grower.stop()  # closes the snapshot as it is: nothing joins it after this epoch
+            try:
+                self.snapshot.refresh()  # what it served is recorded against the snapshot's final size
+            except SnapshotError as exc:
+                log.warning("epoch %d: %s", self.epoch, exc)
         served = self._served()
         try:
             for inner in inners:
@@ -250,6 +276,10 @@ class EpochState:
 
     def _served(self) -> npt.NDArray[np.int64]:
         """The samples this process served (module docstring); with ``dataset()`` only, its whole share."""
+        if self.growing is not None:  # an exact resume's skipped batches were served by the interrupted run
+            every, start = self.growing.share.indices, self.growing.skipped_samples
+            mine = every[start : start + self.batches_received * self._batch_size] if self.fed else every[start:]
+            return np.concatenate((every[:start], mine))
         mine = self.indices[: self.batches_received * self._batch_size] if self.fed else self.indices
         return np.concatenate((self.credited, mine)) if len(self.credited) else mine
 
@@ -257,6 +287,19 @@ class EpochState:
         """The training loop has received ``batches`` batches of this iteration (training thread)."""
         self.batches_consumed = batches
         self.batches_received = max(self.batches_received, batches)
+
+
+class GrowingBatchSampler(Sampler[npt.NDArray[np.int64]]):
+    """The batch sampler of an in-process DataLoader over a growing epoch: waits for growth as it goes."""
+
+    def __init__(self, growing: GrowingEpoch) -> None:
+        self.growing = growing
+
+    def __len__(self) -> int:
+        return self.growing.planned_batches()
+
+    def __iter__(self) -> Iterator[npt.NDArray[np.int64]]:
+        return self.growing.iter_batches()
 
 
 def shutdown_iterator(inner: Iterator[Any]) -> None:
@@ -342,9 +385,15 @@ class _EpochIterator(Iterator[Any]):
     def __next__(self) -> Any:
         started = time.perf_counter()
         state = self._state
+        growing = state.growing is not None  # its end is the inner iterator's (the batch count is an estimate)
         try:
-            while self._inner is not None and self._consumed < state.batches:
-                item = self._head.pop() if self._head else next(self._inner)
+            while self._inner is not None and (growing or self._consumed < state.batches):
+                try:
+                    item = self._head.pop() if self._head else next(self._inner)
+                except StopIteration:
+                    if not growing:
+                        raise
+                    break
                 self._consumed += 1
                 state.received(self._consumed - self._held)
                 self._hooks.on_progress(state, self._consumed)

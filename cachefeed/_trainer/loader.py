@@ -65,6 +65,7 @@ from cachefeed._trainer.background import SerialWorker
 from cachefeed._trainer.compat import LoaderSettings, pin_memory_in_effect
 from cachefeed._trainer.dataset import SnapshotDataset, Transform
 from cachefeed._trainer.epoch import EpochLoader, EpochState, EpochStats, SkipEmptyCollate, shutdown_iterator
+from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
 from cachefeed._trainer.partition import (
     EpochBatchSampler,
     RankInfo,
@@ -77,7 +78,14 @@ from cachefeed._trainer.partition import (
 )
 from cachefeed._trainer.pool import ARENA_BYTES, WorkerPool
 from cachefeed._trainer.resume import ResumePoint, checkpoint, resume_point, resumed_snapshot
-from cachefeed._trainer.wait import parse_fill, wait_for_cache, wait_for_fill, wait_for_samples
+from cachefeed._trainer.wait import (
+    fill_reached,
+    parse_fill,
+    wait_for_cache,
+    wait_for_fill,
+    wait_for_samples,
+    wait_for_segments,
+)
 from cachefeed._units import parse_size
 
 __all__ = ["EpochLoaderFactory"]
@@ -119,12 +127,17 @@ class EpochLoaderFactory:
             the node's ranks), least-read first, reusing samples when fewer are cached: ``len(loader)`` and the
             number of steps are known before training starts (``batches_per_epoch``). None: each epoch is one pass
             over its snapshot.
-        min_samples: what the first epoch waits for (a progress line on ``progress``): a number of cached samples,
-            or a fill level such as ``"75%"`` of what the daemon keeps (its budget less turnover room and
-            metadata: no segment arithmetic), reached also when the daemon cannot fill further (it waits for
-            trainers, or holds everything the remote lists) or when no daemon runs (a static cache). Default
-            ``samples_per_epoch`` if set, else ``"75%"``: an epoch over a near-empty cache (one batch, as a
-            default of 1 sample gave) would spend an epoch of an LR schedule on nothing.
+        min_samples: None (the default): the first epoch starts on a *growing set* as soon as every worker has a
+            segment to read, and keeps taking segments as the daemon publishes them until it has its samples
+            (``samples_per_epoch``) or the daemon can fill no further (``growing.py``): the first batch comes
+            seconds after a cold start, and the first epoch is ordered by arrival (shuffled within each ~50 ms of
+            ingest) rather than over the whole cache. Set it to wait instead, then shuffle over everything cached
+            (the behaviour before growing epochs): a number of cached samples, or a fill level such as ``"75%"`` of
+            what the daemon keeps (its budget less turnover room and metadata), reached also when the daemon
+            cannot fill further (it waits for trainers, or holds everything the remote lists) or when no daemon
+            runs (a static cache). With several nodes and no ``samples_per_epoch``, or with weighted sources, the
+            first epoch cannot grow (its length needs agreeing up front) and waits for ``samples_per_epoch`` or
+            ``"75%"``.
         wait_timeout_s: how long that wait may take before ``SnapshotError``; also how long the constructor waits
             for the cache directory to appear (a trainer started together with the daemon) before
             ``NoSuchCacheError``.
@@ -178,7 +191,8 @@ class EpochLoaderFactory:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch must be >= 1 (or None), got {samples_per_epoch}")
-        if min_samples is None:
+        self._grows_first = min_samples is None  # the first epoch starts on a growing set (``growing.py``)
+        if min_samples is None:  # what the first epoch waits for where it cannot grow (several nodes, sources)
             min_samples = samples_per_epoch or DEFAULT_MIN_FILL
         self.min_fill = parse_fill(min_samples) if isinstance(min_samples, str) else None
         if isinstance(min_samples, int) and min_samples < 0:
@@ -348,7 +362,7 @@ class EpochLoaderFactory:
         else:
             state.start_loader(self._make_loader, self.batch_size, self.drop_last)
 
-    def _make_loader(self, dataset: SnapshotDataset, sampler: EpochBatchSampler) -> DataLoader[Any]:
+    def _make_loader(self, dataset: SnapshotDataset, sampler: Sampler[npt.NDArray[np.int64]]) -> DataLoader[Any]:
         return DataLoader(
             dataset,
             batch_sampler=cast(Sampler[list[int]], sampler),  # yields int64 arrays: cheaper than lists
@@ -466,6 +480,59 @@ class EpochLoaderFactory:
             agree_min=self._agree_min,
         )
 
+    def _can_grow(self) -> bool:
+        """Whether the first epoch may start on a growing set (NOTE [ Growing snapshots ]'s scope): the user did
+        not ask to wait (``min_samples``), and its length needs no agreement across nodes, and no sources are
+        weighed."""
+        if not self._grows_first or self.sources:
+            return False
+        return self.samples_per_epoch is not None or not self.ranks.nodes_differ
+
+    def _growing(self, snapshot: Snapshot, dataset: SnapshotDataset, epoch: int, skip_batches: int) -> GrowingEpoch:
+        """This rank's reading of a growing snapshot; its creator (alive in this process) keeps growing it."""
+        ranks = self.ranks
+        quota = self.samples_per_epoch // ranks.local_world_size if self.samples_per_epoch is not None else None
+        share = GrowingShare(
+            seed=self.seed,
+            epoch=epoch,
+            shuffle=self.shuffle,
+            local_rank=ranks.local_rank,
+            local_world_size=ranks.local_world_size,
+            quota=quota,
+        )
+        grower = Grower(snapshot, self._growth_done) if snapshot.is_open and ranks.is_creator else None
+        return GrowingEpoch(
+            snapshot,
+            dataset,
+            share,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            estimate=quota if quota is not None else self._estimated_share(snapshot),
+            timeout_s=self.wait_timeout_s,
+            grower=grower,
+            skip_batches=skip_batches,
+        )
+
+    def _growth_done(self, samples: int) -> bool:
+        """The grower's rule: the epoch has its samples, or the daemon can fill no further (``fill_reached``)."""
+        spe = self.samples_per_epoch
+        if spe is not None and samples >= spe + self.ranks.local_world_size - 1:  # the carry is < local ranks
+            return True
+        return fill_reached(self.layout, 1.0, samples)[0]
+
+    def _estimated_share(self, snapshot: Snapshot) -> int:
+        """This rank's samples if the first epoch grows until the daemon's fill level (``len()`` until it closes)."""
+        from cachefeed._status.report import read_report  # the reader of the daemon's document
+
+        total = snapshot.samples
+        document = read_report(self.layout.root).document
+        if document is not None:
+            cache = document["cache"]
+            fill, samples = float(cache.get("fill", 0.0)), int(cache.get("samples", 0))
+            if fill > 0.01:
+                total = max(total, round(samples / min(1.0, fill)))
+        return total // self.ranks.local_world_size
+
     def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
         """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
         started = time.perf_counter()
@@ -473,7 +540,12 @@ class EpochLoaderFactory:
             is_first, self._has_built = not self._has_built, True
         waited = 0.0
         join_timeout = self.join_timeout_s
-        if is_first and self.ranks.is_creator and self.min_fill is not None:
+        grows = is_first and self._resume is None and self._can_grow()
+        if grows and self.ranks.is_creator:
+            need = max(1, self.num_workers) * self.ranks.local_world_size  # a segment for every worker to read
+            wait_for_segments(self.layout, need, timeout_s=self.wait_timeout_s, progress=self.progress)
+            waited = time.perf_counter() - started
+        elif is_first and self.ranks.is_creator and self.min_fill is not None:
             wait_for_fill(self.layout, self.min_fill, timeout_s=self.wait_timeout_s, progress=self.progress)
             waited = time.perf_counter() - started
         elif is_first and self.ranks.is_creator:
@@ -489,17 +561,21 @@ class EpochLoaderFactory:
         if snapshot is not None:
             snap_id = snapshot.snap_id
         elif self.ranks.is_creator:
-            snapshot = Snapshot.create(self.layout.root, snap_id, job=self.job)
+            snapshot = Snapshot.create(self.layout.root, snap_id, job=self.job, growing=grows)
         else:
             snapshot = Snapshot.join(self.layout.root, snap_id, timeout_s=join_timeout, job=self.job)
         dataset: SnapshotDataset | None = None
+        growing: GrowingEpoch | None = None
         pid = os.getpid()
         try:
-            share = self._share(snapshot, epoch)
+            dataset = SnapshotDataset.from_snapshot(snapshot, transform=self.transform, verify=self.verify)
+            growing = (
+                self._growing(snapshot, dataset, epoch, skip_batches) if snapshot.generations is not None else None
+            )
+            share = self._share(snapshot, epoch) if growing is None else growing.share.indices
             indices = share[skip_batches * self.batch_size :]
             # An exact resume: the skipped batches were served by the interrupted run (its checkpoint says so).
             credited = share[: skip_batches * self.batch_size] if is_exact_resume else share[:0]
-            dataset = SnapshotDataset.from_snapshot(snapshot, transform=self.transform, verify=self.verify)
             with self._lock:
                 previous, self._last_names = self._last_names, frozenset(snapshot.names)
             fresh = [
@@ -516,6 +592,7 @@ class EpochLoaderFactory:
                 new_samples=sum(c for _n, c in fresh),
                 new_segments=len(fresh),
                 wait_for_samples_s=waited,
+                growing=growing,
             )
             state.is_first_epoch = is_first
             state.prepared_in_background = background
@@ -524,6 +601,8 @@ class EpochLoaderFactory:
         except BaseException:
             if os.getpid() != pid:  # unwinding in a forked worker that failed to start: the pin is the parent's
                 raise
+            if growing is not None and growing.grower is not None:
+                growing.grower.stop()
             if dataset is not None:
                 dataset.close()
             snapshot.release()
@@ -603,6 +682,8 @@ class EpochLoaderFactory:
             self._prepare(state.epoch + 1)
 
     def _is_due(self, state: EpochState, consumed: int) -> bool:
+        if state.growing is not None and not state.growing.is_complete:
+            return False  # its end is not known yet: the next epoch is pinned once it stopped growing
         total = state.batches
         if self.prepare_at is not None:
             return consumed >= math.ceil(self.prepare_at * total)

@@ -24,6 +24,9 @@ training process), one arena (``arena.py``). Messages are pickled tuples; each p
 * ``("forget", key, ticket, freed)``: close dataset ``key``'s segment readers, then store ``ticket`` in the arena's
   ack word. ``forget`` waits for that word before the epoch's pin is dropped, so a released snapshot's segments
   are unmapped by every worker before the daemon may delete them (its space is really free when it says so);
+* ``("extend", key, names, counts)``: dataset ``key`` (an epoch over a growing snapshot) gained these segments
+  (``SnapshotDataset.extend``); sent to the workers that hold ``key`` before any batch that reads them (a worker
+  that learns ``key`` later gets the dataset with them). NOTE [ Growing snapshots ] in ``growing.py``;
 * ``("grow", end)``: regions may now be cut up to ``end`` of the arena, in a new span (``arena.py``). Sent to every
   worker once a batch did not fit a worker's arena ``prefetch_factor + 2`` times (its size came with its
   ``inline`` reply); with ``pin_memory``, after the new span was registered, so no batch lands in it unpinned;
@@ -94,6 +97,7 @@ from cachefeed._sched import yield_to_training
 from cachefeed._trainer.arena import ACK_WORD, HEADER_BYTES, Allocator, Arena, grown_end
 from cachefeed._trainer.collate import Builder, RowCollator, collate_into, compile_skeleton, split
 from cachefeed._trainer.dataset import SnapshotDataset, as_tensors
+from cachefeed._trainer.growing import GrowingEpoch
 from cachefeed._trainer.pinning import PinnedArenas
 from cachefeed._units import format_bytes
 
@@ -186,6 +190,9 @@ def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, aren
                 _kind, key, dataset = message
                 datasets[key] = dataset
                 _set_worker_info(index, num_workers, seed, dataset)
+            elif kind == "extend":
+                _kind, key, names, counts = message
+                datasets[key].extend(names, counts)
             elif kind == "forget":
                 _kind, key, ticket, freed = message
                 for offset, nbytes in freed:
@@ -372,8 +379,18 @@ class _Worker:
 class Pass:
     """One iteration over one epoch's batches, fed by the pool (an iterator of batches; see NOTE above)."""
 
-    def __init__(self, pool: WorkerPool, order: int, key: int, dataset: SnapshotDataset, batches: list[Any]) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        order: int,
+        key: int,
+        dataset: SnapshotDataset,
+        batches: list[Any],
+        *,
+        growing: GrowingEpoch | None = None,
+    ) -> None:
         self._pool = pool
+        self.growing = growing  # an epoch over a growing snapshot: ``batches`` is its list, appended as it grows
         self.order = order
         self.key = key
         self.dataset = dataset
@@ -557,14 +574,22 @@ class WorkerPool:
         """A key for one epoch's dataset (``open_pass`` and ``forget`` take it)."""
         return next(self._keys)
 
-    def open_pass(self, key: int, dataset: SnapshotDataset, batches: Sequence[Any]) -> Pass:
-        """Queue a pass over ``batches`` (index arrays into ``dataset``) and deal what the workers have room for."""
+    def open_pass(
+        self, key: int, dataset: SnapshotDataset, batches: Sequence[Any], growing: GrowingEpoch | None = None
+    ) -> Pass:
+        """Queue a pass over ``batches`` (index arrays into ``dataset``) and deal what the workers have room for.
+
+        ``growing``: the epoch reads a growing snapshot; its batches are ``growing.batches`` (``batches`` is
+        ignored), dealt as they appear, with the dataset's extensions forwarded first (NOTE [ Growing snapshots ])."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the cachefeed worker pool is closed")
             if not self._workers:
                 self._start()
-            new = Pass(self, next(self._orders), key, dataset, list(batches))
+            if growing is not None:
+                growing.take_deltas()  # a worker learns this key with the dataset as it is now, extensions included
+            chosen = growing.batches if growing is not None else list(batches)
+            new = Pass(self, next(self._orders), key, dataset, chosen, growing=growing)
             self._passes.append(new)
             self._deal()
         return new
@@ -612,6 +637,9 @@ class WorkerPool:
         while passes:
             current = passes[0]
             if current.closed or current.order < self._reading or current.sent >= len(current.batches):
+                growing = current.growing
+                if not current.closed and current.order >= self._reading and growing and not growing.is_complete:
+                    return  # more batches will come: nothing after this pass may be dealt before them
                 passes.popleft()
                 continue
             worker = self._workers[self._next_worker]
@@ -647,12 +675,24 @@ class WorkerPool:
                 if self._pinned is not None:
                     self._pinned.register_pending()
                     self._fence_freed(self._pinned)
+                growing = reading.growing
+                if growing is not None and not growing.is_complete:
+                    self._take_growth(reading, growing)
                 self._deal()
-                if reading.received >= len(reading.batches) or not self._inflight:
+                wait_for_growth = False
+                if reading.received >= len(reading.batches):
+                    if growing is None or growing.is_complete:
+                        raise StopIteration
+                    wait_for_growth = True
+                elif not self._inflight:
                     raise StopIteration
-                owner, order, worker = self._inflight[0]
-                if order > reading.order:
-                    raise StopIteration  # nothing of this pass is in flight (it was closed meanwhile)
+                else:
+                    owner, order, worker = self._inflight[0]
+                    if order > reading.order:
+                        raise StopIteration  # nothing of this pass is in flight (it was closed meanwhile)
+            if growing is not None and wait_for_growth:
+                growing.pause()  # every batch cut so far was read: the epoch waits for the daemon
+                continue
             reply = self._receive(worker)
             with self._lock:
                 self._inflight.popleft()
@@ -663,6 +703,15 @@ class WorkerPool:
                 continue
             reading.received += 1
             return self._unpack(worker, reply)
+
+    def _take_growth(self, reading: Pass, growing: GrowingEpoch) -> None:
+        """Cut the batches a growing epoch gained (``reading.batches`` is its list), after telling the workers that
+        hold its dataset about the new segments (under the lock; NOTE [ Growing snapshots ])."""
+        growing.poll()
+        for names, counts in growing.take_deltas():
+            for worker in self._workers:
+                if reading.key in worker.keys:
+                    self._send(worker, ("extend", reading.key, names, counts))
 
     def _fence_freed(self, pinned: PinnedArenas) -> None:
         """Put the regions freed since the last call behind one new fence (training thread, under the lock)."""

@@ -24,7 +24,15 @@ from cachefeed._cache.records import segment_count
 from cachefeed._errors import NoSuchCacheError, SnapshotError
 from cachefeed._logs import get_logger
 
-__all__ = ["SampleCounter", "parse_fill", "wait_for_cache", "wait_for_fill", "wait_for_samples"]
+__all__ = [
+    "SampleCounter",
+    "fill_reached",
+    "parse_fill",
+    "wait_for_cache",
+    "wait_for_fill",
+    "wait_for_samples",
+    "wait_for_segments",
+]
 
 log = get_logger(__name__)
 
@@ -58,8 +66,11 @@ class _Wake(FileSystemEventHandler):
 class _Progress:
     """One line on a terminal (redrawn), or a line every ``_PLAIN_EVERY_S`` in a log file."""
 
-    def __init__(self, stream: TextIO | None, root: str, target: int, *, is_fill: bool = False) -> None:
+    def __init__(
+        self, stream: TextIO | None, root: str, target: int, *, is_fill: bool = False, noun: str = "samples"
+    ) -> None:
         self._is_fill = is_fill  # have/target are percents of the daemon's fill level, not samples
+        self._noun = noun
         self._stream = stream
         self._root = root
         self._target = target
@@ -76,7 +87,7 @@ class _Progress:
         if self._is_fill:
             line = f"cachefeed: waiting for the cache in {self._root} to fill {bar} {have}% of {self._target}%"
         else:
-            line = f"cachefeed: waiting for samples in {self._root} {bar} {have}/{self._target} ({fraction:.0%})"
+            line = f"cachefeed: waiting for {self._noun} in {self._root} {bar} {have}/{self._target} ({fraction:.0%})"
         line += f" {waited_s:.0f}s"
         now = time.monotonic()
         if self._is_tty:
@@ -175,6 +186,52 @@ def wait_for_samples(
     return have
 
 
+def wait_for_segments(
+    layout: CacheLayout,
+    segments: int,
+    *,
+    timeout_s: float,
+    progress: TextIO | None = sys.stderr,
+    poll_s: float = 0.02,
+) -> int:
+    """Block until ``segments`` segments are published, or fewer once the daemon can publish no more
+    (``fill_reached``: a small dataset, a paced daemon, no daemon); returns the segments published. What a growing
+    first epoch waits for (``growing.py``): a segment for each worker to read.
+
+    Raises:
+        NoSuchCacheError: the cache directory is missing.
+        SnapshotError: ``timeout_s`` passed first.
+    """
+    layout.check()
+    started = time.monotonic()
+    bar = _Progress(progress, str(layout.root), segments, noun="segments")
+    checked_at = 0.0
+    try:
+        while True:
+            have = len(layout.list_segments())
+            waited = time.monotonic() - started
+            if have >= segments:
+                break
+            if have and waited - checked_at >= 10 * poll_s:  # the daemon's document: now and then, not every poll
+                checked_at = waited
+                if fill_reached(layout, 1.0, have)[0]:
+                    break
+            if waited > timeout_s:
+                raise SnapshotError(
+                    f"only {have} of the {segments} segments the first epoch starts on were published in "
+                    f"{layout.root} after {timeout_s:g}s: check that the daemon runs and fetches (cachefeed status), "
+                    "or raise wait_timeout_s"
+                )
+            bar.show(have, waited)
+            time.sleep(poll_s)
+            layout.check()
+        bar.show(have, time.monotonic() - started, force=waited > 1.0)
+    finally:
+        bar.done()
+    log.info("%d segments published in %s after %.2fs", have, layout.root, time.monotonic() - started)
+    return have
+
+
 def parse_fill(value: str) -> float:
     """``"75%"`` -> 0.75. Raises ValueError naming the value and the form expected."""
     text = value.strip()
@@ -189,7 +246,7 @@ def parse_fill(value: str) -> float:
     return fraction
 
 
-def _fill_reached(layout: CacheLayout, fraction: float, have: int) -> tuple[bool, float, str]:
+def fill_reached(layout: CacheLayout, fraction: float, have: int) -> tuple[bool, float, str]:
     """(start now?, the fill level, why) from the daemon's status document.
 
     The cache is full enough when the daemon reports ``cache.fill >= fraction``, or when it cannot fill further:
@@ -225,7 +282,7 @@ def wait_for_fill(
     progress: TextIO | None = sys.stderr,
     poll_s: float = 0.5,
 ) -> int:
-    """Block until the daemon has filled the cache to ``fraction`` of what it keeps (see ``_fill_reached``);
+    """Block until the daemon has filled the cache to ``fraction`` of what it keeps (see ``fill_reached``);
     return the samples cached. The user states a level; segment sizes and metadata are the daemon's business.
 
     Raises:
@@ -239,7 +296,7 @@ def wait_for_fill(
     try:
         while True:
             have = counter.count()
-            ready, fill, why = _fill_reached(layout, fraction, have)
+            ready, fill, why = fill_reached(layout, fraction, have)
             waited = time.monotonic() - started
             if ready:
                 if waited > 0.1:

@@ -1,0 +1,306 @@
+"""Epochs over a growing set: the first epoch starts on what is cached and takes segments as they are published.
+
+A cold job used to wait until the cache held ``min_samples`` (75% of what the daemon keeps) before its first batch.
+Now, by default, its first epoch starts as soon as every worker has a segment to read and keeps taking segments
+as the daemon publishes them, until the epoch has its samples (``samples_per_epoch``) or the daemon can fill no
+further (its fill level reached, it waits for trainers, it holds everything the remote lists, or no daemon runs).
+
+NOTE [ Growing snapshots ]
+--------------------------
+Threads and processes: the snapshot's *creator* (local rank 0's factory) runs one ``Grower`` thread; every local
+rank (the creator included) reads the snapshot through a ``GrowingEpoch`` on its training thread (and, with
+workers, its pool's workers read the segments).
+
+* The snapshot is created open (``Snapshot.create(growing=True)``): its MANIFEST carries ``generations`` (the
+  number of segments at the end of each generation) and ``open``. The grower links the segments published since
+  the last generation (``Snapshot.grow``) every ``GROW_EVERY_S`` and rewrites the MANIFEST atomically; entries are
+  only appended, so a sample's index in the snapshot never changes. The grower closes the snapshot (a last
+  generation, ``open`` false) once the epoch has its samples or the daemon can fill no further, and when its epoch
+  is released.
+* A rank's share is computed **per generation**, never from when the rank looked: generation ``g``'s samples are
+  shuffled with a generator seeded by ``(seed, epoch, g)``, appended to the carry of the previous generations,
+  and split equally among the local ranks; what does not divide (fewer than ``local_world_size`` samples) is
+  carried to the next generation, and dropped when the snapshot closes. So every rank computes the same split from
+  the same MANIFEST: disjoint, equal in size, each sample once, and a resumed epoch recomputes the same order.
+* A rank needing more batches re-reads the MANIFEST (``Snapshot.refresh``) and waits for growth; batches are cut
+  only when full, the last partial one only once the snapshot is closed.
+* ``len(loader)`` of a growing epoch is an estimate until the snapshot closes (``samples_per_epoch``: exact from
+  the start); the factory prepares the next epoch only once the growing one is closed.
+
+The trade: the first epoch is ordered by arrival within a generation (a window of about ``GROW_EVERY_S`` of
+ingest), not shuffled over the whole cache. ``min_samples`` (a count or a fill level) keeps the former behaviour:
+wait, then shuffle over everything cached.
+
+Scope: a growing epoch needs no agreement across nodes only when its size is set (``samples_per_epoch``): with
+several nodes and no set size, and with weighted sources, the first epoch waits for the fill as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._errors import SnapshotError
+from cachefeed._logs import get_logger
+from cachefeed._trainer.dataset import SnapshotDataset
+
+__all__ = ["GROW_EVERY_S", "Grower", "GrowingEpoch", "GrowingShare"]
+
+log = get_logger(__name__)
+
+GROW_EVERY_S = 0.05  # how often the creator looks for new segments, and a waiting rank for growth
+_GROWTH_SEED = 0x6772_6F77  # "grow": keeps a generation's permutation apart from the epoch order's
+
+
+class GrowingShare:
+    """This rank's indices into a growing snapshot, generation by generation (the NOTE above).
+
+    ``quota``: this rank's samples in the epoch (``samples_per_epoch // local_world_size``), or None for "what the
+    snapshot holds when it closes". With a quota and a snapshot that closed short of it, the rest is filled by
+    seeded passes over this rank's share (samples reused, as a set-size epoch does over a small cache).
+    """
+
+    def __init__(
+        self, *, seed: int, epoch: int, shuffle: bool, local_rank: int, local_world_size: int, quota: int | None
+    ) -> None:
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.quota = quota
+        self.indices: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+        self.is_complete = False
+        self._generations = 0
+        self._carry: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+
+    def update(
+        self,
+        counts: tuple[int, ...],
+        generations: tuple[int, ...],
+        is_open: bool,
+        reads: Callable[[int, int], npt.NDArray[np.int64]] | None = None,
+    ) -> int:
+        """Take the generations not seen yet; returns how many indices this rank gained. ``reads(first, last)``:
+        the per-sample reads of segments ``first .. last - 1``: within a generation the least-read go first."""
+        if self.is_complete:
+            return 0
+        before = len(self.indices)
+        starts = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(counts, dtype=np.int64), out=starts[1:])
+        parts = [self.indices]
+        ranks, rank = self.local_world_size, self.local_rank
+        for g in range(self._generations, len(generations)):
+            first = generations[g - 1] if g else 0
+            new = np.arange(starts[first], starts[generations[g]], dtype=np.int64)
+            if self.shuffle and len(new) > 1:
+                new = np.random.default_rng((self.seed, self.epoch, _GROWTH_SEED, g)).permutation(new)
+            if reads is not None and len(new) > 1:
+                got = reads(first, generations[g])
+                if len(got) == len(new) and got.any():
+                    new = new[np.argsort(got[new - starts[first]], kind="stable")]
+            pool = np.concatenate((self._carry, new))
+            each = len(pool) // ranks
+            parts.append(pool[rank * each : (rank + 1) * each])
+            self._carry = pool[ranks * each :]
+        self._generations = len(generations)
+        self.indices = np.concatenate(parts) if len(parts) > 1 else self.indices
+        if self.quota is not None and len(self.indices) >= self.quota:
+            self.indices = self.indices[: self.quota]
+            self.is_complete = True
+        elif not is_open:
+            if self.quota is not None:
+                self.indices = self._reuse(self.indices, self.quota)
+            self.is_complete = True
+        return len(self.indices) - before
+
+    def _reuse(self, mine: npt.NDArray[np.int64], quota: int) -> npt.NDArray[np.int64]:
+        """``mine`` followed by seeded passes over it up to ``quota`` (nothing to reuse: ``mine`` as it is)."""
+        if not len(mine):
+            return mine
+        parts, have, turn = [mine], len(mine), 0
+        while have < quota:
+            turn += 1
+            rng = np.random.default_rng((self.seed, self.epoch, _GROWTH_SEED, -turn))
+            again = rng.permutation(mine)[: quota - have]
+            parts.append(again)
+            have += len(again)
+        return np.concatenate(parts)
+
+
+class Grower:
+    """The creator's thread that grows an open snapshot (NOTE above) until ``is_done(samples)`` or ``stop``.
+
+    ``is_done`` is asked after every look with the snapshot's samples; it is the factory's rule (the epoch has its
+    samples, or the daemon can fill no further). The thread never raises: a failure closes the snapshot as it is and
+    is logged (the epoch then ends with what it has)."""
+
+    def __init__(self, snapshot: Snapshot, is_done: Callable[[int], bool], *, every_s: float = GROW_EVERY_S) -> None:
+        self.snapshot = snapshot
+        self._is_done = is_done
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self.lock = threading.Lock()  # held while the snapshot changes: readers take it to see one generation whole
+        self._thread = threading.Thread(target=self._run, name="cachefeed-grow", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self.lock:
+                    self.snapshot.grow()
+                    samples = self.snapshot.samples
+                if self._is_done(samples):
+                    break
+                self._stop.wait(self._every_s)
+        except Exception:
+            log.warning("growing snapshot %s failed: closing it as it is", self.snapshot.snap_id, exc_info=True)
+        self._close()
+
+    def _close(self) -> None:
+        with self.lock:
+            if self.snapshot.is_held and self.snapshot.is_open:
+                try:
+                    added = self.snapshot.grow(close=True)
+                except (OSError, SnapshotError):
+                    log.warning("could not close growing snapshot %s", self.snapshot.snap_id, exc_info=True)
+                    return
+                log.info(
+                    "snapshot %s closed: %d segments, %d samples (%d in its last generation)",
+                    self.snapshot.snap_id,
+                    len(self.snapshot.names),
+                    self.snapshot.samples,
+                    added,
+                )
+
+    def stop(self) -> None:
+        """End the growth now (the epoch is released or the factory closes); the snapshot is closed as it is."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+class GrowingEpoch:
+    """One rank's reading of a growing snapshot: new batches as generations arrive, the dataset kept in step.
+
+    ``batches`` is the list of this rank's batches cut so far (full ones; the last partial one once the share is
+    complete); ``poll`` appends what became available. The dataset (``SnapshotDataset``) is extended with each
+    generation's segments before any batch reads them; ``take_deltas`` gives each extension ``(names, counts)``
+    once, for whoever feeds worker processes (they hold copies of the dataset) to forward in order, before the
+    batches that need them. One thread reads it (the training thread, or the pool under its lock).
+    """
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        dataset: SnapshotDataset,
+        share: GrowingShare,
+        *,
+        batch_size: int,
+        drop_last: bool,
+        estimate: int,
+        timeout_s: float,
+        grower: Grower | None,
+        skip_batches: int = 0,
+    ) -> None:
+        self.snapshot = snapshot
+        self.dataset = dataset
+        self.share = share
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self._estimate = estimate  # this rank's samples if the epoch grows as far as the daemon fills
+        self._timeout_s = timeout_s
+        self.grower = grower
+        self.batches: list[npt.NDArray[np.int64]] = []
+        self._deltas: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
+        self._cut = 0  # indices already cut into batches
+        self._to_skip = skip_batches  # an exact resume: batches the interrupted run served (never in ``batches``)
+        self.skipped_samples = 0
+        self._grown_at = time.monotonic()
+        self.waited_s = 0.0  # time spent in ``pause`` (waiting for the daemon)
+        self.poll()
+
+    @property
+    def is_complete(self) -> bool:
+        """The share is final and cut into ``batches`` whole."""
+        return self.share.is_complete and self._cut == len(self.share.indices)
+
+    def planned_batches(self) -> int:
+        """This rank's batches: exact once complete (or with a set size), else an estimate (at least those cut)."""
+        samples = len(self.share.indices)
+        if not self.share.is_complete:
+            samples = max(samples, self.share.quota if self.share.quota is not None else self._estimate)
+        full, rest = divmod(samples, self.batch_size)
+        planned = (
+            full + (1 if rest and not self.drop_last else 0) - self._to_skip - self.skipped_samples // self.batch_size
+        )
+        return max(len(self.batches), planned)
+
+    def poll(self) -> int:
+        """Take what the snapshot gained; returns the number of batches added to ``batches``."""
+        if not self.share.is_complete:
+            if self.grower is not None:
+                with self.grower.lock:
+                    self._absorb()
+            else:
+                self.snapshot.refresh()
+                self._absorb()
+        return self._cut_batches()
+
+    def pause(self) -> None:
+        """Wait a little for growth (a rank that has read every batch cut so far). Raises SnapshotError once the
+        snapshot did not grow for ``timeout_s``."""
+        if time.monotonic() - self._grown_at > self._timeout_s:
+            raise SnapshotError(
+                f"snapshot {self.snapshot.snap_id} did not grow for {self._timeout_s:g}s while its epoch waited for "
+                "samples: check that the daemon runs and fetches (cachefeed status), or raise wait_timeout_s"
+            )
+        started = time.perf_counter()
+        time.sleep(GROW_EVERY_S / 2)
+        self.waited_s += time.perf_counter() - started
+
+    def take_deltas(self) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """The dataset extensions since the last call, oldest first."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def iter_batches(self) -> Iterator[npt.NDArray[np.int64]]:
+        """Every batch of the epoch, waiting for growth as needed (the sampler of an in-process DataLoader)."""
+        position = 0
+        while True:
+            if position < len(self.batches):
+                position += 1
+                yield self.batches[position - 1]
+            elif self.is_complete:
+                return
+            elif not self.poll():
+                self.pause()
+
+    def _absorb(self) -> None:
+        snapshot = self.snapshot
+        generations = snapshot.generations or (len(snapshot.names),)
+        have = self.dataset.segments
+        if generations[-1] > have:
+            names, counts = snapshot.names[have : generations[-1]], snapshot.counts[have : generations[-1]]
+            self.dataset.extend(names, counts)
+            self._deltas.append((names, counts))
+        if self.share.update(snapshot.counts[: generations[-1]], generations, snapshot.is_open, snapshot.sample_reads):
+            self._grown_at = time.monotonic()
+
+    def _cut_batches(self) -> int:
+        indices, size = self.share.indices, self.batch_size
+        end = self._cut + (len(indices) - self._cut) // size * size
+        if self.share.is_complete and not self.drop_last:
+            end = len(indices)
+        added = [indices[i : min(i + size, end)] for i in range(self._cut, end, size)]
+        if self.share.is_complete:
+            self._cut = len(indices)  # drop_last: the partial tail is dropped
+        else:
+            self._cut = end
+        while added and self._to_skip:
+            self._to_skip -= 1
+            self.skipped_samples += len(added.pop(0))
+        self.batches.extend(added)
+        return len(added)

@@ -1,0 +1,115 @@
+"""A cold job's first epoch over a growing set (NOTE [ Growing snapshots ] in ``_trainer/growing.py``), witnessed by
+what the training loop received and what the daemon had published when the first batch arrived.
+
+The remote is slow (``remote.max_bytes_per_s``): filling the cache takes several seconds. The promises:
+* the first batch arrives while the cache holds a small part of the dataset (not after a 75% fill);
+* the first epoch keeps taking segments as they are published and serves every sample the daemon fetched,
+  each exactly once (the cache here holds the whole dataset, so that is the whole dataset);
+* local ranks sharing the cache get disjoint, equal shares of the growing epoch;
+* the next epoch hands over as usual.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from cachefeed._codecs import msgpack_default
+from cachefeed._config import toml_text
+from cachefeed._testing.daemon import DaemonProcess, start_daemon
+from cachefeed._testing.samples import payload
+from cachefeed._testing.witness import sample_keys
+from cachefeed._trainer import EpochLoaderFactory
+
+OBJECTS = 60
+PER_OBJECT = 20  # 1,200 samples
+NBYTES = 1000  # about 1.2 MB on the remote: some 8 s at 150 KB/s
+
+
+def make_remote(root: Path) -> set[str]:
+    root.mkdir(parents=True)
+    keys = set()
+    for obj in range(OBJECTS):
+        samples = [{"data": payload(f"{obj}/{i}", NBYTES)} for i in range(PER_OBJECT)]
+        (root / f"obj-{obj:04d}.msgpack").write_bytes(msgpack.packb(samples, default=msgpack_default))
+        keys.update(f"obj-{obj:04d}.msgpack#{i}" for i in range(PER_OBJECT))
+    return keys
+
+
+def start_slow_daemon(tmp_path: Path, remote: Path) -> DaemonProcess:
+    cache_dir = tmp_path / "cache"
+    document: dict[str, Any] = {
+        "remote": {"url": f"file://{remote}", "refresh_interval": "60s", "max_bytes_per_s": "150KB"},
+        "cache": {
+            "dir": str(cache_dir),
+            "max_bytes": "16MiB",  # the whole dataset fits: the first epoch grows until the remote is exhausted
+            "min_free_bytes": 0,
+            "segment_bytes": "32KiB",
+            "fsync": False,
+        },
+        "sampler": {"processes": 1, "concurrency": 2, "decode": "msgpack"},
+        "status": {"interval": "100ms"},
+    }
+    path = tmp_path / "daemon.toml"
+    path.write_text(toml_text(document))
+    return start_daemon(path, cache_dir, tmp_path / "daemon.stderr")
+
+
+def cached_samples(daemon: DaemonProcess) -> int:
+    status = daemon.status()
+    return int(status["cache"]["samples"]) if status else 0
+
+
+def test_a_cold_first_epoch_starts_on_the_first_segments_and_serves_every_sample_as_it_arrives(tmp_path: Path) -> None:
+    every = make_remote(tmp_path / "data")
+    daemon = start_slow_daemon(tmp_path, tmp_path / "data")
+    epochs: list[list[str]] = []
+    cached_at_first_batch = -1
+    with EpochLoaderFactory(daemon.cache_dir, batch_size=32, num_workers=2, run_id="cold", progress=None) as factory:
+        for epoch in range(2):
+            keys: list[str] = []
+            for batch in factory.loader(epoch):
+                if epoch == 0 and not keys:
+                    cached_at_first_batch = cached_samples(daemon)
+                keys += sample_keys(batch)
+            epochs.append(keys)
+        stats = factory.stats(0)
+    daemon.stop()
+    first, second = epochs
+    assert 0 < cached_at_first_batch < len(every) // 2, f"the first batch came at {cached_at_first_batch} cached"
+    assert len(first) == len(set(first)), "no sample twice in the growing epoch"
+    assert len(first) == len(every), f"the growing epoch served {len(first)} of the {len(every)} samples fetched"
+    assert stats.batches == len(first) // 32 + (1 if len(first) % 32 else 0), "len() is exact once it closed"
+    assert len(second) == len(set(second)) == len(every), "the next epoch reads the whole cache once"
+
+
+def test_local_ranks_get_disjoint_equal_shares_of_a_growing_epoch(tmp_path: Path) -> None:
+    every = make_remote(tmp_path / "data")
+    daemon = start_slow_daemon(tmp_path, tmp_path / "data")
+    received: dict[int, list[str]] = {}
+    errors: list[BaseException] = []
+
+    def rank(number: int) -> None:
+        try:
+            with EpochLoaderFactory(
+                daemon.cache_dir, batch_size=16, rank=number, world_size=2, run_id="pair", epochs=1, progress=None
+            ) as factory:
+                received[number] = [key for batch in factory.loader(0) for key in sample_keys(batch)]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(number,)) for number in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    daemon.stop()
+    assert not errors, errors
+    zero, one = received[0], received[1]
+    assert len(zero) == len(one), "equal shares: the same number of steps on every rank"
+    assert not set(zero) & set(one), "disjoint shares"
+    assert len(set(zero)) == len(zero) and len(set(one)) == len(one)
+    assert len(zero) + len(one) >= len(every) - 1, "every sample but an odd one out"
