@@ -6,12 +6,16 @@ The remote is slow (``remote.max_bytes_per_s``): filling the cache takes several
 * the first epoch keeps taking segments as they are published and serves every sample the daemon fetched,
   each exactly once (the cache here holds the whole dataset, so that is the whole dataset);
 * local ranks sharing the cache get disjoint, equal shares of the growing epoch;
-* the next epoch hands over as usual.
+* the next epoch hands over as usual;
+* a trainer killed inside the growing epoch resumes exactly the rest of it (the resumed creator grows it on).
 """
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +23,11 @@ import msgpack
 
 from cachefeed._codecs import msgpack_default
 from cachefeed._config import toml_text
-from cachefeed._testing.daemon import DaemonProcess, start_daemon
+from cachefeed._testing.daemon import DaemonProcess, start_daemon, wait_for
 from cachefeed._testing.samples import payload
 from cachefeed._testing.witness import sample_keys
 from cachefeed._trainer import EpochLoaderFactory
+from tests.witness.test_resume_promises import python
 
 OBJECTS = 60
 PER_OBJECT = 20  # 1,200 samples
@@ -49,6 +54,7 @@ def start_slow_daemon(tmp_path: Path, remote: Path) -> DaemonProcess:
             "min_free_bytes": 0,
             "segment_bytes": "32KiB",
             "fsync": False,
+            "snapshot_grace": "60s",  # a killed trainer's snapshot waits for its resume
         },
         "sampler": {"processes": 1, "concurrency": 2, "decode": "msgpack"},
         "status": {"interval": "100ms"},
@@ -113,3 +119,46 @@ def test_local_ranks_get_disjoint_equal_shares_of_a_growing_epoch(tmp_path: Path
     assert not set(zero) & set(one), "disjoint shares"
     assert len(set(zero)) == len(zero) and len(set(one)) == len(one)
     assert len(zero) + len(one) >= len(every) - 1, "every sample but an odd one out"
+
+
+def trainer_main(root: str, progress: str) -> None:
+    """Train the growing epoch slowly; after every batch, save the keys received and the factory's state."""
+    from cachefeed._fsutil import atomic_write
+
+    received: list[str] = []
+    with EpochLoaderFactory(root, batch_size=16, run_id="job", progress=None) as factory:
+        for batch in factory.loader(0):
+            received += sample_keys(batch)
+            atomic_write(progress, json.dumps({"keys": received, "state": factory.state_dict()}).encode())
+            time.sleep(0.02)  # a training step
+
+
+def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_path: Path) -> None:
+    every = make_remote(tmp_path / "data")
+    daemon = start_slow_daemon(tmp_path, tmp_path / "data")
+    progress = tmp_path / "progress.json"
+    trainer = python(
+        f"from tests.witness.test_growing_epochs import trainer_main; "
+        f"trainer_main({str(daemon.cache_dir)!r}, {str(progress)!r})"
+    )
+    try:
+        wait_for(
+            lambda: progress.exists() and len(json.loads(progress.read_text())["keys"]) >= 5 * 16,
+            timeout_s=120,
+            interval_s=0.005,
+            what="five batches",
+        )
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    saved = json.loads(progress.read_text())
+    interrupted = saved["keys"]
+    assert cached_samples(daemon) < len(every), "killed while the epoch was still growing"
+    with EpochLoaderFactory(daemon.cache_dir, batch_size=16, run_id="job", progress=None) as factory:
+        assert factory.load_state_dict(saved["state"]) == 0
+        loader = factory.loader(0)
+        assert loader.snapshot_id == saved["state"]["snapshot_id"], "the interrupted epoch's own snapshot, grown on"
+        rest = [key for batch in loader for key in sample_keys(batch)]
+    daemon.stop()
+    assert not set(rest) & set(interrupted), "no sample twice in the epoch"
+    assert len(interrupted) + len(rest) == len(set(interrupted + rest)) == len(every), "exactly the rest of it"
