@@ -1,15 +1,11 @@
-"""One epoch's resources (snapshot, dataset, DataLoader, a started iterator) and the loader handed to the trainer.
+"""One epoch's resources (snapshot, dataset, its loader or pass, a started iterator) and the loader handed to the
+training loop.
 
-Lifecycle of an ``EpochState`` (see NOTE [ Epoch handover ] in ``loader.py`` for who calls what, on which thread)::
-
-    built (snapshot pinned, dataset)  ->  fed (a pass queued on the factory's worker pool, its first batches dealt;
-        or, without workers, a DataLoader with its first batch fetched)  ->  running (iterated by the training loop)
-        ->  released (passes closed, the workers' readers closed, dataset closed, pin dropped)
-
-``release`` is idempotent and runs on the factory's teardown thread, never on the training thread. A released
-state cannot be iterated again (its snapshot may be gone). Before it drops the pin, it records what the epoch
-served (NOTE [ Read receipts ] in ``_cache/reads.py``): the samples of the batches the training loop received
-(``batches_consumed``), plus those a checkpoint says an earlier run of this epoch consumed.
+An ``EpochState`` holds what an epoch owns and counts what it served; it does not move itself from one state to the
+next: ``lifecycle.py`` owns the states (``phase``: built, fed, current, retired, released) and the transitions, on
+which thread each runs. A released state cannot be iterated again (its snapshot may be gone); what it served
+(``served``: the samples of the batches the training loop received, plus those a checkpoint says an earlier run of
+this epoch consumed) is recorded before its pin is dropped (NOTE [ Read receipts ] in ``_cache/reads.py``).
 
 Consumption is what the loop received: a look-ahead wrapper (``DevicePrefetcher``, or the caller's own) that takes
 batches from an ``EpochLoader``'s iterator before it yields them calls ``hold(+1)`` on that iterator for each batch
@@ -34,7 +30,6 @@ from cachefeed._logs import get_logger
 from cachefeed._trainer.compat import DataLoaderAttributes, LoaderSettings
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.growing import GrowingEpoch
-from cachefeed._trainer.partition import EpochBatchSampler
 from cachefeed._trainer.pool import EmptyBatch, Pass, WorkerPool
 
 __all__ = ["EmptyBatch", "EpochLoader", "EpochState", "EpochStats", "SkipEmptyCollate"]
@@ -129,13 +124,14 @@ class EpochState:
         self.dataloader: DataLoader[Any] | None = None  # without workers (num_workers=0) only
         self.pool: WorkerPool | None = None  # with workers: the factory's pool, and this epoch's key in it
         self.pool_key = -1
-        self._batch_list: list[npt.NDArray[np.int64]] = []
+        self.batch_list: list[npt.NDArray[np.int64]] = []
+        self.phase = "built"  # built -> fed -> current -> retired -> released (lifecycle.py sets it)
         self.fed = False  # a loader (pool pass or DataLoader) was set up: the factory reads it, not the caller
         self._batches = 0
         self.batches_served = 0
         self.batches_consumed = 0  # batches the training loop received (empty ones included), this iteration
         self.batches_received = 0  # the most any iteration of this epoch received: what it served
-        self._batch_size = 1  # set when fed
+        self.batch_size = 1  # set when fed
         self.touched_at = 0.0  # perf_counter of the last ``snapshot.touch()`` (progress the daemon sees)
         self.first_batch_wait_s: float | None = None
         self.is_first_epoch = False
@@ -151,46 +147,14 @@ class EpochState:
         """This rank's batches in the epoch (an estimate while a growing epoch grows: ``growing.py``)."""
         return self.growing.planned_batches() if self.growing is not None else self._batches
 
-    def start_loader(
-        self,
-        make: Callable[[SnapshotDataset, Sampler[npt.NDArray[np.int64]]], DataLoader[Any]],
-        batch_size: int,
-        drop_last: bool,
-    ) -> None:
-        """Without workers: build the DataLoader, start its iterator and fetch the first item."""
-        sampler: Sampler[npt.NDArray[np.int64]] = (
-            EpochBatchSampler(self.indices, batch_size, drop_last=drop_last)
-            if self.growing is None
-            else GrowingBatchSampler(self.growing)
-        )
-        self._batch_size = batch_size
-        loader = make(self.dataset, sampler)
-        self.dataloader = loader
-        self._batches = len(sampler)  # type: ignore[arg-type]
+    def feed(self, inner: Iterator[Any], head: list[Any], batches: int) -> None:
+        """The epoch's loader is set up (``lifecycle.py``): ``inner`` iterates it, ``head`` holds batches it
+        fetched ahead, ``batches`` is the planned count (a growing epoch: ``growing.planned_batches`` instead)."""
+        self._batches = batches
         self.fed = True
-        inner = iter(loader)
-        first: list[Any] = []
-        if self._batches:
-            try:
-                first.append(next(inner))
-            except StopIteration:  # a growing epoch that closed empty
-                pass
+        self.phase = "fed"
         with self._lock:
-            self._started = (inner, first)
-            self._inners[id(inner)] = inner
-
-    def start_pass(self, pool: WorkerPool, batch_size: int, drop_last: bool) -> None:
-        """With workers: queue this epoch's batches on the pool (its workers start on them once dealt)."""
-        self.pool = pool
-        self._batch_size = batch_size
-        self.pool_key = pool.new_key()
-        if self.growing is None:
-            self._batch_list = list(EpochBatchSampler(self.indices, batch_size, drop_last=drop_last))
-        self._batches = len(self._batch_list)
-        self.fed = True
-        inner = pool.open_pass(self.pool_key, self.dataset, self._batch_list, self.growing)
-        with self._lock:
-            self._started = (inner, [])
+            self._started = (inner, head)
             self._inners[id(inner)] = inner
 
     def take_iterator(self) -> tuple[Iterator[Any], list[Any]]:
@@ -206,7 +170,7 @@ class EpochState:
                 return started
             inner: Iterator[Any]
             if self.pool is not None:
-                inner = self.pool.open_pass(self.pool_key, self.dataset, self._batch_list, self.growing)
+                inner = self.pool.open_pass(self.pool_key, self.dataset, self.batch_list, self.growing)
             elif self.dataloader is not None:
                 inner = iter(self.dataloader)
             else:
@@ -238,49 +202,34 @@ class EpochState:
             first_batch_wait_s=self.first_batch_wait_s,
         )
 
-    def release(self) -> None:
-        """Shut down this epoch's iterators, close the dataset, drop the pin (idempotent; teardown thread)."""
+    def mark_released(self) -> list[Iterator[Any]] | None:
+        """Mark the epoch released (``lifecycle.py`` then tears it down); its live iterators, or None if it already
+        was."""
         with self._lock:
             if self._released:
-                return
+                return None
             self._released = True
+            self.phase = "released"
             inners = list(self._inners.values())
             self._inners.clear()
             self._started = None
-        if self.growing is not None:
-            if self.growing.grower is not None:
-                self.growing.grower.stop()  # closes the snapshot as it is: nothing joins it after this epoch
-            try:
-                self.snapshot.refresh()  # what it served is recorded against the snapshot's final size
-            except SnapshotError as exc:
-                log.warning("epoch %d: %s", self.epoch, exc)
-        served = self._served()
-        try:
-            for inner in inners:
-                shutdown_iterator(inner)
-            if self.pool is not None:
-                self.pool.forget(self.pool_key)  # the workers unmap its segments before the pin goes
-        finally:
-            self._final_skipped = self.dataset.skipped
-            self.dataset.close()
-            try:
-                self.snapshot.record_served(served)  # NOTE [ Read receipts ] in _cache/reads.py
-            except OSError as exc:
-                log.warning("epoch %d: could not record what %s served: %s", self.epoch, self.snapshot.snap_id, exc)
-            self.snapshot.release()
-            # Released states are kept for their stats only: drop what scales with the epoch (the share's index
-            # array, also held by the DataLoader's batch sampler).
-            self.indices = self.indices[:0]
-            self._batch_list = []
-            self.dataloader = None
+        return inners
 
-    def _served(self) -> npt.NDArray[np.int64]:
+    def forget_resources(self) -> None:
+        """A released epoch is kept for its stats only: drop what scales with it (the share's index array, also
+        held by the DataLoader's batch sampler)."""
+        self._final_skipped = self.dataset.skipped
+        self.indices = self.indices[:0]
+        self.batch_list = []
+        self.dataloader = None
+
+    def served(self) -> npt.NDArray[np.int64]:
         """The samples this process served (module docstring); with ``dataset()`` only, its whole share."""
         if self.growing is not None:  # an exact resume's skipped batches were served by the interrupted run
             every, start = self.growing.share.indices, self.growing.skipped_samples
-            mine = every[start : start + self.batches_received * self._batch_size] if self.fed else every[start:]
+            mine = every[start : start + self.batches_received * self.batch_size] if self.fed else every[start:]
             return np.concatenate((every[:start], mine))
-        mine = self.indices[: self.batches_received * self._batch_size] if self.fed else self.indices
+        mine = self.indices[: self.batches_received * self.batch_size] if self.fed else self.indices
         return np.concatenate((self.credited, mine)) if len(self.credited) else mine
 
     def received(self, batches: int) -> None:

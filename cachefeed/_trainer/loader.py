@@ -7,7 +7,8 @@ Processes: with ``num_workers > 0``, one worker pool for the factory's whole lif
 started once, with the first epoch, and every epoch's batches are queued on them; without workers, each epoch reads
 in-process through a DataLoader of its own.
 
-* While epoch ``e`` runs, the training thread reports progress after each batch (``_on_progress``). When the time
+* While epoch ``e`` runs, the training thread reports progress after each batch (``Epochs.on_progress`` in
+  ``lifecycle.py``, the owner of every epoch's states and transitions). When the time
   left in ``e`` (remaining batches x the recent batch interval) falls under twice the longest build seen so far
   plus 0.1 s, or fewer than two prefetch windows (``num_workers x prefetch_factor`` batches) are left, or at the
   fraction ``prepare_at`` if given, the build thread starts on ``e + 1``: pin its snapshot (local rank 0 creates,
@@ -33,20 +34,18 @@ With several nodes, every rank's build thread joins one all-reduce per epoch on 
 by the constructor, which every rank calls), in epoch order, so the training thread's collectives are never
 interleaved with ours.
 
-This module is longer than most (one concept: the factory's epochs and the handover schedule above); what has a
-contract of its own lives beside it: ``partition.py`` (who reads what), ``resume.py`` (checkpoints), ``epoch.py``
-(one epoch's state and loader), ``pool.py``/``arena.py``/``collate.py`` (the feed), ``wait.py`` (the first fill).
+This module is the public face (arguments, checkpoints, the cache's classes and sources); the epochs themselves
+are ``lifecycle.py``'s, which the others serve: ``partition.py`` (who reads what), ``resume.py`` (checkpoints),
+``epoch.py`` (one epoch's resources and loader), ``growing.py`` (an epoch over a growing set),
+``pool.py``/``arena.py``/``collate.py`` (the feed), ``wait.py`` (the first fill).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, cast
@@ -61,30 +60,24 @@ from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.sources import read_sources
 from cachefeed._labels import read_classes
 from cachefeed._logs import get_logger
-from cachefeed._trainer.background import SerialWorker
 from cachefeed._trainer.compat import LoaderSettings, pin_memory_in_effect
 from cachefeed._trainer.dataset import SnapshotDataset, Transform
-from cachefeed._trainer.epoch import EpochLoader, EpochState, EpochStats, SkipEmptyCollate, shutdown_iterator
-from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
+from cachefeed._trainer.epoch import EpochLoader, EpochStats
+from cachefeed._trainer.lifecycle import EpochPlan, Epochs
 from cachefeed._trainer.partition import (
     EpochBatchSampler,
     RankInfo,
     detect_ranks,
     job_id,
     launcher_run_id,
-    rank_share,
     sanitize_run_id,
     snapshot_name,
 )
 from cachefeed._trainer.pool import ARENA_BYTES, WorkerPool
-from cachefeed._trainer.resume import ResumePoint, checkpoint, resume_point, resumed_snapshot
+from cachefeed._trainer.resume import checkpoint, resume_point
 from cachefeed._trainer.wait import (
-    fill_reached,
     parse_fill,
     wait_for_cache,
-    wait_for_fill,
-    wait_for_samples,
-    wait_for_segments,
 )
 from cachefeed._units import parse_size
 
@@ -191,7 +184,7 @@ class EpochLoaderFactory:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch must be >= 1 (or None), got {samples_per_epoch}")
-        self._grows_first = min_samples is None  # the first epoch starts on a growing set (``growing.py``)
+        grows_first = min_samples is None  # the first epoch starts on a growing set (``growing.py``)
         if min_samples is None:  # what the first epoch waits for where it cannot grow (several nodes, sources)
             min_samples = samples_per_epoch or DEFAULT_MIN_FILL
         self.min_fill = parse_fill(min_samples) if isinstance(min_samples, str) else None
@@ -226,8 +219,6 @@ class EpochLoaderFactory:
         self.collate_fn = collate_fn or default_collate
         self.verify = verify
         self.samples_per_epoch = samples_per_epoch
-        self._resume: ResumePoint | None = None
-        self._current: EpochState | None = None
         self.min_samples = min_samples
         self.wait_timeout_s = wait_timeout_s
         self.join_timeout_s = join_timeout_s
@@ -242,23 +233,38 @@ class EpochLoaderFactory:
             num_workers=num_workers,
             **self.loader_options,
         )
-        self._window = max(1, num_workers) * int(loader_options.get("prefetch_factor") or 2)
         self._pool = self._new_pool(None if collate_fn is default_collate else collate_fn) if num_workers else None
         self._agree_group = self._new_agree_group()
         self.job = job_id(self.ranks, broadcast=self._broadcast if self._agree_group is not None else None)
-        self._lock = threading.Lock()
-        self._builder = SerialWorker("cachefeed-build")  # not a ThreadPoolExecutor: see background.py
-        self._teardown = SerialWorker("cachefeed-teardown")
-        self._states: dict[int, EpochState] = {}
-        self._retired: dict[int, EpochState] = {}
-        self._prepared: tuple[int, Future[EpochState]] | None = None
-        self._last_names: frozenset[str] | None = None
-        self._has_built = False
-        self._build_estimate_s = 0.0
-        self._waited_s = 0.0
-        self._pace_s: float | None = None
-        self._last_batch_at = 0.0
-        self._closed = False
+        self._epochs = Epochs(
+            EpochPlan(
+                layout=self.layout,
+                ranks=self.ranks,
+                job=self.job,
+                run_id=self.run_id,
+                batch_size=batch_size,
+                drop_last=drop_last,
+                shuffle=shuffle,
+                seed=seed,
+                samples_per_epoch=samples_per_epoch,
+                transform=transform,
+                verify=verify,
+                num_workers=num_workers,
+                collate_fn=self.collate_fn,
+                loader_options=self.loader_options,
+                window=max(1, num_workers) * int(loader_options.get("prefetch_factor") or 2),
+                grows_first=grows_first,
+                min_fill=self.min_fill,
+                min_samples=min_samples,
+                wait_timeout_s=wait_timeout_s,
+                join_timeout_s=join_timeout_s,
+                prepare_at=prepare_at,
+                epochs=epochs,
+                progress=progress,
+                agree_min=self._agree_min,
+            ),
+            self._pool,
+        )
 
     # -- public API ----------------------------------------------------------------------------------------
 
@@ -268,23 +274,23 @@ class EpochLoaderFactory:
         Moving to an epoch retires every other one (its workers stop and its pin is released, off this thread).
         """
         started = time.perf_counter()
-        state = self._activate(epoch, with_loader=True)
-        self._on_wait(time.perf_counter() - started, first_batch=None)
+        state = self._epochs.activate(epoch, with_loader=True)
+        self._epochs.on_wait(time.perf_counter() - started, first_batch=None)
         settings = LoaderSettings(
             self.batch_size, self.drop_last, self.num_workers, self.collate_fn, self.loader_options
         )
-        return EpochLoader(state, _Hooks(self), lambda: self.stats(epoch), settings)
+        return EpochLoader(state, self._epochs, lambda: self.stats(epoch), settings)
 
     def dataset(self, epoch: int) -> SnapshotDataset:
         """The snapshot dataset of ``epoch``, for your own DataLoader. Pinned until the factory moves on or closes.
 
         Note that the dataset holds *all* samples of the node's snapshot; ``share(epoch)`` gives this rank's part.
         """
-        return self._activate(epoch, with_loader=False).dataset
+        return self._epochs.activate(epoch, with_loader=False).dataset
 
     def share(self, epoch: int) -> npt.NDArray[np.int64]:
         """This rank's indices into ``dataset(epoch)``, in this epoch's order (disjoint, equal-sized across ranks)."""
-        return self._activate(epoch, with_loader=False).indices
+        return self._epochs.activate(epoch, with_loader=False).indices
 
     def snapshot_id(self, epoch: int) -> str:
         """The name of the snapshot this factory pins for ``epoch`` (``<run_id>-<job>-e<epoch>``; a resumed epoch
@@ -293,31 +299,11 @@ class EpochLoaderFactory:
 
     def stats(self, epoch: int) -> EpochStats:
         """Statistics of an epoch this factory built (KeyError for one it never built)."""
-        with self._lock:
-            state = self._states.get(epoch) or self._retired.get(epoch)
-        if state is None:
-            raise KeyError(f"epoch {epoch} was not built by this factory")
-        return state.stats(handover=True)
+        return self._epochs.stats(epoch)
 
     def close(self) -> None:
         """Stop all workers and release all pins. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            prepared, self._prepared = self._prepared, None
-            states = list(self._states.values())
-            self._retired.update(self._states)
-            self._states.clear()
-        if prepared is not None:
-            try:
-                states.append(prepared[1].result())
-            except BaseException:  # it is being discarded: its error does not matter now
-                log.debug("discarded epoch %d failed to build", prepared[0], exc_info=True)
-        self._teardown.shutdown(wait=True)
-        self._builder.shutdown(wait=True)
-        for state in states:
-            state.release()
+        self._epochs.close()
         if self._pool is not None:
             self._pool.close()
 
@@ -355,22 +341,6 @@ class EpochLoaderFactory:
             pin_memory=bool(options.get("pin_memory")),
         )
 
-    def _feed(self, state: EpochState) -> None:
-        """Give ``state`` its loader: a pass on the worker pool, or without workers a DataLoader."""
-        if self._pool is not None:
-            state.start_pass(self._pool, self.batch_size, self.drop_last)
-        else:
-            state.start_loader(self._make_loader, self.batch_size, self.drop_last)
-
-    def _make_loader(self, dataset: SnapshotDataset, sampler: Sampler[npt.NDArray[np.int64]]) -> DataLoader[Any]:
-        return DataLoader(
-            dataset,
-            batch_sampler=cast(Sampler[list[int]], sampler),  # yields int64 arrays: cheaper than lists
-            num_workers=self.num_workers,
-            collate_fn=SkipEmptyCollate(self.collate_fn),
-            **self.loader_options,
-        )
-
     def _new_agree_group(self) -> Any:
         """A gloo group of every rank, for the job's id and the cross-node share (one per factory, made by the
         constructor, which every rank calls)."""
@@ -399,7 +369,7 @@ class EpochLoaderFactory:
         the snapshot the epoch reads (its name and nonce) and every setting that decides the epoch's order and
         this rank's share (``resume.py``). Save it together with the model, after the step on the last batch.
         """
-        state = self._current
+        state = self._epochs.current
         return checkpoint(
             epoch=state.epoch if state is not None else 0,
             batches_consumed=state.batches_consumed if state is not None else 0,
@@ -435,11 +405,10 @@ class EpochLoaderFactory:
         weights), naming it and both values; ``strict=False`` accepts the change and takes the fresh-snapshot path.
         """
         epoch, resume = resume_point(state, self._settings(None), strict=strict)
-        with self._lock:
-            if self._has_built:
-                raise RuntimeError("load_state_dict must be called before the first loader()")
+        if self._epochs.has_built:
+            raise RuntimeError("load_state_dict must be called before the first loader()")
         if resume is not None:
-            self._resume = resume
+            self._epochs.resume_at(resume)
         return epoch
 
     @property
@@ -465,281 +434,6 @@ class EpochLoaderFactory:
         per_rank = self.samples_per_epoch // self.ranks.local_world_size
         return len(EpochBatchSampler(np.empty(per_rank, np.int64), self.batch_size, drop_last=self.drop_last))
 
-    def _share(self, snapshot: Snapshot, epoch: int) -> npt.NDArray[np.int64]:
-        """This rank's indices into ``snapshot`` for ``epoch`` (see partition.py)."""
-        return rank_share(
-            snapshot.counts,
-            snapshot.sample_reads,
-            snapshot.tags,
-            {tag: weight for tag, (_name, weight) in snapshot.sources.items()},
-            epoch=epoch,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            ranks=self.ranks,
-            samples_per_epoch=self.samples_per_epoch,
-            agree_min=self._agree_min,
-        )
-
-    def _can_grow(self) -> bool:
-        """Whether the first epoch may start on a growing set (NOTE [ Growing snapshots ]'s scope): the user did
-        not ask to wait (``min_samples``), and its length needs no agreement across nodes, and no sources are
-        weighed."""
-        if not self._grows_first or self.sources:
-            return False
-        return self.samples_per_epoch is not None or not self.ranks.nodes_differ
-
-    def _growing(self, snapshot: Snapshot, dataset: SnapshotDataset, epoch: int, skip_batches: int) -> GrowingEpoch:
-        """This rank's reading of a growing snapshot; its creator (alive in this process) keeps growing it."""
-        ranks = self.ranks
-        quota = self.samples_per_epoch // ranks.local_world_size if self.samples_per_epoch is not None else None
-        share = GrowingShare(
-            seed=self.seed,
-            epoch=epoch,
-            shuffle=self.shuffle,
-            local_rank=ranks.local_rank,
-            local_world_size=ranks.local_world_size,
-            quota=quota,
-        )
-        grower = Grower(snapshot, self._growth_done) if snapshot.is_open and ranks.is_creator else None
-        return GrowingEpoch(
-            snapshot,
-            dataset,
-            share,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-            estimate=quota if quota is not None else self._estimated_share(snapshot),
-            timeout_s=self.wait_timeout_s,
-            grower=grower,
-            skip_batches=skip_batches,
-        )
-
-    def _growth_done(self, samples: int) -> bool:
-        """The grower's rule: the epoch has its samples, or the daemon can fill no further (``fill_reached``)."""
-        spe = self.samples_per_epoch
-        if spe is not None and samples >= spe + self.ranks.local_world_size - 1:  # the carry is < local ranks
-            return True
-        return fill_reached(self.layout, 1.0, samples)[0]
-
-    def _estimated_share(self, snapshot: Snapshot) -> int:
-        """This rank's samples if the first epoch grows until the daemon's fill level (``len()`` until it closes)."""
-        from cachefeed._status.report import read_report  # the reader of the daemon's document
-
-        total = snapshot.samples
-        document = read_report(self.layout.root).document
-        if document is not None:
-            cache = document["cache"]
-            fill, samples = float(cache.get("fill", 0.0)), int(cache.get("samples", 0))
-            if fill > 0.01:
-                total = max(total, round(samples / min(1.0, fill)))
-        return total // self.ranks.local_world_size
-
-    def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
-        """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
-        started = time.perf_counter()
-        with self._lock:
-            is_first, self._has_built = not self._has_built, True
-        waited = 0.0
-        join_timeout = self.join_timeout_s
-        grows = is_first and self._resume is None and self._can_grow()
-        if grows and self.ranks.is_creator:
-            need = max(1, self.num_workers) * self.ranks.local_world_size  # a segment for every worker to read
-            wait_for_segments(self.layout, need, timeout_s=self.wait_timeout_s, progress=self.progress)
-            waited = time.perf_counter() - started
-        elif is_first and self.ranks.is_creator and self.min_fill is not None:
-            wait_for_fill(self.layout, self.min_fill, timeout_s=self.wait_timeout_s, progress=self.progress)
-            waited = time.perf_counter() - started
-        elif is_first and self.ranks.is_creator:
-            wait_for_samples(self.layout, int(self.min_samples), timeout_s=self.wait_timeout_s, progress=self.progress)
-            waited = time.perf_counter() - started
-        elif is_first:
-            join_timeout += self.wait_timeout_s
-        snap_id = self.snapshot_id(epoch)
-        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
-        skip_batches = resume.batches_consumed if resume is not None else 0
-        snapshot = resumed_snapshot(self.layout.root, resume) if resume is not None else None
-        is_exact_resume = snapshot is not None
-        if snapshot is not None:
-            snap_id = snapshot.snap_id
-        elif self.ranks.is_creator:
-            snapshot = Snapshot.create(self.layout.root, snap_id, job=self.job, growing=grows)
-        else:
-            snapshot = Snapshot.join(self.layout.root, snap_id, timeout_s=join_timeout, job=self.job)
-        dataset: SnapshotDataset | None = None
-        growing: GrowingEpoch | None = None
-        pid = os.getpid()
-        try:
-            dataset = SnapshotDataset.from_snapshot(snapshot, transform=self.transform, verify=self.verify)
-            growing = (
-                self._growing(snapshot, dataset, epoch, skip_batches) if snapshot.generations is not None else None
-            )
-            share = self._share(snapshot, epoch) if growing is None else growing.share.indices
-            indices = share[skip_batches * self.batch_size :]
-            # An exact resume: the skipped batches were served by the interrupted run (its checkpoint says so).
-            credited = share[: skip_batches * self.batch_size] if is_exact_resume else share[:0]
-            with self._lock:
-                previous, self._last_names = self._last_names, frozenset(snapshot.names)
-            fresh = [
-                (n, c)
-                for n, c in zip(snapshot.names, snapshot.counts, strict=True)
-                if previous is None or n not in previous
-            ]
-            state = EpochState(
-                epoch,
-                snapshot,
-                dataset,
-                indices,
-                credited=credited,
-                new_samples=sum(c for _n, c in fresh),
-                new_segments=len(fresh),
-                wait_for_samples_s=waited,
-                growing=growing,
-            )
-            state.is_first_epoch = is_first
-            state.prepared_in_background = background
-            if with_loader:
-                self._feed(state)
-        except BaseException:
-            if os.getpid() != pid:  # unwinding in a forked worker that failed to start: the pin is the parent's
-                raise
-            if growing is not None and growing.grower is not None:
-                growing.grower.stop()
-            if dataset is not None:
-                dataset.close()
-            snapshot.release()
-            raise
-        state.build_s = time.perf_counter() - started - waited
-        self._build_estimate_s = max(self._build_estimate_s, state.build_s)
-        log.info(
-            "epoch %d: snapshot %s, %d samples (%d new), %d for this rank, built in %.3fs%s",
-            epoch,
-            snap_id,
-            snapshot.samples,
-            state.new_samples,
-            len(indices),
-            state.build_s,
-            " in the background" if background else "",
-        )
-        return state
-
-    def _activate(self, epoch: int, *, with_loader: bool) -> EpochState:
-        """Make ``epoch`` the current epoch: take or build its state, retire every other one."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this EpochLoaderFactory is closed")
-            state = self._states.get(epoch)
-            prepared = None
-            if state is None and self._prepared is not None:
-                prepared, self._prepared = self._prepared, None
-        if state is None:
-            if prepared is not None and prepared[0] == epoch:
-                state = prepared[1].result()
-            else:
-                if prepared is not None:
-                    prepared[1].add_done_callback(self._retire_future)
-                state = self._build(epoch, with_loader=with_loader, background=False)
-        elif with_loader and not state.fed:
-            started = time.perf_counter()
-            self._feed(state)
-            state.build_s += time.perf_counter() - started
-        with self._lock:
-            self._states[epoch] = state
-            others = [s for e, s in self._states.items() if e != epoch]
-            for other in others:
-                del self._states[other.epoch]
-        for other in others:
-            self._retire(other)
-        return state
-
-    def _retire(self, state: EpochState) -> None:
-        with self._lock:
-            self._retired[state.epoch] = state
-            if not self._closed:  # close() shuts the teardown thread down only after setting _closed
-                self._teardown.submit(_logged, state.release, f"releasing epoch {state.epoch}")
-                return
-        state.release()
-
-    def _retire_future(self, future: Future[EpochState]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return
-        self._retire(future.result())
-
-    # -- hooks called by the epoch iterator (training thread) ----------------------------------------------
-
-    def _on_progress(self, state: EpochState, consumed: int) -> None:
-        """After ``consumed`` batches of ``state``'s epoch: learn the pace, start the next epoch when due."""
-        now = time.perf_counter()
-        if consumed > 1:
-            interval = now - self._last_batch_at
-            self._pace_s = (
-                interval if self._pace_s is None else (1 - _PACE_WEIGHT) * self._pace_s + (_PACE_WEIGHT * interval)
-            )
-        self._last_batch_at = now
-        self._current = state
-        if now - state.touched_at >= _TOUCH_EVERY_S:
-            state.touched_at = now
-            state.snapshot.touch()  # progress the daemon sees: a reading trainer is not a stuck one
-        if self._is_due(state, consumed):
-            self._prepare(state.epoch + 1)
-
-    def _is_due(self, state: EpochState, consumed: int) -> bool:
-        if state.growing is not None and not state.growing.is_complete:
-            return False  # its end is not known yet: the next epoch is pinned once it stopped growing
-        total = state.batches
-        if self.prepare_at is not None:
-            return consumed >= math.ceil(self.prepare_at * total)
-        remaining = total - consumed
-        if remaining <= 2 * self._window:
-            return True
-        if self._pace_s is None:
-            return False
-        return remaining * self._pace_s <= _LEAD_FACTOR * self._build_estimate_s + _LEAD_MARGIN_S
-
-    def _prepare(self, epoch: int) -> None:
-        if self.epochs is not None and epoch >= self.epochs:
-            return
-        with self._lock:
-            if self._closed or epoch in self._states:
-                return
-            discarded = self._prepared
-            if discarded is not None and discarded[0] == epoch:
-                return
-            future = self._builder.submit(self._build, epoch, with_loader=True, background=True)
-            self._prepared = (epoch, future)
-        if discarded is not None:  # outside the lock: a done future runs the callback right here
-            discarded[1].add_done_callback(self._retire_future)
-
-    def _on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
-        """Account the training thread's time in cachefeed at a handover (NOTE above)."""
-        self._waited_s += seconds
-        if first_batch is not None:
-            first_batch.first_batch_wait_s, self._waited_s = self._waited_s, 0.0
-
-    def _on_exhausted(self, inner: Iterator[Any]) -> None:
-        with self._lock:
-            if not self._closed:
-                self._teardown.submit(_logged, shutdown_iterator, "stopping DataLoader workers", inner)
-                return
-        shutdown_iterator(inner)
-
-
-class _Hooks:
-    """The factory's side of NOTE [ Epoch handover ], as the ``EpochHooks`` an ``EpochLoader`` calls on the training
-    thread. A separate object so that the factory's public surface is only what users call."""
-
-    __slots__ = ("_factory",)
-
-    def __init__(self, factory: EpochLoaderFactory) -> None:
-        self._factory = factory
-
-    def on_progress(self, state: EpochState, consumed: int) -> None:
-        self._factory._on_progress(state, consumed)
-
-    def on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
-        self._factory._on_wait(seconds, first_batch=first_batch)
-
-    def on_exhausted(self, inner: Iterator[Any]) -> None:
-        self._factory._on_exhausted(inner)
-
 
 def _arena_bytes(value: int | str | None) -> int:
     """``arena_bytes`` as bytes (``ARENA_BYTES`` for None); ValueError naming what is expected."""
@@ -752,11 +446,3 @@ def _arena_bytes(value: int | str | None) -> int:
     if size < _MIN_ARENA_BYTES:
         raise ValueError(f"arena_bytes must be at least 1MiB (it holds whole batches), got {value!r}")
     return size
-
-
-def _logged(fn: Callable[..., object], what: str, *args: object) -> None:
-    """Run a teardown step on the teardown thread, where nobody waits for its outcome: log a failure."""
-    try:
-        fn(*args)
-    except Exception:
-        log.warning("%s failed", what, exc_info=True)

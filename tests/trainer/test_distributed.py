@@ -94,7 +94,9 @@ def rank_main(root: str, port: int, rank: int, context: str, out: str, epochs: i
                 dataset = loader.dataset
                 entry["snapshot_keys"] = [dataset[i]["__key__"] for i in range(len(dataset))]
                 live = {name for name, _info in layout.list_segments()}
-                entry["evicted_while_pinned"] = sum(name not in live for name in factory._states[epoch].snapshot.names)
+                entry["evicted_while_pinned"] = sum(
+                    name not in live for name in factory._epochs._states[epoch].snapshot.names
+                )
             lengths = [None, None]
             dist.all_gather_object(lengths, len(loader))
             entry["all_batches"] = lengths

@@ -88,7 +88,7 @@ def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(tm
             assert stats.handover_wait_s is not None and stats.handover_wait_s < 0.5, stats
             assert stats.new_samples == 0 and stats.new_segments == 0
         assert factory.stats(0).handover_wait_s is None and factory.stats(0).new_samples == 600
-        assert factory._prepared is None, "epochs=3: no fourth epoch is prepared"
+        assert factory._epochs._prepared is None, "epochs=3: no fourth epoch is prepared"
     assert live_snapshot_locks(root) == [], "closing releases every pin"
     assert multiprocessing.active_children() == [], "no worker left behind"
 
@@ -232,7 +232,7 @@ def test_a_failed_background_build_is_raised_by_the_next_loader_call(tmp_path: P
         with EpochLoaderFactory(root, batch_size=4, run_id="t", rank=1, world_size=2, join_timeout_s=0.5) as factory:
             for _ in factory.loader(0):
                 pass
-            assert factory._prepared is not None, "epoch 1 was being prepared in the background"
+            assert factory._epochs._prepared is not None, "epoch 1 was being prepared in the background"
             with pytest.raises(SnapshotError, match="local rank 0"):
                 factory.loader(1)
     finally:
@@ -332,9 +332,9 @@ def test_a_0d_label_from_npz_batches_as_one_label_per_sample(tmp_path: Path) -> 
 
 def test_reading_an_epoch_shows_progress_on_its_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What tells the daemon a slow trainer from a stuck one: batches flowing touch the snapshot's lock file."""
-    import cachefeed._trainer.loader as loader_module
+    import cachefeed._trainer.lifecycle as lifecycle_module
 
-    monkeypatch.setattr(loader_module, "_TOUCH_EVERY_S", 0.0)
+    monkeypatch.setattr(lifecycle_module, "_TOUCH_EVERY_S", 0.0)
     root = build_cache(tmp_path / "c", 100)
     with EpochLoaderFactory(root, batch_size=10, run_id="t", epochs=1, progress=None) as factory:
         lock = root / "snapshots" / f"{factory.snapshot_id(0)}.lock"

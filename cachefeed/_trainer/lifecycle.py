@@ -1,0 +1,502 @@
+"""The epochs of one factory: their states, transitions and threads (the one owner of an epoch's lifecycle).
+
+``EpochLoaderFactory`` (``loader.py``) is the public face: it checks arguments, holds checkpoints and asks this
+module for epochs. What an epoch *is* lives beside it: ``epoch.py`` (its resources and the loader the training loop
+iterates), ``pool.py`` (the feed), ``growing.py`` (an epoch over a growing set), ``partition.py`` (who reads what).
+They serve this module; none of them moves an epoch from one state to another.
+
+States of epoch ``e`` (``EpochState.phase``)::
+
+    building --build--> built --feed--> fed --activate--> current --retire--> retired --release--> released
+        (dataset()/share() stop at built; activate feeds a built epoch first)
+
+Transitions, who runs them and on which thread:
+
+* **prepare** (training thread, from ``on_progress``; NOTE [ Epoch handover ] in ``loader.py`` says when): queues
+  build + feed of ``e + 1`` on the *build thread*, which pins its snapshot (local rank 0 creates, the node's other
+  ranks join; the first epoch waits for the cache first, or starts on a growing set), computes this rank's share,
+  opens the dataset and queues its pass on the pool (without workers: builds its DataLoader and fetches the first
+  batch).
+* **activate** (training thread: ``loader(e)``, ``dataset(e)``, ``share(e)``): takes the prepared epoch, waiting
+  only if its build is late (or builds it now), makes it *current* and retires every other epoch.
+* **retire** (training thread): hands the epoch to the *teardown thread*; the training thread never joins a
+  process or unlinks a file.
+* **release** (teardown thread, or ``close``): stops a growing snapshot's grower, closes the epoch's iterators and
+  passes, waits until every worker has closed its readers of the epoch's segments, closes the dataset, records what
+  the epoch served (NOTE [ Read receipts ] in ``_cache/reads.py``) and drops the pin. Idempotent.
+
+While an epoch is current, its iterator reports each batch here (``on_progress``, ``on_wait``, ``on_exhausted``):
+this module learns the pace, decides when to prepare the next epoch and accounts the handover wait.
+
+Failures of a background build are re-raised by ``activate`` on the training thread, with their traceback. With
+several nodes, every rank's build thread joins one all-reduce per epoch (``plan.agree_min``) in epoch order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TextIO, cast
+
+import numpy as np
+import numpy.typing as npt
+from torch.utils.data import DataLoader, Sampler
+
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.sources import read_sources
+from cachefeed._errors import SnapshotError
+from cachefeed._logs import get_logger
+from cachefeed._trainer.background import SerialWorker
+from cachefeed._trainer.dataset import SnapshotDataset, Transform
+from cachefeed._trainer.epoch import EpochState, EpochStats, GrowingBatchSampler, SkipEmptyCollate, shutdown_iterator
+from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
+from cachefeed._trainer.partition import EpochBatchSampler, RankInfo, rank_share, snapshot_name
+from cachefeed._trainer.pool import WorkerPool
+from cachefeed._trainer.resume import ResumePoint, resumed_snapshot
+from cachefeed._trainer.wait import fill_reached, wait_for_fill, wait_for_samples, wait_for_segments
+
+__all__ = ["EpochPlan", "Epochs"]
+
+log = get_logger(__name__)
+
+_LEAD_FACTOR = 2.0
+_LEAD_MARGIN_S = 0.1
+_PACE_WEIGHT = 0.2
+_TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPlan:
+    """What decides every epoch of a factory, fixed when it is made (``EpochLoaderFactory``'s arguments)."""
+
+    layout: CacheLayout
+    ranks: RankInfo
+    job: str
+    run_id: str
+    batch_size: int
+    drop_last: bool
+    shuffle: bool
+    seed: int
+    samples_per_epoch: int | None
+    transform: Transform | None
+    verify: bool
+    num_workers: int
+    collate_fn: Callable[[list[Any]], Any]
+    loader_options: dict[str, Any]
+    window: int  # batches the feed holds ahead: num_workers x prefetch_factor
+    grows_first: bool  # the first epoch may start on a growing set (min_samples left unset)
+    min_fill: float | None  # otherwise what the first epoch waits for: a fill level,
+    min_samples: int | str  # ... or a number of samples
+    wait_timeout_s: float
+    join_timeout_s: float
+    prepare_at: float | None
+    epochs: int | None
+    progress: TextIO | None
+    agree_min: Callable[[int], int]  # the minimum over nodes (identity on one node)
+
+
+class Epochs:
+    """Every epoch of one factory, through the states and transitions of the module docstring."""
+
+    def __init__(self, plan: EpochPlan, pool: WorkerPool | None) -> None:
+        self.plan = plan
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._builder = SerialWorker("cachefeed-build")  # not a ThreadPoolExecutor: see background.py
+        self._teardown = SerialWorker("cachefeed-teardown")
+        self._states: dict[int, EpochState] = {}  # built, fed or current (at most one current)
+        self._retired: dict[int, EpochState] = {}  # retired or released, kept for their stats
+        self._prepared: tuple[int, Future[EpochState]] | None = None  # the epoch on the build thread
+        self._resume: ResumePoint | None = None
+        self.current: EpochState | None = None  # the epoch the training loop last took a batch of
+        self._last_names: frozenset[str] | None = None
+        self.has_built = False
+        self._build_estimate_s = 0.0
+        self._waited_s = 0.0
+        self._pace_s: float | None = None
+        self._last_batch_at = 0.0
+        self._closed = False
+
+    # -- what the factory asks --------------------------------------------------------------------------------
+
+    def resume_at(self, point: ResumePoint) -> None:
+        """The next build of ``point.epoch`` resumes it (``resume.py``); before the first build only."""
+        with self._lock:
+            if self.has_built:
+                raise RuntimeError("load_state_dict must be called before the first loader()")
+            self._resume = point
+
+    def stats(self, epoch: int) -> EpochStats:
+        """Statistics of an epoch built here (KeyError for one never built)."""
+        with self._lock:
+            state = self._states.get(epoch) or self._retired.get(epoch)
+        if state is None:
+            raise KeyError(f"epoch {epoch} was not built by this factory")
+        return state.stats(handover=True)
+
+    def close(self) -> None:
+        """Release every epoch (prepared ones included) and stop both threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            prepared, self._prepared = self._prepared, None
+            states = list(self._states.values())
+            self._retired.update(self._states)
+            self._states.clear()
+        if prepared is not None:
+            try:
+                states.append(prepared[1].result())
+            except BaseException:  # it is being discarded: its error does not matter now
+                log.debug("discarded epoch %d failed to build", prepared[0], exc_info=True)
+        self._teardown.shutdown(wait=True)
+        self._builder.shutdown(wait=True)
+        for state in states:
+            self._release(state)
+
+    # -- transitions ----------------------------------------------------------------------------------------------
+
+    def _feed(self, state: EpochState) -> None:
+        """built -> fed: queue the epoch's batches on the worker pool (its workers start on them once dealt), or
+        without workers build its DataLoader, start it and fetch the first batch."""
+        plan, growing = self.plan, state.growing
+        state.batch_size = plan.batch_size
+        if self.pool is not None:
+            state.pool, state.pool_key = self.pool, self.pool.new_key()
+            if growing is None:
+                state.batch_list = list(EpochBatchSampler(state.indices, plan.batch_size, drop_last=plan.drop_last))
+            inner = self.pool.open_pass(state.pool_key, state.dataset, state.batch_list, growing)
+            state.feed(inner, [], len(state.batch_list))
+            return
+        sampler: Sampler[npt.NDArray[np.int64]] = (
+            EpochBatchSampler(state.indices, plan.batch_size, drop_last=plan.drop_last)
+            if growing is None
+            else GrowingBatchSampler(growing)
+        )
+        state.dataloader = self._make_loader(state.dataset, sampler)
+        batches = len(sampler)  # type: ignore[arg-type]
+        loader = iter(state.dataloader)
+        head: list[Any] = []
+        if batches:
+            try:
+                head.append(next(loader))
+            except StopIteration:  # a growing epoch that closed empty
+                pass
+        state.feed(loader, head, batches)
+
+    def _release(self, state: EpochState) -> None:
+        """-> released (idempotent; teardown thread, or ``close``): stop a growing snapshot's grower, shut the
+        epoch's iterators and passes down, let every worker close its readers, close the dataset, record what the
+        epoch served and drop the pin."""
+        inners = state.mark_released()
+        if inners is None:
+            return
+        growing = state.growing
+        if growing is not None:
+            if growing.grower is not None:
+                growing.grower.stop()  # closes the snapshot as it is: nothing joins it after this epoch
+            try:
+                state.snapshot.refresh()  # what it served is recorded against the snapshot's final size
+            except SnapshotError as exc:
+                log.warning("epoch %d: %s", state.epoch, exc)
+        served = state.served()
+        try:
+            for inner in inners:
+                shutdown_iterator(inner)
+            if state.pool is not None:
+                state.pool.forget(state.pool_key)  # the workers unmap its segments before the pin goes
+        finally:
+            state.forget_resources()
+            state.dataset.close()
+            try:
+                state.snapshot.record_served(served)  # NOTE [ Read receipts ] in _cache/reads.py
+            except OSError as exc:
+                log.warning("epoch %d: could not record what %s served: %s", state.epoch, state.snapshot.snap_id, exc)
+            state.snapshot.release()
+
+    def _make_loader(self, dataset: SnapshotDataset, sampler: Sampler[npt.NDArray[np.int64]]) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_sampler=cast(Sampler[list[int]], sampler),  # yields int64 arrays: cheaper than lists
+            num_workers=self.plan.num_workers,
+            collate_fn=SkipEmptyCollate(self.plan.collate_fn),
+            **self.plan.loader_options,
+        )
+
+    def _share(self, snapshot: Snapshot, epoch: int) -> npt.NDArray[np.int64]:
+        """This rank's indices into ``snapshot`` for ``epoch`` (see partition.py)."""
+        return rank_share(
+            snapshot.counts,
+            snapshot.sample_reads,
+            snapshot.tags,
+            {tag: weight for tag, (_name, weight) in snapshot.sources.items()},
+            epoch=epoch,
+            seed=self.plan.seed,
+            shuffle=self.plan.shuffle,
+            ranks=self.plan.ranks,
+            samples_per_epoch=self.plan.samples_per_epoch,
+            agree_min=self.plan.agree_min,
+        )
+
+    def _can_grow(self) -> bool:
+        """Whether the first epoch may start on a growing set (NOTE [ Growing snapshots ]'s scope): the user did
+        not ask to wait (``min_samples``), and its length needs no agreement across nodes, and no sources are
+        weighed."""
+        if not self.plan.grows_first or read_sources(self.plan.layout.sources_file):
+            return False
+        return self.plan.samples_per_epoch is not None or not self.plan.ranks.nodes_differ
+
+    def _growing(self, snapshot: Snapshot, dataset: SnapshotDataset, epoch: int, skip_batches: int) -> GrowingEpoch:
+        """This rank's reading of a growing snapshot; its creator (alive in this process) keeps growing it."""
+        plan = self.plan
+        ranks = plan.ranks
+        spe = plan.samples_per_epoch
+        quota = spe // ranks.local_world_size if spe is not None else None
+        share = GrowingShare(
+            seed=plan.seed,
+            epoch=epoch,
+            shuffle=plan.shuffle,
+            local_rank=ranks.local_rank,
+            local_world_size=ranks.local_world_size,
+            quota=quota,
+        )
+        grower = Grower(snapshot, self._growth_done) if snapshot.is_open and ranks.is_creator else None
+        return GrowingEpoch(
+            snapshot,
+            dataset,
+            share,
+            batch_size=plan.batch_size,
+            drop_last=plan.drop_last,
+            estimate=quota if quota is not None else self._estimated_share(snapshot),
+            timeout_s=plan.wait_timeout_s,
+            grower=grower,
+            skip_batches=skip_batches,
+        )
+
+    def _growth_done(self, samples: int) -> bool:
+        """The grower's rule: the epoch has its samples, or the daemon can fill no further (``fill_reached``)."""
+        spe = self.plan.samples_per_epoch
+        if spe is not None and samples >= spe + self.plan.ranks.local_world_size - 1:  # the carry is < local ranks
+            return True
+        return fill_reached(self.plan.layout, 1.0, samples)[0]
+
+    def _estimated_share(self, snapshot: Snapshot) -> int:
+        """This rank's samples if the first epoch grows until the daemon's fill level (``len()`` until it closes)."""
+        from cachefeed._status.report import read_report  # the reader of the daemon's document
+
+        total = snapshot.samples
+        document = read_report(self.plan.layout.root).document
+        if document is not None:
+            cache = document["cache"]
+            fill, samples = float(cache.get("fill", 0.0)), int(cache.get("samples", 0))
+            if fill > 0.01:
+                total = max(total, round(samples / min(1.0, fill)))
+        return total // self.plan.ranks.local_world_size
+
+    def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
+        """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
+        started = time.perf_counter()
+        plan = self.plan
+        with self._lock:
+            is_first, self.has_built = not self.has_built, True
+        waited = 0.0
+        join_timeout = plan.join_timeout_s
+        grows = is_first and self._resume is None and self._can_grow()
+        if grows and plan.ranks.is_creator:
+            need = max(1, plan.num_workers) * plan.ranks.local_world_size  # a segment for every worker to read
+            wait_for_segments(plan.layout, need, timeout_s=plan.wait_timeout_s, progress=plan.progress)
+            waited = time.perf_counter() - started
+        elif is_first and plan.ranks.is_creator and plan.min_fill is not None:
+            wait_for_fill(plan.layout, plan.min_fill, timeout_s=plan.wait_timeout_s, progress=plan.progress)
+            waited = time.perf_counter() - started
+        elif is_first and plan.ranks.is_creator:
+            wait_for_samples(plan.layout, int(plan.min_samples), timeout_s=plan.wait_timeout_s, progress=plan.progress)
+            waited = time.perf_counter() - started
+        elif is_first:
+            join_timeout += plan.wait_timeout_s
+        snap_id = snapshot_name(plan.run_id, plan.job, epoch)
+        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
+        skip_batches = resume.batches_consumed if resume is not None else 0
+        snapshot = resumed_snapshot(plan.layout.root, resume) if resume is not None else None
+        is_exact_resume = snapshot is not None
+        if snapshot is not None:
+            snap_id = snapshot.snap_id
+        elif plan.ranks.is_creator:
+            snapshot = Snapshot.create(plan.layout.root, snap_id, job=plan.job, growing=grows)
+        else:
+            snapshot = Snapshot.join(plan.layout.root, snap_id, timeout_s=join_timeout, job=plan.job)
+        dataset: SnapshotDataset | None = None
+        growing: GrowingEpoch | None = None
+        pid = os.getpid()
+        try:
+            dataset = SnapshotDataset.from_snapshot(snapshot, transform=plan.transform, verify=plan.verify)
+            growing = (
+                self._growing(snapshot, dataset, epoch, skip_batches) if snapshot.generations is not None else None
+            )
+            share = self._share(snapshot, epoch) if growing is None else growing.share.indices
+            indices = share[skip_batches * plan.batch_size :]
+            # An exact resume: the skipped batches were served by the interrupted run (its checkpoint says so).
+            credited = share[: skip_batches * plan.batch_size] if is_exact_resume else share[:0]
+            with self._lock:
+                previous, self._last_names = self._last_names, frozenset(snapshot.names)
+            fresh = [
+                (n, c)
+                for n, c in zip(snapshot.names, snapshot.counts, strict=True)
+                if previous is None or n not in previous
+            ]
+            state = EpochState(
+                epoch,
+                snapshot,
+                dataset,
+                indices,
+                credited=credited,
+                new_samples=sum(c for _n, c in fresh),
+                new_segments=len(fresh),
+                wait_for_samples_s=waited,
+                growing=growing,
+            )
+            state.is_first_epoch = is_first
+            state.prepared_in_background = background
+            if with_loader:
+                self._feed(state)
+        except BaseException:
+            if os.getpid() != pid:  # unwinding in a forked worker that failed to start: the pin is the parent's
+                raise
+            if growing is not None and growing.grower is not None:
+                growing.grower.stop()
+            if dataset is not None:
+                dataset.close()
+            snapshot.release()
+            raise
+        state.build_s = time.perf_counter() - started - waited
+        self._build_estimate_s = max(self._build_estimate_s, state.build_s)
+        log.info(
+            "epoch %d: snapshot %s, %d samples (%d new), %d for this rank, built in %.3fs%s",
+            epoch,
+            snap_id,
+            snapshot.samples,
+            state.new_samples,
+            len(indices),
+            state.build_s,
+            " in the background" if background else "",
+        )
+        return state
+
+    def activate(self, epoch: int, *, with_loader: bool) -> EpochState:
+        """Make ``epoch`` the current epoch: take or build its state, retire every other one."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this EpochLoaderFactory is closed")
+            state = self._states.get(epoch)
+            prepared = None
+            if state is None and self._prepared is not None:
+                prepared, self._prepared = self._prepared, None
+        if state is None:
+            if prepared is not None and prepared[0] == epoch:
+                state = prepared[1].result()
+            else:
+                if prepared is not None:
+                    prepared[1].add_done_callback(self._retire_future)
+                state = self._build(epoch, with_loader=with_loader, background=False)
+        elif with_loader and not state.fed:
+            started = time.perf_counter()
+            self._feed(state)
+            state.build_s += time.perf_counter() - started
+        with self._lock:
+            self._states[epoch] = state
+            if state.fed:
+                state.phase = "current"
+            others = [s for e, s in self._states.items() if e != epoch]
+            for other in others:
+                del self._states[other.epoch]
+        for other in others:
+            self._retire(other)
+        return state
+
+    def _retire(self, state: EpochState) -> None:
+        with self._lock:
+            state.phase = "retired"
+            self._retired[state.epoch] = state
+            if not self._closed:  # close() shuts the teardown thread down only after setting _closed
+                self._teardown.submit(_logged, self._release, f"releasing epoch {state.epoch}", state)
+                return
+        self._release(state)
+
+    def _retire_future(self, future: Future[EpochState]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        self._retire(future.result())
+
+    # -- hooks called by the epoch iterator (training thread) ----------------------------------------------
+
+    # -- the iterator's reports (training thread): the EpochHooks of epoch.py ----------------------------------
+
+    def on_progress(self, state: EpochState, consumed: int) -> None:
+        """After ``consumed`` batches of ``state``'s epoch: learn the pace, start the next epoch when due."""
+        now = time.perf_counter()
+        if consumed > 1:
+            interval = now - self._last_batch_at
+            self._pace_s = (
+                interval if self._pace_s is None else (1 - _PACE_WEIGHT) * self._pace_s + (_PACE_WEIGHT * interval)
+            )
+        self._last_batch_at = now
+        self.current = state
+        if now - state.touched_at >= _TOUCH_EVERY_S:
+            state.touched_at = now
+            state.snapshot.touch()  # progress the daemon sees: a reading trainer is not a stuck one
+        if self._is_due(state, consumed):
+            self._prepare(state.epoch + 1)
+
+    def _is_due(self, state: EpochState, consumed: int) -> bool:
+        if state.growing is not None and not state.growing.is_complete:
+            return False  # its end is not known yet: the next epoch is pinned once it stopped growing
+        total = state.batches
+        if self.plan.prepare_at is not None:
+            return consumed >= math.ceil(self.plan.prepare_at * total)
+        remaining = total - consumed
+        if remaining <= 2 * self.plan.window:
+            return True
+        if self._pace_s is None:
+            return False
+        return remaining * self._pace_s <= _LEAD_FACTOR * self._build_estimate_s + _LEAD_MARGIN_S
+
+    def _prepare(self, epoch: int) -> None:
+        if self.plan.epochs is not None and epoch >= self.plan.epochs:
+            return
+        with self._lock:
+            if self._closed or epoch in self._states:
+                return
+            discarded = self._prepared
+            if discarded is not None and discarded[0] == epoch:
+                return
+            future = self._builder.submit(self._build, epoch, with_loader=True, background=True)
+            self._prepared = (epoch, future)
+        if discarded is not None:  # outside the lock: a done future runs the callback right here
+            discarded[1].add_done_callback(self._retire_future)
+
+    def on_wait(self, seconds: float, *, first_batch: EpochState | None) -> None:
+        """Account the training thread's time in cachefeed at a handover (NOTE above)."""
+        self._waited_s += seconds
+        if first_batch is not None:
+            first_batch.first_batch_wait_s, self._waited_s = self._waited_s, 0.0
+
+    def on_exhausted(self, inner: Iterator[Any]) -> None:
+        with self._lock:
+            if not self._closed:
+                self._teardown.submit(_logged, shutdown_iterator, "stopping DataLoader workers", inner)
+                return
+        shutdown_iterator(inner)
+
+
+def _logged(fn: Callable[..., object], what: str, *args: object) -> None:
+    """Run a teardown step on the teardown thread, where nobody waits for its outcome: log a failure."""
+    try:
+        fn(*args)
+    except Exception:
+        log.warning("%s failed", what, exc_info=True)
