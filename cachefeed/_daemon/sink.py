@@ -12,6 +12,10 @@ samples are written.
 Sources: a segment holds samples of one source only (its tag in the trailer, ``_cache/records.py``): an object of
 another source than the open segment's first publishes that segment.
 
+Sizes: the first segments of a filling cache are small and grow to ``segment_bytes`` (``SegmentRamp`` in
+``_cache/writer.py``; the cache's published bytes at the sampler's start come in ``Init``), so that the first
+segments reach trainers after a few objects.
+
 Flushing: a segment is published when full, when the sampler has nothing in flight (``request_flush``: the tail
 of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow remote still reaches the
 cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of ``max_objects`` objects (which
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachefeed._cache.writer import CacheWriter, WriterStopped
+from cachefeed._cache.writer import CacheWriter, SegmentRamp, WriterStopped
 from cachefeed._codecs import Decoded, Sample
 from cachefeed._daemon.grants import RpcGrantProvider
 from cachefeed._daemon.protocol import WorkItem
@@ -60,6 +64,8 @@ class SinkSettings:
     idle_flush_s: float = 0.5
     max_age_s: float = 10.0
     max_objects: int = 8192
+    published_bytes: int | None = None  # the cache's at the sampler's start: segments ramp up (None: they do not)
+    writers: int = 1  # the daemon's samplers (SegmentRamp.writers)
 
 
 class SegmentSink:
@@ -139,6 +145,9 @@ class SegmentSink:
             fsync=settings.fsync,
             poll_s=0.1,
             stop=self._stop,
+            ramp=None
+            if settings.published_bytes is None
+            else SegmentRamp(settings.segment_bytes, settings.published_bytes, settings.writers),
         )
         opened_at = 0.0
         try:
