@@ -93,6 +93,7 @@ class CacheWriter:
         self._stop = stop or threading.Event()
         self._on_wait = on_wait
         self._ramp = ramp
+        self._last_growth = 0  # what the last record added to its segment's size
         self._writer: SegmentWriter | None = None
         self._grant: Grant | None = None
         self._encoder = RecordEncoder(compression=compression)
@@ -107,12 +108,22 @@ class CacheWriter:
     def add(self, sample: Mapping[str, Any]) -> None:
         """Append one sample (a dict with a string ``__key__``); may block while the cache is full."""
         record = self._encoder.encode(sample)
-        if self._writer is not None and self._writer.append(record):
-            return
-        self.flush()
-        target = self._segment_bytes if self._ramp is None else self._ramp.target()
-        writer = self._open(max(target, SegmentWriter.size_for(record.nbytes)))
-        writer.append(record)  # the first record of a fresh segment is always accepted
+        writer = self._writer
+        before = writer.nbytes if writer is not None else 0
+        if writer is None or not writer.append(record):
+            self.flush()
+            target = self._segment_bytes if self._ramp is None else self._ramp.target()
+            writer = self._open(max(target, SegmentWriter.size_for(record.nbytes)))
+            before = writer.nbytes
+            writer.append(record)  # the first record of a fresh segment is always accepted
+        self._last_growth = writer.nbytes - before
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the open segment has no room for another record as large as the last one added: its caller
+        can publish it now, at a sample boundary of its choosing, rather than when the next sample arrives."""
+        writer = self._writer
+        return writer is not None and writer.count > 0 and writer.capacity - writer.nbytes < self._last_growth
 
     def add_source(self, path: str, version: str | None) -> bool:
         """Name the remote object whose last sample was just added (see "Sources" in ``records.py``).

@@ -16,10 +16,11 @@ Sizes: the first segments of a filling cache are small and grow to ``segment_byt
 ``_cache/writer.py``; the cache's published bytes at the sampler's start come in ``Init``), so that the first
 segments reach trainers after a few objects.
 
-Flushing: a segment is published when full, when the sampler has nothing in flight (``request_flush``: the tail
-of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow remote still reaches the
-cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of ``max_objects`` objects (which
-bounds the size of the ``Publish`` message).
+Flushing: a segment is published when full (once another sample as large as the last would not fit: at the end
+of the object that filled it, not when the next object arrives), when the sampler has nothing in flight
+(``request_flush``: the tail of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow
+remote still reaches the cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of
+``max_objects`` objects (which bounds the size of the ``Publish`` message).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class SegmentSink:
                     opened_at = time.monotonic()
                 self._write_object(writer, item, body)
                 too_old = writer.pending_samples and time.monotonic() - opened_at > settings.max_age_s
-                if too_old or len(self._provider.completed) >= settings.max_objects:
+                if too_old or writer.is_full or len(self._provider.completed) >= settings.max_objects:
                     writer.flush()
             if self._is_hard_stop:
                 writer.abort()
