@@ -25,24 +25,28 @@ README = REPO_ROOT / "README.md"
 _BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.DOTALL)
 
 
-def _renderer(module: str) -> Callable[[dict[str, Any]], str]:
-    """``module``'s ``readme_table``, imported when a block is rendered (benchmarks import torch)."""
+def _renderer(target: str) -> Callable[[dict[str, Any]], str]:
+    """``module``'s ``readme_table`` (or ``module:function``), imported when a block is rendered (benchmarks
+    import torch)."""
+    module, _, function = target.partition(":")
 
     def render_block(doc: dict[str, Any]) -> str:
-        table: Callable[[dict[str, Any]], str] = importlib.import_module(module).readme_table
+        table: Callable[[dict[str, Any]], str] = getattr(importlib.import_module(module), function or "readme_table")
         return table(doc)
 
     return render_block
 
 
 # Each README block: (the committed result it renders, benchmarks/results/<result>.json; the script whose
-# readme_table(doc) renders it). A benchmark's block is named after it; "peers" is run_all's comparison.
+# readme_table(doc) renders it, or "module:function"). A benchmark's block is named after it; "peers" is
+# run_all's comparison, "coldstart" its cold-start table.
 SOURCES: dict[str, tuple[str, str]] = {
     **{
         name: (name, f"benchmarks.{name}")
         for name in ("catalog", "decode", "egress", "feed", "handover", "ingest", "read_throughput", "worker_memory")
     },
     "peers": ("results", "benchmarks.run_all"),
+    "coldstart": ("results", "benchmarks.common.results_md:cold_start_table"),
 }
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     name: _renderer(module) for name, (_r, module) in SOURCES.items()

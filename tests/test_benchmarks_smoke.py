@@ -46,6 +46,7 @@ def _no_ceiling(workload: Workload, key: str) -> list[MeasureSpec]:
 
 
 def test_harness_runs_cachefeed_against_the_counting_server_and_writes_the_report(tmp_path: Path) -> None:
+    from benchmarks.common.report import summary_rows
     from benchmarks.common.results_md import write_report
 
     doc = Suite("test", [CACHEFEED], [WORKLOAD], _plan, _no_ceiling, tmp_path / "run").run()
@@ -75,9 +76,14 @@ def test_harness_runs_cachefeed_against_the_counting_server_and_writes_the_repor
 
     write_report(doc, tmp_path)
     report = (tmp_path / "results.md").read_text()
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 7."):  # issue 7's numbers; 5 and 6 were dropped
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 7.", "## Cold start"):  # 5 and 6 were dropped
         assert heading in report
     assert "| cachefeed |" in report
+    # The cold start counts the daemon's start: its first batch after open_s, its first epoch after that.
+    started = measures["cold"]["open_s"]
+    row = next(r for r in summary_rows(doc) if r["system"] == "cachefeed")
+    assert started < row["cold_first_batch_s"] <= row["cold_first_epoch_s"]
+    assert row["cold_first_epoch_s"] == pytest.approx(started + cold[0]["wall_s"], abs=0.002)
 
 
 def test_a_baseline_measured_in_process(tmp_path: Path) -> None:
@@ -151,6 +157,36 @@ def test_the_readme_table_renders_the_new_rows_and_dashes_for_a_run_without_them
     assert raw == ["900", "-", "800", "per-sample files -"]
     warm = next(cells for what, cells in rows.items() if "(samples/s)" in what and "num_workers" not in what)
     assert "DataLoader ceiling, batched from RAM 300" in warm[3]
+
+
+def test_the_cold_start_table_counts_each_systems_start_and_shows_a_failed_run_by_its_status() -> None:
+    from benchmarks.common.results_md import cold_start_table
+
+    def cold(open_s: float, first_batch_s: float, wall_s: float, **extra: Any) -> dict[str, Any]:
+        epoch = {"first_batch_s": first_batch_s, "wall_s": wall_s, **extra}
+        return {"measures": {"cold": {"status": "ok", "open_s": open_s, "epochs": [epoch]}}}
+
+    systems = {
+        "cachefeed": cold(0.5, 1.0, 4.0),
+        "litdata": cold(0.25, 0.5, 2.0, partial=True),  # stopped by the harness: no complete first epoch
+        "mosaic": {"measures": {"cold": {"status": "timeout", "epochs": []}}},
+    }
+    doc = {
+        "workloads": {
+            "small": {
+                "workload": {"name": "small", "sample_bytes": 4096, "count": 8, "batch_size": 4},
+                "systems": systems,
+            }
+        },
+        "provenance": {"commit": "0123456789abcdef", "dirty": False},
+    }
+    rows = {line.split(" | ")[0].strip("| "): line for line in cold_start_table(doc).splitlines()}
+    assert rows["cachefeed"] == "| cachefeed | 1.5 / 4.5 |"
+    assert rows["litdata"] == "| litdata | 0.75 / - |"
+    assert rows["mosaicml-streaming"] == "| mosaicml-streaming | timeout |"
+    assert "s3fs (no cache)" not in rows  # not run at all: no row
+    assert "8 x 4 KiB: first batch / first epoch (s)" in cold_start_table(doc)
+    assert "at 0123456789" in cold_start_table(doc)
 
 
 def test_read_throughput_functions_at_tiny_size(tmp_path: Path) -> None:

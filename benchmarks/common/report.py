@@ -82,6 +82,7 @@ def _row(measures: dict[str, Any]) -> dict[str, Any]:
     cold = measures.get("cold", {})
     if cold.get("epochs"):
         row["cold_epoch_s"] = cold["epochs"][0]["wall_s"]
+        row.update(cold_start(cold))
     budget = measures.get("budget30", {})
     if budget.get("epochs"):
         row["budget_remote_mb_per_epoch"] = [_mb(e.get("remote_bytes")) for e in budget["epochs"]]
@@ -91,6 +92,21 @@ def _row(measures: dict[str, Any]) -> dict[str, Any]:
             waits = [e["handover_wait_s"] for e in measure.get("epochs", []) if e.get("handover_wait_s") is not None]
             row[label] = round(statistics.mean(waits), 3) if waits else measure.get("status")
     return row
+
+
+def cold_start(cold: dict[str, Any]) -> dict[str, float]:
+    """Time to first batch and to the end of the first complete epoch of a ``cold`` measurement, from the moment
+    the system was asked to start (its ``open``: cachefeed's daemon start, a peer's dataset construction) on an
+    empty cache: ``open_s`` plus epoch 0's ``first_batch_s``, and plus its ``wall_s``. Neither without a first
+    batch; no first epoch where the harness stopped epoch 0 (``partial``)."""
+    epochs = cold.get("epochs") or []
+    if not epochs or epochs[0].get("first_batch_s") is None:
+        return {}
+    opened = float(cold.get("open_s") or 0.0)
+    found = {"cold_first_batch_s": round(opened + float(epochs[0]["first_batch_s"]), 3)}
+    if not epochs[0].get("partial"):
+        found["cold_first_epoch_s"] = round(opened + float(epochs[0]["wall_s"]), 3)
+    return found
 
 
 def own_files_read_mb_per_s(local: dict[str, Any]) -> float | None:

@@ -13,6 +13,7 @@ from typing import Any
 from benchmarks.common.plots import write_plots
 from benchmarks.common.report import (
     HANDOVER_LABELS,
+    cold_start,
     fmt,
     get_measure,
     mean,
@@ -68,6 +69,7 @@ def render(doc: dict[str, Any], plots: dict[str, str]) -> str:
     parts = [_header(doc)]
     parts.append(_fig1(doc))
     parts.append(_fig2(doc))
+    parts.append("## Cold start: time to the first batch and to the first complete epoch\n\n" + cold_start_table(doc))
     parts.append(_fig3(doc))
     parts.append(_fig4(doc))
     parts.append(_fig7(doc))
@@ -233,6 +235,43 @@ def _fig2(doc: dict[str, Any]) -> str:
             "S3 ceiling: " + ("; ".join(ceiling) if ceiling else "-"),
         ]
     return "\n".join(out)
+
+
+COLD_START_SYSTEMS = ("cachefeed", "mosaic", "litdata", "s3fs")
+_SYSTEM_NAMES = {"mosaic": "mosaicml-streaming", "s3fs": "s3fs (no cache)"}
+
+
+def cold_start_table(doc: dict[str, Any]) -> str:
+    """The cold-start table (results.md's section and the README's block ``coldstart``): per workload and system,
+    seconds from asking the system to start on an empty cache to its first batch, and to the end of its first
+    complete epoch (``report.cold_start``: the ``cold`` measurement, ``open_s`` included), all from one run."""
+    names = workloads(doc)
+    shapes = [f"{e['workload']['count']} x {size_label(int(e['workload']['sample_bytes']))}" for _n, e in names]
+    header = ["system"] + [f"{shape}: first batch / first epoch (s)" for shape in shapes]
+    rows = []
+    for system in COLD_START_SYSTEMS:
+        cells = []
+        for _name, entry in names:
+            cold = get_measure(entry.get("systems", {}).get(system, {}), "cold")
+            found = cold_start(cold)
+            if not found:
+                cells.append(_status(cold) if cold else "-")
+                continue
+            cells.append(f"{fmt(found['cold_first_batch_s'])} / {fmt(found.get('cold_first_epoch_s'))}")
+        if any(cell != "-" for cell in cells):
+            rows.append([_SYSTEM_NAMES.get(system, system), *cells])
+    prov = doc.get("provenance", {})
+    commit = (prov.get("commit") or "")[:10] or "an unrecorded commit"
+    commit += " with uncommitted changes" if prov.get("dirty") else ""
+    machine = doc.get("machine", {})
+    note = (
+        "From an empty cache, the clock started when the system was asked to start (cachefeed: its daemon "
+        "launched; the peers: their dataset built over the converted shards already on S3, conversion not "
+        "counted), 2 DataLoader workers, no budget. "
+        f"Measured with `{doc.get('extra', {}).get('command', 'benchmarks/run_all.py')}` at {commit}, "
+        f"{str(machine.get('time_utc', ''))[:10]}, {machine.get('usable_cpus')} CPUs ({machine.get('cpu_model')})."
+    )
+    return _table(header, rows) + "\n\n" + note
 
 
 def _fig3(doc: dict[str, Any]) -> str:

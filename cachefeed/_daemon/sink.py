@@ -12,10 +12,15 @@ samples are written.
 Sources: a segment holds samples of one source only (its tag in the trailer, ``_cache/records.py``): an object of
 another source than the open segment's first publishes that segment.
 
-Flushing: a segment is published when full, when the sampler has nothing in flight (``request_flush``: the tail
-of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow remote still reaches the
-cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of ``max_objects`` objects (which
-bounds the size of the ``Publish`` message).
+Sizes: the first segments of a filling cache are small and grow to ``segment_bytes`` (``SegmentRamp`` in
+``_cache/writer.py``; the cache's published bytes at the sampler's start come in ``Init``), so that the first
+segments reach trainers after a few objects.
+
+Flushing: a segment is published when full (once another sample as large as the last would not fit: at the end
+of the object that filled it, not when the next object arrives), when the sampler has nothing in flight
+(``request_flush``: the tail of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow
+remote still reaches the cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of
+``max_objects`` objects (which bounds the size of the ``Publish`` message).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachefeed._cache.writer import CacheWriter, WriterStopped
+from cachefeed._cache.writer import CacheWriter, SegmentRamp, WriterStopped
 from cachefeed._codecs import Decoded, Sample
 from cachefeed._daemon.grants import RpcGrantProvider
 from cachefeed._daemon.protocol import WorkItem
@@ -60,6 +65,8 @@ class SinkSettings:
     idle_flush_s: float = 0.5
     max_age_s: float = 10.0
     max_objects: int = 8192
+    published_bytes: int | None = None  # the cache's at the sampler's start: segments ramp up (None: they do not)
+    writers: int = 1  # the daemon's samplers (SegmentRamp.writers)
 
 
 class SegmentSink:
@@ -139,6 +146,9 @@ class SegmentSink:
             fsync=settings.fsync,
             poll_s=0.1,
             stop=self._stop,
+            ramp=None
+            if settings.published_bytes is None
+            else SegmentRamp(settings.segment_bytes, settings.published_bytes, settings.writers),
         )
         opened_at = 0.0
         try:
@@ -163,7 +173,7 @@ class SegmentSink:
                     opened_at = time.monotonic()
                 self._write_object(writer, item, body)
                 too_old = writer.pending_samples and time.monotonic() - opened_at > settings.max_age_s
-                if too_old or len(self._provider.completed) >= settings.max_objects:
+                if too_old or writer.is_full or len(self._provider.completed) >= settings.max_objects:
                     writer.flush()
             if self._is_hard_stop:
                 writer.abort()

@@ -566,6 +566,8 @@ class Supervisor:
                 "compression": cache.compression,
                 "file_mode": cache.file_mode,
                 "fsync": cache.fsync,
+                "published_bytes": self._require_store().published_bytes,
+                "writers": config.sampler.processes,
             },
         )
 

@@ -316,3 +316,31 @@ def test_most_read_policy_order(reads: dict[int, int], expected: int) -> None:
     from cachefeed._cache.eviction import make_policy
 
     assert make_policy("most-read").choose([3, 4, 5], reads) == expected
+
+
+def test_a_writer_is_full_once_a_sample_like_the_last_would_not_fit_and_a_ramp_grows_its_segments(
+    tmp_path: Path,
+) -> None:
+    """``is_full`` lets the daemon's sink publish a segment at the end of the object that filled it; with a
+    ``SegmentRamp`` the segments start at the ramp's first size and grow to ``segment_bytes``."""
+    from cachefeed._cache.writer import FIRST_SEGMENT_BYTES, SegmentRamp
+
+    segment_bytes = 2 << 20
+    store = CacheStore(cache_config(tmp_path / "c", max_bytes=64 << 20, segment_bytes=segment_bytes))
+    ramp = SegmentRamp(segment_bytes)
+    sizes = []
+    with CacheWriter(store, segment_bytes=segment_bytes, fsync=False, ramp=ramp) as writer:
+        for i in range(120):
+            writer.add(make_sample(f"k{i:04d}", 64 << 10))
+            if writer.is_full:
+                before = len(store.segments)
+                writer.flush()
+                assert len(store.segments) == before + 1, "a full writer publishes its segment"
+                sizes.append(store.segments[-1].nbytes)
+            else:
+                assert writer.pending_samples, "a segment with room is not published"
+    store.close()
+    assert FIRST_SEGMENT_BYTES - (72 << 10) <= sizes[0] <= FIRST_SEGMENT_BYTES  # full at its first size
+    assert sizes == sorted(sizes), f"the ramp only grows: {sizes}"
+    assert segment_bytes - (72 << 10) <= max(sizes) <= segment_bytes
+    assert len(cached_keys(tmp_path / "c")) == 120
