@@ -308,6 +308,8 @@ class Epochs:
         waited = 0.0
         join_timeout = plan.join_timeout_s
         grows = is_first and self._resume is None and self._can_grow()
+        if is_first and self.pool is not None:
+            self.pool.start()  # forked while the cache fills, not after
         if grows and plan.ranks.is_creator:
             need = max(1, plan.num_workers) * plan.ranks.local_world_size  # a segment for every worker to read
             wait_for_segments(plan.layout, need, timeout_s=plan.wait_timeout_s, progress=plan.progress)

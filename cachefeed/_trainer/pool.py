@@ -483,8 +483,14 @@ class WorkerPool:
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the workers now, if not yet (a cold first epoch starts them while it waits for the cache)."""
+        with self._lock:
+            if not self._workers and not self._closed:
+                self._start()
+
     def _start(self) -> None:
-        """Start the workers (under the lock, on the first pass)."""
+        """Start the workers (under the lock, on the first pass or ``start``)."""
         self._workers = [self._spawn(index) for index in range(self.num_workers)]
         log.debug("started %d cachefeed workers (%s)", self.num_workers, self._context.get_start_method())
 
