@@ -276,3 +276,22 @@ def test_catalog_measures_a_tiny_dataset_and_renders_its_table(tmp_path: Path) -
         },
     }
     assert "| 3,000 |" in catalog.readme_table({"figures": {"rows": [row]}})
+
+
+def test_first_batch_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import first_batch
+
+    assert (
+        first_batch.main(["--objects", "6", "--per-object", "10", "--sample-kib", "4", "--fill-s", "1", "--no-save"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "growing: first batch" in out and "75% fill: first batch" in out
+
+
+def test_outcome_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import outcome
+
+    assert outcome.main(["--samples", "400", "--steps", "12", "--rate", "4000", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "full data:" in out and "reads each" in out
