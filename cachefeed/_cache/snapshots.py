@@ -44,7 +44,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -53,9 +53,26 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from cachefeed._cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
-from cachefeed._cache.reads import RECEIPT_SUFFIX, decode_reads, emit_receipt, encode_reads, read_counts, write_served
+from cachefeed._cache.layout import (
+    SEGMENT_NAME,
+    SNAPSHOT_ID,
+    CacheLayout,
+    allocated_bytes,
+    list_regular,
+    segment_name,
+    segment_seq,
+)
+from cachefeed._cache.reads import (
+    RECEIPT_SUFFIX,
+    Counts,
+    decode_reads,
+    emit_receipt,
+    encode_reads,
+    read_counts,
+    write_served,
+)
 from cachefeed._cache.records import segment_trailer
+from cachefeed._cache.room import Candidate, choose, read_room
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._fsutil import atomic_write, remove_tree
@@ -137,9 +154,13 @@ class Snapshot:
     # -- creation and joining -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, root: str | os.PathLike[str], snap_id: str, *, job: str = "") -> Snapshot:
-        """Pin every segment published right now, for ``job``. If another process of that job created
-        ``snap_id`` first, join it (``SnapshotError`` if another job did)."""
+    def create(
+        cls, root: str | os.PathLike[str], snap_id: str, *, job: str = "", reading: Collection[str] = ()
+    ) -> Snapshot:
+        """Pin the segments published right now, at most the daemon's epoch room of them, least-read first
+        (``room.py``: ``reading`` names the segments of ``job``'s previous snapshot, still being read, which count
+        one pending read each), for ``job``. If another process of that job created ``snap_id`` first, join it
+        (``SnapshotError`` if another job did)."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
@@ -160,7 +181,8 @@ class Snapshot:
             directory.mkdir(mode=0o750)
             entries = []
             reads = read_counts(layout.root)
-            for name, _info in layout.list_segments():
+            named_sources = read_sources(layout.sources_file)
+            for name in _chosen(layout, reads, reading, {e.tag: e.weight for e in named_sources}):
                 try:
                     os.link(layout.segments / name, directory / name, follow_symlinks=False)
                 except FileNotFoundError:
@@ -172,7 +194,7 @@ class Snapshot:
                     entries.append([name, count, level, tag, above])
                 else:
                     os.unlink(directory / name)
-            named = [[e.tag, e.name, e.weight] for e in read_sources(layout.sources_file)]
+            named = [[e.tag, e.name, e.weight] for e in named_sources]
             manifest = {
                 "id": snap_id,
                 "created": time.time(),
@@ -280,6 +302,25 @@ class Snapshot:
 
     def __reduce__(self) -> str:
         raise TypeError("a Snapshot holds a lock and cannot be pickled; pass snap_id and names instead")
+
+
+def _chosen(
+    layout: CacheLayout, reads: Mapping[str, Counts], reading: Collection[str], weights: dict[int, float]
+) -> list[str]:
+    """The names of the published segments a new snapshot pins, oldest first (``room.py``'s rule). A static cache
+    (no daemon) has no room: everything."""
+    listed = layout.list_segments()
+    room = read_room(layout.root) if layout.has_writer() else None
+    if room is None:
+        return [name for name, _info in listed]
+    pending = set(reading)
+    candidates = []
+    for name, info in listed:
+        counts = reads.get(name)
+        level = int(counts.min()) if counts is not None and len(counts) else 0
+        tag = segment_trailer(layout.segments / name)[1] if weights else 0
+        candidates.append(Candidate(segment_seq(name), allocated_bytes(info), level, tag, name in pending))
+    return [segment_name(seq) for seq in choose(candidates, room, weights)]
 
 
 def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:

@@ -47,20 +47,23 @@ Two rules keep the cache turning over while trainers pin it:
 * (A) hard: a grant is given only if the budget above still holds after it, and the filesystem keeps
   ``min_free_bytes`` free (for that floor alone the store evicts *unpinned*, evictable segments: evicting a pinned
   one frees nothing). Otherwise ``reserve`` returns None and the writer waits: back-pressure, never overshoot.
-* (B) turnover: the published set is kept at most ``max_bytes - turnover_bytes - metadata - next_snapshot`` by
-  evicting evictable published segments (policy order), pinned or not; if too few are evictable, ``reserve``
-  returns None (paced). A snapshot therefore pins at most that much, and while an epoch reads it at least
-  ``turnover_bytes`` of fresh samples can still arrive; evicted-but-pinned bytes stay with the snapshot until it
-  is released. Without this rule a snapshot of a full cache would freeze ingest for a whole epoch.
+* (B) room for fresh samples: a snapshot pins at most the *epoch room*, ``max_bytes - turnover_bytes -
+  METADATA_RESERVE_BYTES`` of segments, least-read first (``room.py``, written to ``budget.json`` at start), so
+  the published set is never capped below the budget: while an epoch reads its snapshot, at least
+  ``turnover_bytes`` of the budget holds samples it does not pin. Room for a grant is made by evicting evictable,
+  *unpinned* segments (policy order, see "Weighted sources"); when none may go, ``reserve`` returns None: *paced*
+  if what fills the cache still waits for reads (the normal state when the remote is faster than training: the
+  next epoch reads the fresh samples, and its release lets the last one's go), *back-pressure* if snapshots pin
+  everything that could go. A segment larger than the epoch room is refused (no snapshot could pin it).
 
 Weighted sources (``source_weights``, from the daemon's ``[[source]]`` tables; segments carry a source tag): among
 the evictable segments, a victim is taken from the source furthest *above* its share of the published samples, and
 only then by the policy's order within that source. A source below its share (one smaller than its share of the
-budget, or one that fell behind) keeps what it has even when it alone has evictable segments: rule (B) then
-paces ingest until trainers read the others. Only the free-space floor of rule (A), a filesystem running out, takes
+budget, or one that fell behind) keeps what it has even when it alone has evictable segments: ingest is then
+paced until trainers read the others. Only the free-space floor of rule (A), a filesystem running out, takes
 from such a source. With one source this changes nothing.
 
-Why one long module: the budget is one concept. Every rule above (the hard bound, turnover, read-gated eviction,
+Why one long module: the budget is one concept. Every rule above (the hard bound, the room, read-gated eviction,
 weighted sources, recovery) decides on the same counts, owned by one object on one thread; split, each
 part would need the others' internals.
 """
@@ -90,6 +93,7 @@ from cachefeed._cache.layout import (
 )
 from cachefeed._cache.reads import ReadLedger, SampleReads
 from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.room import epoch_room, write_room
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
 from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
@@ -158,7 +162,7 @@ class Usage:
     sample_reads: int = 0  # sum over published samples of the epochs that served them
     oldest_published_at: float | None = None  # unix time of the oldest published segment (None: empty cache)
     newest_published_at: float | None = None
-    fill: float = 0.0  # published bytes / what the daemon fills to without readers (max - turnover - metadata)
+    fill: float = 0.0  # published bytes / what the daemon fills to without readers (max_bytes less metadata)
 
 
 @dataclass(slots=True)
@@ -220,6 +224,7 @@ class CacheStore:
         self._lock_fd = self._take_lock()
         try:
             self._recover()
+            write_room(self.layout.root, config.max_bytes, config.turnover_bytes, mode=config.file_mode)
         except BaseException:
             self.close()
             raise
@@ -471,40 +476,42 @@ class CacheStore:
         stats = os.statvfs(self.layout.root)
         return int(stats.f_bavail * stats.f_frsize)
 
-    def _published_target(self) -> int:
-        """Rule (B)'s ceiling for published + reserved: the budget less turnover room and metadata."""
-        return self.limit_bytes - self.config.turnover_bytes - self.metadata_bytes
+    @property
+    def epoch_room(self) -> int:
+        """The most segment bytes one snapshot pins (``room.py``), hence the largest segment a grant may hold."""
+        return epoch_room(self.config.max_bytes, self.config.turnover_bytes)
 
     def reserve(self, nbytes: int) -> Grant | None:
         """Grant room for one segment of up to ``nbytes``, evicting as the rules allow; None means wait.
 
-        Raises ValueError if ``nbytes`` could never fit (larger than the budget left for the published set).
+        Raises ValueError if ``nbytes`` could never fit (larger than the epoch room a snapshot may pin).
         """
         need = _round_up(nbytes)
-        if need > self.limit_bytes - self.config.turnover_bytes:
+        if need > self.epoch_room:
             raise ValueError(
                 f"a segment of {need} bytes cannot fit a cache of {self.config.max_bytes} bytes "
                 f"(turnover {self.config.turnover_bytes}): the sample is too large for this cache"
             )
         self._maybe_rescan_pins()
-        if not (self._evict_for_turnover(need) and self._make_room(need)):
+        why = self._make_room(need)
+        if why:
             self._maybe_rescan_pins(force=True)
-            if not self._evict_for_turnover(need):
-                if not self._is_paced:
-                    log.info(
-                        "cache full of samples trainers have not read yet (or of sources below their share): "
-                        "fetching waits for reads (cache.evict_after_reads = %d)",
-                        self.config.evict_after_reads,
-                    )
-                self._is_paced = True
-                return None
-            self._is_paced = False
-            if not self._make_room(need):
-                if not self._is_backpressured:
-                    self.counters.backpressure_events += 1
-                    log.info("cache full of pinned segments: writers wait until a snapshot is released")
-                self._is_backpressured = True
-                return None
+            why = self._make_room(need)
+        if why == "reads":
+            if not self._is_paced:
+                log.info(
+                    "cache full of samples trainers have not read yet (or of sources below their share): "
+                    "fetching waits for reads (cache.evict_after_reads = %d)",
+                    self.config.evict_after_reads,
+                )
+            self._is_paced, self._is_backpressured = True, False
+            return None
+        if why:
+            if not self._is_backpressured:
+                self.counters.backpressure_events += 1
+                log.info("cache full of pinned segments: writers wait until a snapshot is released")
+            self._is_paced, self._is_backpressured = False, True
+            return None
         self._is_backpressured = False
         self._is_paced = False
         seq = self._next_seq
@@ -517,24 +524,40 @@ class CacheStore:
         unwritten = self.reserved_bytes  # conservative: counts grants as if none of their bytes were written yet
         return self._free_bytes() - unwritten - need >= self.config.min_free_bytes
 
-    def _make_room(self, need: int) -> bool:
-        """Rule (A): True if ``need`` fits the budget and the free-space floor.
+    def _make_room(self, need: int) -> str:
+        """Rules (A) and (B): evict what the rules let go until ``need`` fits the budget and the free-space floor.
 
-        Over budget means pinned bytes fill it (rule B already trimmed the published set): wait. Evicting unpinned
-        segments here would throw away the freshest samples, which no trainer has seen yet, to make room for even
-        fresher ones: downloads wasted. Only the free-space floor (a filesystem shared with others running low)
-        evicts here, oldest unpinned first.
+        Returns "" when it fits, else why the writer waits: "reads" (paced: what could make room has not been
+        read enough, or belongs to a source below its share), "pins" (back-pressure: snapshots pin what could
+        go) or "free" (the filesystem's floor, with nothing unpinned left to evict).
         """
-        if self._total() + need > self.limit_bytes:
-            return False
+        if not self._evict_to_fit(need):
+            return "reads" if self._waits_for_reads() else "pins"
         candidates: list[int] | None = None
         while not self._has_free_space(need):
             if candidates is None:
                 candidates = self._evictable(unpinned=True)
             if not candidates:
-                return False
+                return "free"
             victim = self._choose(candidates, spare_below_share=False)
             if victim is None:  # never with spare_below_share=False; for the type checker
+                return "free"
+            candidates.remove(victim)
+            if self._is_pinned_now(victim):
+                self._pinned_published.add(victim)  # pinned since the last scan: evicting it frees nothing
+                continue
+            self._evict(victim)
+        return ""
+
+    def _evict_to_fit(self, need: int) -> bool:
+        """Rule (B): evict evictable, unpinned segments (weighted-source and policy order) until ``need`` fits the
+        budget. False if that is not enough."""
+        candidates: list[int] | None = None
+        while self._total() + need > self.limit_bytes:
+            if candidates is None:
+                candidates = self._evictable(unpinned=True)
+            victim = self._choose(candidates) if candidates else None
+            if victim is None:
                 return False
             candidates.remove(victim)
             if self._is_pinned_now(victim):
@@ -543,25 +566,19 @@ class CacheStore:
             self._evict(victim)
         return True
 
+    def _waits_for_reads(self) -> bool:
+        """Whether a full cache waits for trainers to read (paced) rather than for snapshots to go: some published
+        segment is still below ``evict_after_reads``, or an evictable unpinned one is spared for its source."""
+        enough = self.config.evict_after_reads
+        if enough and any(self._levels.get(seq, 0) < enough for seq in self._published):
+            return True
+        return bool(self._evictable(unpinned=True))
+
     def _is_pinned_now(self, seq: int) -> bool:
         try:
             return os.lstat(self.layout.segments / self._published[seq].name).st_nlink > 1
         except FileNotFoundError:
             return False
-
-    def _evict_for_turnover(self, need: int) -> bool:
-        """Rule (B): keep the published set (plus grants) below ``max_bytes - turnover - metadata``, evicting only
-        what the read contract lets go. False if that is not enough (paced: the writer waits for trainers to read)."""
-        candidates: list[int] | None = None
-        while self.published_bytes + self.reserved_bytes + need > self._published_target():
-            if candidates is None:
-                candidates = self._evictable()
-            victim = self._choose(candidates) if candidates else None
-            if victim is None:
-                return False
-            candidates.remove(victim)
-            self._evict(victim)
-        return True
 
     def _choose(self, candidates: list[int], *, spare_below_share: bool = True) -> int | None:
         """The next victim among ``candidates`` (not empty): the policy's, within the source most above its share.
@@ -630,10 +647,10 @@ class CacheStore:
         return len(gone)
 
     def enforce(self) -> None:
-        """Periodic upkeep: sweep stale snapshots, refresh pins, and the turnover target."""
+        """Periodic upkeep: sweep stale snapshots, refresh pins, and keep the budget as metadata grows."""
         self.sweep()
         self._maybe_rescan_pins()
-        self._evict_for_turnover(0)
+        self._evict_to_fit(0)
 
     # -- publication ----------------------------------------------------------------------------------------
 
@@ -708,5 +725,5 @@ class CacheStore:
             sample_reads=sum(reads.total for reads in self._reads.values()),
             oldest_published_at=min((s.published_at for s in self._published.values()), default=None),
             newest_published_at=max((s.published_at for s in self._published.values()), default=None),
-            fill=min(1.0, self.published_bytes / max(1, self._published_target())),
+            fill=min(1.0, self.published_bytes / max(1, self.limit_bytes - self.metadata_bytes)),
         )

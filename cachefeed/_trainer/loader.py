@@ -14,9 +14,10 @@ in-process through a DataLoader of its own.
   the node's other ranks join), compute this rank's share, build the dataset and queue its pass on the pool
   (without workers: build its DataLoader and fetch the first batch). The pool deals ``e + 1``'s batches to the
   workers as soon as ``e``'s are all dealt, so its first batches are read while ``e``'s last ones are consumed.
-  Pinning late keeps the snapshot fresh (it holds what was cached a moment before the boundary) and keeps two
-  snapshots from sharing the turnover room for long (epochs only a little longer than the lead are fine); starting
-  early enough keeps the boundary free of waits. No process is forked at a boundary, so the lead is small.
+  Pinning late keeps the snapshot fresh (it holds what was cached a moment before the boundary; at most the
+  daemon's epoch room of it, least-read first, counting ``e``'s segments as read once more: ``_cache/room.py``)
+  and keeps two snapshots from sharing the budget for long (epochs only a little longer than the lead are fine);
+  starting early enough keeps the boundary free of waits. No process is forked at a boundary, so the lead is small.
 * ``_EpochIterator`` stops after exactly ``len(loader)`` batches without asking the inner iterator again (a
   DataLoader's own end would join its workers on the training thread); the exhausted iterator goes to the teardown
   thread, which closes it.
@@ -489,7 +490,9 @@ class EpochLoaderFactory:
         if snapshot is not None:
             snap_id = snapshot.snap_id
         elif self.ranks.is_creator:
-            snapshot = Snapshot.create(self.layout.root, snap_id, job=self.job)
+            with self._lock:
+                reading = self._last_names or frozenset()  # the epoch being read now: its receipt is pending
+            snapshot = Snapshot.create(self.layout.root, snap_id, job=self.job, reading=reading)
         else:
             snapshot = Snapshot.join(self.layout.root, snap_id, timeout_s=join_timeout, job=self.job)
         dataset: SnapshotDataset | None = None
