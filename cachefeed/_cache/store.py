@@ -107,6 +107,8 @@ log = get_logger(__name__)
 PAGE_BYTES = 4096
 _PIN_RESCAN_S = 0.5
 _SWEEP_INTERVAL_S = 1.0
+ECHO_WINDOW = 64  # evicted segments the echo factor is measured over
+_PINS_REMEMBERED = 8  # snapshots whose first sighting the store remembers (ingest_bound needs the last two)
 _HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
 
 
@@ -163,6 +165,8 @@ class Usage:
     oldest_published_at: float | None = None  # unix time of the oldest published segment (None: empty cache)
     newest_published_at: float | None = None
     fill: float = 0.0  # published bytes / what the daemon fills to without readers (max_bytes less metadata)
+    echo_factor: float | None = None  # reads per sample of the samples of the last ECHO_WINDOW evicted segments
+    ingest_bound: str | None = None  # "remote", "trainer" or None: see ``CacheStore.ingest_bound``
 
 
 @dataclass(slots=True)
@@ -184,6 +188,7 @@ class Counters:
     evicted_sample_reads: int = 0  # sum over evicted samples of the epochs that served them
     evicted_max_reads: int = 0  # the most reads of an evicted segment (its least-read sample's)
     epochs_seen: int = 0  # read receipts applied (every epoch read, since the ledger began)
+    recent_evicted: list[tuple[int, int]] = field(default_factory=list)  # (samples, their reads), last ECHO_WINDOW
 
 
 class CacheStore:
@@ -221,6 +226,8 @@ class CacheStore:
         self._next_seq = 0
         self._is_backpressured = False
         self._is_paced = False
+        self._paced_at = 0.0  # time.monotonic() of the last grant refused for want of reads
+        self._pins_seen: dict[str, float] = {}  # snap_id -> time.monotonic() of the scan that first saw it
         self._lock_fd = self._take_lock()
         try:
             self._recover()
@@ -340,7 +347,14 @@ class CacheStore:
         by_inode = {segment.inode: seq for seq, segment in self._published.items()}
         self._pinned_published = {by_inode[ino] for ino in found if ino in by_inode}
         self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
-        self._live_snapshots = len(live_snapshots(self.layout))
+        live = live_snapshots(self.layout)
+        self._live_snapshots = len(live)
+        now = time.monotonic()
+        for info in live:
+            self._pins_seen.setdefault(info.snap_id, now)
+        if len(self._pins_seen) > _PINS_REMEMBERED:
+            newest = sorted(self._pins_seen.items(), key=lambda item: item[1])[-_PINS_REMEMBERED:]
+            self._pins_seen = dict(newest)
         self._collect_receipts()
         # A segment evicted while pinned may still be served by the epoch pinning it; once no snapshot holds it
         # (its receipt, written before its snapshot went, was collected just above), its reads are final.
@@ -505,6 +519,7 @@ class CacheStore:
                     self.config.evict_after_reads,
                 )
             self._is_paced, self._is_backpressured = True, False
+            self._paced_at = time.monotonic()
             return None
         if why:
             if not self._is_backpressured:
@@ -635,6 +650,8 @@ class CacheStore:
         counters.first_eviction_at = counters.first_eviction_at or time.time()
         counters.evicted_published_at.append(segment.published_at)
         del counters.evicted_published_at[:-64]
+        counters.recent_evicted.append((segment.samples, reads.total))
+        del counters.recent_evicted[:-ECHO_WINDOW]
         log.debug("evicted %s (%d samples, pinned=%s)", segment.name, segment.samples, links_left > 0)
 
     def drop_sources(self, keep: set[int]) -> int:
@@ -701,6 +718,29 @@ class CacheStore:
     def segments(self) -> list[PublishedSegment]:
         return [self._published[seq] for seq in sorted(self._published)]
 
+    @property
+    def echo_factor(self) -> float | None:
+        """Reads per sample of the samples of the last ``ECHO_WINDOW`` evicted segments (their reads are final):
+        about ``evict_after_reads`` when the remote keeps up, more when epochs re-read what is cached because fresh
+        samples arrive slower than training reads. None before the first eviction."""
+        window = self.counters.recent_evicted
+        samples = sum(n for n, _reads in window)
+        return sum(reads for _n, reads in window) / samples if samples else None
+
+    @property
+    def ingest_bound(self) -> str | None:
+        """What limits fresh samples, over the last complete epoch (since the store first saw the newest snapshot
+        but one) and the current one: "trainer" if ingest was paced meanwhile (the remote delivered more than
+        training read: the fresh samples waited for reads), "remote" if it never was (what the remote delivered
+        did not fill the room an epoch leaves, so the next snapshot was topped up with already-read samples:
+        ``room.py``). None before two snapshots, or free-running (``evict_after_reads = 0`` never paces)."""
+        if not self.config.evict_after_reads:
+            return None
+        seen = sorted(self._pins_seen.values())
+        if len(seen) < 2:
+            return None
+        return "trainer" if self._is_paced or self._paced_at >= seen[-2] else "remote"
+
     def usage(self) -> Usage:
         self._maybe_rescan_pins()
         pinned_only = sum(self._pinned_only.values())
@@ -726,4 +766,6 @@ class CacheStore:
             oldest_published_at=min((s.published_at for s in self._published.values()), default=None),
             newest_published_at=max((s.published_at for s in self._published.values()), default=None),
             fill=min(1.0, self.published_bytes / max(1, self.limit_bytes - self.metadata_bytes)),
+            echo_factor=self.echo_factor,
+            ingest_bound=self.ingest_bound,
         )

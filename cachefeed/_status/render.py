@@ -117,6 +117,17 @@ def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
     return text
 
 
+def _echo(cache: Mapping[str, Any]) -> str:
+    """The echo factor and what sets it ("" when a document predates them or nothing is known yet)."""
+    factor, bound = cache.get("echo_factor"), cache.get("ingest_bound")
+    parts = [f"samples are read {factor:.2f} times each (the last evicted)"] if factor is not None else []
+    if bound == "remote":
+        parts.append("remote-bound: fresh samples arrive slower than training reads, epochs re-read the least-read")
+    elif bound == "trainer":
+        parts.append("trainer-bound: fresh samples wait for training to read them")
+    return "; ".join(parts)
+
+
 def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: float, *, is_gone: bool) -> None:
     """The document's figures. ``is_gone``: the daemon that wrote it is not running (the figures are its last)."""
     cache, ingest, evicted, remote = doc["cache"], doc["ingest"], doc["evicted"], doc["remote"]
@@ -180,6 +191,8 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
         out.add("turnover", f"nothing evicted yet{room}")
     out.add("freshness", _freshness(cache))
     out.add("epochs", _epoch_reads(cache, evicted))
+    if echo := _echo(cache):
+        out.add("echo", echo)
     per_read = remote["bytes_per_sample_read"]
     if per_read is not None:
         out.add("egress", f"{format_bytes(per_read)} downloaded per sample read by an epoch")

@@ -121,8 +121,8 @@ class EpochLoaderFactory:
             number of steps are known before training starts (``batches_per_epoch``). None: each epoch is one pass
             over its snapshot.
         min_samples: what the first epoch waits for (a progress line on ``progress``): a number of cached samples,
-            or a fill level such as ``"75%"`` of what the daemon keeps (its budget less turnover room and
-            metadata: no segment arithmetic), reached also when the daemon cannot fill further (it waits for
+            or a fill level such as ``"75%"`` of what the daemon keeps (its budget less metadata: no segment
+            arithmetic), reached also when the daemon cannot fill further (it waits for
             trainers, or holds everything the remote lists) or when no daemon runs (a static cache). Default
             ``samples_per_epoch`` if set, else ``"75%"``: an epoch over a near-empty cache (one batch, as a
             default of 1 sample gave) would spend an epoch of an LR schedule on nothing.
