@@ -94,6 +94,7 @@ class SnapshotInfo:
     created: float
     names: tuple[str, ...] = ()  # its segment file names
     active_at: float = 0.0  # when a holder last showed progress (``Snapshot.touch``: the lock file's mtime)
+    fresh: int | None = None  # samples no epoch had read (nor was reading) when it was made; None: not recorded
 
 
 class Snapshot:
@@ -180,6 +181,7 @@ class Snapshot:
             remove_tree(directory)  # a directory without its lock is garbage (see the NOTE)
             directory.mkdir(mode=0o750)
             entries = []
+            fresh = 0  # samples of segments no epoch has read, nor is reading (``room.py``: unread first)
             reads = read_counts(layout.root)
             named_sources = read_sources(layout.sources_file)
             for name in _chosen(layout, reads, reading, {e.tag: e.weight for e in named_sources}):
@@ -192,6 +194,8 @@ class Snapshot:
                     counts = reads.get(name)
                     level, above = encode_reads(counts) if counts is not None and len(counts) == count else (0, b"")
                     entries.append([name, count, level, tag, above])
+                    if (counts is None or not counts.any()) and name not in reading:
+                        fresh += count
                 else:
                     os.unlink(directory / name)
             named = [[e.tag, e.name, e.weight] for e in named_sources]
@@ -202,6 +206,7 @@ class Snapshot:
                 "sources": named,
                 "job": job,
                 "nonce": secrets.token_hex(8),
+                "fresh": fresh,
             }
             atomic_write(directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
             snapshot = cls(layout, snap_id, fd, manifest)
@@ -513,6 +518,7 @@ def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
                 created=float(manifest.get("created", 0.0)),
                 names=tuple(str(entry[0]) for entry in segments),
                 active_at=active_at,
+                fresh=int(manifest["fresh"]) if isinstance(manifest.get("fresh"), int) else None,
             )
         )
     return infos

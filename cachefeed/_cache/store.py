@@ -108,7 +108,7 @@ PAGE_BYTES = 4096
 _PIN_RESCAN_S = 0.5
 _SWEEP_INTERVAL_S = 1.0
 ECHO_WINDOW = 64  # evicted segments the echo factor is measured over
-_PINS_REMEMBERED = 8  # snapshots whose first sighting the store remembers (ingest_bound needs the last two)
+TOPPED_UP_SHARE = 0.25  # ingest is remote-bound when more than this share of the newest snapshot was read already
 _HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
 
 
@@ -226,8 +226,7 @@ class CacheStore:
         self._next_seq = 0
         self._is_backpressured = False
         self._is_paced = False
-        self._paced_at = 0.0  # time.monotonic() of the last grant refused for want of reads
-        self._pins_seen: dict[str, float] = {}  # snap_id -> time.monotonic() of the scan that first saw it
+        self._newest_pin: tuple[float, int, int] | None = None  # (created, samples, fresh) of the newest snapshot
         self._lock_fd = self._take_lock()
         try:
             self._recover()
@@ -349,12 +348,13 @@ class CacheStore:
         self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
         live = live_snapshots(self.layout)
         self._live_snapshots = len(live)
-        now = time.monotonic()
         for info in live:
-            self._pins_seen.setdefault(info.snap_id, now)
-        if len(self._pins_seen) > _PINS_REMEMBERED:
-            newest = sorted(self._pins_seen.items(), key=lambda item: item[1])[-_PINS_REMEMBERED:]
-            self._pins_seen = dict(newest)
+            if (
+                info.fresh is not None
+                and info.samples
+                and (self._newest_pin is None or info.created > self._newest_pin[0])
+            ):
+                self._newest_pin = (info.created, info.samples, info.fresh)
         self._collect_receipts()
         # A segment evicted while pinned may still be served by the epoch pinning it; once no snapshot holds it
         # (its receipt, written before its snapshot went, was collected just above), its reads are final.
@@ -519,7 +519,6 @@ class CacheStore:
                     self.config.evict_after_reads,
                 )
             self._is_paced, self._is_backpressured = True, False
-            self._paced_at = time.monotonic()
             return None
         if why:
             if not self._is_backpressured:
@@ -729,17 +728,16 @@ class CacheStore:
 
     @property
     def ingest_bound(self) -> str | None:
-        """What limits fresh samples, over the last complete epoch (since the store first saw the newest snapshot
-        but one) and the current one: "trainer" if ingest was paced meanwhile (the remote delivered more than
-        training read: the fresh samples waited for reads), "remote" if it never was (what the remote delivered
-        did not fill the room an epoch leaves, so the next snapshot was topped up with already-read samples:
-        ``room.py``). None before two snapshots, or free-running (``evict_after_reads = 0`` never paces)."""
-        if not self.config.evict_after_reads:
+        """What limits fresh samples, judged on the newest snapshot a trainer made (``room.py``: unread segments
+        first, then the least-read): "remote" when more than ``TOPPED_UP_SHARE`` of it had been read already (fresh
+        samples did not fill the epoch's room, so it was topped up and samples are read again: the remote is slower
+        than training), "trainer" otherwise (the epoch read mostly fresh samples, and ingest waits for training).
+        None before the first snapshot of a daemon-held cache. Pacing alone cannot tell: at each handover two
+        snapshots pin the budget for a moment, and a remote-bound daemon paces then too."""
+        if self._newest_pin is None:
             return None
-        seen = sorted(self._pins_seen.values())
-        if len(seen) < 2:
-            return None
-        return "trainer" if self._is_paced or self._paced_at >= seen[-2] else "remote"
+        _created, samples, fresh = self._newest_pin
+        return "remote" if samples - fresh > TOPPED_UP_SHARE * samples else "trainer"
 
     def usage(self) -> Usage:
         self._maybe_rescan_pins()

@@ -110,22 +110,19 @@ def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
     )
     per_sample = evicted["epochs_per_sample"]
     if per_sample is not None:
+        lately = cache.get("echo_factor")
         text += (
-            f"; evicted samples were served {per_sample:.2f} times on average, "
-            f"{_count(evicted['unread_samples_total'])} evicted unread"
+            f"; evicted samples were read {per_sample:.2f} times each"
+            + (f" ({lately:.2f} lately), " if lately is not None else ", ")
+            + f"{_count(evicted['unread_samples_total'])} evicted unread"
         )
     return text
 
 
-def _echo(cache: Mapping[str, Any]) -> str:
-    """The echo factor and what sets it ("" when a document predates them or nothing is known yet)."""
-    factor, bound = cache.get("echo_factor"), cache.get("ingest_bound")
-    parts = [f"samples are read {factor:.2f} times each (the last evicted)"] if factor is not None else []
-    if bound == "remote":
-        parts.append("remote-bound: fresh samples arrive slower than training reads, epochs re-read the least-read")
-    elif bound == "trainer":
-        parts.append("trainer-bound: fresh samples wait for training to read them")
-    return "; ".join(parts)
+def _bound(cache: Mapping[str, Any]) -> str:
+    """What bounds ingest, for the ingest line ("" when a document predates it or nothing is known yet)."""
+    bound = cache.get("ingest_bound")
+    return {"remote": "; remote-bound", "trainer": "; trainer-bound"}.get(str(bound), "")
 
 
 def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: float, *, is_gone: bool) -> None:
@@ -170,7 +167,7 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     out.add(
         "ingest",
         f"{format_bytes(ingest['bytes_per_s'])}/s, {_rate(ingest['samples_per_s'])} samples/s, "
-        f"{_rate(ingest['objects_per_s'])} objects/s",
+        f"{_rate(ingest['objects_per_s'])} objects/s{_bound(cache)}",
     )
     out.add(
         "",
@@ -191,8 +188,6 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
         out.add("turnover", f"nothing evicted yet{room}")
     out.add("freshness", _freshness(cache))
     out.add("epochs", _epoch_reads(cache, evicted))
-    if echo := _echo(cache):
-        out.add("echo", echo)
     per_read = remote["bytes_per_sample_read"]
     if per_read is not None:
         out.add("egress", f"{format_bytes(per_read)} downloaded per sample read by an epoch")

@@ -76,7 +76,8 @@ def test_a_slow_trainer_reads_everything_the_daemon_downloads(
     fault_proxy.reset_counts()
     proc = daemon(endpoint=fault_proxy.endpoint, sections={"cache": {"max_bytes": MAX_BYTES}})
     served = Served()
-    epochs = 3  # some 240 samples served: fewer than the remote's 300, so no object is fetched twice
+    epochs = 4  # some 180 samples served (an epoch pins its room, ~45): fewer than the remote's 300, so no object
+    # is fetched twice
     with SegmentWitness(proc.cache_dir) as witness:
         with EpochLoaderFactory(
             proc.cache_dir, batch_size=16, run_id="slow", epochs=epochs, min_samples=32, progress=None
@@ -86,7 +87,7 @@ def test_a_slow_trainer_reads_everything_the_daemon_downloads(
                 for batch in factory.loader(epoch):
                     assert batch["data"].shape[1:] == (OBJECT_BYTES,)
                     keys += sample_keys(batch)
-                    time.sleep(0.01)  # a training step: slower than the remote here
+                    time.sleep(0.3)  # a training step: slower than the remote here (a few dozen objects/s)
                 served.epoch(keys)
         doc = final_status(proc, epochs)
     assert check_promises(witness, served, doc)["evicted"] > 0, "the read segments turned over"
