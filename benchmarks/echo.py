@@ -149,8 +149,8 @@ def readme_table(doc: dict[str, Any]) -> str:
     figures = doc["figures"]
     lines = [
         f"{figures['samples']:,} samples of {figures['sample_kib']} KiB on a `file://` remote on tmpfs, a cache of "
-        f"{figures['budget']:.0%} of them, training at {figures['rate']:g} samples/s for one pass's worth (the "
-        f"capped remote: {figures['capped_passes']}):",
+        f"{figures['budget']:.0%} of them, training at {figures['rate']:g} samples/s (nominal) for one pass's worth "
+        f"of samples ({figures['capped_passes']} with the capped remote):",
         "",
         *table(figures["rows"]),
         "",
