@@ -17,9 +17,10 @@ bytes as one ``uint8`` array, stored raw and aligned in the segment: read back z
 
 Epoch 0 waits (inside the epoch's timing, so the cold figure includes it) for ``min_samples``: the whole dataset
 when there is no budget (cold first epoch = the whole dataset through the cache, as the peers' first epoch), and
-under a budget, half of what the daemon keeps published (the budget less 25% turnover room and
-1 MiB of metadata reserve) (a rolling cache trains on what is cached; the harness reports
-the coverage).
+under a budget, half of what the daemon keeps published (the budget less 1 MiB of metadata reserve) (a rolling
+cache trains on what is cached; the harness reports the coverage). The daemon's default turnover (50%: an epoch pins
+at most half the budget) is kept unless the budget is too small for two segments of epoch room; then the largest
+turnover that leaves them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import numpy as np
 from benchmarks.common.adapter import DataLocation, LoaderSettings
 from benchmarks.common.results import REPO_ROOT
 from benchmarks.common.samples import Workload, collate
+from cachefeed._cache.settings import DEFAULT_TURNOVER_PERCENT, METADATA_RESERVE_BYTES
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, daemon_argv
 
@@ -46,8 +48,6 @@ from cachefeed._testing.daemon import DaemonProcess, daemon_argv
 # 40 characters shares no prefix with the previous one), and 4 bytes of index.
 _RECORD_OVERHEAD = 132
 _UNBOUNDED_FLOOR = 64 << 20
-_TURNOVER = 0.25  # the daemon's default cache.turnover
-_METADATA_RESERVE = 1 << 20  # cachefeed._cache.store.METADATA_RESERVE_BYTES
 
 
 def decode_sample(key: str, body: bytes) -> list[dict[str, Any]]:
@@ -114,19 +114,22 @@ class CachefeedAdapter:
             work_dir = Path(tempfile.mkdtemp(prefix="cachefeed-daemon-", dir=settings.cache_dir.parent))
         budget = settings.cache_budget_bytes
         seg = segment_bytes_for(workload)
+        cache_extra: dict[str, Any] = {}
         if budget is None:
             max_bytes = max(2 * workload.count * (workload.sample_bytes + _RECORD_OVERHEAD), _UNBOUNDED_FLOOR, 8 * seg)
             min_samples = workload.count
         else:
             max_bytes = budget
-            # What the daemon keeps published: the budget less its metadata reserve and the turnover room (25%).
-            published = int(budget * (1 - _TURNOVER)) - _METADATA_RESERVE
-            if published < seg:
+            # An epoch pins at most the budget less turnover and the metadata reserve (cachefeed/_cache/room.py):
+            # the default turnover, or less where that would leave fewer than two segments of room.
+            turnover = min(budget * DEFAULT_TURNOVER_PERCENT // 100, budget - METADATA_RESERVE_BYTES - 2 * seg)
+            if turnover < 0:
                 raise ValueError(
-                    f"a budget of {budget} bytes leaves {published} bytes for published segments (25% turnover and"
-                    f" a 1 MiB metadata reserve taken out), less than one segment of {seg} bytes: cachefeed cannot"
-                    " run with it"
+                    f"a budget of {budget} bytes leaves less than two segments of {seg} bytes once the 1 MiB"
+                    " metadata reserve is taken out: cachefeed cannot run with it"
                 )
+            cache_extra["turnover"] = int(turnover)
+            published = budget - METADATA_RESERVE_BYTES  # what the daemon keeps published
             min_samples = max(1, min(workload.count, published // 2 // workload.sample_bytes))
         if data.local_dir is not None and settings.cache_dir is None:
             remote: dict[str, Any] = {"url": data.local_dir.resolve().as_uri()}
@@ -142,6 +145,7 @@ class CachefeedAdapter:
                 "min_free_bytes": 0,
                 "segment_bytes": int(seg),
                 "fsync": False,
+                **cache_extra,
             },
             "sampler": {"processes": 2, "concurrency": 16, "decode": f"{__name__}:decode_sample"},
             "status": {"interval": "500ms"},

@@ -43,7 +43,17 @@ def _renderer(target: str) -> Callable[[dict[str, Any]], str]:
 SOURCES: dict[str, tuple[str, str]] = {
     **{
         name: (name, f"benchmarks.{name}")
-        for name in ("catalog", "decode", "egress", "feed", "handover", "ingest", "read_throughput", "worker_memory")
+        for name in (
+            "catalog",
+            "decode",
+            "echo",
+            "egress",
+            "feed",
+            "handover",
+            "ingest",
+            "read_throughput",
+            "worker_memory",
+        )
     },
     "peers": ("results", "benchmarks.run_all"),
     "coldstart": ("results", "benchmarks.common.results_md:cold_start_table"),

@@ -211,6 +211,21 @@ def test_handover_functions_at_tiny_size(tmp_path: Path) -> None:
         assert len(waits) == 1 and waits[0] >= 0
 
 
+def test_echo_runs_both_remotes_at_a_small_size_and_renders_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import echo
+
+    assert echo.main(["--samples", "1200", "--rate", "400", "--capped-passes", "1", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| remote")]
+    assert {row.split("|")[1].strip() for row in rows} == {"remote keeps up", "remote at a third"}
+    document = {
+        "command": "python -m benchmarks.echo",
+        "provenance": {"machine": {}, "date_utc": "2026-11-25T18:00:00Z", "commit": "0" * 40},
+        "figures": {"samples": 1200, "sample_kib": 16, "budget": 0.3, "rate": 400.0, "capped_passes": 1, "rows": []},
+    }
+    assert "training at 400 samples/s" in echo.readme_table(document)
+
+
 def test_ingest_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import ingest
 

@@ -241,6 +241,7 @@ def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_pa
             progress=None,
         ) as factory:
             assert factory.sources == {"crawl": 0.7, "curated": 0.3}
+            curated_seen: set[tuple[str, int, int]] = set()
             for epoch in range(2):
                 served: list[tuple[str, int, int]] = []
                 for batch in factory.loader(epoch):
@@ -249,7 +250,11 @@ def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_pa
                 assert len(served) == 10_000
                 assert per_source == {"crawl": 7_000, "curated": 3_000}, f"epoch {epoch}: {per_source}"
                 curated = Counter(sample for sample in served if sample[0] == "curated")
-                assert len(curated) == 1_000 and max(curated.values()) == 3, "the small source is upsampled evenly"
+                assert max(curated.values()) - min(curated.values()) <= 1, "the small source is upsampled evenly"
+                curated_seen |= set(curated)
+            # an epoch pins its room (half the budget), each source its weight's share of it, least-read first:
+            # the small source's samples are spread over consecutive epochs, every one of them read
+            assert len(curated_seen) == 1_000
         document = daemon.wait_status(lambda doc: doc["ingest"]["samples_total"] > 0, timeout_s=10)
         rows = {row["name"]: row for row in document["sources"]}
         assert set(rows) == {"crawl", "curated"}

@@ -24,7 +24,7 @@ SYSTEMS = [
 ]
 
 WORKLOADS = {
-    # 16 MiB: a 30% budget must leave cachefeed (1 MiB metadata reserve, 25% turnover) room for its segments.
+    # 16 MiB: a 30% budget must leave cachefeed (1 MiB metadata reserve, turnover) room for its segments.
     "smoke": [Workload("small", 16 << 10, 1024, 32)],
     "full": [
         Workload("small", 4 << 10, 8192, 256),

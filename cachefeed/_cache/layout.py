@@ -7,6 +7,7 @@
       lock                  the writer lock: flock(LOCK_EX) held by the daemon; its text names the holder
       status.json           the daemon's status document (see cachefeed/_status/schema.py)
       sources.json          the named sources ([[source]]), their tags and weights (see _cache/sources.py)
+      budget.json           the budget and the epoch room a snapshot may pin (see _cache/room.py)
       classes.json          the class index of sampler.label (see cachefeed/_labels.py)
       segments/<seq>.seg    published segments; <seq> is 16 hex digits, increasing: the name orders by age
       tmp/<seq>.tmp         segments being written (removed at start-up: only the writer writes here)
@@ -119,6 +120,11 @@ class CacheLayout:
     def sources_file(self) -> Path:
         """The configured sources, their tags and weights (``cachefeed/sources.py``)."""
         return self.root / "sources.json"
+
+    @property
+    def budget_file(self) -> Path:
+        """The budget and the epoch room one snapshot may pin (``cachefeed/_cache/room.py``)."""
+        return self.root / "budget.json"
 
     def catalog_file(self, tag: int) -> Path:
         """The restart catalog of source ``tag`` (``cachefeed/_daemon/catalog_file.py``); metadata in the budget."""

@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
-DEFAULT_TURNOVER_PERCENT = 25  # cache.turnover's default: room kept for fresh samples while epochs pin the rest
+DEFAULT_TURNOVER_PERCENT = 50  # cache.turnover's default: room kept for fresh samples while epochs pin the rest
 METADATA_RESERVE_BYTES = 1 << 20  # lock, tag, status.json, snapshot dirs: part of max_bytes (see store.py)
 MIN_SEGMENTS_IN_BUDGET = 4
 

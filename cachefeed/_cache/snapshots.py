@@ -44,7 +44,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -53,7 +53,15 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from cachefeed._cache.layout import SEGMENT_NAME, SNAPSHOT_ID, CacheLayout, allocated_bytes, list_regular
+from cachefeed._cache.layout import (
+    SEGMENT_NAME,
+    SNAPSHOT_ID,
+    CacheLayout,
+    allocated_bytes,
+    list_regular,
+    segment_name,
+    segment_seq,
+)
 from cachefeed._cache.reads import (
     RECEIPT_SUFFIX,
     Counts,
@@ -64,6 +72,7 @@ from cachefeed._cache.reads import (
     write_served,
 )
 from cachefeed._cache.records import segment_trailer
+from cachefeed._cache.room import Candidate, choose, read_room
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._fsutil import atomic_write, remove_tree
@@ -85,6 +94,7 @@ class SnapshotInfo:
     created: float
     names: tuple[str, ...] = ()  # its segment file names
     active_at: float = 0.0  # when a holder last showed progress (``Snapshot.touch``: the lock file's mtime)
+    fresh: int | None = None  # samples no epoch had read (nor was reading) when it was made; None: not recorded
 
 
 class Snapshot:
@@ -150,12 +160,22 @@ class Snapshot:
     # -- creation and joining -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, root: str | os.PathLike[str], snap_id: str, *, job: str = "", growing: bool = False) -> Snapshot:
-        """Pin every segment published right now, for ``job``. If another process of that job created
-        ``snap_id`` first, join it (``SnapshotError`` if another job did).
+    def create(
+        cls,
+        root: str | os.PathLike[str],
+        snap_id: str,
+        *,
+        job: str = "",
+        reading: Collection[str] = (),
+        growing: bool = False,
+    ) -> Snapshot:
+        """Pin the segments published right now, at most the daemon's epoch room of them, least-read first
+        (``room.py``: ``reading`` names the segments of ``job``'s previous snapshot, still being read, which count
+        one pending read each), for ``job``. If another process of that job created ``snap_id`` first, join it
+        (``SnapshotError`` if another job did).
 
-        ``growing``: the snapshot stays open and its creator adds segments published later (``grow``; NOTE
-        [ Growing snapshots ])."""
+        ``growing``: the snapshot stays open and its creator adds segments published later, up to the room
+        (``grow``; NOTE [ Growing snapshots ])."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
@@ -175,8 +195,10 @@ class Snapshot:
             remove_tree(directory)  # a directory without its lock is garbage (see the NOTE)
             directory.mkdir(mode=0o750)
             reads = read_counts(layout.root)
-            entries = _link_entries(layout, directory, [name for name, _info in layout.list_segments()], reads)
-            named = [[e.tag, e.name, e.weight] for e in read_sources(layout.sources_file)]
+            named_sources = read_sources(layout.sources_file)
+            chosen = _chosen(layout, reads, reading, {e.tag: e.weight for e in named_sources})
+            entries, fresh = _link_entries(layout, directory, chosen, reads, reading)
+            named = [[e.tag, e.name, e.weight] for e in named_sources]
             manifest = {
                 "id": snap_id,
                 "created": time.time(),
@@ -184,6 +206,7 @@ class Snapshot:
                 "sources": named,
                 "job": job,
                 "nonce": secrets.token_hex(8),
+                "fresh": fresh,
             }
             if growing:
                 manifest["generations"] = [len(entries)]
@@ -237,18 +260,30 @@ class Snapshot:
     # -- growing (NOTE [ Growing snapshots ]) ------------------------------------------------------------------
 
     def grow(self, *, close: bool = False) -> int:
-        """Creator only: pin the segments published since the last generation as a new one; with ``close``, end
-        the growth. Returns the number of segments added. A no-op on a closed snapshot."""
+        """Creator only: pin the segments published since the last generation as a new one, in publication order
+        and within the daemon's epoch room (``room.py``; a full room closes the snapshot); with ``close``, end the
+        growth. Returns the number of segments added. A no-op on a closed snapshot."""
         if self._lock_fd is None or os.getpid() != self._owner_pid:
             raise SnapshotError(f"snapshot {self.snap_id}: only its holding creator grows it")
         if not self.is_open:
             return 0
         have = set(self.names)
-        fresh = [name for name, _info in self.layout.list_segments() if name not in have]
-        entries = _link_entries(self.layout, self.directory, fresh, read_counts(self.layout.root)) if fresh else []
+        room = read_room(self.layout.root) if self.layout.has_writer() else None
+        pinned = sum(allocated_bytes(os.lstat(self.directory / name)) for name in self.names) if room else 0
+        new: list[str] = []
+        for name, info in self.layout.list_segments():
+            if name in have:
+                continue
+            if room is not None and pinned + allocated_bytes(info) > room:
+                close = True  # the epoch's room is full (``room.py``): the rest is for the next epoch
+                break
+            new.append(name)
+            pinned += allocated_bytes(info)
+        entries, fresh = _link_entries(self.layout, self.directory, new, read_counts(self.layout.root))
         if not entries and not close:
             return 0
         manifest = dict(self._manifest)
+        manifest["fresh"] = int(manifest.get("fresh", 0)) + fresh  # type: ignore[call-overload]
         manifest["segments"] = [*manifest.get("segments", []), *entries]  # type: ignore[misc]
         generations = list(self.generations or ())
         if entries or not generations:
@@ -347,6 +382,25 @@ class Snapshot:
         raise TypeError("a Snapshot holds a lock and cannot be pickled; pass snap_id and names instead")
 
 
+def _chosen(
+    layout: CacheLayout, reads: Mapping[str, Counts], reading: Collection[str], weights: dict[int, float]
+) -> list[str]:
+    """The names of the published segments a new snapshot pins, oldest first (``room.py``'s rule). A static cache
+    (no daemon) has no room: everything."""
+    listed = layout.list_segments()
+    room = read_room(layout.root) if layout.has_writer() else None
+    if room is None:
+        return [name for name, _info in listed]
+    pending = set(reading)
+    candidates = []
+    for name, info in listed:
+        counts = reads.get(name)
+        level = int(counts.min()) if counts is not None and len(counts) else 0
+        tag = segment_trailer(layout.segments / name)[1] if weights else 0
+        candidates.append(Candidate(segment_seq(name), allocated_bytes(info), level, tag, name in pending))
+    return [segment_name(seq) for seq in choose(candidates, room, weights)]
+
+
 def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:
     """Give the born-locked ``partial`` its public name. False if a live snapshot of that id exists (join it).
 
@@ -371,11 +425,17 @@ def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:
 
 
 def _link_entries(
-    layout: CacheLayout, directory: Path, names: list[str], reads: dict[str, Counts]
-) -> list[list[object]]:
+    layout: CacheLayout,
+    directory: Path,
+    names: list[str],
+    reads: Mapping[str, Counts],
+    reading: Collection[str] = (),
+) -> tuple[list[list[object]], int]:
     """Hard-link the published segments ``names`` into ``directory``; their MANIFEST entries (name, samples, reads
-    level, source tag, reads above the level). A segment evicted meanwhile, or empty, is left out."""
+    level, source tag, reads above the level) and how many of their samples are fresh (no epoch has read them nor
+    is reading them: ``room.py``). A segment evicted meanwhile, or empty, is left out."""
     entries: list[list[object]] = []
+    fresh = 0
     for name in names:
         try:
             os.link(layout.segments / name, directory / name, follow_symlinks=False)
@@ -386,9 +446,11 @@ def _link_entries(
             counts = reads.get(name)
             level, above = encode_reads(counts) if counts is not None and len(counts) == count else (0, b"")
             entries.append([name, count, level, tag, above])
+            if (counts is None or not counts.any()) and name not in reading:
+                fresh += count
         else:
             os.unlink(directory / name)
-    return entries
+    return entries, fresh
 
 
 def _checked_layout(root: str | os.PathLike[str], snap_id: str) -> CacheLayout:
@@ -558,6 +620,7 @@ def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
                 created=float(manifest.get("created", 0.0)),
                 names=tuple(str(entry[0]) for entry in segments),
                 active_at=active_at,
+                fresh=int(manifest["fresh"]) if isinstance(manifest.get("fresh"), int) else None,
             )
         )
     return infos

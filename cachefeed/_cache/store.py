@@ -47,20 +47,23 @@ Two rules keep the cache turning over while trainers pin it:
 * (A) hard: a grant is given only if the budget above still holds after it, and the filesystem keeps
   ``min_free_bytes`` free (for that floor alone the store evicts *unpinned*, evictable segments: evicting a pinned
   one frees nothing). Otherwise ``reserve`` returns None and the writer waits: back-pressure, never overshoot.
-* (B) turnover: the published set is kept at most ``max_bytes - turnover_bytes - metadata - next_snapshot`` by
-  evicting evictable published segments (policy order), pinned or not; if too few are evictable, ``reserve``
-  returns None (paced). A snapshot therefore pins at most that much, and while an epoch reads it at least
-  ``turnover_bytes`` of fresh samples can still arrive; evicted-but-pinned bytes stay with the snapshot until it
-  is released. Without this rule a snapshot of a full cache would freeze ingest for a whole epoch.
+* (B) room for fresh samples: a snapshot pins at most the *epoch room*, ``max_bytes - turnover_bytes -
+  METADATA_RESERVE_BYTES`` of segments, least-read first (``room.py``, written to ``budget.json`` at start), so
+  the published set is never capped below the budget: while an epoch reads its snapshot, at least
+  ``turnover_bytes`` of the budget holds samples it does not pin. Room for a grant is made by evicting evictable,
+  *unpinned* segments (policy order, see "Weighted sources"); when none may go, ``reserve`` returns None: *paced*
+  if what fills the cache still waits for reads (the normal state when the remote is faster than training: the
+  next epoch reads the fresh samples, and its release lets the last one's go), *back-pressure* if snapshots pin
+  everything that could go. A segment larger than the epoch room is refused (no snapshot could pin it).
 
 Weighted sources (``source_weights``, from the daemon's ``[[source]]`` tables; segments carry a source tag): among
 the evictable segments, a victim is taken from the source furthest *above* its share of the published samples, and
 only then by the policy's order within that source. A source below its share (one smaller than its share of the
-budget, or one that fell behind) keeps what it has even when it alone has evictable segments: rule (B) then
-paces ingest until trainers read the others. Only the free-space floor of rule (A), a filesystem running out, takes
+budget, or one that fell behind) keeps what it has even when it alone has evictable segments: ingest is then
+paced until trainers read the others. Only the free-space floor of rule (A), a filesystem running out, takes
 from such a source. With one source this changes nothing.
 
-Why one long module: the budget is one concept. Every rule above (the hard bound, turnover, read-gated eviction,
+Why one long module: the budget is one concept. Every rule above (the hard bound, the room, read-gated eviction,
 weighted sources, recovery) decides on the same counts, owned by one object on one thread; split, each
 part would need the others' internals.
 """
@@ -90,6 +93,7 @@ from cachefeed._cache.layout import (
 )
 from cachefeed._cache.reads import ReadLedger, SampleReads
 from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.room import epoch_room, write_room
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
 from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
@@ -103,6 +107,8 @@ log = get_logger(__name__)
 PAGE_BYTES = 4096
 _PIN_RESCAN_S = 0.5
 _SWEEP_INTERVAL_S = 1.0
+ECHO_WINDOW = 64  # evicted segments the echo factor is measured over
+TOPPED_UP_SHARE = 0.25  # ingest is remote-bound when more than this share of the newest snapshot was read already
 _HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
 
 
@@ -158,7 +164,9 @@ class Usage:
     sample_reads: int = 0  # sum over published samples of the epochs that served them
     oldest_published_at: float | None = None  # unix time of the oldest published segment (None: empty cache)
     newest_published_at: float | None = None
-    fill: float = 0.0  # published bytes / what the daemon fills to without readers (max - turnover - metadata)
+    fill: float = 0.0  # published bytes / what the daemon fills to without readers (max_bytes less metadata)
+    echo_factor: float | None = None  # reads per sample of the samples of the last ECHO_WINDOW evicted segments
+    ingest_bound: str | None = None  # "remote", "trainer" or None: see ``CacheStore.ingest_bound``
 
 
 @dataclass(slots=True)
@@ -180,6 +188,7 @@ class Counters:
     evicted_sample_reads: int = 0  # sum over evicted samples of the epochs that served them
     evicted_max_reads: int = 0  # the most reads of an evicted segment (its least-read sample's)
     epochs_seen: int = 0  # read receipts applied (every epoch read, since the ledger began)
+    recent_evicted: list[tuple[int, int]] = field(default_factory=list)  # (samples, their reads), last ECHO_WINDOW
 
 
 class CacheStore:
@@ -217,9 +226,11 @@ class CacheStore:
         self._next_seq = 0
         self._is_backpressured = False
         self._is_paced = False
+        self._newest_pin: tuple[float, int, int] | None = None  # (created, samples, fresh) of the newest snapshot
         self._lock_fd = self._take_lock()
         try:
             self._recover()
+            write_room(self.layout.root, config.max_bytes, config.turnover_bytes, mode=config.file_mode)
         except BaseException:
             self.close()
             raise
@@ -335,7 +346,15 @@ class CacheStore:
         by_inode = {segment.inode: seq for seq, segment in self._published.items()}
         self._pinned_published = {by_inode[ino] for ino in found if ino in by_inode}
         self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
-        self._live_snapshots = len(live_snapshots(self.layout))
+        live = live_snapshots(self.layout)
+        self._live_snapshots = len(live)
+        for info in live:
+            if (
+                info.fresh is not None
+                and info.samples
+                and (self._newest_pin is None or info.created > self._newest_pin[0])
+            ):
+                self._newest_pin = (info.created, info.samples, info.fresh)
         self._collect_receipts()
         # A segment evicted while pinned may still be served by the epoch pinning it; once no snapshot holds it
         # (its receipt, written before its snapshot went, was collected just above), its reads are final.
@@ -471,40 +490,42 @@ class CacheStore:
         stats = os.statvfs(self.layout.root)
         return int(stats.f_bavail * stats.f_frsize)
 
-    def _published_target(self) -> int:
-        """Rule (B)'s ceiling for published + reserved: the budget less turnover room and metadata."""
-        return self.limit_bytes - self.config.turnover_bytes - self.metadata_bytes
+    @property
+    def epoch_room(self) -> int:
+        """The most segment bytes one snapshot pins (``room.py``), hence the largest segment a grant may hold."""
+        return epoch_room(self.config.max_bytes, self.config.turnover_bytes)
 
     def reserve(self, nbytes: int) -> Grant | None:
         """Grant room for one segment of up to ``nbytes``, evicting as the rules allow; None means wait.
 
-        Raises ValueError if ``nbytes`` could never fit (larger than the budget left for the published set).
+        Raises ValueError if ``nbytes`` could never fit (larger than the epoch room a snapshot may pin).
         """
         need = _round_up(nbytes)
-        if need > self.limit_bytes - self.config.turnover_bytes:
+        if need > self.epoch_room:
             raise ValueError(
                 f"a segment of {need} bytes cannot fit a cache of {self.config.max_bytes} bytes "
                 f"(turnover {self.config.turnover_bytes}): the sample is too large for this cache"
             )
         self._maybe_rescan_pins()
-        if not (self._evict_for_turnover(need) and self._make_room(need)):
+        why = self._make_room(need)
+        if why:
             self._maybe_rescan_pins(force=True)
-            if not self._evict_for_turnover(need):
-                if not self._is_paced:
-                    log.info(
-                        "cache full of samples trainers have not read yet (or of sources below their share): "
-                        "fetching waits for reads (cache.evict_after_reads = %d)",
-                        self.config.evict_after_reads,
-                    )
-                self._is_paced = True
-                return None
-            self._is_paced = False
-            if not self._make_room(need):
-                if not self._is_backpressured:
-                    self.counters.backpressure_events += 1
-                    log.info("cache full of pinned segments: writers wait until a snapshot is released")
-                self._is_backpressured = True
-                return None
+            why = self._make_room(need)
+        if why == "reads":
+            if not self._is_paced:
+                log.info(
+                    "cache full of samples trainers have not read yet (or of sources below their share): "
+                    "fetching waits for reads (cache.evict_after_reads = %d)",
+                    self.config.evict_after_reads,
+                )
+            self._is_paced, self._is_backpressured = True, False
+            return None
+        if why:
+            if not self._is_backpressured:
+                self.counters.backpressure_events += 1
+                log.info("cache full of pinned segments: writers wait until a snapshot is released")
+            self._is_paced, self._is_backpressured = False, True
+            return None
         self._is_backpressured = False
         self._is_paced = False
         seq = self._next_seq
@@ -517,24 +538,40 @@ class CacheStore:
         unwritten = self.reserved_bytes  # conservative: counts grants as if none of their bytes were written yet
         return self._free_bytes() - unwritten - need >= self.config.min_free_bytes
 
-    def _make_room(self, need: int) -> bool:
-        """Rule (A): True if ``need`` fits the budget and the free-space floor.
+    def _make_room(self, need: int) -> str:
+        """Rules (A) and (B): evict what the rules let go until ``need`` fits the budget and the free-space floor.
 
-        Over budget means pinned bytes fill it (rule B already trimmed the published set): wait. Evicting unpinned
-        segments here would throw away the freshest samples, which no trainer has seen yet, to make room for even
-        fresher ones: downloads wasted. Only the free-space floor (a filesystem shared with others running low)
-        evicts here, oldest unpinned first.
+        Returns "" when it fits, else why the writer waits: "reads" (paced: what could make room has not been
+        read enough, or belongs to a source below its share), "pins" (back-pressure: snapshots pin what could
+        go) or "free" (the filesystem's floor, with nothing unpinned left to evict).
         """
-        if self._total() + need > self.limit_bytes:
-            return False
+        if not self._evict_to_fit(need):
+            return "reads" if self._waits_for_reads() else "pins"
         candidates: list[int] | None = None
         while not self._has_free_space(need):
             if candidates is None:
                 candidates = self._evictable(unpinned=True)
             if not candidates:
-                return False
+                return "free"
             victim = self._choose(candidates, spare_below_share=False)
             if victim is None:  # never with spare_below_share=False; for the type checker
+                return "free"
+            candidates.remove(victim)
+            if self._is_pinned_now(victim):
+                self._pinned_published.add(victim)  # pinned since the last scan: evicting it frees nothing
+                continue
+            self._evict(victim)
+        return ""
+
+    def _evict_to_fit(self, need: int) -> bool:
+        """Rule (B): evict evictable, unpinned segments (weighted-source and policy order) until ``need`` fits the
+        budget. False if that is not enough."""
+        candidates: list[int] | None = None
+        while self._total() + need > self.limit_bytes:
+            if candidates is None:
+                candidates = self._evictable(unpinned=True)
+            victim = self._choose(candidates) if candidates else None
+            if victim is None:
                 return False
             candidates.remove(victim)
             if self._is_pinned_now(victim):
@@ -543,25 +580,19 @@ class CacheStore:
             self._evict(victim)
         return True
 
+    def _waits_for_reads(self) -> bool:
+        """Whether a full cache waits for trainers to read (paced) rather than for snapshots to go: some published
+        segment is still below ``evict_after_reads``, or an evictable unpinned one is spared for its source."""
+        enough = self.config.evict_after_reads
+        if enough and any(self._levels.get(seq, 0) < enough for seq in self._published):
+            return True
+        return bool(self._evictable(unpinned=True))
+
     def _is_pinned_now(self, seq: int) -> bool:
         try:
             return os.lstat(self.layout.segments / self._published[seq].name).st_nlink > 1
         except FileNotFoundError:
             return False
-
-    def _evict_for_turnover(self, need: int) -> bool:
-        """Rule (B): keep the published set (plus grants) below ``max_bytes - turnover - metadata``, evicting only
-        what the read contract lets go. False if that is not enough (paced: the writer waits for trainers to read)."""
-        candidates: list[int] | None = None
-        while self.published_bytes + self.reserved_bytes + need > self._published_target():
-            if candidates is None:
-                candidates = self._evictable()
-            victim = self._choose(candidates) if candidates else None
-            if victim is None:
-                return False
-            candidates.remove(victim)
-            self._evict(victim)
-        return True
 
     def _choose(self, candidates: list[int], *, spare_below_share: bool = True) -> int | None:
         """The next victim among ``candidates`` (not empty): the policy's, within the source most above its share.
@@ -618,6 +649,8 @@ class CacheStore:
         counters.first_eviction_at = counters.first_eviction_at or time.time()
         counters.evicted_published_at.append(segment.published_at)
         del counters.evicted_published_at[:-64]
+        counters.recent_evicted.append((segment.samples, reads.total))
+        del counters.recent_evicted[:-ECHO_WINDOW]
         log.debug("evicted %s (%d samples, pinned=%s)", segment.name, segment.samples, links_left > 0)
 
     def drop_sources(self, keep: set[int]) -> int:
@@ -630,10 +663,10 @@ class CacheStore:
         return len(gone)
 
     def enforce(self) -> None:
-        """Periodic upkeep: sweep stale snapshots, refresh pins, and the turnover target."""
+        """Periodic upkeep: sweep stale snapshots, refresh pins, and keep the budget as metadata grows."""
         self.sweep()
         self._maybe_rescan_pins()
-        self._evict_for_turnover(0)
+        self._evict_to_fit(0)
 
     # -- publication ----------------------------------------------------------------------------------------
 
@@ -684,6 +717,28 @@ class CacheStore:
     def segments(self) -> list[PublishedSegment]:
         return [self._published[seq] for seq in sorted(self._published)]
 
+    @property
+    def echo_factor(self) -> float | None:
+        """Reads per sample of the samples of the last ``ECHO_WINDOW`` evicted segments (their reads are final):
+        about ``evict_after_reads`` when the remote keeps up, more when epochs re-read what is cached because fresh
+        samples arrive slower than training reads. None before the first eviction."""
+        window = self.counters.recent_evicted
+        samples = sum(n for n, _reads in window)
+        return sum(reads for _n, reads in window) / samples if samples else None
+
+    @property
+    def ingest_bound(self) -> str | None:
+        """What limits fresh samples, judged on the newest snapshot a trainer made (``room.py``: unread segments
+        first, then the least-read): "remote" when more than ``TOPPED_UP_SHARE`` of it had been read already (fresh
+        samples did not fill the epoch's room, so it was topped up and samples are read again: the remote is slower
+        than training), "trainer" otherwise (the epoch read mostly fresh samples, and ingest waits for training).
+        None before the first snapshot of a daemon-held cache. Pacing alone cannot tell: at each handover two
+        snapshots pin the budget for a moment, and a remote-bound daemon paces then too."""
+        if self._newest_pin is None:
+            return None
+        _created, samples, fresh = self._newest_pin
+        return "remote" if samples - fresh > TOPPED_UP_SHARE * samples else "trainer"
+
     def usage(self) -> Usage:
         self._maybe_rescan_pins()
         pinned_only = sum(self._pinned_only.values())
@@ -708,5 +763,7 @@ class CacheStore:
             sample_reads=sum(reads.total for reads in self._reads.values()),
             oldest_published_at=min((s.published_at for s in self._published.values()), default=None),
             newest_published_at=max((s.published_at for s in self._published.values()), default=None),
-            fill=min(1.0, self.published_bytes / max(1, self._published_target())),
+            fill=min(1.0, self.published_bytes / max(1, self.limit_bytes - self.metadata_bytes)),
+            echo_factor=self.echo_factor,
+            ingest_bound=self.ingest_bound,
         )

@@ -98,7 +98,11 @@ def build_status(
     ``cachefeed/_cache/store.py``): ``cache.newest_age_s``/``oldest_age_s`` (ages of the newest and oldest published
     segments, None when empty), ``cache.unread_samples`` (cached samples no epoch has served yet),
     ``cache.fill`` (published bytes as a fraction of what the daemon fills to without readers:
-    ``max_bytes`` less turnover and metadata; trainers' ``min_samples="75%"`` waits on it), ``cache.epochs_total``
+    ``max_bytes`` less metadata; trainers' ``min_samples="75%"`` waits on it), ``cache.echo_factor`` (reads per
+    sample of the samples of the last 64 evicted segments: the echo the two speeds set, ``CacheStore.echo_factor``),
+    ``cache.ingest_bound``/``cache.is_remote_bound`` ("remote" when ingest did not wait for reads during the last
+    complete epoch, so epochs re-read the least-read samples; "trainer" when it did; null before two epochs or
+    free-running: ``CacheStore.ingest_bound``), ``cache.epochs_total``
     (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch served
     them) and ``evicted.epochs_per_sample`` (epochs that served an evicted sample, on average; None before the first
     eviction). The read contract (NOTE [ Read receipts ] in ``_cache/reads.py``): ``cache.is_paced`` (ingest waits
@@ -133,6 +137,9 @@ def build_status(
             "max_bytes": usage.max_bytes,
             "samples": usage.samples,
             "fill": usage.fill,
+            "echo_factor": usage.echo_factor,
+            "ingest_bound": usage.ingest_bound,
+            "is_remote_bound": None if usage.ingest_bound is None else usage.ingest_bound == "remote",
             "segments": usage.segments,
             "pinned_bytes": usage.pinned_bytes,
             "pinned_only_bytes": usage.pinned_only_bytes,

@@ -110,11 +110,19 @@ def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
     )
     per_sample = evicted["epochs_per_sample"]
     if per_sample is not None:
+        lately = cache.get("echo_factor")
         text += (
-            f"; evicted samples were served {per_sample:.2f} times on average, "
-            f"{_count(evicted['unread_samples_total'])} evicted unread"
+            f"; evicted samples were read {per_sample:.2f} times each"
+            + (f" ({lately:.2f} lately), " if lately is not None else ", ")
+            + f"{_count(evicted['unread_samples_total'])} evicted unread"
         )
     return text
+
+
+def _bound(cache: Mapping[str, Any]) -> str:
+    """What bounds ingest, for the ingest line ("" when a document predates it or nothing is known yet)."""
+    bound = cache.get("ingest_bound")
+    return {"remote": "; remote-bound", "trainer": "; trainer-bound"}.get(str(bound), "")
 
 
 def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: float, *, is_gone: bool) -> None:
@@ -159,7 +167,7 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     out.add(
         "ingest",
         f"{format_bytes(ingest['bytes_per_s'])}/s, {_rate(ingest['samples_per_s'])} samples/s, "
-        f"{_rate(ingest['objects_per_s'])} objects/s",
+        f"{_rate(ingest['objects_per_s'])} objects/s{_bound(cache)}",
     )
     out.add(
         "",

@@ -144,6 +144,22 @@ STATUS_SCHEMA: dict[str, Any] = {
             "While paced: cached samples read fewer than evict_after_reads times.",
         ),
         "evict_after_reads": NUM,
+        "echo_factor": Scalar(
+            OPT_NUM,
+            Metric("cachefeed_echo_factor", "gauge", "Reads per sample of the last 64 evicted segments."),
+            is_omittable=True,
+        ),
+        "ingest_bound": Omittable(OPT_STR),  # "remote", "trainer" or null (before two epochs; free-running)
+        "is_remote_bound": Scalar(
+            (bool, int, type(None)),
+            Metric(
+                "cachefeed_ingest_remote_bound",
+                "gauge",
+                "1 when fresh samples arrive slower than training reads (epochs re-read the least-read), 0 when "
+                "ingest waits for training.",
+            ),
+            is_omittable=True,
+        ),
         "unread_samples": _gauge(NUM, "cachefeed_cache_unread_samples", "Cached samples no epoch has served yet."),
         "max_reads": _gauge(NUM, "cachefeed_cache_max_reads", "Most reads of a cached segment (least-read sample)."),
         "epochs_total": _counter("cachefeed_cache_epochs", "Epoch reads reported by trainers."),

@@ -48,6 +48,7 @@ import numpy.typing as npt
 from torch.utils.data import DataLoader, Sampler
 
 from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.room import read_room
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
@@ -287,16 +288,22 @@ class Epochs:
         return fill_reached(self.plan.layout, 1.0, samples)[0]
 
     def _estimated_share(self, snapshot: Snapshot) -> int:
-        """This rank's samples if the first epoch grows until the daemon's fill level (``len()`` until it closes)."""
+        """This rank's samples if the first epoch grows until it fills the epoch's room (``room.py``) or, without a
+        room, the daemon's fill level: what ``len()`` says until the snapshot closes."""
         from cachefeed._status.report import read_report  # the reader of the daemon's document
 
         total = snapshot.samples
-        document = read_report(self.plan.layout.root).document
-        if document is not None:
-            cache = document["cache"]
-            fill, samples = float(cache.get("fill", 0.0)), int(cache.get("samples", 0))
-            if fill > 0.01:
-                total = max(total, round(samples / min(1.0, fill)))
+        room = read_room(self.plan.layout.root)
+        pinned = sum(os.lstat(path).st_blocks * 512 for path in snapshot.paths)
+        if room is not None and pinned and snapshot.samples:
+            total = max(total, room * snapshot.samples // pinned)
+        else:
+            document = read_report(self.plan.layout.root).document
+            if document is not None:
+                cache = document["cache"]
+                fill, samples = float(cache.get("fill", 0.0)), int(cache.get("samples", 0))
+                if fill > 0.01:
+                    total = max(total, round(samples / min(1.0, fill)))
         return total // self.plan.ranks.local_world_size
 
     def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
@@ -330,7 +337,9 @@ class Epochs:
         if snapshot is not None:
             snap_id = snapshot.snap_id
         elif plan.ranks.is_creator:
-            snapshot = Snapshot.create(plan.layout.root, snap_id, job=plan.job, growing=grows)
+            with self._lock:
+                reading = self._last_names or frozenset()  # the epoch being read now: its receipt is pending
+            snapshot = Snapshot.create(plan.layout.root, snap_id, job=plan.job, reading=reading, growing=grows)
         else:
             snapshot = Snapshot.join(plan.layout.root, snap_id, timeout_s=join_timeout, job=plan.job)
         dataset: SnapshotDataset | None = None

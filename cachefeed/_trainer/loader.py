@@ -15,9 +15,10 @@ in-process through a DataLoader of its own.
   the node's other ranks join), compute this rank's share, build the dataset and queue its pass on the pool
   (without workers: build its DataLoader and fetch the first batch). The pool deals ``e + 1``'s batches to the
   workers as soon as ``e``'s are all dealt, so its first batches are read while ``e``'s last ones are consumed.
-  Pinning late keeps the snapshot fresh (it holds what was cached a moment before the boundary) and keeps two
-  snapshots from sharing the turnover room for long (epochs only a little longer than the lead are fine); starting
-  early enough keeps the boundary free of waits. No process is forked at a boundary, so the lead is small.
+  Pinning late keeps the snapshot fresh (it holds what was cached a moment before the boundary; at most the
+  daemon's epoch room of it, least-read first, counting ``e``'s segments as read once more: ``_cache/room.py``)
+  and keeps two snapshots from sharing the budget for long (epochs only a little longer than the lead are fine);
+  starting early enough keeps the boundary free of waits. No process is forked at a boundary, so the lead is small.
 * ``_EpochIterator`` stops after exactly ``len(loader)`` batches without asking the inner iterator again (a
   DataLoader's own end would join its workers on the training thread); the exhausted iterator goes to the teardown
   thread, which closes it.
@@ -126,7 +127,7 @@ class EpochLoaderFactory:
             seconds after a cold start, and the first epoch is ordered by arrival (shuffled within each ~50 ms of
             ingest) rather than over the whole cache. Set it to wait instead, then shuffle over everything cached
             (the behaviour before growing epochs): a number of cached samples, or a fill level such as ``"75%"`` of
-            what the daemon keeps (its budget less turnover room and metadata), reached also when the daemon
+            what the daemon keeps (its budget less metadata), reached also when the daemon
             cannot fill further (it waits for trainers, or holds everything the remote lists) or when no daemon
             runs (a static cache). With several nodes and no ``samples_per_epoch``, or with weighted sources, the
             first epoch cannot grow (its length needs agreeing up front) and waits for ``samples_per_epoch`` or

@@ -22,13 +22,12 @@ def handover_peak(root: Path, max_bytes: int, **overrides: object) -> tuple[int,
     config = cache_config(root, max_bytes=max_bytes, segment_bytes=4096, turnover_bytes=max_bytes // 4, **overrides)
     store = CacheStore(config)
     try:
-        key = write_until_full(store, 0) if config.evict_after_reads else 0
-        if not config.evict_after_reads:  # free-running never waits without pins: write a budget's worth
-            for _ in range((max_bytes - config.turnover_bytes) // 4096):
-                key = _write_one(store, key)
+        key = write_until_full(store, 0) if config.evict_after_reads else _write_budget(store, 0, max_bytes)
         with Snapshot.create(root, "epoch-0") as first:
             store.collect_reads()  # the daemon scans snapshots twice a second
-            write_until_full(store, key)
+            # free-running, writers never wait while the snapshot leaves unpinned room (it pins the epoch room at
+            # most): a budget's worth of segments turns the unpinned part over and leaves the cache full
+            key = write_until_full(store, key) if config.evict_after_reads else _write_budget(store, key, max_bytes)
             before, published = metadata_bytes(store.layout), len(store.segments)
             with Snapshot.create(root, "epoch-1") as second:
                 assert first.samples > 1000 and second.samples > 1000
@@ -41,6 +40,12 @@ def handover_peak(root: Path, max_bytes: int, **overrides: object) -> tuple[int,
         store.close()
 
 
+def _write_budget(store: CacheStore, key: int, max_bytes: int) -> int:
+    for _ in range(max_bytes // 4096):
+        key = _write_one(store, key)
+    return key
+
+
 def _write_one(store: CacheStore, key: int) -> int:
     with CacheWriter(store, segment_bytes=4096, fsync=False) as writer:
         writer.add(make_sample(f"k{key}", 2000))
@@ -50,7 +55,7 @@ def _write_one(store: CacheStore, key: int) -> int:
 @pytest.mark.parametrize("max_mib", [32, pytest.param(48, marks=pytest.mark.slow)])
 def test_two_live_snapshots_of_thousands_of_segments_stay_within_max_bytes(tmp_path: Path, max_mib: int) -> None:
     """The case the fixed 1 MiB reserve could not hold: 4 KiB segments (a config the validator accepts), the
-    default 25% turnover, a handover pinning two snapshots of ~6,000 segments each."""
+    a 25% turnover, a handover pinning two snapshots of ~6,000 segments each (each the epoch room)."""
     max_bytes = max_mib << 20
     real, segments = handover_peak(tmp_path / "c", max_bytes)
     assert segments > 3000, "the scenario must hold thousands of segments"

@@ -135,8 +135,8 @@ def test_an_evicted_segment_stays_readable_while_a_snapshot_holds_it(tmp_path: P
     fill(store, range(1000))
     snapshot = Snapshot.create(root, "run-e000000")
     pinned = snapshot.samples
-    fill(store, range(1000, 1400))  # under the turnover room: evicts pinned segments, never waits
-    store.enforce()
+    store.collect_reads()
+    assert store.drop_sources(keep=set()) > 0  # a source no longer configured: its pinned segments go too
     assert store.counters.evicted_segments > 0
     usage = store.usage()
     assert usage.pinned_only_bytes > 0, "evicted-but-pinned bytes are still counted"
@@ -156,12 +156,15 @@ def test_an_evicted_segment_stays_readable_while_a_snapshot_holds_it(tmp_path: P
 
 def test_writers_wait_when_everything_is_pinned_and_resume_after_release(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    config = cache_config(root, max_bytes=8 << 20, turnover_bytes=0)
+    config = cache_config(root, max_bytes=8 << 20, turnover_bytes=0, evict_after_reads=1)
     store = CacheStore(config)
-    fill(store, range(3000))  # more than the budget
-    snapshot = Snapshot.create(root, "pin-all")
+    write_until_full(store, 0, nbytes=100_000)  # paced: nothing read yet
+    with Snapshot.create(root, "read-all") as first:
+        first.record_served(np.arange(first.samples))
+    store.collect_reads()  # every segment read, so every one may go, but for the next pin
+    snapshot = Snapshot.create(root, "pin-all")  # turnover 0: the epoch room is the whole budget
     store._pins_scanned_at = 0
-    write_until_full(store, 3000, nbytes=100_000)  # what room is left takes a segment or two, then writers wait
+    assert snapshot.samples == store.samples
     assert store.reserve(config.segment_bytes) is None, "all data pinned: back-pressure, not overshoot"
     assert store.usage().bytes <= store.limit_bytes
     assert store.usage().is_backpressured

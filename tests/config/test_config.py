@@ -217,8 +217,9 @@ CROSS_FIELD = [
     pytest.param(
         {"cache.max_bytes": "100MiB"},
         {},
-        ["cache.max_bytes = 104857600 bytes", "below the minimum of 269484032 bytes", "cache.segment_bytes"],
-        id="budget-below-four-segments",
+        # the default 50% turnover binds before the four segments' floor (269484032): the epoch room holds two
+        ["cache.max_bytes = 104857600 bytes", "below the minimum of 270532607 bytes", "cache.segment_bytes"],
+        id="budget-below-an-epoch-room-of-two-segments",
     ),
     pytest.param(
         {"cache.max_bytes": "512MiB", "cache.segment_bytes": "32MiB", "sampler.processes": 16},
@@ -410,7 +411,7 @@ def test_minimal_config_takes_every_default() -> None:
     assert config.source == "<memory>"
     assert config.remote == RemoteConfig(url="s3://bucket/prefix")
     assert config.cache == CacheConfig(dir=Path("/var/cache/cachefeed/test"), max_bytes=GiB), "one default"
-    assert config.cache.turnover_bytes == GiB // 4
+    assert config.cache.turnover_bytes == GiB // 2
     assert config.sampler == SamplerConfig()
     assert config.node == NodeConfig(rank=0, count=1)
     assert config.status == StatusConfig()

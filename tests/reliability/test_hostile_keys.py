@@ -153,7 +153,7 @@ def through_the_writer(tmp_path: Path, count: int) -> None:
     foreign = [
         path
         for path in tree_listing(root)
-        if not re.fullmatch(r"CACHEDIR\.TAG|lock|segments|tmp|snapshots|segments/[0-9a-f]{16}\.seg", path)
+        if not re.fullmatch(r"CACHEDIR\.TAG|lock|budget\.json|segments|tmp|snapshots|segments/[0-9a-f]{16}\.seg", path)
     ]
     missing = [key for key in keys if served.get(key) != 1]
     violations = wrong + skipped + len(missing) + len(foreign) + int(outside_after != outside_before)
@@ -256,7 +256,8 @@ def run_and_check(proc: DaemonProcess, expected: set[str], scenario: str, **figu
         path
         for path in tree_listing(proc.cache_dir)
         if not re.fullmatch(
-            r"CACHEDIR\.TAG|lock|status\.json|catalog-[0-9a-f]{8}\.cfcat|segments|tmp|snapshots|segments/[0-9a-f]{16}\.seg",
+            r"CACHEDIR\.TAG|lock|status\.json|budget\.json|catalog-[0-9a-f]{8}\.cfcat|segments|tmp|snapshots"
+            r"|segments/[0-9a-f]{16}\.seg",
             path,
         )
     ]

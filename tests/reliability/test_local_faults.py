@@ -157,7 +157,8 @@ def enospc_while_writing(tmp_path: Path, s3: LocalS3, bucket: Any, kind: str) ->
             s3,
             cache_dir,
             "enospc",
-            {"max_bytes": "2MiB", "segment_bytes": "128KiB", "min_free_bytes": 0},
+            # 25% turnover: the smallest budget that holds two segments of epoch room (the 50% default needs 2.5 MiB)
+            {"max_bytes": "2MiB", "segment_bytes": "128KiB", "min_free_bytes": 0, "turnover": "25%"},
         )
         try:
             proc.wait_status(lambda d: d["evicted"]["segments_total"] >= 2, timeout_s=90, what="fill and eviction")

@@ -89,6 +89,9 @@ def make_document(cache_dir: Path, **changes: Any) -> dict[str, Any]:
             "is_paced": True,
             "waiting_for_reads_samples": 600_000,
             "evict_after_reads": 1,
+            "echo_factor": 2.9,
+            "ingest_bound": "remote",
+            "is_remote_bound": True,
             "unread_samples": 40_000,
             "max_reads": 3,
             "epochs_total": 12,
@@ -603,6 +606,21 @@ def test_render_shows_backpressure_and_low_free_space(tmp_path: Path) -> None:
     assert "BELOW THE FLOOR" in out
     assert "nothing evicted yet" in out
     assert "not listed yet" in out
+
+
+def test_render_shows_the_echo_factor_and_what_bounds_ingest(tmp_path: Path) -> None:
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root))
+    out = " ".join(render_human(read_report(layout.root)).split())
+    assert "(2.90 lately)" in out and "remote-bound" in out
+    document = make_document(layout.root, cache__ingest_bound="trainer", cache__is_remote_bound=False)
+    write_status(layout, document)
+    assert "trainer-bound" in " ".join(render_human(read_report(layout.root)).split())
+    for key in ("echo_factor", "ingest_bound", "is_remote_bound"):  # a document from before them
+        del document["cache"][key]
+    write_status(layout, document)
+    out = " ".join(render_human(read_report(layout.root)).split())
+    assert "-bound" not in out and "health RUNNING" in out
 
 
 def test_a_usage_error_has_its_own_exit_status_apart_from_degraded(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,105 @@
+"""An epoch's room: how much one snapshot may pin, and which segments it takes (the one owner of that rule).
+
+Why a room (issue 27, "echo only as much as the remote forces"): with read-gated eviction the next epoch's snapshot
+is taken while the current epoch still reads its own (its receipt comes when it is released), so if a snapshot
+pinned every published segment, the cache could never hold more than the current snapshot plus the fresh samples
+that fit beside it, and each epoch would bring at most that room of new samples: an echo factor of about
+``(1 - turnover) / turnover`` whatever the remote's speed. Instead:
+
+* **A snapshot pins at most the epoch room** ``max_bytes - turnover_bytes - METADATA_RESERVE_BYTES`` (allocated
+  bytes of its segments), so the rest of the budget, ``turnover_bytes``, is always free for samples no epoch has
+  read while an epoch reads its snapshot. With the default turnover of 50% the two halves are equal: when the
+  remote fills the free half during an epoch, the next epoch reads only fresh samples (echo 1); when it fills a
+  third of it, the next epoch is topped up with the least-read samples and each sample is read about three times
+  (the remote sets the echo, not the room).
+* **Least-read first** (``choose``): a segment's reads (its least-read sample's, from the daemon's ledger, NOTE
+  [ Read receipts ] in ``reads.py``), plus one *pending* read if the creating job's previous snapshot (live and
+  being read right now, so its receipt has not arrived) holds it. Ties: oldest first (segment sequence numbers).
+  Unread segments therefore come first and the top-up is the least-read. With weighted sources (``sources.json``),
+  each source first gets its weight's share of the room from its own least-read segments, then the rest of the room
+  is filled from all sources in the same order: a fast source cannot crowd a slow one out of an epoch.
+* A cache whose published set fits the room is pinned whole, as before; a static cache (no daemon holding the
+  writer lock) has no room: every segment is pinned.
+
+The daemon's store writes the room into ``budget.json`` at start (``write_room``, the only writer); trainers read it
+when they create a snapshot (``read_room``). The store relies on the rule: since no snapshot pins more than the room,
+it never caps the published set below the budget (``store.py``, rule B).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.settings import METADATA_RESERVE_BYTES
+from cachefeed._fsutil import atomic_write
+
+__all__ = ["Candidate", "choose", "epoch_room", "read_room", "write_room"]
+
+_VERSION = 1
+
+
+def epoch_room(max_bytes: int, turnover_bytes: int) -> int:
+    """The most segment bytes one snapshot pins: the budget less the turnover room and the metadata reserve."""
+    return max(0, max_bytes - turnover_bytes - METADATA_RESERVE_BYTES)
+
+
+def write_room(root: str | os.PathLike[str], max_bytes: int, turnover_bytes: int, *, mode: int = 0o640) -> None:
+    """Replace ``budget.json`` atomically (the store, at start)."""
+    document = {
+        "version": _VERSION,
+        "max_bytes": max_bytes,
+        "turnover_bytes": turnover_bytes,
+        "epoch_room_bytes": epoch_room(max_bytes, turnover_bytes),
+    }
+    atomic_write(CacheLayout(Path(root)).budget_file, json.dumps(document, indent=1).encode(), mode=mode)
+
+
+def read_room(root: str | os.PathLike[str]) -> int | None:
+    """The epoch room the cache's daemon keeps; None without the file or if unreadable (then: pin everything)."""
+    try:
+        document = json.loads((CacheLayout(Path(root)).budget_file).read_bytes())
+        room = int(document["epoch_room_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return room if room > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A published segment a snapshot may pin."""
+
+    seq: int
+    nbytes: int  # allocated bytes, as the store's budget counts them
+    reads: int  # its least-read sample's reads (0: unread or unknown)
+    tag: int = 0  # its source tag
+    pending: bool = False  # the creating job's live previous snapshot holds it: one more read is on its way
+
+
+def choose(candidates: Sequence[Candidate], room: int | None, weights: Mapping[int, float] | None = None) -> list[int]:
+    """The sequence numbers of the segments a snapshot pins (ascending), by the rule in the module docstring.
+
+    ``room`` None pins everything; ``weights`` (source tag -> share, summing to 1) reserves each source its share.
+    """
+    if room is None or sum(c.nbytes for c in candidates) <= room:
+        return sorted(c.seq for c in candidates)
+    order = sorted(candidates, key=lambda c: (c.reads + c.pending, c.seq))
+    chosen: set[int] = set()
+    left = room
+    if weights and len(weights) > 1:
+        for tag, weight in sorted(weights.items()):
+            quota = int(room * weight)
+            for candidate in order:
+                if candidate.tag == tag and candidate.nbytes <= min(quota, left):
+                    chosen.add(candidate.seq)
+                    quota -= candidate.nbytes
+                    left -= candidate.nbytes
+    for candidate in order:
+        if candidate.seq not in chosen and candidate.nbytes <= left:
+            chosen.add(candidate.seq)
+            left -= candidate.nbytes
+    return sorted(chosen)

@@ -1,0 +1,78 @@
+"""An epoch's room (``cachefeed/_cache/room.py``): a snapshot pins at most the daemon's epoch room, least-read
+first, counting the job's live previous snapshot as read once more; a static cache is pinned whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.room import Candidate, choose, read_room
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.store import CacheStore
+from tests.support.cache_helpers import cache_config, write_until_full
+
+SEGMENT = 64 << 10
+
+
+def _store(root: Path) -> CacheStore:
+    config = cache_config(root, max_bytes=6 << 20, segment_bytes=SEGMENT, turnover_bytes=3 << 20, evict_after_reads=1)
+    return CacheStore(config)
+
+
+def _pinned_bytes(snapshot: Snapshot) -> int:
+    return sum((snapshot.directory / name).stat().st_blocks * 512 for name in snapshot.names)
+
+
+def test_a_snapshot_pins_at_most_the_epoch_room_unread_segments_first(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = _store(root)
+    try:
+        write_until_full(store, 0, nbytes=20_000)
+        room = read_room(root)
+        assert room == store.epoch_room == (6 << 20) - (3 << 20) - (1 << 20)
+        assert store.published_bytes > room, "the cache holds more than one epoch's room"
+        with Snapshot.create(root, "e0") as first:
+            assert _pinned_bytes(first) <= room
+            oldest = [name for name, _ in CacheLayout(root).list_segments()][: len(first.names)]
+            assert list(first.names) == oldest, "all unread: oldest first"
+            first.record_served(np.arange(first.samples))
+        store.collect_reads()
+        with Snapshot.create(root, "e1") as second:
+            assert not set(second.names) & set(first.names), "the unread segments come before those read once"
+            assert _pinned_bytes(second) <= room
+    finally:
+        store.close()
+
+
+def test_the_previous_epochs_segments_count_one_pending_read(tmp_path: Path) -> None:
+    """The job's live previous snapshot has not sent its receipt yet: its segments come after the unread ones."""
+    root = tmp_path / "c"
+    store = _store(root)
+    try:
+        write_until_full(store, 0, nbytes=20_000)
+        with Snapshot.create(root, "e0", job="j") as first:
+            with Snapshot.create(root, "e1", job="j", reading=first.names) as second:
+                assert not set(second.names) & set(first.names)
+    finally:
+        store.close()
+
+
+def test_a_static_cache_is_pinned_whole(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = _store(root)
+    write_until_full(store, 0, nbytes=20_000)
+    published = len(store.segments)
+    store.close()  # no daemon holds the cache: nobody keeps a room, so nothing is left out
+    with Snapshot.create(root, "static") as snapshot:
+        assert len(snapshot.names) == published
+
+
+def test_weighted_sources_each_get_their_share_of_the_room() -> None:
+    fast = [Candidate(seq, 10, 0, tag=1) for seq in range(20)]
+    slow = [Candidate(100 + seq, 10, 3, tag=2) for seq in range(20)]
+    chosen = choose(fast + slow, 100, {1: 0.5, 2: 0.5})
+    assert len([s for s in chosen if s < 100]) == 5 and len([s for s in chosen if s >= 100]) == 5
+    assert choose(fast + slow, 100) == list(range(10)), "unweighted: least-read first"
+    assert choose(fast, None) == list(range(20)), "no room: everything"
