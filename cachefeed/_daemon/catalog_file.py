@@ -50,7 +50,6 @@ __all__ = [
     "CatalogFileError",
     "CatalogHeader",
     "CatalogWriter",
-    "TableSnapshot",
     "load_restart",
     "read_pages",
     "restart_header",
@@ -120,28 +119,18 @@ class CatalogWriter:
             classes=sorted({_parent(obj.path) for obj in objects}),
         )
 
-    def write_table(self, table: ObjectTable | TableSnapshot, rows: npt.NDArray[np.intp]) -> None:
-        """The table's ``rows`` (what a node owns and its last listing showed), in blocks."""
-        snapshot = table if isinstance(table, TableSnapshot) else TableSnapshot.of(table)
-        arrays, other, hashes = snapshot.arrays, snapshot.other, snapshot.hashes
-        ends, blob = arrays["ends"], arrays["blob"]
-        for start in range(0, len(rows), BLOCK_ROWS):
-            chunk = rows[start : start + BLOCK_ROWS]
-            begins = np.where(chunk > 0, ends[np.maximum(chunk - 1, 0)], 0)
-            if len(chunk) and chunk[-1] - chunk[0] == len(chunk) - 1:  # consecutive rows: one slice
-                keys = blob[begins[0] : ends[chunk[-1]]].tobytes()
-            else:
-                pairs = zip(begins.tolist(), ends[chunk].tolist(), strict=True)
-                keys = b"".join(blob[b:e].tobytes() for b, e in pairs)
-            block_other = {str(i): other[oid] for i, oid in enumerate(chunk.tolist()) if oid in other}
+    def write_table(self, table: ObjectTable, listed: npt.NDArray[np.bool_]) -> None:
+        """The table's rows where ``listed[oid]`` (what a node owns and its last listing showed), in blocks of
+        ``BLOCK_ROWS``, straight from the live table (``ObjectTable.blocks``: one block in memory at a time)."""
+        for block in table.blocks(listed, BLOCK_ROWS):
             self._block(
-                keys,
-                ends=np.cumsum(ends[chunk] - begins, dtype=np.int64),
-                sizes=arrays["sizes"][chunk],
-                kinds=arrays["vkind"][chunk],
-                raws=arrays["vraw"][chunk],
-                hashes=hashes[chunk],
-                other=block_other,
+                block.keys,
+                ends=block.ends,
+                sizes=block.sizes,
+                kinds=block.vkinds,
+                raws=block.vraw,
+                hashes=block.hashes,
+                other={str(i): version for i, version in block.other.items()},
                 classes=[],  # the daemon keeps its class index in classes.json
             )
 
@@ -166,30 +155,6 @@ class CatalogWriter:
     def close(self) -> None:
         """Write the trailer (a file without it reads as truncated)."""
         self._json({"rows": -1, "objects": self.objects})
-
-
-@dataclass(frozen=True, slots=True)
-class TableSnapshot:
-    """A copy of an ``ObjectTable``'s columns with each row's hash: taken on the supervisor's loop (a memory copy),
-    written to disk in another thread while the table goes on changing."""
-
-    arrays: dict[str, npt.NDArray[Any]]
-    other: dict[int, str]
-    hashes: npt.NDArray[np.uint64]
-    key_bytes: int
-    rows: int
-
-    @classmethod
-    def of(cls, table: ObjectTable) -> TableSnapshot:
-        arrays, other = table.arrays()
-        arrays = {name: array.copy() for name, array in arrays.items()}
-        hashes = np.zeros(len(table), np.uint64)
-        hashes[arrays["oids"]] = arrays["hashes"]
-        indexed = np.zeros(len(table), dtype=bool)
-        indexed[arrays["oids"]] = True
-        for oid in np.flatnonzero(~indexed).tolist():  # rows whose hash collided are indexed by path
-            hashes[oid] = xxhash.xxh3_64_intdigest(table.path(oid).encode())
-        return cls(arrays, other, hashes, table.key_bytes, len(table))
 
 
 def _header_doc(header: CatalogHeader) -> dict[str, Any]:
@@ -277,24 +242,24 @@ def restart_header(url: str, pattern: str, rank: int, count: int) -> CatalogHead
 
 def save_restart(
     path: Path,
-    table: ObjectTable | TableSnapshot,
-    rows: npt.NDArray[np.intp],
+    table: ObjectTable,
+    listed: npt.NDArray[np.bool_],
     header: CatalogHeader,
     *,
     mode: int,
     max_bytes: int,
 ) -> bool:
-    """Keep ``rows`` of ``table`` (or of its snapshot) as the restart catalog at ``path``, atomically; False (and
-    no file) when it would exceed ``max_bytes``."""
-    rows_total = table.rows if isinstance(table, TableSnapshot) else len(table)
-    estimate = table.key_bytes + 41 * rows_total + 1024
+    """Keep the rows of ``table`` where ``listed[oid]`` as the restart catalog at ``path``, atomically; False (and
+    no file) when it would exceed ``max_bytes``. Safe in a thread of its own while the supervisor's loop changes
+    the table (``CatalogWriter.write_table``)."""
+    estimate = table.key_bytes + 41 * len(listed) + 1024
     if estimate > max_bytes:
         path.unlink(missing_ok=True)
         return False
 
     def write(out: IO[bytes]) -> None:
         writer = CatalogWriter(out, header)
-        writer.write_table(table, rows)
+        writer.write_table(table, listed)
         writer.close()
 
     atomic_write(path, write, mode=mode)
