@@ -18,11 +18,11 @@ Layout (little-endian)::
                 | vraw u8[16 * rows] | hashes u64[rows]
     trailer:    u32 n  {"rows": -1, "objects": total}
 
-The header names the URL, the pattern, and the node (``rank``, ``count``) whose objects the file holds (0 of 1:
-every object). Blocks are read in order, each one a listing page (``columns.FoldedPage``): a reader keeps the rows
-its node owns (``hash % count == rank``) without hashing a key again, and needs memory for one block only. A file
-without its trailer is truncated: the reader raises ``CatalogFileError`` after the pages it could read (the
-caller treats the listing as failed, so nothing vanishes).
+The header names the remote (``url_digest``: a digest, not the URL), the pattern, and the node (``rank``, ``count``)
+whose objects the file holds (0 of 1: every object). Blocks are read in order, each one a listing page
+(``columns.FoldedPage``): a reader keeps the rows its node owns (``hash % count == rank``) without hashing a key
+again, and needs memory for one block only. A file without its trailer is truncated: the reader raises
+``CatalogFileError`` after the pages it could read (the caller treats the listing as failed, so nothing vanishes).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ __all__ = [
     "read_pages",
     "restart_header",
     "save_restart",
+    "url_digest",
 ]
 
 MAGIC = b"CFCAT\x00\x01\n"
@@ -234,10 +235,15 @@ def read_pages(
         )
 
 
+def url_digest(url: str) -> str:
+    """What a catalog file's header keeps of the remote it lists: a digest, never the URL (it may hold
+    credentials, and a shared catalog is readable by every node)."""
+    return xxhash.xxh3_128_hexdigest(url.encode())
+
+
 def restart_header(url: str, pattern: str, rank: int, count: int) -> CatalogHeader:
-    """What a restart catalog must match to be used: the remote (a digest: the URL may hold credentials), the
-    pattern and the node."""
-    return CatalogHeader(xxhash.xxh3_128_hexdigest(url.encode()), pattern, rank, count)
+    """What a restart catalog must match to be used: the remote (``url_digest``), the pattern and the node."""
+    return CatalogHeader(url_digest(url), pattern, rank, count)
 
 
 def save_restart(

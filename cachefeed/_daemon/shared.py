@@ -20,7 +20,9 @@ Protocol (who writes what, and what a crash leaves):
 3. It deletes the generations LATEST no longer names (the KEEP newest stay, so a reader that read LATEST just
    before step 2 can still open the generation it found there). A crash here leaves extra objects, harmless.
 
-The catalog holds what the build's ``--pattern`` selected; a reader whose ``remote.pattern`` is not the default
+The header names the listed remote by a digest (``catalog_file.url_digest``: the URL may hold credentials, and
+every node reads the generation); a reader checks it against its own ``remote.url``. The catalog holds what the
+build's ``--pattern`` selected; a reader whose ``remote.pattern`` is not the default
 ``"**"`` must name the same pattern (else the refresh fails with a message saying so).
 
 A reader GETs ``LATEST`` on every refresh (one small request); when it names the generation already read, that
@@ -36,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cachefeed._daemon.catalog_file import CatalogFileError, CatalogHeader, CatalogWriter, read_pages
+from cachefeed._daemon.catalog_file import CatalogFileError, CatalogHeader, CatalogWriter, read_pages, url_digest
 from cachefeed._daemon.columns import FoldedPage
 from cachefeed._errors import ConfigError
 from cachefeed._logs import get_logger
@@ -72,7 +74,7 @@ def publish(remote: Remote, out: str, *, on_progress: Callable[[int], None] | No
     root = fs._strip_protocol(out).rstrip("/")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     name = f"gen-{stamp}-{secrets.token_hex(4)}.cfcat"
-    header = CatalogHeader(remote.root, remote.config.pattern, 0, 1, name)
+    header = CatalogHeader(url_digest(remote.root.rstrip("/")), remote.config.pattern, 0, 1, name)
     if not remote.is_s3:  # object stores have no directories to make (and s3fs would probe the bucket)
         fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/{name}", "wb") as handle:
@@ -132,9 +134,9 @@ class SharedCatalog:
         with pager.request(lambda: fs.open(f"{root}/{name}", "rb", block_size=8 << 20), is_list=False) as handle:
             pages = read_pages(handle.read, self._rank, self._count, label=self._label)
             header = next(pages)
-            if isinstance(header, CatalogHeader) and header.url.rstrip("/") != self._remote.root.rstrip("/"):
+            if isinstance(header, CatalogHeader) and header.url != url_digest(self._remote.root.rstrip("/")):
                 raise CatalogFileError(
-                    f"the catalog {self._where} lists {safe_url(header.url)}, not remote.url ({self._remote.where}): "
+                    f"the catalog {self._where} lists another remote than remote.url ({self._remote.where}): "
                     "point remote.catalog at the catalog built for this URL"
                 )
             pattern = self._remote.config.pattern

@@ -12,7 +12,8 @@ Contract of ``list_pages(remote, fs, on_page)``:
   that request; pages already handed out stay handed out (the caller folds pages idempotently). The last error is
   raised as a ``RemoteError``.
 - Only files whose path relative to the URL matches ``remote.pattern`` are handed out; a URL that names one file
-  lists that file. Names that are not valid UTF-8 are skipped (one warning per listing).
+  lists that file. On S3 only the keys under ``<prefix>/`` are requested, never its siblings (``_s3_pages``).
+  Names that are not valid UTF-8 are skipped (one warning per listing).
 """
 
 from __future__ import annotations
@@ -112,28 +113,44 @@ def list_pages(remote: Remote, fs: Any, on_page: OnPage) -> int:
 
 
 def _s3_pages(pager: Pager, fs: Any) -> None:
-    from fsspec.asyn import sync
-
+    """The URL as a directory: ``Prefix`` ends with "/" (a bare ``data`` would also list ``data.cfcatalog/`` and
+    ``data-v2/``, every key of them sent and dropped). Only when that lists nothing may the URL name one object:
+    then one more LIST of at most one key, the URL's own key sorting first among the keys it begins."""
     bucket, prefix, _ = fs.split_path(pager.root)
+    prefix = prefix.strip("/")
+    if not prefix:
+        _s3_listing(pager, fs, bucket, "")
+    elif not _s3_listing(pager, fs, bucket, prefix + "/"):
+        _s3_listing(pager, fs, bucket, prefix, max_keys=1)
+
+
+def _s3_listing(pager: Pager, fs: Any, bucket: str, prefix: str, *, max_keys: int | None = None) -> int:
+    """Every page of ``ListObjectsV2`` under ``prefix`` (or its first ``max_keys`` keys); returns the keys seen."""
+    from fsspec.asyn import sync
 
     async def one_page(token: str | None) -> dict[str, Any]:
         if getattr(fs, "_s3", None) is None:
             await fs.set_session()
         client = await fs.get_s3(bucket)
-        extra = {"ContinuationToken": token} if token else {}
+        extra: dict[str, Any] = {"ContinuationToken": token} if token else {}
+        if max_keys is not None:
+            extra["MaxKeys"] = max_keys
         kwargs = fs._get_s3_method_kwargs(client.list_objects_v2, Bucket=bucket, Prefix=prefix, **extra)
         page: dict[str, Any] = await client.list_objects_v2(**kwargs)
         return page
 
     token: str | None = None
+    seen = 0
     while True:
         page: dict[str, Any] = pager.request(functools.partial(sync, fs.loop, one_page, token))
-        pager.emit([(f"{bucket}/{item['Key']}", item) for item in page.get("Contents", ())])
-        if not page.get("IsTruncated"):
-            return
+        contents = page.get("Contents", ())
+        seen += len(contents)
+        pager.emit([(f"{bucket}/{item['Key']}", item) for item in contents])
+        if max_keys is not None or not page.get("IsTruncated"):
+            return seen
         token = page.get("NextContinuationToken")
         if not token:
-            return
+            return seen
 
 
 def _ls(fs: Any, directory: str) -> list[dict[str, Any]]:

@@ -129,6 +129,33 @@ def test_list_pattern_star_star_takes_everything_and_refresh_sees_new_objects(
     assert remote.stats.listings_total == 2
 
 
+def test_an_s3_listing_requests_the_urls_directory_never_its_siblings(
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
+) -> None:
+    for name in ["a.npy", "sub/b.npy"]:
+        put(s3, name, b"x")
+    for sibling in [f"{PREFIX}.cfcatalog/LATEST", f"{PREFIX}-v2/c.npy", f"{PREFIX}x.npy"]:
+        s3.client().put_object(Bucket=BUCKET, Key=sibling, Body=b"not ours")
+    queries: list[str] = []
+    proxy.set_rules([Rule("latency", op="ListObjectsV2", callback=lambda info: queries.append(info.query))])
+    remote = make_remote()
+
+    assert [obj.path for obj in remote.list_objects()] == [f"{BUCKET}/{PREFIX}/a.npy", f"{BUCKET}/{PREFIX}/sub/b.npy"]
+    assert len(queries) == 1 and f"prefix={PREFIX}%2F" in queries[0], queries
+
+
+def test_an_s3_url_naming_one_object_lists_that_object_only(
+    s3: LocalS3, proxy: FaultProxy, remotes: list[Remote]
+) -> None:
+    s3.client().put_object(Bucket=BUCKET, Key="one.npy", Body=b"1")
+    s3.client().put_object(Bucket=BUCKET, Key="one.npy.bak", Body=b"22")
+    storage = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
+    remote = Remote(RemoteConfig(url=f"s3://{BUCKET}/one.npy", storage_options=storage))
+    remotes.append(remote)
+    assert [(obj.path, obj.size) for obj in remote.list_objects()] == [(f"{BUCKET}/one.npy", 1)]
+    assert proxy.counts().ops.get("ListObjectsV2") == 2  # the directory "one.npy/" (empty), then the key itself
+
+
 def test_listing_a_missing_bucket_is_not_found(proxy: FaultProxy, remotes: list[Remote]) -> None:
     config = RemoteConfig(url="s3://no-such-bucket/x", storage_options={"endpoint_url": proxy.endpoint}, max_attempts=3)
     remote = Remote(config)
