@@ -13,7 +13,7 @@ One format serves two uses:
 Layout (little-endian)::
 
     b"CFCAT\\x00\\x01\\n"  u32 n  header JSON (n bytes)
-    per block:  u32 n  block JSON {"rows", "blob", "other", "classes"}  then the block's columns:
+    per block:  u32 n  block JSON {"rows", "blob", "other", "classes", "xxh3"}  then the block's columns:
                 keys blob | ends int64[rows] (relative to the block) | sizes int64[rows] | vkind u8[rows]
                 | vraw u8[16 * rows] | hashes u64[rows]
     trailer:    u32 n  {"rows": -1, "objects": total}
@@ -21,7 +21,8 @@ Layout (little-endian)::
 The header names the remote (``url_digest``: a digest, not the URL), the pattern, and the node (``rank``, ``count``)
 whose objects the file holds (0 of 1: every object). Blocks are read in order, each one a listing page
 (``columns.FoldedPage``): a reader keeps the rows its node owns (``hash % count == rank``) without hashing a key
-again, and needs memory for one block only. A file without its trailer is truncated: the reader raises
+again, and needs memory for one block only. A file without its trailer is truncated, and a block whose bytes differ
+from its ``xxh3`` (of the columns, blob included; absent in files of older writers) is damaged: the reader raises
 ``CatalogFileError`` after the pages it could read (the caller treats the listing as failed, so nothing vanishes).
 """
 
@@ -148,9 +149,13 @@ class CatalogWriter:
         classes: list[str],
     ) -> None:
         rows = len(ends)
-        self._json({"rows": rows, "blob": len(blob), "other": other, "classes": classes})
-        for part in (blob, ends, sizes, kinds, raws, hashes):
-            self._out.write(part if isinstance(part, bytes) else np.ascontiguousarray(part).tobytes())
+        parts = [
+            part if isinstance(part, bytes) else part.tobytes() for part in (blob, ends, sizes, kinds, raws, hashes)
+        ]
+        digest = xxhash.xxh3_64_hexdigest(b"".join(parts))
+        self._json({"rows": rows, "blob": len(blob), "other": other, "classes": classes, "xxh3": digest})
+        for part in parts:
+            self._out.write(part)
         self.objects += rows
 
     def close(self) -> None:
@@ -203,6 +208,13 @@ def read_pages(
 
     The file must hold every object that node owns: one written for all nodes (count 1), or for this very node.
     Raises ``CatalogFileError`` on a damaged or truncated file (after the pages read so far)."""
+    try:
+        yield from _pages(read, rank, count, label)
+    except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:  # JSON, fields or columns
+        raise CatalogFileError(f"the catalog file is damaged ({type(exc).__name__}: {exc})") from None
+
+
+def _pages(read: Callable[[int], bytes], rank: int, count: int, label: str) -> Iterator[FoldedPage | CatalogHeader]:
     header = read_header(read)
     if header.count != 1 and (header.rank, header.count) != (rank, count):
         raise CatalogFileError(f"the catalog file holds node {header.rank} of {header.count}'s objects only")
@@ -212,12 +224,16 @@ def read_pages(
         rows = int(doc["rows"])
         if rows < 0:
             return
-        blob = _read_exact(read, int(doc["blob"]), "a block")
-        ends = np.frombuffer(_read_exact(read, 8 * rows, "a block"), np.int64)
-        sizes = np.frombuffer(_read_exact(read, 8 * rows, "a block"), np.int64)
-        kinds = np.frombuffer(_read_exact(read, rows, "a block"), np.uint8)
-        raws = np.frombuffer(_read_exact(read, 16 * rows, "a block"), np.uint8).reshape(rows, 16)
-        hashes = np.frombuffer(_read_exact(read, 8 * rows, "a block"), np.uint64)
+        data = _read_exact(read, int(doc["blob"]) + 41 * rows, "a block")
+        if "xxh3" in doc and xxhash.xxh3_64_hexdigest(data) != doc["xxh3"]:
+            raise CatalogFileError("the catalog file is damaged (a block's checksum differs)")
+        at = int(doc["blob"])
+        blob = data[:at]
+        ends, at = np.frombuffer(data, np.int64, rows, at), at + 8 * rows
+        sizes, at = np.frombuffer(data, np.int64, rows, at), at + 8 * rows
+        kinds, at = np.frombuffer(data, np.uint8, rows, at), at + rows
+        raws, at = np.frombuffer(data, np.uint8, 16 * rows, at).reshape(rows, 16), at + 16 * rows
+        hashes = np.frombuffer(data, np.uint64, rows, at)
         keep = np.flatnonzero(hashes % np.uint64(count) == np.uint64(rank)) if count > 1 else np.arange(rows)
         begins = np.concatenate([[0], ends[:-1]]) if rows else ends
         other = {int(i): str(v) for i, v in dict(doc.get("other") or {}).items()}

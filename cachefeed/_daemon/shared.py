@@ -26,8 +26,10 @@ build's ``--pattern`` selected; a reader whose ``remote.pattern`` is not the def
 ``"**"`` must name the same pattern (else the refresh fails with a message saying so).
 
 A reader GETs ``LATEST`` on every refresh (one small request); when it names the generation already read, that
-is all (the listing in force stays). Otherwise it streams the generation block by block; a damaged or truncated
-generation is an error (the listing in force stays, and the refresh is retried).
+is all (the listing in force stays). Otherwise it streams the generation block by block, each read resumed where a
+transient failure cut it (``listing.ResumingReader``: a reset or a 5xx mid-stream costs what was not read yet, not
+the whole generation); a damaged or truncated generation is an error naming it (the listing in force stays, nothing
+vanishes, and the refresh is retried).
 """
 
 from __future__ import annotations
@@ -131,24 +133,36 @@ class SharedCatalog:
             return None
         started = time.monotonic()
         listed = 0
-        with pager.request(lambda: fs.open(f"{root}/{name}", "rb", block_size=8 << 20), is_list=False) as handle:
-            pages = read_pages(handle.read, self._rank, self._count, label=self._label)
-            header = next(pages)
-            if isinstance(header, CatalogHeader) and header.url != url_digest(self._remote.root.rstrip("/")):
-                raise CatalogFileError(
-                    f"the catalog {self._where} lists another remote than remote.url ({self._remote.where}): "
-                    "point remote.catalog at the catalog built for this URL"
-                )
-            pattern = self._remote.config.pattern
-            if isinstance(header, CatalogHeader) and pattern not in ("**", header.pattern):
-                raise CatalogFileError(
-                    f"the catalog {self._where} was built with pattern {header.pattern!r}, remote.pattern is "
-                    f"{pattern!r}: build it with --pattern {pattern!r}, or leave remote.pattern at its default"
-                )
-            for page in pages:
-                if isinstance(page, FoldedPage):
-                    listed += page.listed
-                    on_page(page)
+        try:
+            with pager.open(fs, f"{root}/{name}", block_size=8 << 20) as handle:
+                pages = read_pages(handle.read, self._rank, self._count, label=self._label)
+                header = next(pages)
+                if isinstance(header, CatalogHeader) and header.url != url_digest(self._remote.root.rstrip("/")):
+                    raise _WrongCatalog(
+                        f"the catalog {self._where} lists another remote than remote.url ({self._remote.where}): "
+                        "point remote.catalog at the catalog built for this URL"
+                    )
+                pattern = self._remote.config.pattern
+                if isinstance(header, CatalogHeader) and pattern not in ("**", header.pattern):
+                    raise _WrongCatalog(
+                        f"the catalog {self._where} was built with pattern {header.pattern!r}, remote.pattern is "
+                        f"{pattern!r}: build it with --pattern {pattern!r}, or leave remote.pattern at its default"
+                    )
+                for page in pages:
+                    if isinstance(page, FoldedPage):
+                        listed += page.listed
+                        on_page(page)
+        except _WrongCatalog:
+            raise
+        except CatalogFileError as exc:
+            raise CatalogFileError(
+                f"catalog generation {name} under {self._where} is not usable ({exc}): the catalog in force stays; "
+                "publish a new generation (cachefeed catalog build)"
+            ) from None
         self._last = name
         log.info("read catalog generation %s: %d objects in %.2fs", name, listed, time.monotonic() - started)
         return listed
+
+
+class _WrongCatalog(CatalogFileError):
+    """A readable generation of another remote or pattern (said as it is, not as a damaged file)."""

@@ -11,6 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from cachefeed._config import RemoteConfig
+from cachefeed._daemon.catalog_file import CatalogFileError
+from cachefeed._daemon.shared import SharedCatalog, publish
+from cachefeed._remote import Remote
 from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_for, write_config
 from cachefeed._testing.local_s3 import LocalS3, storage_options
 from cachefeed._testing.proxy import FaultProxy, Rule
@@ -100,3 +106,55 @@ def test_n_daemons_on_a_shared_catalog_cost_one_listing_of_list_requests(
     finally:
         for proc in daemons:
             proc.kill_group()
+
+
+def test_a_damaged_generation_is_refused_by_name_and_the_one_in_force_stays(
+    s3: LocalS3, bucket: Any, fault_proxy: FaultProxy
+) -> None:
+    upload_arrays(bucket, BUCKET, 300, 16)
+    bucket.create_bucket(Bucket=CATALOGS)
+    config = RemoteConfig(url=f"s3://{BUCKET}/", storage_options=storage_options(fault_proxy.endpoint))
+    remote = Remote(config)
+    try:
+        good, _ = publish(remote, f"s3://{CATALOGS}/train")
+        reader = SharedCatalog(remote, f"s3://{CATALOGS}/train", rank=0, count=1)
+        assert reader(lambda page: None) == 300
+        whole = bucket.get_object(Bucket=CATALOGS, Key=f"train/{good}")["Body"].read()
+        middle = len(whole) * 3 // 5  # in the columns of the block: only its checksum can tell
+        garbled = whole[:middle] + bytes(255 - b for b in whole[middle : middle + 8]) + whole[middle + 8 :]
+        for damaged, body in [("gen-z-truncated.cfcat", whole[: len(whole) // 2]), ("gen-z-garbled.cfcat", garbled)]:
+            bucket.put_object(Bucket=CATALOGS, Key=f"train/{damaged}", Body=body)
+            bucket.put_object(Bucket=CATALOGS, Key="train/LATEST", Body=f"{damaged}\n{good}\n".encode())
+            unusable = rf"generation {damaged} under s3://{CATALOGS}/train is not usable \(the catalog file is"
+            with pytest.raises(CatalogFileError, match=unusable):
+                reader(lambda page: None)
+        bucket.put_object(Bucket=CATALOGS, Key="train/LATEST", Body=f"{good}\n".encode())
+        assert reader(lambda page: None) is None  # the generation in force is still the good one: nothing to read
+    finally:
+        remote.close()
+
+
+def test_a_generation_read_through_a_reset_and_a_500_lists_every_object(
+    s3: LocalS3, bucket: Any, fault_proxy: FaultProxy
+) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 300, 16)
+    bucket.create_bucket(Bucket=CATALOGS)
+    config = RemoteConfig(
+        url=f"s3://{BUCKET}/", storage_options=storage_options(fault_proxy.endpoint), backoff_base_s=0.01
+    )
+    remote = Remote(config)
+    try:
+        publish(remote, f"s3://{CATALOGS}/train")
+        fault_proxy.set_rules(
+            [
+                Rule("reset", op="GetObject", key="gen-", body_fraction=0.5, max_count=1),
+                Rule("error500", op="GetObject", key="gen-", max_count=1),
+            ]
+        )
+        paths: list[str] = []
+        reader = SharedCatalog(remote, f"s3://{CATALOGS}/train", rank=0, count=1)
+        assert reader(lambda page: paths.extend(page.paths)) == 300
+        assert sorted(paths) == sorted(f"{BUCKET}/{key}" for key in uploaded)
+        assert fault_proxy.counts().fault("reset") == 1 and fault_proxy.counts().fault("error500") == 1
+    finally:
+        remote.close()
