@@ -89,6 +89,12 @@ class CatalogWriter:
         self._out = out
         self.objects = 0
         self._json(_header_doc(header), magic=True)
+        self._digest = xxhash.xxh3_128()  # of every block (not the header): equal for equal listings
+
+    @property
+    def digest(self) -> str:
+        """A digest of the blocks written so far: two listings of the same objects, paged alike, have the same."""
+        return self._digest.hexdigest()
 
     def _json(self, doc: dict[str, Any], *, magic: bool = False) -> None:
         data = json.dumps(doc, separators=(",", ":")).encode()
@@ -153,6 +159,7 @@ class CatalogWriter:
             part if isinstance(part, bytes) else part.tobytes() for part in (blob, ends, sizes, kinds, raws, hashes)
         ]
         digest = xxhash.xxh3_64_hexdigest(b"".join(parts))
+        self._digest.update(json.dumps([rows, other, classes, digest]).encode())
         self._json({"rows": rows, "blob": len(blob), "other": other, "classes": classes, "xxh3": digest})
         for part in parts:
             self._out.write(part)

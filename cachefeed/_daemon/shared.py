@@ -20,6 +20,10 @@ Protocol (who writes what, and what a crash leaves):
 3. It deletes the generations LATEST no longer names (the KEEP newest stay, so a reader that read LATEST just
    before step 2 can still open the generation it found there). A crash here leaves extra objects, harmless.
 
+With ``remote.catalog_publish = true``, node 0's daemon is the publisher (``Publisher``): it lists, plans from its
+own listing, and publishes each listing that differs from the last one it published (steps 1-3; a listing equal
+to it leaves LATEST as it is, so readers read nothing); every other node reads.
+
 The header names the listed remote by a digest (``catalog_file.url_digest``: the URL may hold credentials, and
 every node reads the generation); a reader checks it against its own ``remote.url``. The catalog holds what the
 build's ``--pattern`` selected; a reader whose ``remote.pattern`` is not the default
@@ -42,13 +46,13 @@ from typing import Any
 
 from cachefeed._daemon.catalog_file import CatalogFileError, CatalogHeader, CatalogWriter, read_pages, url_digest
 from cachefeed._daemon.columns import FoldedPage
-from cachefeed._errors import ConfigError
+from cachefeed._errors import ConfigError, RemoteNotFoundError
 from cachefeed._logs import get_logger
 from cachefeed._remote import Remote, RemoteObject
 from cachefeed._remote.listing import Pager
 from cachefeed._scrub import safe_url
 
-__all__ = ["KEEP", "SharedCatalog", "default_out", "publish"]
+__all__ = ["KEEP", "Publisher", "SharedCatalog", "default_out", "publish", "publish_listing"]
 
 log = get_logger(__name__)
 
@@ -72,6 +76,21 @@ def _generations(text: str) -> list[str]:
 def publish(remote: Remote, out: str, *, on_progress: Callable[[int], None] | None = None) -> tuple[str, int]:
     """List ``remote`` once and publish the listing as a new generation under ``out``; returns the generation's
     name and the objects it holds. See the module docstring for the protocol."""
+    name, objects, _ = publish_listing(remote, out, on_progress=on_progress)
+    return name, objects
+
+
+def publish_listing(
+    remote: Remote,
+    out: str,
+    *,
+    on_progress: Callable[[int], None] | None = None,
+    on_page: Callable[[list[RemoteObject]], None] | None = None,
+    unless: str = "",
+) -> tuple[str, int, str]:
+    """``publish``, handing each listed page to ``on_page`` too; returns (the generation's name, its objects, its
+    digest). When the digest is ``unless`` (the listing is the one published last) the new generation is deleted
+    and LATEST is left as it is: the name returned is ""."""
     fs = remote.listing_fs()
     root = fs._strip_protocol(out).rstrip("/")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
@@ -82,13 +101,18 @@ def publish(remote: Remote, out: str, *, on_progress: Callable[[int], None] | No
     with fs.open(f"{root}/{name}", "wb") as handle:
         writer = CatalogWriter(handle, header)
 
-        def on_page(objects: list[RemoteObject]) -> None:
+        def write(objects: list[RemoteObject]) -> None:
             writer.write_objects(objects)
+            if on_page is not None:
+                on_page(objects)
             if on_progress is not None:
                 on_progress(writer.objects)
 
-        remote.list_pages(on_page)
+        remote.list_pages(write)
         writer.close()
+    if unless and writer.digest == unless:
+        _remove(fs, f"{root}/{name}")
+        return "", writer.objects, writer.digest
     try:
         previous = _generations(remote.read_small(f"{root}/{LATEST}").decode())
     except Exception as exc:
@@ -100,11 +124,36 @@ def publish(remote: Remote, out: str, *, on_progress: Callable[[int], None] | No
     fs.pipe_file(f"{root}/{LATEST}", ("\n".join(kept) + "\n").encode())
     for old in previous:
         if old not in kept:
-            try:
-                fs.rm_file(f"{root}/{old}")
-            except FileNotFoundError:
-                pass
-    return name, writer.objects
+            _remove(fs, f"{root}/{old}")
+    return name, writer.objects, writer.digest
+
+
+def _remove(fs: Any, path: str) -> None:
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+
+
+class Publisher:
+    """The ``ListingSource`` of node 0 with ``remote.catalog_publish``: it lists the remote (its pages reach its
+    own plan as any listing's) and publishes each complete listing as a generation under ``url`` for the other
+    nodes (``SharedCatalog``), unless it lists exactly what it published last (then nothing changes for them).
+    A listing that fails publishes nothing: the generation it was writing is never named in LATEST."""
+
+    def __init__(self, remote: Remote, url: str) -> None:
+        self._remote = remote
+        self.url = url
+        self._where = safe_url(url)
+        self._digest = ""  # of the generation published last (by this process)
+
+    def __call__(self, on_page: Callable[[Any], None]) -> int:
+        name, objects, self._digest = publish_listing(self._remote, self.url, on_page=on_page, unless=self._digest)
+        if name:
+            log.info("published catalog generation %s (%d objects) under %s", name, objects, self._where)
+        else:
+            log.debug("the listing is the one published last: no new generation under %s", self._where)
+        return objects
 
 
 class SharedCatalog:
@@ -123,11 +172,16 @@ class SharedCatalog:
         root = fs._strip_protocol(self.url).rstrip("/")
         pager = Pager(self._remote, on_page)
         fs.invalidate_cache()
-        latest = _generations(
-            pager.request(lambda: self._remote.read_small(f"{root}/{LATEST}"), is_list=False).decode()
-        )
+        try:
+            text = pager.request(lambda: self._remote.read_small(f"{root}/{LATEST}"), is_list=False)
+        except RemoteNotFoundError:
+            text = b""
+        latest = _generations(text.decode())
         if not latest:
-            raise CatalogFileError(f"{self._where}/{LATEST} names no generation: run cachefeed catalog build first")
+            raise CatalogFileError(
+                f"no catalog generation under {self._where} yet: publish one (cachefeed catalog build, or node 0 "
+                "with remote.catalog_publish = true); retrying"
+            )
         name = latest[0]
         if name == self._last:
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,53 @@ def test_a_generation_read_through_a_reset_and_a_500_lists_every_object(
         assert fault_proxy.counts().fault("reset") == 1 and fault_proxy.counts().fault("error500") == 1
     finally:
         remote.close()
+
+
+def test_node_0_publishes_each_changed_listing_and_the_other_nodes_read_it_without_listing(
+    tmp_path: Path, s3: LocalS3, bucket: Any, fault_proxy: FaultProxy
+) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 1100, 16)
+    bucket.create_bucket(Bucket=CATALOGS)
+    daemons = []
+
+    def generations() -> list[str]:
+        listed = bucket.list_objects_v2(Bucket=CATALOGS, Prefix="train/").get("Contents", [])
+        return [item["Key"] for item in listed if "/gen-" in item["Key"]]
+
+    def all_cached() -> bool:
+        return sum(len(cached_keys(proc)) for proc in daemons if proc.status()) == len(uploaded)
+
+    try:
+        for rank in range(2):
+            config = write_config(
+                tmp_path / f"node-{rank}.toml",
+                endpoint=fault_proxy.endpoint,
+                bucket=BUCKET,
+                cache_dir=tmp_path / f"cache-{rank}",
+                sections={
+                    "remote": {"catalog": f"s3://{CATALOGS}/train", "catalog_publish": True, "refresh_interval": "1s"},
+                    "node": {"rank": rank, "count": 2},
+                    "sampler": {"processes": 1},
+                },
+            )
+            daemons.append(start_daemon(config, tmp_path / f"cache-{rank}", tmp_path / f"node-{rank}.stderr", env={}))
+        wait_for(all_cached, timeout_s=90, what="every object cached by one of the two nodes")
+        per_node = [cached_keys(proc) for proc in daemons]
+        assert per_node[0] and per_node[1] and not per_node[0] & per_node[1]
+
+        def listed_again(times: int) -> Callable[[], bool]:
+            first = fault_proxy.counts().ops.get("ListObjectsV2", 0)
+            return lambda: fault_proxy.counts().ops.get("ListObjectsV2", 0) >= first + 2 * times
+
+        wait_for(listed_again(1), timeout_s=120, what="node 0 listing once more (every 10 listing durations)")
+        assert len(generations()) == 1  # unchanged listings publish nothing new
+
+        uploaded |= upload_arrays(bucket, BUCKET, 30, 16, start=1100)
+        wait_for(all_cached, timeout_s=60, what="the 30 new objects cached, node 1's share from a new generation")
+        assert len(generations()) == 2
+        reader = daemons[1].status()
+        assert reader is not None and reader["remote"]["list_requests_total"] == 0  # node 1 never listed
+        assert reader["remote"]["objects_listed"] == len(uploaded)
+    finally:
+        for proc in daemons:
+            proc.kill_group()
