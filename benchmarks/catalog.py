@@ -229,7 +229,7 @@ def readme_table(doc: dict[str, Any]) -> str:
     """The README's catalog table, from a committed result document."""
     figures = doc["figures"]
     lines = [
-        "| objects listed | RSS per object (1 node) | plan bytes per owned object | RSS per node of 100 | "
+        "| objects listed | peak RSS, 1 node (per object) | plan bytes per owned object | RSS per node of 100 | "
         "first fetch | whole listing | restart to first fetch | LIST requests per hour, whole job, every node "
         "listing | the same with a shared catalog |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -242,7 +242,8 @@ def readme_table(doc: dict[str, Any]) -> str:
         )
         shared = ", ".join(f"{nodes[c]['shared_list_job_per_hour']:,.0f} ({int(c):,})" for c in node_counts)
         lines.append(
-            f"| {row['size']:,} | {one['rss_per_object']:.0f} B | {one['plan_bytes_per_owned']:.0f} B "
+            f"| {row['size']:,} | {one['rss_mb']:,.0f} MB ({one['rss_per_object']:.0f} B) "
+            f"| {one['plan_bytes_per_owned']:.0f} B "
             f"+ {one['key_bytes_per_owned']:.0f} B key | {share['rss_mb']:.0f} MB | {one['first_fetch_s']:.2f} s "
             f"| {one['listing_s']:.1f} s | {one['restart_first_fetch_s']:.2f} s | {per_node} | {shared} |"
         )
