@@ -98,18 +98,22 @@ def publish_listing(
     header = CatalogHeader(url_digest(remote.root.rstrip("/")), remote.config.pattern, 0, 1, name)
     if not remote.is_s3:  # object stores have no directories to make (and s3fs would probe the bucket)
         fs.makedirs(root, exist_ok=True)
-    with fs.open(f"{root}/{name}", "wb") as handle:
-        writer = CatalogWriter(handle, header)
+    try:
+        with fs.open(f"{root}/{name}", "wb") as handle:
+            writer = CatalogWriter(handle, header)
 
-        def write(objects: list[RemoteObject]) -> None:
-            writer.write_objects(objects)
-            if on_page is not None:
-                on_page(objects)
-            if on_progress is not None:
-                on_progress(writer.objects)
+            def write(objects: list[RemoteObject]) -> None:
+                writer.write_objects(objects)
+                if on_page is not None:
+                    on_page(objects)
+                if on_progress is not None:
+                    on_progress(writer.objects)
 
-        remote.list_pages(write)
-        writer.close()
+            remote.list_pages(write)
+            writer.close()
+    except BaseException:
+        _remove_quietly(fs, f"{root}/{name}")  # closing the file may have stored what was written: never named
+        raise
     if unless and writer.digest == unless:
         _remove(fs, f"{root}/{name}")
         return "", writer.objects, writer.digest
@@ -133,6 +137,15 @@ def _remove(fs: Any, path: str) -> None:
         fs.rm_file(path)
     except FileNotFoundError:
         pass
+
+
+def _remove_quietly(fs: Any, path: str) -> None:
+    """Remove what a failed publication left, if anything; its own failure is only logged (the first one is
+    the error to report)."""
+    try:
+        _remove(fs, path)
+    except Exception as exc:
+        log.warning("could not remove the unfinished catalog generation %s: %s", safe_url(path), type(exc).__name__)
 
 
 class Publisher:

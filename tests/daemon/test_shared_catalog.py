@@ -17,6 +17,7 @@ import pytest
 from cachefeed._config import RemoteConfig
 from cachefeed._daemon.catalog_file import CatalogFileError
 from cachefeed._daemon.shared import SharedCatalog, publish
+from cachefeed._errors import RemoteTransientError
 from cachefeed._remote import Remote
 from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_for, write_config
 from cachefeed._testing.local_s3 import LocalS3, storage_options
@@ -209,3 +210,20 @@ def test_node_0_publishes_each_changed_listing_and_the_other_nodes_read_it_witho
     finally:
         for proc in daemons:
             proc.kill_group()
+
+
+def test_a_listing_that_fails_part_way_publishes_nothing(s3: LocalS3, bucket: Any, fault_proxy: FaultProxy) -> None:
+    upload_arrays(bucket, BUCKET, 1100, 16)  # two LIST pages: the second one fails
+    bucket.create_bucket(Bucket=CATALOGS)
+    fault_proxy.set_rules([Rule("error500", op="ListObjectsV2", query="continuation-token")])
+    config = RemoteConfig(
+        url=f"s3://{BUCKET}/", storage_options=storage_options(fault_proxy.endpoint), max_attempts=2, backoff_max_s=0.1
+    )
+    remote = Remote(config)
+    try:
+        with pytest.raises(RemoteTransientError):
+            publish(remote, f"s3://{CATALOGS}/train")
+    finally:
+        remote.close()
+    assert fault_proxy.counts().fault("error500") == 2
+    assert bucket.list_objects_v2(Bucket=CATALOGS).get("KeyCount") == 0  # no generation object, no LATEST
