@@ -52,7 +52,8 @@ COST_FACTOR = 10.0
 
 
 class SyntheticFS(AbstractFileSystem):
-    """``synthetic://<n>``: n keys, 1,000 per directory, generated on demand; every ``ls`` is counted."""
+    """``synthetic://<n>`` (or ``<n>x<key bytes>``: names padded to keys of that length): n keys, 1,000 per
+    directory, generated on demand; every ``ls`` is counted."""
 
     protocol = "synthetic"
     root_marker = ""
@@ -62,15 +63,17 @@ class SyntheticFS(AbstractFileSystem):
         SyntheticFS.requests += 1
         path = self._strip_protocol(path).strip("/")
         parts = path.split("/")
-        total = int(parts[0])
+        total_text, _, key_bytes = parts[0].partition("x")
+        total = int(total_text)
         if len(parts) == 1:
             dirs = math.ceil(total / PER_DIR)
-            return [{"name": f"{total}/class-{d:05d}", "type": "directory", "size": 0} for d in range(dirs)]
+            return [{"name": f"{parts[0]}/class-{d:05d}", "type": "directory", "size": 0} for d in range(dirs)]
+        pad = max(0, int(key_bytes or 0) - len(f"{path}/n000000000_0000000.jpg"))
         d = int(parts[1].removeprefix("class-"))
         start, stop = d * PER_DIR, min(total, (d + 1) * PER_DIR)
         return [
             {
-                "name": f"{path}/n{i:09d}_{i * 2654435761 % 1000003:07d}.jpg",
+                "name": f"{path}/n{i:09d}_{i * 2654435761 % 1000003:07d}{'_' * pad}.jpg",
                 "type": "file",
                 "size": 1000 + i % 50000,
                 "ETag": f'"{i:032x}"',
@@ -98,7 +101,7 @@ def _reset_peak() -> None:
         pass
 
 
-def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
+def measure_one(size: int, rank: int, count: int, work: Path, key_bytes: int = 0) -> dict[str, Any]:
     """One size in this process (see the module docstring)."""
     from cachefeed._config import RemoteConfig
     from cachefeed._daemon.catalog import Catalog, ListingEnd
@@ -107,7 +110,7 @@ def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
     from cachefeed._daemon.plan import SamplingPlan
 
     return_freed_memory()  # as the daemon's supervisor does
-    url = f"synthetic://{size}"
+    url = f"synthetic://{size}x{key_bytes}" if key_bytes else f"synthetic://{size}"
     base = _rss_mb()
     _reset_peak()
     catalog = Catalog(RemoteConfig(url=url, refresh_interval_s=DEFAULT_REFRESH_S), rank=rank, count=count)
@@ -173,10 +176,10 @@ def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
     return figures
 
 
-def run_one(size: int, rank: int, count: int) -> dict[str, Any]:
+def run_one(size: int, rank: int, count: int, key_bytes: int = 0) -> dict[str, Any]:
     """``measure_one`` in a fresh process (clean RSS)."""
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.catalog", "--one", str(size), str(rank), str(count)],
+        [sys.executable, "-m", "benchmarks.catalog", "--one", str(size), str(rank), str(count), str(key_bytes)],
         capture_output=True,
         text=True,
         check=True,
@@ -195,18 +198,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 1000])
-    parser.add_argument("--one", type=int, nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--key-bytes", type=int, default=0, help="pad every key to this many bytes (default: 42-43)")
+    parser.add_argument("--one", type=int, nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     if args.one:
         with tempfile.TemporaryDirectory() as work:
-            print(json.dumps(measure_one(*args.one, Path(work))))
+            size, rank, count, key_bytes = args.one
+            print(json.dumps(measure_one(size, rank, count, Path(work), key_bytes)))
         return
     rows = []
     for size in args.sizes:
-        one = run_one(size, 0, 1)
+        one = run_one(size, 0, 1, args.key_bytes)
         print(json.dumps(one), flush=True)
-        share = run_one(size, 0, 100)
+        share = run_one(size, 0, 100, args.key_bytes)
         print(json.dumps(share), flush=True)
         nodes = {}
         for count in args.nodes:
