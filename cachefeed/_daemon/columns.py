@@ -22,12 +22,13 @@ Invariants of ``ObjectTable`` (oid = the row number, ``0 <= oid < len(table)``):
   generations) in an overflow dict. ``version(oid)`` gives back exactly the string the listing had.
 * **Memory.** Per owned row: 8 (key end) + 8 (size) + 17 (version) + 12 (index) bytes plus the key's bytes;
   ``SamplingPlan`` adds 4 (generation seen) + 8 (segment) + 4 (pass queue). ``trim()`` (after a complete listing)
-  gives back the columns' spare capacity, so a settled catalog costs about 61 bytes per owned object beyond its
-  key (``tests/daemon/test_columns.py`` asserts ≤ 64). Above that, the peak: a column's growth (one column's old
-  and new arrays for a moment; the spare capacity is never written until used), one index merge (≤ ``MAX_RUN``
-  entries), a pass layout (12 bytes per row, ``pass_order``), one block of a restart catalog being written (from
-  the live columns, ``blocks``), with large freed arrays given back to the system (``return_freed_memory``):
-  ``benchmarks.catalog`` measured 123 bytes per object at 10⁷ objects of 43-byte keys, peak RSS.
+  gives back the columns' spare capacity, so a settled catalog costs about 61 bytes per owned object beyond its key
+  (``tests/daemon/test_columns.py`` asserts ≤ 64). Above that, the peak: a column's growth (one column's old and new
+  arrays for a moment; the spare capacity is never written until used), one index merge (≤ ``MAX_RUN`` entries), a
+  pass layout (the new queue's 4 bytes per row and about 1 more, ``pass_order``), one block of a restart catalog
+  being written (from the live columns, ``blocks``), with large freed arrays given back to the system
+  (``return_freed_memory``): ``benchmarks.catalog`` measured 123 bytes per object at 10⁷ objects of 43-byte keys,
+  peak RSS.
 """
 
 from __future__ import annotations
@@ -478,33 +479,42 @@ def pass_order(
     keep: Callable[[npt.NDArray[np.uint32]], npt.NDArray[np.bool_]] | None = None,
 ) -> list[npt.NDArray[np.uint32]]:
     """The oids of ``runs`` ((hash, oid) arrays; those ``keep`` selects, all by default) in the seeded order of a
-    pass: sorted by
-    ``order_keys(hash, seed)``, ties in its top bits broken by oid, as chunks of at most ``PASS_CHUNK``.
+    pass: sorted by ``order_keys(hash, seed)``, ties in its top bits broken by oid, as chunks of at most
+    ``PASS_CHUNK``.
 
-    Each entry is packed into one uint64 (the order key's top bits above the oid's bits) and the packed array is
-    sorted in place: 8 bytes per entry plus the 4-byte output, where an ``argsort`` would need 8 for the keys, 8
-    for the permutation and more for the key's temporaries. Ties need two keys equal in their top ``64 - b``
-    bits (``b``: the bits of the largest oid, 27 at 10⁸ rows): about 360 pairs at 10⁷ rows, each still ordered
-    by a seeded key's bits and then by oid, so the order stays deterministic."""
+    Each entry is packed into one uint64 (the order key's top bits above the oid's bits) and sorted in place. The
+    entries are laid out in up to 16 buckets of the key's top bits, one after the other (each bucket's keys all
+    precede the next one's), so beyond the 4-byte output a pass needs about 1 byte per entry (8 bytes per entry of
+    one bucket), where an ``argsort`` needs 8 for the keys, 8 for the permutation and more for the key's
+    temporaries. Ties need two keys equal in their top ``64 - b`` bits (``b``: the bits of the largest oid, 27 at
+    10⁸ rows): about 360 pairs at 10⁷ rows, each still ordered by a seeded key's bits and then by oid, so the
+    order stays deterministic."""
     total = sum(len(oids) for _, oids in runs)
     if not total:
         return []
     shift = np.uint64(max(max(int(oids.max()) for _, oids in runs if len(oids)).bit_length(), 1))
-    packed = np.empty(total, np.uint64)
-    n = 0
-    for hashes, oids in runs:
-        for start in range(0, len(oids), PASS_CHUNK):
-            h, o = hashes[start : start + PASS_CHUNK], oids[start : start + PASS_CHUNK]
-            if keep is not None:
-                mask = keep(o)
-                h, o = h[mask], o[mask]
-            z = order_keys(h, seed)
-            z >>= shift
-            z <<= shift
-            z |= o.astype(np.uint64)
-            packed[n : n + len(z)] = z
-            n += len(z)
-    packed = packed[:n]
-    packed.sort()
-    packed &= (np.uint64(1) << shift) - np.uint64(1)
-    return [packed[start : start + PASS_CHUNK].astype(np.uint32) for start in range(0, n, PASS_CHUNK)]
+    bucket_bits = min(4, (total // PASS_CHUNK).bit_length())  # 1 bucket under a chunk, 16 from 8 chunks
+    out: list[npt.NDArray[np.uint32]] = []
+    for bucket in range(1 << bucket_bits):
+        parts = []
+        for hashes, oids in runs:
+            for start in range(0, len(oids), PASS_CHUNK):
+                h, o = hashes[start : start + PASS_CHUNK], oids[start : start + PASS_CHUNK]
+                if keep is not None:
+                    mask = keep(o)
+                    h, o = h[mask], o[mask]
+                z = order_keys(h, seed)
+                if bucket_bits:
+                    chosen = (z >> np.uint64(64 - bucket_bits)) == np.uint64(bucket)
+                    z, o = z[chosen], o[chosen]
+                z >>= shift
+                z <<= shift
+                z |= o.astype(np.uint64)
+                parts.append(z)
+        packed = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+        del parts
+        packed.sort()
+        packed &= (np.uint64(1) << shift) - np.uint64(1)
+        out.extend(packed[start : start + PASS_CHUNK].astype(np.uint32) for start in range(0, len(packed), PASS_CHUNK))
+        del packed
+    return out

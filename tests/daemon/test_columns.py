@@ -149,6 +149,9 @@ def test_merged_runs_and_a_laid_out_pass_agree_with_a_full_sort() -> None:
     ]
     laid_out = np.concatenate(pass_order(runs, seed=11)).tolist()
     assert laid_out == np.argsort(order_keys(distinct, 11), kind="stable").tolist()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(columns, "PASS_CHUNK", 256)  # laid out in 16 buckets, as 10⁷ rows are
+        assert np.concatenate(pass_order(runs, seed=11)).tolist() == laid_out
     odd = np.concatenate(pass_order(runs, seed=11, keep=lambda o: o % 2 == 1)).tolist()
     assert odd == [oid for oid in laid_out if oid % 2 == 1]
 
