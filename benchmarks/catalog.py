@@ -2,14 +2,18 @@
 
     python -m benchmarks.catalog [--sizes 100000 1000000 10000000] [--nodes 1 100 1000]
 
-A synthetic dataset (``--sizes`` keys of about 60 bytes, ``<root>/class-NNNNN/<name>.jpg``, 1,000 per directory)
+A synthetic dataset (``--sizes`` keys of 42 to 43 bytes, ``<root>/class-NNNNN/<name>.jpg``, 1,000 per directory)
 is served by an in-process fsspec filesystem (``SyntheticFS``) that answers one ``ls`` per directory: one LIST
 request of 1,000 keys, counted. Each size runs in a fresh process, through the daemon's own listing code
 (``Catalog``: the paged listing, folding in the listing thread) and plan (``SamplingPlan``), driven as the
 supervisor drives them (pages taken as they come, ``update_page``, ``end_listing``), and reports:
 
-* ``rss_per_object``: the process's peak RSS over its RSS before listing, per listed object (node 0 of 1), and
-  ``plan_bytes_per_object``: what the plan's columns hold (``SamplingPlan.nbytes``), per owned object;
+* ``rss_per_object``: the process's peak RSS over its RSS before listing, per listed object (node 0 of 1), the
+  peak covering the listing, writing the restart catalog (``restart_save_s``) and laying out a pass over every
+  object, as the daemon does after a listing (with the allocator set as the supervisor sets it,
+  ``columns.return_freed_memory``); and ``plan_bytes_per_object``: what the plan's columns hold
+  (``SamplingPlan.nbytes``), per owned object. Keys are 43 bytes (``key_bytes_per_owned``): a catalog of longer
+  keys costs their extra bytes per object on top;
 * ``first_fetch_s``: from the start of the listing to the first object the plan hands out (the supervisor sends
   it to a sampler at once), and ``listing_s``: to the end of the listing;
 * ``restart_first_fetch_s``: from reading the restart catalog (``catalog_file``, written after the listing) to
@@ -48,7 +52,8 @@ COST_FACTOR = 10.0
 
 
 class SyntheticFS(AbstractFileSystem):
-    """``synthetic://<n>``: n keys, 1,000 per directory, generated on demand; every ``ls`` is counted."""
+    """``synthetic://<n>`` (or ``<n>x<key bytes>``: names padded to keys of that length): n keys, 1,000 per
+    directory, generated on demand; every ``ls`` is counted."""
 
     protocol = "synthetic"
     root_marker = ""
@@ -58,15 +63,17 @@ class SyntheticFS(AbstractFileSystem):
         SyntheticFS.requests += 1
         path = self._strip_protocol(path).strip("/")
         parts = path.split("/")
-        total = int(parts[0])
+        total_text, _, key_bytes = parts[0].partition("x")
+        total = int(total_text)
         if len(parts) == 1:
             dirs = math.ceil(total / PER_DIR)
-            return [{"name": f"{total}/class-{d:05d}", "type": "directory", "size": 0} for d in range(dirs)]
+            return [{"name": f"{parts[0]}/class-{d:05d}", "type": "directory", "size": 0} for d in range(dirs)]
+        pad = max(0, int(key_bytes or 0) - len(f"{path}/n000000000_0000000.jpg"))
         d = int(parts[1].removeprefix("class-"))
         start, stop = d * PER_DIR, min(total, (d + 1) * PER_DIR)
         return [
             {
-                "name": f"{path}/n{i:09d}_{i * 2654435761 % 1000003:07d}.jpg",
+                "name": f"{path}/n{i:09d}_{i * 2654435761 % 1000003:07d}{'_' * pad}.jpg",
                 "type": "file",
                 "size": 1000 + i % 50000,
                 "ETag": f'"{i:032x}"',
@@ -94,14 +101,16 @@ def _reset_peak() -> None:
         pass
 
 
-def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
+def measure_one(size: int, rank: int, count: int, work: Path, key_bytes: int = 0) -> dict[str, Any]:
     """One size in this process (see the module docstring)."""
     from cachefeed._config import RemoteConfig
     from cachefeed._daemon.catalog import Catalog, ListingEnd
     from cachefeed._daemon.catalog_file import load_restart, restart_header, save_restart
+    from cachefeed._daemon.columns import pass_order, return_freed_memory
     from cachefeed._daemon.plan import SamplingPlan
 
-    url = f"synthetic://{size}"
+    return_freed_memory()  # as the daemon's supervisor does
+    url = f"synthetic://{size}x{key_bytes}" if key_bytes else f"synthetic://{size}"
     base = _rss_mb()
     _reset_peak()
     catalog = Catalog(RemoteConfig(url=url, refresh_interval_s=DEFAULT_REFRESH_S), rank=rank, count=count)
@@ -123,7 +132,16 @@ def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
         if first_fetch is None and plan.next(1):
             first_fetch = time.perf_counter() - started
     listing_s = time.perf_counter() - started
-    plan.next(1)  # the pass is laid out
+    plan.next(1)
+    # What the daemon does next, counted in the peak: write the restart catalog (from the live table), and lay
+    # out a pass over every object (what each new pass does, ``SamplingPlan._start_next_pass``).
+    path = work / "catalog.cfcat"
+    header = restart_header(url, "**", rank, count)
+    started_save = time.perf_counter()
+    save_restart(path, plan.table, plan.listed(), header, mode=0o600, max_bytes=1 << 40)
+    save_s = time.perf_counter() - started_save
+    laid_out = pass_order(plan.table.runs(), seed=1)
+    del laid_out
     peak = _rss_mb("VmHWM")
     state = catalog.state()
     catalog.stop()
@@ -142,9 +160,7 @@ def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
         "plan_bytes_per_owned": round((plan.nbytes - plan.table.key_bytes) / max(plan.owned, 1), 1),
         "key_bytes_per_owned": round(plan.table.key_bytes / max(plan.owned, 1), 1),
     }
-    path = work / "catalog.cfcat"
-    header = restart_header(url, "**", rank, count)
-    save_restart(path, plan.table, plan.listed_oids(), header, mode=0o600, max_bytes=1 << 40)
+    figures["restart_save_s"] = round(save_s, 3)
     figures["restart_file_mb"] = round(path.stat().st_size / 2**20, 1)
     del plan
     started = time.perf_counter()
@@ -160,10 +176,10 @@ def measure_one(size: int, rank: int, count: int, work: Path) -> dict[str, Any]:
     return figures
 
 
-def run_one(size: int, rank: int, count: int) -> dict[str, Any]:
+def run_one(size: int, rank: int, count: int, key_bytes: int = 0) -> dict[str, Any]:
     """``measure_one`` in a fresh process (clean RSS)."""
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.catalog", "--one", str(size), str(rank), str(count)],
+        [sys.executable, "-m", "benchmarks.catalog", "--one", str(size), str(rank), str(count), str(key_bytes)],
         capture_output=True,
         text=True,
         check=True,
@@ -182,18 +198,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 1000])
-    parser.add_argument("--one", type=int, nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--key-bytes", type=int, default=0, help="pad every key to this many bytes (default: 42-43)")
+    parser.add_argument("--one", type=int, nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     if args.one:
         with tempfile.TemporaryDirectory() as work:
-            print(json.dumps(measure_one(*args.one, Path(work))))
+            size, rank, count, key_bytes = args.one
+            print(json.dumps(measure_one(size, rank, count, Path(work), key_bytes)))
         return
     rows = []
     for size in args.sizes:
-        one = run_one(size, 0, 1)
+        one = run_one(size, 0, 1, args.key_bytes)
         print(json.dumps(one), flush=True)
-        share = run_one(size, 0, 100)
+        share = run_one(size, 0, 100, args.key_bytes)
         print(json.dumps(share), flush=True)
         nodes = {}
         for count in args.nodes:
@@ -216,7 +234,7 @@ def readme_table(doc: dict[str, Any]) -> str:
     """The README's catalog table, from a committed result document."""
     figures = doc["figures"]
     lines = [
-        "| objects listed | RSS per object (1 node) | plan bytes per owned object | RSS per node of 100 | "
+        "| objects listed | peak RSS, 1 node (per object) | plan bytes per owned object | RSS per node of 100 | "
         "first fetch | whole listing | restart to first fetch | LIST requests per hour, whole job, every node "
         "listing | the same with a shared catalog |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -229,7 +247,8 @@ def readme_table(doc: dict[str, Any]) -> str:
         )
         shared = ", ".join(f"{nodes[c]['shared_list_job_per_hour']:,.0f} ({int(c):,})" for c in node_counts)
         lines.append(
-            f"| {row['size']:,} | {one['rss_per_object']:.0f} B | {one['plan_bytes_per_owned']:.0f} B "
+            f"| {row['size']:,} | {one['rss_mb']:,.0f} MB ({one['rss_per_object']:.0f} B) "
+            f"| {one['plan_bytes_per_owned']:.0f} B "
             f"+ {one['key_bytes_per_owned']:.0f} B key | {share['rss_mb']:.0f} MB | {one['first_fetch_s']:.2f} s "
             f"| {one['listing_s']:.1f} s | {one['restart_first_fetch_s']:.2f} s | {per_node} | {shared} |"
         )

@@ -36,6 +36,7 @@ class RemoteConfig:
     refresh_interval_s: float = 300.0
     manifest: str = ""  # a key list or an S3 Inventory manifest.json: read instead of listing
     catalog: str = ""  # a shared catalog's directory (cachefeed catalog build): read instead of listing
+    catalog_publish: bool = False  # node 0 lists and publishes generations under catalog; the others read them
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
     max_attempts: int = 5

@@ -102,6 +102,13 @@ def parse_config(
         node["count"] = _env_int(env, source, "NNODES") or 1
     _check_cross_field(sections, source)
 
+    if sections["remote"].get("catalog_publish") and not (
+        sections["remote"].get("catalog") or any(entry.catalog for entry in sources)
+    ):
+        raise ConfigError(
+            f"{source}: remote.catalog_publish = true needs remote.catalog (or a source's catalog): where node 0 "
+            "publishes the catalog generations the other nodes read"
+        )
     _check_image_size_is_read(sections["sampler"], sources, source)
     for index, entry in enumerate(sources):
         _check_decoder(entry.decode or str(sections["sampler"].get("decode", "npy")), f"source[{index}].decode", source)

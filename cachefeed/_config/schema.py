@@ -52,6 +52,11 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
             fields.optional_url,
             "a shared catalog (cachefeed catalog build) to read instead of LIST",
         ),
+        "catalog_publish": (
+            "catalog_publish",
+            fields.boolean,
+            "node 0 lists and publishes each new listing as a catalog generation; the others read it (false)",
+        ),
         "connect_timeout": ("connect_timeout_s", fields.positive_duration, "TCP connect timeout per request (5s)"),
         "read_timeout": ("read_timeout_s", fields.positive_duration, "socket read timeout per request (30s)"),
         "max_attempts": ("max_attempts", fields.int_at_least(1), "attempts per object, first included (5)"),

@@ -35,7 +35,7 @@ from typing import Any
 
 from cachefeed._config import RemoteConfig
 from cachefeed._daemon.columns import FoldedPage, fold_page
-from cachefeed._daemon.shared import SharedCatalog
+from cachefeed._daemon.shared import Publisher, SharedCatalog
 from cachefeed._errors import CachefeedError
 from cachefeed._logs import get_logger
 from cachefeed._remote import Remote, RemoteObject
@@ -100,7 +100,9 @@ class Catalog:
         self._remote = Remote(config)  # validates the URL now: a bad protocol is a ConfigError before READY
         self.restore: ListingSource | None = None  # streamed once before the first listing (the restart catalog)
         self.source: ListingSource = self._remote.list_pages
-        if config.catalog:  # a shared catalog replaces the listing (shared.py)
+        if config.catalog and config.catalog_publish and rank == 0:  # node 0 lists and publishes (shared.py)
+            self.source = Publisher(self._remote, config.catalog)
+        elif config.catalog:  # a shared catalog replaces the listing (shared.py)
             self.source = SharedCatalog(self._remote, config.catalog, rank=rank, count=count, label=label)
         self._lock = threading.Lock()
         self._wake = threading.Event()

@@ -13,16 +13,17 @@ One format serves two uses:
 Layout (little-endian)::
 
     b"CFCAT\\x00\\x01\\n"  u32 n  header JSON (n bytes)
-    per block:  u32 n  block JSON {"rows", "blob", "other", "classes"}  then the block's columns:
+    per block:  u32 n  block JSON {"rows", "blob", "other", "classes", "xxh3"}  then the block's columns:
                 keys blob | ends int64[rows] (relative to the block) | sizes int64[rows] | vkind u8[rows]
                 | vraw u8[16 * rows] | hashes u64[rows]
     trailer:    u32 n  {"rows": -1, "objects": total}
 
-The header names the URL, the pattern, and the node (``rank``, ``count``) whose objects the file holds (0 of 1:
-every object). Blocks are read in order, each one a listing page (``columns.FoldedPage``): a reader keeps the rows
-its node owns (``hash % count == rank``) without hashing a key again, and needs memory for one block only. A file
-without its trailer is truncated: the reader raises ``CatalogFileError`` after the pages it could read (the
-caller treats the listing as failed, so nothing vanishes).
+The header names the remote (``url_digest``: a digest, not the URL), the pattern, and the node (``rank``, ``count``)
+whose objects the file holds (0 of 1: every object). Blocks are read in order, each one a listing page
+(``columns.FoldedPage``): a reader keeps the rows its node owns (``hash % count == rank``) without hashing a key
+again, and needs memory for one block only. A file without its trailer is truncated, and a block whose bytes differ
+from its ``xxh3`` (of the columns, blob included; absent in files of older writers) is damaged: the reader raises
+``CatalogFileError`` after the pages it could read (the caller treats the listing as failed, so nothing vanishes).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ __all__ = [
     "CatalogFileError",
     "CatalogHeader",
     "CatalogWriter",
-    "TableSnapshot",
     "load_restart",
     "read_pages",
     "restart_header",
     "save_restart",
+    "url_digest",
 ]
 
 MAGIC = b"CFCAT\x00\x01\n"
@@ -88,6 +89,12 @@ class CatalogWriter:
         self._out = out
         self.objects = 0
         self._json(_header_doc(header), magic=True)
+        self._digest = xxhash.xxh3_128()  # of every block (not the header): equal for equal listings
+
+    @property
+    def digest(self) -> str:
+        """A digest of the blocks written so far: two listings of the same objects, paged alike, have the same."""
+        return self._digest.hexdigest()
 
     def _json(self, doc: dict[str, Any], *, magic: bool = False) -> None:
         data = json.dumps(doc, separators=(",", ":")).encode()
@@ -120,28 +127,18 @@ class CatalogWriter:
             classes=sorted({_parent(obj.path) for obj in objects}),
         )
 
-    def write_table(self, table: ObjectTable | TableSnapshot, rows: npt.NDArray[np.intp]) -> None:
-        """The table's ``rows`` (what a node owns and its last listing showed), in blocks."""
-        snapshot = table if isinstance(table, TableSnapshot) else TableSnapshot.of(table)
-        arrays, other, hashes = snapshot.arrays, snapshot.other, snapshot.hashes
-        ends, blob = arrays["ends"], arrays["blob"]
-        for start in range(0, len(rows), BLOCK_ROWS):
-            chunk = rows[start : start + BLOCK_ROWS]
-            begins = np.where(chunk > 0, ends[np.maximum(chunk - 1, 0)], 0)
-            if len(chunk) and chunk[-1] - chunk[0] == len(chunk) - 1:  # consecutive rows: one slice
-                keys = blob[begins[0] : ends[chunk[-1]]].tobytes()
-            else:
-                pairs = zip(begins.tolist(), ends[chunk].tolist(), strict=True)
-                keys = b"".join(blob[b:e].tobytes() for b, e in pairs)
-            block_other = {str(i): other[oid] for i, oid in enumerate(chunk.tolist()) if oid in other}
+    def write_table(self, table: ObjectTable, listed: npt.NDArray[np.bool_]) -> None:
+        """The table's rows where ``listed[oid]`` (what a node owns and its last listing showed), in blocks of
+        ``BLOCK_ROWS``, straight from the live table (``ObjectTable.blocks``: one block in memory at a time)."""
+        for block in table.blocks(listed, BLOCK_ROWS):
             self._block(
-                keys,
-                ends=np.cumsum(ends[chunk] - begins, dtype=np.int64),
-                sizes=arrays["sizes"][chunk],
-                kinds=arrays["vkind"][chunk],
-                raws=arrays["vraw"][chunk],
-                hashes=hashes[chunk],
-                other=block_other,
+                block.keys,
+                ends=block.ends,
+                sizes=block.sizes,
+                kinds=block.vkinds,
+                raws=block.vraw,
+                hashes=block.hashes,
+                other={str(i): version for i, version in block.other.items()},
                 classes=[],  # the daemon keeps its class index in classes.json
             )
 
@@ -158,38 +155,19 @@ class CatalogWriter:
         classes: list[str],
     ) -> None:
         rows = len(ends)
-        self._json({"rows": rows, "blob": len(blob), "other": other, "classes": classes})
-        for part in (blob, ends, sizes, kinds, raws, hashes):
-            self._out.write(part if isinstance(part, bytes) else np.ascontiguousarray(part).tobytes())
+        parts = [
+            part if isinstance(part, bytes) else part.tobytes() for part in (blob, ends, sizes, kinds, raws, hashes)
+        ]
+        digest = xxhash.xxh3_64_hexdigest(b"".join(parts))
+        self._digest.update(json.dumps([rows, other, classes, digest]).encode())
+        self._json({"rows": rows, "blob": len(blob), "other": other, "classes": classes, "xxh3": digest})
+        for part in parts:
+            self._out.write(part)
         self.objects += rows
 
     def close(self) -> None:
         """Write the trailer (a file without it reads as truncated)."""
         self._json({"rows": -1, "objects": self.objects})
-
-
-@dataclass(frozen=True, slots=True)
-class TableSnapshot:
-    """A copy of an ``ObjectTable``'s columns with each row's hash: taken on the supervisor's loop (a memory copy),
-    written to disk in another thread while the table goes on changing."""
-
-    arrays: dict[str, npt.NDArray[Any]]
-    other: dict[int, str]
-    hashes: npt.NDArray[np.uint64]
-    key_bytes: int
-    rows: int
-
-    @classmethod
-    def of(cls, table: ObjectTable) -> TableSnapshot:
-        arrays, other = table.arrays()
-        arrays = {name: array.copy() for name, array in arrays.items()}
-        hashes = np.zeros(len(table), np.uint64)
-        hashes[arrays["oids"]] = arrays["hashes"]
-        indexed = np.zeros(len(table), dtype=bool)
-        indexed[arrays["oids"]] = True
-        for oid in np.flatnonzero(~indexed).tolist():  # rows whose hash collided are indexed by path
-            hashes[oid] = xxhash.xxh3_64_intdigest(table.path(oid).encode())
-        return cls(arrays, other, hashes, table.key_bytes, len(table))
 
 
 def _header_doc(header: CatalogHeader) -> dict[str, Any]:
@@ -237,6 +215,13 @@ def read_pages(
 
     The file must hold every object that node owns: one written for all nodes (count 1), or for this very node.
     Raises ``CatalogFileError`` on a damaged or truncated file (after the pages read so far)."""
+    try:
+        yield from _pages(read, rank, count, label)
+    except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:  # JSON, fields or columns
+        raise CatalogFileError(f"the catalog file is damaged ({type(exc).__name__}: {exc})") from None
+
+
+def _pages(read: Callable[[int], bytes], rank: int, count: int, label: str) -> Iterator[FoldedPage | CatalogHeader]:
     header = read_header(read)
     if header.count != 1 and (header.rank, header.count) != (rank, count):
         raise CatalogFileError(f"the catalog file holds node {header.rank} of {header.count}'s objects only")
@@ -246,12 +231,16 @@ def read_pages(
         rows = int(doc["rows"])
         if rows < 0:
             return
-        blob = _read_exact(read, int(doc["blob"]), "a block")
-        ends = np.frombuffer(_read_exact(read, 8 * rows, "a block"), np.int64)
-        sizes = np.frombuffer(_read_exact(read, 8 * rows, "a block"), np.int64)
-        kinds = np.frombuffer(_read_exact(read, rows, "a block"), np.uint8)
-        raws = np.frombuffer(_read_exact(read, 16 * rows, "a block"), np.uint8).reshape(rows, 16)
-        hashes = np.frombuffer(_read_exact(read, 8 * rows, "a block"), np.uint64)
+        data = _read_exact(read, int(doc["blob"]) + 41 * rows, "a block")
+        if "xxh3" in doc and xxhash.xxh3_64_hexdigest(data) != doc["xxh3"]:
+            raise CatalogFileError("the catalog file is damaged (a block's checksum differs)")
+        at = int(doc["blob"])
+        blob = data[:at]
+        ends, at = np.frombuffer(data, np.int64, rows, at), at + 8 * rows
+        sizes, at = np.frombuffer(data, np.int64, rows, at), at + 8 * rows
+        kinds, at = np.frombuffer(data, np.uint8, rows, at), at + rows
+        raws, at = np.frombuffer(data, np.uint8, 16 * rows, at).reshape(rows, 16), at + 16 * rows
+        hashes = np.frombuffer(data, np.uint64, rows, at)
         keep = np.flatnonzero(hashes % np.uint64(count) == np.uint64(rank)) if count > 1 else np.arange(rows)
         begins = np.concatenate([[0], ends[:-1]]) if rows else ends
         other = {int(i): str(v) for i, v in dict(doc.get("other") or {}).items()}
@@ -269,32 +258,37 @@ def read_pages(
         )
 
 
+def url_digest(url: str) -> str:
+    """What a catalog file's header keeps of the remote it lists: a digest, never the URL (it may hold
+    credentials, and a shared catalog is readable by every node)."""
+    return xxhash.xxh3_128_hexdigest(url.encode())
+
+
 def restart_header(url: str, pattern: str, rank: int, count: int) -> CatalogHeader:
-    """What a restart catalog must match to be used: the remote (a digest: the URL may hold credentials), the
-    pattern and the node."""
-    return CatalogHeader(xxhash.xxh3_128_hexdigest(url.encode()), pattern, rank, count)
+    """What a restart catalog must match to be used: the remote (``url_digest``), the pattern and the node."""
+    return CatalogHeader(url_digest(url), pattern, rank, count)
 
 
 def save_restart(
     path: Path,
-    table: ObjectTable | TableSnapshot,
-    rows: npt.NDArray[np.intp],
+    table: ObjectTable,
+    listed: npt.NDArray[np.bool_],
     header: CatalogHeader,
     *,
     mode: int,
     max_bytes: int,
 ) -> bool:
-    """Keep ``rows`` of ``table`` (or of its snapshot) as the restart catalog at ``path``, atomically; False (and
-    no file) when it would exceed ``max_bytes``."""
-    rows_total = table.rows if isinstance(table, TableSnapshot) else len(table)
-    estimate = table.key_bytes + 41 * rows_total + 1024
+    """Keep the rows of ``table`` where ``listed[oid]`` as the restart catalog at ``path``, atomically; False (and
+    no file) when it would exceed ``max_bytes``. Safe in a thread of its own while the supervisor's loop changes
+    the table (``CatalogWriter.write_table``)."""
+    estimate = table.key_bytes + 41 * len(listed) + 1024
     if estimate > max_bytes:
         path.unlink(missing_ok=True)
         return False
 
     def write(out: IO[bytes]) -> None:
         writer = CatalogWriter(out, header)
-        writer.write_table(table, rows)
+        writer.write_table(table, listed)
         writer.close()
 
     atomic_write(path, write, mode=mode)

@@ -13,24 +13,32 @@ Invariants of ``ObjectTable`` (oid = the row number, ``0 <= oid < len(table)``):
   (``hash % count``), the seeded pass order (``order_keys``: a bijective mix of hash and pass seed), and the index.
   It is computed once per listed key, in the listing thread (``fold_page``), never again.
 * **Index.** path -> oid through sorted (hash, oid) runs, merged like a binary counter (a run is merged with the
-  one before it while that one is at most twice as long): O(log n) runs, each probed with one vectorised
-  ``searchsorted`` per page. A hit is confirmed by comparing the key bytes; two paths with the same 64-bit hash
-  (about one pair in 10⁸ keys has a 3·10⁻⁴ chance) keep the second in a small dict.
+  one before it while that one is at most twice as long, up to ``MAX_RUN`` entries, so a merge never needs more
+  than about 34 MB): O(log n + n / MAX_RUN) runs, each probed with one vectorised ``searchsorted`` per page. A
+  hit is confirmed by comparing the key bytes; two paths with the same 64-bit hash (about one pair in 10⁸ keys
+  has a 3·10⁻⁴ chance) keep the second in a small dict.
 * **Versions.** 16 bytes and a kind per row: a quoted or bare 32-hex ETag (S3's MD5 ETags) as its 16 raw bytes,
   a local ``"<mtime_ns>-<size>"`` as the int64 mtime, None as kind 0; anything else (multipart ETags, GCS
   generations) in an overflow dict. ``version(oid)`` gives back exactly the string the listing had.
 * **Memory.** Per owned row: 8 (key end) + 8 (size) + 17 (version) + 12 (index) bytes plus the key's bytes;
   ``SamplingPlan`` adds 4 (generation seen) + 8 (segment) + 4 (pass queue). ``trim()`` (after a complete listing)
-  gives back the columns' spare capacity, so a settled catalog costs about 61 bytes per owned object beyond its
-  key (``tests/daemon/test_columns.py`` asserts ≤ 64).
+  gives back the columns' spare capacity, so a settled catalog costs about 61 bytes per owned object beyond its key
+  (``tests/daemon/test_columns.py`` asserts ≤ 64). Above that, the peak: a column's growth (one column's old and new
+  arrays for a moment; the spare capacity is never written until used), one index merge (≤ ``MAX_RUN`` entries), a
+  pass layout (the new queue's 4 bytes per row and about 1 more, ``pass_order``), one block of a restart catalog
+  being written (from the live columns, ``blocks``), with large freed arrays given back to the system
+  (``return_freed_memory``): ``benchmarks.catalog`` measured 123 bytes per object at 10⁷ objects of 43-byte keys,
+  peak RSS.
 """
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import posixpath
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,14 +50,18 @@ from cachefeed._remote import RemoteObject
 
 __all__ = [
     "KIND_OTHER",
+    "Block",
     "Column",
     "FoldedPage",
     "ObjectTable",
     "encode_version",
     "fold_page",
     "key_hash",
+    "merge_runs",
     "mix",
     "order_keys",
+    "pass_order",
+    "return_freed_memory",
 ]
 
 U64 = npt.NDArray[np.uint64]
@@ -73,12 +85,34 @@ def mix(value: int, seed: int) -> int:
 
 
 def order_keys(hashes: U64, seed: int) -> U64:
-    """``mix(h, seed)`` for every hash: the sort keys of a seeded pass order."""
+    """``mix(h, seed)`` for every hash: the sort keys of a seeded pass order (one new array and one temporary)."""
     z = hashes ^ np.uint64(seed & _MASK)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    out: U64 = z ^ (z >> np.uint64(31))
-    return out
+    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z ^= z >> np.uint64(shift)
+        z *= np.uint64(factor)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 256 << 10
+
+
+def return_freed_memory() -> bool:
+    """Make every allocation of ``MMAP_THRESHOLD`` bytes or more a mapping of its own, given back to the system
+    when freed (glibc only; False elsewhere). Call once, early, in the process that holds a catalog.
+
+    glibc raises its threshold as large blocks are freed (up to 32 MiB), after which the columns' arrays of a
+    growing catalog come from the heap and the copies a column leaves behind when it grows stay resident: at
+    10⁶ objects that was about 60 MB above what the columns hold (``benchmarks.catalog``). A fixed threshold
+    keeps the resident memory at what the columns hold."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
 
 
 class Column:
@@ -94,13 +128,16 @@ class Column:
         values = np.asarray(values, dtype=self.data.dtype)
         end = self.n + len(values)
         if end > len(self.data):
-            grown = np.full((max(end, len(self.data) * 3 // 2, 1024), *self._shape_tail), self._fill, self.data.dtype)
+            # np.empty: the spare capacity is never written until used, so it costs address space, not memory
+            # (a large allocation is its own mapping, ``release_freed_memory``)
+            grown = np.empty((max(end, len(self.data) * 3 // 2, 1024), *self._shape_tail), self.data.dtype)
             grown[: self.n] = self.data[: self.n]
             self.data = grown
         self.data[self.n : end] = values
         self.n = end
 
     def grow_to(self, n: int) -> None:
+        """Rows up to ``n``, the new ones set to the fill value."""
         if n > self.n:
             self.extend(np.full((n - self.n, *self._shape_tail), self._fill, self.data.dtype))
 
@@ -109,8 +146,13 @@ class Column:
         return self.data[: self.n]
 
     def trim(self) -> None:
+        """Drop the spare capacity: in place where nothing else refers to the array (no copy: a big array is its
+        own mapping, shrunk), else by a copy."""
         if len(self.data) > self.n:
-            self.data = self.data[: self.n].copy()
+            try:
+                self.data.resize((self.n, *self._shape_tail), refcheck=True)
+            except ValueError:  # a view of it is held (the restart catalog's writer)
+                self.data = self.data[: self.n].copy()
 
     @property
     def nbytes(self) -> int:
@@ -209,6 +251,20 @@ def fold_page(objects: Sequence[RemoteObject], rank: int, count: int, *, label: 
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Rows of a table as a catalog file stores them (``catalog_file.py``): keys back to back with their end
+    offsets (relative to the block), sizes, versions, hashes, and the versions of kind ``KIND_OTHER`` by row."""
+
+    keys: bytes
+    ends: npt.NDArray[np.int64]
+    sizes: npt.NDArray[np.int64]
+    vkinds: npt.NDArray[np.uint8]
+    vraw: npt.NDArray[np.uint8]
+    hashes: U64
+    other: dict[int, str]
+
+
 class ObjectTable:
     """The owned objects of one source, as columns. See the module docstring for the invariants."""
 
@@ -265,15 +321,13 @@ class ObjectTable:
         if kind == KIND_OTHER:
             self._other[oid] = str(page.versions[row])
 
-    def hashes_and_oids(self) -> tuple[U64, npt.NDArray[np.uint32]]:
-        """Every row's hash and oid (the indexed rows in hash order, then any whose hash collided)."""
-        self._merge(everything=True)
-        hashes, oids = self._runs[0] if self._runs else (np.zeros(0, np.uint64), np.zeros(0, np.uint32))
+    def runs(self) -> list[tuple[U64, npt.NDArray[np.uint32]]]:
+        """Every row's hash and oid, as sorted runs (the index's, then one of any rows whose hash collided)."""
+        runs = list(self._runs)
         if self._collided:
             extra = sorted(self._collided.values())
-            hashes = np.concatenate([hashes, np.array([key_hash(self.path(o)) for o in extra], np.uint64)])
-            oids = np.concatenate([oids, np.array(extra, np.uint32)])
-        return hashes, oids
+            runs.append((np.array([key_hash(self.path(o)) for o in extra], np.uint64), np.array(extra, np.uint32)))
+        return runs
 
     @property
     def nbytes(self) -> int:
@@ -347,49 +401,120 @@ class ObjectTable:
 
     # -- saving and loading (``catalog_file.py``) ---------------------------------------------------------------
 
-    def arrays(self) -> tuple[dict[str, npt.NDArray[Any]], dict[int, str]]:
-        """The table's columns (trimmed and merged first) and its overflow versions, for ``catalog_file``."""
-        self.trim()
-        hashes, oids = self._runs[0] if self._runs else (np.zeros(0, np.uint64), np.zeros(0, np.uint32))
-        return {
-            "blob": np.frombuffer(bytes(self._blob), np.uint8),
-            "ends": self._ends.view,
-            "sizes": self._sizes.view,
-            "vkind": self._vkind.view,
-            "vraw": self._vraw.view,
-            "hashes": hashes,
-            "oids": oids,
-        }, dict(self._other)
+    def blocks(self, listed: npt.NDArray[np.bool_], rows: int) -> Iterator[Block]:
+        """The rows where ``listed[oid]``, in hash order, at most ``rows`` per block, read from the live columns:
+        nothing is copied but one block at a time, so a thread may write them to disk while the supervisor's loop
+        goes on changing the table (its rows only grow; ``listed`` is the caller's copy). A row whose version a
+        new listing changes meanwhile may be written with its old size or version: the file then holds an older
+        listing of that object (a fetch finds it changed), and the next complete listing writes the file again.
+        """
+        runs = self.runs()
+        for run_hashes, run_oids in runs:
+            for start in range(0, len(run_oids), rows):
+                oids = run_oids[start : start + rows]
+                hashes = run_hashes[start : start + rows]
+                keep = oids < len(listed)  # rows added since ``listed`` was taken are not in this listing
+                keep[keep] = listed[oids[keep]]
+                if not keep.all():
+                    oids, hashes = oids[keep], hashes[keep]
+                if len(oids):
+                    yield self._block(oids.astype(np.intp), hashes)
 
-    @classmethod
-    def from_arrays(
-        cls, arrays: dict[str, npt.NDArray[Any]], other: dict[int, str], collided: dict[str, int] | None = None
-    ) -> ObjectTable:
-        """A table from ``arrays()``'s output (trusting it: ``catalog_file`` checks lengths)."""
-        table = cls()
-        table._blob = bytearray(arrays["blob"].tobytes())
-        for column, name in ((table._ends, "ends"), (table._sizes, "sizes"), (table._vkind, "vkind")):
-            column.data, column.n = arrays[name], len(arrays[name])
-        table._vraw.data, table._vraw.n = arrays["vraw"].reshape(-1, 16), len(arrays["vraw"]) // 16
-        table._other = dict(other)
-        table._runs = [(arrays["hashes"], arrays["oids"])] if len(arrays["hashes"]) else []
-        if len(arrays["hashes"]) != len(table):  # collided rows are indexed by path
-            indexed = np.zeros(len(table), dtype=bool)
-            indexed[arrays["oids"]] = True
-            table._collided = {table.path(oid): oid for oid in np.flatnonzero(~indexed).tolist()}
-        return table
+    def _block(self, oids: npt.NDArray[np.intp], hashes: U64) -> Block:
+        ends = self._ends.data[oids]
+        begins = np.where(oids > 0, self._ends.data[np.maximum(oids - 1, 0)], 0)
+        blob = self._blob
+        keys = b"".join([blob[b:e] for b, e in zip(begins.tolist(), ends.tolist(), strict=True)])
+        other = self._other
+        return Block(
+            keys,
+            np.cumsum(ends - begins, dtype=np.int64),
+            self._sizes.data[oids],
+            self._vkind.data[oids],
+            self._vraw.data[oids],
+            hashes,
+            {i: other[oid] for i, oid in enumerate(oids.tolist()) if oid in other},
+        )
 
     def trim(self) -> None:
-        """Give back spare capacity (after a complete listing) and merge the index into one run."""
+        """Give back spare capacity (after a complete listing)."""
         for column in (self._ends, self._sizes, self._vkind, self._vraw):
             column.trim()
-        self._merge(everything=True)
 
-    def _merge(self, *, everything: bool = False) -> None:
+    def _merge(self) -> None:
         runs = self._runs
-        while len(runs) > 1 and (everything or len(runs[-2][0]) <= 2 * len(runs[-1][0])):
-            (h1, o1), (h2, o2) = runs[-2], runs[-1]
-            hashes = np.concatenate([h1, h2])
-            oids = np.concatenate([o1, o2])
-            order = np.argsort(hashes, kind="stable")
-            runs[-2:] = [(hashes[order], oids[order])]
+        while len(runs) > 1 and len(runs[-2][0]) <= 2 * len(runs[-1][0]):
+            if len(runs[-2][0]) + len(runs[-1][0]) > MAX_RUN:
+                return
+            (h1, o1), (h2, o2) = runs.pop(), runs.pop()
+            runs.append(merge_runs(h2, o2, h1, o1))
+            del h1, o1, h2, o2  # the inputs go before the next merge: one merge's memory at a time
+
+
+def merge_runs(
+    h1: U64, o1: npt.NDArray[np.uint32], h2: U64, o2: npt.NDArray[np.uint32]
+) -> tuple[U64, npt.NDArray[np.uint32]]:
+    """Two sorted (hash, oid) runs as one sorted run, the first run's entries first among equal hashes. Beyond the
+    output (12 bytes per entry) it needs 8 bytes per entry of the second run and 1 per entry (a sort of the
+    concatenation would need 20 per entry)."""
+    at = np.searchsorted(h1, h2, side="right")
+    at += np.arange(len(h2), dtype=at.dtype)  # where each entry of the second run lands
+    hashes = np.empty(len(h1) + len(h2), np.uint64)
+    oids = np.empty(len(hashes), np.uint32)
+    from_first = np.ones(len(hashes), dtype=bool)
+    from_first[at] = False
+    hashes[at], oids[at] = h2, o2
+    del at
+    hashes[from_first], oids[from_first] = h1, o1
+    return hashes, oids
+
+
+MAX_RUN = 1 << 21  # index entries past which runs are no longer merged (bounds a merge's memory: about 34 MB)
+PASS_CHUNK = 1 << 20  # rows computed at a time when a pass is laid out (bounds the temporaries)
+
+
+def pass_order(
+    runs: Sequence[tuple[U64, npt.NDArray[np.uint32]]],
+    seed: int,
+    keep: Callable[[npt.NDArray[np.uint32]], npt.NDArray[np.bool_]] | None = None,
+) -> list[npt.NDArray[np.uint32]]:
+    """The oids of ``runs`` ((hash, oid) arrays; those ``keep`` selects, all by default) in the seeded order of a
+    pass: sorted by ``order_keys(hash, seed)``, ties in its top bits broken by oid, as chunks of at most
+    ``PASS_CHUNK``.
+
+    Each entry is packed into one uint64 (the order key's top bits above the oid's bits) and sorted in place. The
+    entries are laid out in up to 16 buckets of the key's top bits, one after the other (each bucket's keys all
+    precede the next one's), so beyond the 4-byte output a pass needs about 1 byte per entry (8 bytes per entry of
+    one bucket), where an ``argsort`` needs 8 for the keys, 8 for the permutation and more for the key's
+    temporaries. Ties need two keys equal in their top ``64 - b`` bits (``b``: the bits of the largest oid, 27 at
+    10⁸ rows): about 360 pairs at 10⁷ rows, each still ordered by a seeded key's bits and then by oid, so the
+    order stays deterministic."""
+    total = sum(len(oids) for _, oids in runs)
+    if not total:
+        return []
+    shift = np.uint64(max(max(int(oids.max()) for _, oids in runs if len(oids)).bit_length(), 1))
+    bucket_bits = min(4, (total // PASS_CHUNK).bit_length())  # 1 bucket under a chunk, 16 from 8 chunks
+    out: list[npt.NDArray[np.uint32]] = []
+    for bucket in range(1 << bucket_bits):
+        parts = []
+        for hashes, oids in runs:
+            for start in range(0, len(oids), PASS_CHUNK):
+                h, o = hashes[start : start + PASS_CHUNK], oids[start : start + PASS_CHUNK]
+                if keep is not None:
+                    mask = keep(o)
+                    h, o = h[mask], o[mask]
+                z = order_keys(h, seed)
+                if bucket_bits:
+                    chosen = (z >> np.uint64(64 - bucket_bits)) == np.uint64(bucket)
+                    z, o = z[chosen], o[chosen]
+                z >>= shift
+                z <<= shift
+                z |= o.astype(np.uint64)
+                parts.append(z)
+        packed = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+        del parts
+        packed.sort()
+        packed &= (np.uint64(1) << shift) - np.uint64(1)
+        out.extend(packed[start : start + PASS_CHUNK].astype(np.uint32) for start in range(0, len(packed), PASS_CHUNK))
+        del packed
+    return out

@@ -12,10 +12,11 @@ Contract:
   longer drawn (until listed again). Until then, what the last complete listing showed stays drawable.
   ``update_catalog`` is a whole listing as one page.
 * **Passes.** Each pass visits every owned object at most once, in a seeded order: objects sorted by
-  ``pass_order_key`` (a bijective mix of the path's hash and ``h(seed, pass)``). The same (seed, pass, catalog)
-  gives the same order on every run. Objects that a page adds, and new versions (another ETag) of known ones,
-  join the current pass, appended in that same seeded order; a pass over a catalog that grows while it is listed
-  is still a pass without replacement.
+  ``pass_order_key`` (a bijective mix of the path's hash and ``h(seed, pass)``; ``columns.pass_order`` sorts by
+  its top bits, ties, a few hundred pairs at 10⁷ objects, by row). The same (seed, pass, catalog listed in the
+  same order) gives the same order on every run. Objects that a page adds, and new versions (another ETag) of
+  known ones, join the current pass, appended in that same seeded order; a pass over a catalog that grows while
+  it is listed is still a pass without replacement.
 * **Pass boundary.** A pass is completed when all its objects were drawn *and* resolved (done, failed or
   skipped); only then does the next pass start, so an object is never in two passes at once. A pass that drew
   nothing (everything is already cached) or cached nothing (every object failed) is followed by a wait
@@ -45,7 +46,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from cachefeed._daemon.columns import Column, FoldedPage, ObjectTable, fold_page, key_hash, mix, order_keys
+from cachefeed._daemon.columns import Column, FoldedPage, ObjectTable, fold_page, key_hash, mix, pass_order
 from cachefeed._logs import get_logger
 from cachefeed._remote import RemoteObject
 
@@ -203,14 +204,18 @@ class SamplingPlan:
         )
         if len(joined_oids):
             self.revision += 1
-            order = np.argsort(order_keys(hashes, _pass_seed(self.seed, self._pass)), kind="stable")
-            self._queue.append(joined_oids[order])
+            self._queue.extend(pass_order([(hashes, joined_oids)], _pass_seed(self.seed, self._pass)))
             self._is_changed = True
         return len(joined_oids)
 
     def listed_oids(self) -> npt.NDArray[np.intp]:
-        """The owned objects the last complete listing showed (what a restart catalog keeps)."""
-        return np.flatnonzero(self._seen.view >= self._complete)
+        """The owned objects the last complete listing showed."""
+        return np.flatnonzero(self.listed())
+
+    def listed(self) -> npt.NDArray[np.bool_]:
+        """Per oid, whether the last complete listing showed it (what a restart catalog keeps): 1 byte per row."""
+        listed: npt.NDArray[np.bool_] = self._seen.view >= self._complete
+        return listed
 
     def end_listing(self, *, is_restored: bool = False) -> None:
         """The listing being folded in is complete: what it did not show is no longer drawn.
@@ -305,12 +310,10 @@ class SamplingPlan:
         self._is_changed = self._is_waiting = False
         self._failed_this_pass.clear()
         self._drawn_this_pass = self._done_this_pass = 0
-        hashes, oids = self.table.hashes_and_oids()
-        listed = self._seen.data[oids] >= self._complete
-        hashes, oids = hashes[listed], oids[listed]
-        order = np.argsort(order_keys(hashes, _pass_seed(self.seed, self._pass)), kind="stable")
-        self._queue = deque([oids[order]])
-        self._head = 0
+        self._queue, self._head = deque(), 0  # (empty by now) freed before the next pass is laid out
+        seen, complete = self._seen.data, self._complete
+        runs, seed = self.table.runs(), _pass_seed(self.seed, self._pass)
+        self._queue.extend(pass_order(runs, seed, lambda o: seen[o] >= complete))
         return True
 
     # -- outcomes -------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ Lifecycle (what a test or systemd observes)::
   of the last seconds failed; the reasons are listed in the status document.
 
 Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``) and
-the thread that writes a snapshot of the restart catalog (``catalog_file.py``).
+the thread that writes the restart catalog (``catalog_file.py``; it only reads the table, ``ObjectTable.blocks``).
 
 Why one long module: it is the daemon's one loop (the lifecycle above); each job it delegates has a module of its
 own: grants (``grants.py``), sources and plans (``sources.py``, ``plan.py``), samplers (``pool.py``), status
@@ -46,11 +46,11 @@ from cachefeed._daemon.catalog import ListingEnd
 from cachefeed._daemon.catalog_file import (
     MAX_SHARE,
     CatalogHeader,
-    TableSnapshot,
     load_restart,
     restart_header,
     save_restart,
 )
+from cachefeed._daemon.columns import return_freed_memory
 from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed._daemon.notify import SystemdNotifier
 from cachefeed._daemon.pool import SamplerHandle, SamplerPool, SamplerState
@@ -156,6 +156,7 @@ class Supervisor:
 
     def run(self) -> int:
         config = self.config
+        return_freed_memory()  # the catalog's columns grow by copies: give the old ones back (columns.py)
         with self._signal_handlers():
             self.preflight()
             store = CacheStore(config.cache)  # CacheLockedError (exit 75); recovery happens here
@@ -347,22 +348,22 @@ class Supervisor:
             entry.catalog.restore = restore
 
     def _save_catalog(self, entry: Input) -> None:
-        """Keep the last complete listing's owned objects for the next start, if they changed: a snapshot of the
-        columns here (a memory copy), written in a thread (one at a time; a later listing saves what it missed)."""
+        """Keep the last complete listing's owned objects for the next start, if they changed: written in a thread
+        straight from the live table (``ObjectTable.blocks``), one at a time; a later listing saves what it missed."""
         plan = entry.plan
         if plan.revision == entry.catalog_revision or (self._saver is not None and self._saver.is_alive()):
             return
         store = self._require_store()
         path = store.layout.catalog_file(entry.tag)
         limit = int(self.config.cache.max_bytes * MAX_SHARE)
-        snapshot, rows, owned = TableSnapshot.of(plan.table), plan.listed_oids(), plan.owned
+        table, listed, owned = plan.table, plan.listed(), plan.owned  # the rows only grow: no copy of the table
         header, mode = self._restart_header(entry), self.config.cache.file_mode
         entry.catalog_revision = plan.revision
 
         def save() -> None:
             started = time.monotonic()
             try:
-                kept = save_restart(path, snapshot, rows, header, mode=mode, max_bytes=limit)
+                kept = save_restart(path, table, listed, header, mode=mode, max_bytes=limit)
             except OSError as exc:
                 log.warning("cannot keep the restart catalog %s: %s", path, exc)
                 entry.catalog_revision = -1  # not kept: try again after the next listing, changed or not

@@ -19,13 +19,13 @@ compared with the last one read; when it is the same, nothing else is read and `
 in force stays). An S3 Inventory report is re-read when a new report replaces ``manifest.json``.
 
 Every request goes through the remote's filesystem and credentials (``remote.storage_options``); errors are the
-remote's ``RemoteError`` kinds, translated and scrubbed once (``Remote.translate``).
+remote's ``RemoteError`` kinds, translated and scrubbed once (``Remote.translate``). Files are read as streams
+that resume where a transient failure cut them (``listing.ResumingReader``, retried per ``remote.max_attempts``).
 """
 
 from __future__ import annotations
 
 import csv
-import functools
 import gzip
 import io
 import json
@@ -78,7 +78,7 @@ class Manifest:
         if self.is_inventory:
             self._read_inventory(fs, path, pager)
         else:
-            with pager.request(lambda: fs.open(path, "rb"), is_list=False) as raw:
+            with pager.open(fs, path) as raw:
                 self._read_lines(_decompressed(raw, path), pager)
         self._last_version = version
         return pager.total
@@ -126,8 +126,7 @@ class Manifest:
             if "Bucket" not in schema or "Key" not in schema:
                 raise ConfigError(f"remote.manifest: the inventory's fileSchema has no Bucket and Key: {schema}")
             for key in files:
-                opener = functools.partial(fs.open, f"{destination}/{key}", "rb")
-                with pager.request(opener, is_list=False) as raw:
+                with pager.open(fs, f"{destination}/{key}") as raw:
                     self._read_csv(_decompressed(raw, key), schema, pager)
         elif file_format.upper() == "PARQUET":
             for key in files:
@@ -157,7 +156,7 @@ class Manifest:
             raise ConfigError(
                 "remote.manifest: this S3 Inventory is in Parquet: install pyarrow (pip install 'cachefeed[parquet]')"
             ) from None
-        with pager.request(lambda: fs.open(path, "rb"), is_list=False) as raw:
+        with pager.open(fs, path) as raw:
             parquet = pq.ParquetFile(raw)
             for batch in parquet.iter_batches(batch_size=PAGE_OBJECTS):
                 rows = batch.to_pylist()

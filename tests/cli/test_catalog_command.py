@@ -81,3 +81,24 @@ def test_a_reader_with_another_pattern_is_told_to_build_with_it(
     )
     with pytest.raises(CatalogFileError, match=r"build it with --pattern '\*.jpg'"):
         reader(lambda page: None)
+
+
+def test_a_generation_names_its_remote_by_a_digest_and_refuses_a_reader_of_another(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachefeed._daemon.catalog_file import CatalogFileError, read_header
+
+    data = tmp_path / "secret-token-in-the-path" / "data"
+    data.mkdir(parents=True)
+    (data / "a.jpg").write_bytes(b"x")
+    assert run(capsys, "build", f"file://{data}", "--out", f"file://{tmp_path}/catalog")[0] == 0
+    (generation,) = (tmp_path / "catalog").glob("gen-*")
+    with generation.open("rb") as handle:
+        header = read_header(handle.read)
+    assert "secret-token" not in repr(header)  # the URL (it may hold credentials) is not stored: a digest is
+    assert read(f"file://{data}", f"file://{tmp_path}/catalog")[0] == 1
+    other = tmp_path / "other"
+    other.mkdir()
+    reader = SharedCatalog(Remote(RemoteConfig(url=f"file://{other}")), f"file://{tmp_path}/catalog", rank=0, count=1)
+    with pytest.raises(CatalogFileError, match=r"lists another remote than remote\.url"):
+        reader(lambda page: None)

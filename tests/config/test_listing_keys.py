@@ -36,3 +36,15 @@ def test_a_manifest_and_a_catalog_together_are_refused() -> None:
     both = {"name": "a", "url": "s3://b/a", "manifest": "m", "catalog": "c"}
     with pytest.raises(ConfigError, match=r"source\[0\].manifest and source\[0\].catalog both replace the listing"):
         parse_config({"cache": CACHE, "source": [both]}, env={})
+
+
+def test_catalog_publish_needs_a_catalog_to_publish_to() -> None:
+    with pytest.raises(ConfigError, match=r"remote.catalog_publish = true needs remote.catalog"):
+        parse_config({"remote": {"url": "s3://b/p", "catalog_publish": True}, "cache": CACHE}, env={})
+    with pytest.raises(ConfigError, match=r"remote.catalog_publish = 'yes': .*"):
+        parse_config({"remote": {"url": "s3://b/p", "catalog": "c", "catalog_publish": "yes"}, "cache": CACHE}, env={})
+    config = parse_config(
+        {"remote": {"url": "s3://b/p", "catalog": "s3://b/c", "catalog_publish": True}, "cache": CACHE}
+    )
+    (only,) = config.inputs()
+    assert config.remote_for(only).catalog_publish and config.remote_for(only).catalog == "s3://b/c"

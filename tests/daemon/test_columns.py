@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from cachefeed._daemon.columns import ObjectTable, fold_page
+from cachefeed._daemon import columns
+from cachefeed._daemon.columns import ObjectTable, fold_page, merge_runs, order_keys, pass_order
 from cachefeed._daemon.plan import SamplingPlan
 from cachefeed._remote import RemoteObject
 
@@ -78,7 +80,7 @@ def test_paths_whose_hashes_collide_keep_their_own_rows() -> None:
     table.add(third, np.arange(1))
     assert table.lookup(third.paths, third.hashes).tolist() == [2]
     assert table.get(2) == RemoteObject("b/three", 3, None)
-    assert sorted(table.hashes_and_oids()[1].tolist()) == [0, 1, 2]  # every row takes part in passes
+    assert sorted(np.concatenate([oids for _, oids in table.runs()]).tolist()) == [0, 1, 2]  # all take part in passes
 
 
 def test_the_first_page_is_drawn_before_the_listing_ends() -> None:
@@ -129,3 +131,41 @@ def test_a_failed_listing_drops_nothing() -> None:
     plan.update_page(plan.fold(objects[1000:]))
     plan.end_listing()
     assert plan.owned == 2000
+
+
+def test_merged_runs_and_a_laid_out_pass_agree_with_a_full_sort() -> None:
+    rng = np.random.default_rng(7)
+    hashes = rng.integers(0, 2**63, 5000, dtype=np.int64).astype(np.uint64)
+    hashes[4000:4100] = hashes[:100]  # equal hashes in both runs: the first run's come first
+    first, second = np.sort(hashes[:3000]), np.sort(hashes[3000:])
+    merged, oids = merge_runs(first, np.arange(3000, dtype=np.uint32), second, np.arange(3000, 5000, dtype=np.uint32))
+    assert merged.tolist() == sorted(hashes.tolist())
+    both = np.concatenate([first, second])
+    assert oids.tolist() == np.argsort(both, kind="stable").tolist()
+    distinct = np.unique(hashes)
+    runs = [
+        (distinct[:2000], np.arange(2000, dtype=np.uint32)),
+        (distinct[2000:], np.arange(2000, len(distinct), dtype=np.uint32)),
+    ]
+    laid_out = np.concatenate(pass_order(runs, seed=11)).tolist()
+    assert laid_out == np.argsort(order_keys(distinct, 11), kind="stable").tolist()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(columns, "PASS_CHUNK", 256)  # laid out in 16 buckets, as 10⁷ rows are
+        assert np.concatenate(pass_order(runs, seed=11)).tolist() == laid_out
+    odd = np.concatenate(pass_order(runs, seed=11, keep=lambda o: o % 2 == 1)).tolist()
+    assert odd == [oid for oid in laid_out if oid % 2 == 1]
+
+
+def test_an_index_of_capped_runs_finds_every_path_and_a_pass_visits_each_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(columns, "MAX_RUN", 4096)  # 10⁵ rows then make many unmerged runs, as 10⁸ rows would
+    objects = listing(100_000)
+    plan = SamplingPlan(seed=2)
+    for start in range(0, len(objects), 1000):
+        plan.update_page(plan.fold(objects[start : start + 1000]))
+    plan.end_listing()
+    runs = plan.table.runs()
+    assert len(runs) > 10 and max(len(h) for h, _ in runs) <= 4096
+    page = plan.fold(objects)
+    assert plan.table.lookup(page.paths, page.hashes).tolist() == list(range(len(objects)))
+    drawn = paths_of(plan.next(200_000))
+    assert sorted(drawn) == sorted(o.path for o in objects)

@@ -6,12 +6,18 @@ LIST requests are refused there (403), as for a role without s3:ListBucket.
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cachefeed._testing.daemon import BUCKET, StartDaemon
+from cachefeed._config import RemoteConfig, toml_text
+from cachefeed._daemon.shared import publish
+from cachefeed._remote import Remote
+from cachefeed._testing.daemon import BUCKET, StartDaemon, start_daemon, write_config
 from cachefeed._testing.inventory import write_inventory, write_key_list
+from cachefeed._testing.local_s3 import storage_options
 from cachefeed._testing.proxy import FaultProxy, Rule
 from cachefeed._testing.samples import cache_samples, upload_arrays
 
@@ -118,3 +124,56 @@ def test_an_unchanged_manifest_is_not_read_again_and_a_new_one_is(
     proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 15, timeout_s=40, what="5 new objects from it")
     no_list_was_sent(fault_proxy)
     assert proc.stop() == 0
+
+
+def test_sources_from_a_manifest_and_from_a_shared_catalog_are_cached_whole_without_any_list(
+    tmp_path: Path, bucket: Any, fault_proxy: FaultProxy
+) -> None:
+    """[[source]] tables, one read from a key list and one from a shared catalog: every object of both cached,
+    each counted for its source, and no LIST sent by the daemon."""
+    ours = upload_arrays(bucket, BUCKET, 20, 2 << 10, prefix="a/")
+    theirs = upload_arrays(bucket, BUCKET, 30, 2 << 10, prefix="b/", start=100)
+    bucket.create_bucket(Bucket=INVENTORY_BUCKET)
+    key = write_key_list(bucket, source_bucket=BUCKET, destination_bucket=INVENTORY_BUCKET, key="a.tsv.gz", prefix="a/")
+    options = storage_options(fault_proxy.endpoint)
+    remote = Remote(RemoteConfig(url=f"s3://{BUCKET}/b", storage_options=options))
+    try:
+        publish(remote, f"s3://{INVENTORY_BUCKET}/b.cfcatalog")
+    finally:
+        remote.close()
+    fault_proxy.set_rules(NO_LIST)
+    fault_proxy.reset_counts()
+    cache_dir = tmp_path / "cache"
+    config = write_config(tmp_path / "daemon.toml", endpoint=fault_proxy.endpoint, bucket=BUCKET, cache_dir=cache_dir)
+    document = tomllib.loads(config.read_text())
+    del document["remote"]["url"], document["remote"]["storage_options"]
+    document["source"] = [
+        {
+            "name": "a",
+            "url": f"s3://{BUCKET}/a",
+            "storage_options": options,
+            "manifest": f"s3://{INVENTORY_BUCKET}/{key}",
+        },
+        {
+            "name": "b",
+            "url": f"s3://{BUCKET}/b",
+            "storage_options": options,
+            "catalog": f"s3://{INVENTORY_BUCKET}/b.cfcatalog",
+        },
+    ]
+    config.write_text(toml_text(document))
+    proc = start_daemon(config, cache_dir, tmp_path / "daemon.stderr")
+    try:
+        doc = proc.wait_status(
+            lambda d: d["ingest"]["objects_total"] >= len(ours) + len(theirs), timeout_s=60, what="both sources cached"
+        )
+        assert proc.stop() == 0
+    finally:
+        proc.kill_group()
+    cached = {sample["__key__"] for _, sample in cache_samples(cache_dir)}  # relative to each source's URL
+    assert cached == {k.removeprefix("a/") for k in ours} | {k.removeprefix("b/") for k in theirs}
+    rows = {row["name"]: row for row in doc["sources"]}
+    assert rows["a"]["objects_listed"] == len(ours) and rows["a"]["objects_total"] == len(ours)
+    assert rows["b"]["objects_listed"] == len(theirs) and rows["b"]["objects_total"] == len(theirs)
+    no_list_was_sent(fault_proxy)
+    assert doc["remote"]["list_requests_total"] == 0

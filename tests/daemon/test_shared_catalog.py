@@ -8,9 +8,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from cachefeed._config import RemoteConfig
+from cachefeed._daemon.catalog_file import CatalogFileError
+from cachefeed._daemon.shared import SharedCatalog, publish
+from cachefeed._errors import RemoteTransientError
+from cachefeed._remote import Remote
 from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_for, write_config
 from cachefeed._testing.local_s3 import LocalS3, storage_options
 from cachefeed._testing.proxy import FaultProxy, Rule
@@ -100,3 +108,122 @@ def test_n_daemons_on_a_shared_catalog_cost_one_listing_of_list_requests(
     finally:
         for proc in daemons:
             proc.kill_group()
+
+
+def test_a_damaged_generation_is_refused_by_name_and_the_one_in_force_stays(
+    s3: LocalS3, bucket: Any, fault_proxy: FaultProxy
+) -> None:
+    upload_arrays(bucket, BUCKET, 300, 16)
+    bucket.create_bucket(Bucket=CATALOGS)
+    config = RemoteConfig(url=f"s3://{BUCKET}/", storage_options=storage_options(fault_proxy.endpoint))
+    remote = Remote(config)
+    try:
+        good, _ = publish(remote, f"s3://{CATALOGS}/train")
+        reader = SharedCatalog(remote, f"s3://{CATALOGS}/train", rank=0, count=1)
+        assert reader(lambda page: None) == 300
+        whole = bucket.get_object(Bucket=CATALOGS, Key=f"train/{good}")["Body"].read()
+        middle = len(whole) * 3 // 5  # in the columns of the block: only its checksum can tell
+        garbled = whole[:middle] + bytes(255 - b for b in whole[middle : middle + 8]) + whole[middle + 8 :]
+        for damaged, body in [("gen-z-truncated.cfcat", whole[: len(whole) // 2]), ("gen-z-garbled.cfcat", garbled)]:
+            bucket.put_object(Bucket=CATALOGS, Key=f"train/{damaged}", Body=body)
+            bucket.put_object(Bucket=CATALOGS, Key="train/LATEST", Body=f"{damaged}\n{good}\n".encode())
+            unusable = rf"generation {damaged} under s3://{CATALOGS}/train is not usable \(the catalog file is"
+            with pytest.raises(CatalogFileError, match=unusable):
+                reader(lambda page: None)
+        bucket.put_object(Bucket=CATALOGS, Key="train/LATEST", Body=f"{good}\n".encode())
+        assert reader(lambda page: None) is None  # the generation in force is still the good one: nothing to read
+    finally:
+        remote.close()
+
+
+def test_a_generation_read_through_a_reset_and_a_500_lists_every_object(
+    s3: LocalS3, bucket: Any, fault_proxy: FaultProxy
+) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 300, 16)
+    bucket.create_bucket(Bucket=CATALOGS)
+    config = RemoteConfig(
+        url=f"s3://{BUCKET}/", storage_options=storage_options(fault_proxy.endpoint), backoff_base_s=0.01
+    )
+    remote = Remote(config)
+    try:
+        publish(remote, f"s3://{CATALOGS}/train")
+        fault_proxy.set_rules(
+            [
+                Rule("reset", op="GetObject", key="gen-", body_fraction=0.5, max_count=1),
+                Rule("error500", op="GetObject", key="gen-", max_count=1),
+            ]
+        )
+        paths: list[str] = []
+        reader = SharedCatalog(remote, f"s3://{CATALOGS}/train", rank=0, count=1)
+        assert reader(lambda page: paths.extend(page.paths)) == 300
+        assert sorted(paths) == sorted(f"{BUCKET}/{key}" for key in uploaded)
+        assert fault_proxy.counts().fault("reset") == 1 and fault_proxy.counts().fault("error500") == 1
+    finally:
+        remote.close()
+
+
+def test_node_0_publishes_each_changed_listing_and_the_other_nodes_read_it_without_listing(
+    tmp_path: Path, s3: LocalS3, bucket: Any, fault_proxy: FaultProxy
+) -> None:
+    uploaded = upload_arrays(bucket, BUCKET, 1100, 16)
+    bucket.create_bucket(Bucket=CATALOGS)
+    daemons = []
+
+    def generations() -> list[str]:
+        listed = bucket.list_objects_v2(Bucket=CATALOGS, Prefix="train/").get("Contents", [])
+        return [item["Key"] for item in listed if "/gen-" in item["Key"]]
+
+    def all_cached() -> bool:
+        return sum(len(cached_keys(proc)) for proc in daemons if proc.status()) == len(uploaded)
+
+    try:
+        for rank in range(2):
+            config = write_config(
+                tmp_path / f"node-{rank}.toml",
+                endpoint=fault_proxy.endpoint,
+                bucket=BUCKET,
+                cache_dir=tmp_path / f"cache-{rank}",
+                sections={
+                    "remote": {"catalog": f"s3://{CATALOGS}/train", "catalog_publish": True, "refresh_interval": "1s"},
+                    "node": {"rank": rank, "count": 2},
+                    "sampler": {"processes": 1},
+                },
+            )
+            daemons.append(start_daemon(config, tmp_path / f"cache-{rank}", tmp_path / f"node-{rank}.stderr", env={}))
+        wait_for(all_cached, timeout_s=90, what="every object cached by one of the two nodes")
+        per_node = [cached_keys(proc) for proc in daemons]
+        assert per_node[0] and per_node[1] and not per_node[0] & per_node[1]
+
+        def listed_again(times: int) -> Callable[[], bool]:
+            first = fault_proxy.counts().ops.get("ListObjectsV2", 0)
+            return lambda: fault_proxy.counts().ops.get("ListObjectsV2", 0) >= first + 2 * times
+
+        wait_for(listed_again(1), timeout_s=120, what="node 0 listing once more (every 10 listing durations)")
+        assert len(generations()) == 1  # unchanged listings publish nothing new
+
+        uploaded |= upload_arrays(bucket, BUCKET, 30, 16, start=1100)
+        wait_for(all_cached, timeout_s=60, what="the 30 new objects cached, node 1's share from a new generation")
+        assert len(generations()) == 2
+        reader = daemons[1].status()
+        assert reader is not None and reader["remote"]["list_requests_total"] == 0  # node 1 never listed
+        assert reader["remote"]["objects_listed"] == len(uploaded)
+    finally:
+        for proc in daemons:
+            proc.kill_group()
+
+
+def test_a_listing_that_fails_part_way_publishes_nothing(s3: LocalS3, bucket: Any, fault_proxy: FaultProxy) -> None:
+    upload_arrays(bucket, BUCKET, 1100, 16)  # two LIST pages: the second one fails
+    bucket.create_bucket(Bucket=CATALOGS)
+    fault_proxy.set_rules([Rule("error500", op="ListObjectsV2", query="continuation-token")])
+    config = RemoteConfig(
+        url=f"s3://{BUCKET}/", storage_options=storage_options(fault_proxy.endpoint), max_attempts=2, backoff_max_s=0.1
+    )
+    remote = Remote(config)
+    try:
+        with pytest.raises(RemoteTransientError):
+            publish(remote, f"s3://{CATALOGS}/train")
+    finally:
+        remote.close()
+    assert fault_proxy.counts().fault("error500") == 2
+    assert bucket.list_objects_v2(Bucket=CATALOGS).get("KeyCount") == 0  # no generation object, no LATEST

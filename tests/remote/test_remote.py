@@ -31,6 +31,7 @@ from cachefeed._errors import (
 from cachefeed._remote import Remote, RemoteObject
 from cachefeed._remote.errors import translate_error
 from cachefeed._remote.limits import backoff_delay
+from cachefeed._remote.listing import Pager
 from cachefeed._testing.local_s3 import LocalS3
 from cachefeed._testing.proxy import FaultProxy, Rule
 
@@ -127,6 +128,81 @@ def test_list_pattern_star_star_takes_everything_and_refresh_sees_new_objects(
     put(s3, "sub/y.bin", b"22")
     assert [obj.path for obj in remote.list_objects()] == [f"{BUCKET}/{PREFIX}/sub/y.bin", f"{BUCKET}/{PREFIX}/x.bin"]
     assert remote.stats.listings_total == 2
+
+
+def test_an_s3_listing_requests_the_urls_directory_never_its_siblings(
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
+) -> None:
+    for name in ["a.npy", "sub/b.npy"]:
+        put(s3, name, b"x")
+    for sibling in [f"{PREFIX}.cfcatalog/LATEST", f"{PREFIX}-v2/c.npy", f"{PREFIX}x.npy"]:
+        s3.client().put_object(Bucket=BUCKET, Key=sibling, Body=b"not ours")
+    queries: list[str] = []
+    proxy.set_rules([Rule("latency", op="ListObjectsV2", callback=lambda info: queries.append(info.query))])
+    remote = make_remote()
+
+    assert [obj.path for obj in remote.list_objects()] == [f"{BUCKET}/{PREFIX}/a.npy", f"{BUCKET}/{PREFIX}/sub/b.npy"]
+    assert len(queries) == 1 and f"prefix={PREFIX}%2F" in queries[0], queries
+
+
+def test_an_s3_url_naming_one_object_lists_that_object_only(
+    s3: LocalS3, proxy: FaultProxy, remotes: list[Remote]
+) -> None:
+    s3.client().put_object(Bucket=BUCKET, Key="one.npy", Body=b"1")
+    s3.client().put_object(Bucket=BUCKET, Key="one.npy.bak", Body=b"22")
+    storage = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
+    remote = Remote(RemoteConfig(url=f"s3://{BUCKET}/one.npy", storage_options=storage))
+    remotes.append(remote)
+    assert [(obj.path, obj.size) for obj in remote.list_objects()] == [(f"{BUCKET}/one.npy", 1)]
+    assert proxy.counts().ops.get("ListObjectsV2") == 2  # the directory "one.npy/" (empty), then the key itself
+
+
+def test_a_stream_cut_mid_body_or_failing_with_5xx_is_read_on_from_where_it_was(
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
+) -> None:
+    body = random.Random(3).randbytes(4 << 20)  # 16 blocks of 256 KiB
+    put(s3, "big.bin", body)
+    proxy.set_rules(
+        [
+            Rule("latency", op="GetObject", max_count=8),  # the first half goes through
+            Rule("reset", op="GetObject", body_fraction=0.5, max_count=1),  # then a block is cut half way
+            Rule("error500", op="GetObject", max_count=1),  # and its retry answered 500
+        ]
+    )
+    remote = make_remote(max_attempts=3)
+    with Pager(remote, lambda page: None).open(
+        remote.listing_fs(), f"{BUCKET}/{PREFIX}/big.bin", block_size=256 << 10
+    ) as f:
+        assert f.read(1000) == body[:1000]
+        assert f.read() == body[1000:]
+    counts = proxy.counts()
+    assert counts.fault("reset") == 1 and counts.fault("error500") == 1
+    assert counts.ops["GetObject"] <= 16 + 2 + 1  # 16 blocks, the two failures, at most one block again
+
+
+def test_a_stream_failing_past_max_attempts_raises_the_remotes_transient_error(
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
+) -> None:
+    put(s3, "keys.txt", b"a\t1\n" * 1000)
+    proxy.set_rules([Rule("reset", op="GetObject", body_fraction=0.5)])
+    remote = make_remote(max_attempts=2)
+    with (
+        pytest.raises(RemoteTransientError),
+        Pager(remote, lambda page: None).open(remote.listing_fs(), f"{BUCKET}/{PREFIX}/keys.txt") as f,
+    ):
+        f.read()
+
+
+def test_a_manifest_read_through_a_reset_lists_every_key_once(
+    s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
+) -> None:
+    keys = [f"k{i:05d}.npy" for i in range(3000)]
+    s3.client().put_object(Bucket=BUCKET, Key="keys.txt", Body="".join(f"{k}\t1\n" for k in keys).encode())
+    proxy.set_rules([Rule("reset", op="GetObject", key="keys.txt", body_fraction=0.5, max_count=1)])
+    remote = make_remote(manifest=f"s3://{BUCKET}/keys.txt", max_attempts=3)
+    listed = [obj.path for obj in remote.list_objects()]
+    assert sorted(listed) == [f"{BUCKET}/{PREFIX}/{k}" for k in keys]
+    assert proxy.counts().fault("reset") == 1
 
 
 def test_listing_a_missing_bucket_is_not_found(proxy: FaultProxy, remotes: list[Remote]) -> None:
