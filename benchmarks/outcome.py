@@ -138,7 +138,9 @@ def through_cachefeed(work: Path, remote: Path, nbytes: int, args: argparse.Name
     handovers: list[float] = []
     done = 0
     try:
-        with EpochLoaderFactory(cache_dir, batch_size=BATCH, num_workers=2, run_id="outcome", progress=None) as factory:
+        with EpochLoaderFactory(
+            cache_dir, batch_size=BATCH, num_workers=2, run_id="outcome", progress=None, wait_timeout_s=60
+        ) as factory:
             for epoch in itertools.count():
                 for batch in factory.loader(epoch):
                     trainer.step(batch["x"], batch["y"])

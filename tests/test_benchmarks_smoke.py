@@ -239,7 +239,8 @@ def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -
     from benchmarks import feed_gpu
 
     argv = ["--device", "cpu", "--model", "tiny", "--samples", "128,256", "--batch", "16", "--workers", "2"]
-    argv += ["--steps", "20", "--warmup", "2", "--repeats", "1", "--daemon", "--dir", str(tmp_path), "--no-save"]
+    # 60 steps: some nine epochs of the daemon row, so that receipts come back and the daemon fetches while it runs
+    argv += ["--steps", "60", "--warmup", "2", "--repeats", "1", "--daemon", "--dir", str(tmp_path), "--no-save"]
     figures = feed_gpu.main(argv)
     systems = [row["system"] for row in figures["rows"]]
     assert systems == [
@@ -307,6 +308,6 @@ def test_first_batch_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
 def test_outcome_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import outcome
 
-    assert outcome.main(["--samples", "400", "--steps", "12", "--rate", "4000", "--no-save"]) == 0
+    assert outcome.main(["--samples", "800", "--steps", "12", "--rate", "4000", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "full data:" in out and "reads each" in out

@@ -64,13 +64,24 @@ def check_labelled_batch(batch: dict[str, Any], classes: list[str], shape: tuple
 
 
 def daemon_on(
-    tmp_path: Path, folder: Path, sampler: dict[str, Any], max_bytes: str = "64MiB", node: tuple[int, int] = (0, 1)
+    tmp_path: Path,
+    folder: Path,
+    sampler: dict[str, Any],
+    max_bytes: str = "64MiB",
+    node: tuple[int, int] = (0, 1),
+    turnover: str = "50%",
 ) -> DaemonProcess:
     cache_dir = tmp_path / f"cache{node[0]}"
     config = tmp_path / f"images{node[0]}.toml"
     document = {
         "remote": {"url": f"file://{folder}", "pattern": "**/*", "refresh_interval": "2s"},
-        "cache": {"dir": str(cache_dir), "max_bytes": max_bytes, "segment_bytes": "32KiB", "fsync": False},
+        "cache": {
+            "dir": str(cache_dir),
+            "max_bytes": max_bytes,
+            "segment_bytes": "32KiB",
+            "fsync": False,
+            "turnover": turnover,
+        },
         "sampler": {"processes": 1, "concurrency": 4, **sampler},
         "node": {"rank": node[0], "count": node[1]},
         "status": {"interval": "200ms"},
@@ -81,7 +92,9 @@ def daemon_on(
 
 def test_a_folder_of_images_trains_decoded_in_the_daemon_with_labels_from_every_class(tmp_path: Path) -> None:
     folder = image_folder(tmp_path / "data")
-    daemon = daemon_on(tmp_path, folder, {"decode": "image", "image_size": 64, "label": "parent"}, max_bytes="2MiB")
+    daemon = daemon_on(
+        tmp_path, folder, {"decode": "image", "image_size": 64, "label": "parent"}, max_bytes="2MiB", turnover="25%"
+    )
     try:
         daemon.wait_status(lambda d: d["cache"]["samples"] >= 16, timeout_s=60, what="images cached")
         with EpochLoaderFactory(
@@ -97,7 +110,7 @@ def test_a_folder_of_images_trains_decoded_in_the_daemon_with_labels_from_every_
         doc = daemon.status()
         assert doc is not None
         cached = doc["cache"]["samples"]
-        assert cached <= 0.5 * len(CLASSES) * PER_CLASS, f"the budget holds a part of the dataset, not {cached}"
+        assert cached < len(CLASSES) * PER_CLASS, f"the budget holds a part of the dataset, not {cached}"
         assert doc["cache"]["bytes"] // cached >= 3 * 64 * 64, "decoded pixels are what the cache holds"
     finally:
         assert daemon.stop() == 0

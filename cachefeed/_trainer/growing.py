@@ -123,7 +123,7 @@ class GrowingShare:
         parts, have, turn = [mine], len(mine), 0
         while have < quota:
             turn += 1
-            rng = np.random.default_rng((self.seed, self.epoch, _GROWTH_SEED, -turn))
+            rng = np.random.default_rng((self.seed, self.epoch, _GROWTH_SEED + 1, turn))
             again = rng.permutation(mine)[: quota - have]
             parts.append(again)
             have += len(again)

@@ -251,6 +251,8 @@ class Epochs:
         weighed."""
         if not self.plan.grows_first or read_sources(self.plan.layout.sources_file):
             return False
+        if not self.plan.layout.has_writer():
+            return False  # no daemon: a static cache does not grow, its first epoch is all of it
         return self.plan.samples_per_epoch is not None or not self.plan.ranks.nodes_differ
 
     def _growing(self, snapshot: Snapshot, dataset: SnapshotDataset, epoch: int, skip_batches: int) -> GrowingEpoch:
@@ -293,7 +295,7 @@ class Epochs:
         from cachefeed._status.report import read_report  # the reader of the daemon's document
 
         total = snapshot.samples
-        room = read_room(self.plan.layout.root)
+        room = read_room(self.plan.layout.root) if self.plan.layout.has_writer() else None
         pinned = sum(os.lstat(path).st_blocks * 512 for path in snapshot.paths)
         if room is not None and pinned and snapshot.samples:
             total = max(total, room * snapshot.samples // pinned)

@@ -155,13 +155,16 @@ def test_a_trainer_that_stops_reading_is_a_fault_and_one_that_reads_is_not(bucke
     assert proc.stop() == 0
 
 
-def test_the_first_epoch_waits_for_a_fill_level_by_default(bucket: Any, daemon: StartDaemon) -> None:
-    """No one-batch first epoch: by default the trainer starts when the daemon reports its cache 75% full (of what
-    it keeps: the budget less metadata), here with a remote slow enough to watch it fill; the epoch pins its room."""
+def test_the_first_epoch_waits_for_a_fill_level_when_asked(bucket: Any, daemon: StartDaemon) -> None:
+    """``min_samples="75%"`` (the default before growing first epochs): the trainer starts when the daemon reports its
+    cache 75% full (of what it keeps: the budget less metadata), here with a remote slow enough to watch it fill; the
+    epoch pins its room."""
     upload_arrays(bucket, BUCKET, OBJECTS, OBJECT_BYTES)
     proc = daemon(sections={"cache": {"max_bytes": MAX_BYTES}, "remote": {"max_bytes_per_s": 2 << 20}})
     progress = io.StringIO()
-    with EpochLoaderFactory(proc.cache_dir, batch_size=16, run_id="fill", progress=progress, epochs=1) as factory:
+    with EpochLoaderFactory(
+        proc.cache_dir, batch_size=16, run_id="fill", progress=progress, epochs=1, min_samples="75%"
+    ) as factory:
         loader = factory.loader(0)
         doc = proc.status()
         room = MAX_BYTES - MAX_BYTES // 2 - (1 << 20)  # the epoch room: less turnover (50%) and the reserve

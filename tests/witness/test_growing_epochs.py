@@ -44,10 +44,10 @@ def make_remote(root: Path) -> set[str]:
     return keys
 
 
-def start_slow_daemon(tmp_path: Path, remote: Path) -> DaemonProcess:
+def start_slow_daemon(tmp_path: Path, remote: Path, rate: str = "150KB") -> DaemonProcess:
     cache_dir = tmp_path / "cache"
     document: dict[str, Any] = {
-        "remote": {"url": f"file://{remote}", "refresh_interval": "60s", "max_bytes_per_s": "150KB"},
+        "remote": {"url": f"file://{remote}", "refresh_interval": "60s", "max_bytes_per_s": rate},
         "cache": {
             "dir": str(cache_dir),
             "max_bytes": "16MiB",  # the whole dataset fits: the first epoch grows until the remote is exhausted
@@ -135,7 +135,7 @@ def trainer_main(root: str, progress: str) -> None:
 
 def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_path: Path) -> None:
     every = make_remote(tmp_path / "data")
-    daemon = start_slow_daemon(tmp_path, tmp_path / "data")
+    daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="60KB")  # some 20 s: killed well before the end
     progress = tmp_path / "progress.json"
     trainer = python(
         f"from tests.witness.test_growing_epochs import trainer_main; "
@@ -151,14 +151,16 @@ def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
-    saved = json.loads(progress.read_text())
-    interrupted = saved["keys"]
-    assert cached_samples(daemon) < len(every), "killed while the epoch was still growing"
-    with EpochLoaderFactory(daemon.cache_dir, batch_size=16, run_id="job", progress=None) as factory:
-        assert factory.load_state_dict(saved["state"]) == 0
-        loader = factory.loader(0)
-        assert loader.snapshot_id == saved["state"]["snapshot_id"], "the interrupted epoch's own snapshot, grown on"
-        rest = [key for batch in loader for key in sample_keys(batch)]
-    daemon.stop()
+    try:
+        saved = json.loads(progress.read_text())
+        interrupted = saved["keys"]
+        assert cached_samples(daemon) < len(every), "killed while the epoch was still growing"
+        with EpochLoaderFactory(daemon.cache_dir, batch_size=16, run_id="job", progress=None) as factory:
+            assert factory.load_state_dict(saved["state"]) == 0
+            loader = factory.loader(0)
+            assert loader.snapshot_id == saved["state"]["snapshot_id"], "the interrupted epoch's own snapshot, grown on"
+            rest = [key for batch in loader for key in sample_keys(batch)]
+    finally:
+        daemon.stop()
     assert not set(rest) & set(interrupted), "no sample twice in the epoch"
     assert len(interrupted) + len(rest) == len(set(interrupted + rest)) == len(every), "exactly the rest of it"

@@ -108,7 +108,7 @@ def test_epochs_of_a_tenth_of_the_cache_evict_only_what_they_served(tmp_path: Pa
     """Today's main credited each epoch's whole snapshot: 1,366 samples evicted never served while status said 0."""
     daemon = start(tmp_path, remote=make_remote(tmp_path / "data"), k=k)
     served = Served()
-    epochs = 40
+    epochs = 40 * k  # enough reads for every cached sample to reach k and be evicted, however fast the daemon
     with SegmentWitness(daemon.cache_dir) as witness:
         with EpochLoaderFactory(
             daemon.cache_dir, batch_size=32, samples_per_epoch=224, min_samples="75%", run_id="tenth", progress=None
