@@ -15,12 +15,13 @@ No conversion: the daemon reads the reference per-sample objects as they are (``
 conversion time is 0 (the harness reports ``n/a``). Samples are decoded by :func:`decode_sample` (the object's
 bytes as one ``uint8`` array, stored raw and aligned in the segment: read back zero-copy).
 
-Epoch 0 waits (inside the epoch's timing, so the cold figure includes it) for ``min_samples``: the whole dataset
-when there is no budget (cold first epoch = the whole dataset through the cache, as the peers' first epoch), and
-under a budget, half of what the daemon keeps published (the budget less 1 MiB of metadata reserve) (a rolling
-cache trains on what is cached; the harness reports the coverage). The daemon's default turnover (50%: an epoch pins
-at most half the budget) is kept unless the budget is too small for two segments of epoch room; then the largest
-turnover that leaves them.
+Epoch 0 is the factory's default (inside the epoch's timing, so the cold figure includes it): it starts as soon as
+each worker has a segment and grows as the daemon publishes (``cachefeed/_trainer/growing.py``), until the daemon
+can fill no further (no budget: the whole dataset, as the peers' first epoch) or the epoch's room is full (under a
+budget: at most the budget less turnover and the reserve; a rolling cache trains on what is cached, the harness
+reports the coverage). Under a budget the daemon's default turnover (50%: an epoch pins at most half the budget) is
+kept unless the budget is too small for two segments of epoch room, then the largest turnover that leaves them;
+without a budget the turnover is 10%, so that the room holds the whole dataset.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class CachefeedAdapter:
         cache_extra: dict[str, Any] = {}
         if budget is None:
             max_bytes = max(2 * workload.count * (workload.sample_bytes + _RECORD_OVERHEAD), _UNBOUNDED_FLOOR, 8 * seg)
-            min_samples = workload.count
+            cache_extra["turnover"] = "10%"  # the room (the budget less turnover) holds the whole dataset
         else:
             max_bytes = budget
             # An epoch pins at most the budget less turnover and the metadata reserve (cachefeed/_cache/room.py):
@@ -129,8 +130,6 @@ class CachefeedAdapter:
                     " metadata reserve is taken out: cachefeed cannot run with it"
                 )
             cache_extra["turnover"] = int(turnover)
-            published = budget - METADATA_RESERVE_BYTES  # what the daemon keeps published
-            min_samples = max(1, min(workload.count, published // 2 // workload.sample_bytes))
         if data.local_dir is not None and settings.cache_dir is None:
             remote: dict[str, Any] = {"url": data.local_dir.resolve().as_uri()}
         else:
@@ -167,7 +166,7 @@ class CachefeedAdapter:
                 cwd=REPO_ROOT,
             )
         daemon = DaemonProcess(process, config_path, cache_dir, stderr_path)
-        source = CachefeedSource(daemon, scratch or work_dir, workload, settings, min_samples)
+        source = CachefeedSource(daemon, scratch or work_dir, workload, settings)
         try:
             daemon.wait_status(lambda d: d["state"] in ("running", "degraded"), timeout_s=120.0, what="running")
             if settings.cache_dir is None:
@@ -183,15 +182,12 @@ class CachefeedAdapter:
 class CachefeedSource:
     """A running daemon and the factory reading its cache; ``close`` stops both (idempotent)."""
 
-    def __init__(
-        self, daemon: DaemonProcess, work_dir: Path, workload: Workload, settings: LoaderSettings, min_samples: int
-    ) -> None:
+    def __init__(self, daemon: DaemonProcess, work_dir: Path, workload: Workload, settings: LoaderSettings) -> None:
         self.daemon = daemon
         self.cache_dir = daemon.cache_dir
         self.work_dir = work_dir
         self.workload = workload
         self.settings = settings
-        self.min_samples = min_samples
         self.factory: Any = None
         self.own_files_read: dict[str, Any] | None = None  # figure 1's reference: a read of the segment files
         self._closed = False
@@ -222,7 +218,6 @@ class CachefeedSource:
                 seed=s.seed,
                 transform=sample_payload,
                 collate_fn=collate,
-                min_samples=self.min_samples,
                 wait_timeout_s=600.0,
                 epochs=None if epochs is None else int(epochs),
                 run_id=f"bench{os.getpid()}",
