@@ -49,8 +49,10 @@ SOURCES: dict[str, tuple[str, str]] = {
             "echo",
             "egress",
             "feed",
+            "first_batch",
             "handover",
             "ingest",
+            "outcome",
             "read_throughput",
             "worker_memory",
         )
