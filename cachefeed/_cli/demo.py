@@ -320,14 +320,12 @@ def _train(args: argparse.Namespace, cache_dir: Path) -> None:
     torch.manual_seed(0)
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
-    min_samples = args.batch_size * 2  # train while filling: start as soon as two batches are cached
     evicted_before = 0
     header = f"{'epoch':>5} {'cached':>7} {'new':>6} {'evicted':>8} {'handover':>9} {'samples/s':>10} {'loss':>7}"
     with EpochLoaderFactory(
         cache_dir,
         batch_size=args.batch_size,
-        num_workers=args.workers,
-        min_samples=min_samples,
+        num_workers=args.workers,  # the first epoch starts on the first segments and grows as they arrive
         wait_timeout_s=300,
         epochs=args.epochs,
         run_id="demo",
