@@ -30,7 +30,7 @@ from typing import Any
 
 import msgpack
 
-from benchmarks.common.results import provenance_line, save
+from benchmarks.common.results import dash, readme_block, save
 from cachefeed._codecs import msgpack_default
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import start_daemon
@@ -122,10 +122,6 @@ def run(work: Path, remote: Path, name: str, args: argparse.Namespace) -> dict[s
     }
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| run | epochs | samples served | samples/s | distinct | reads per sample (served / lifetime) "
@@ -136,10 +132,10 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         median, top = row["handover_wait_median_s"], row["handover_wait_max_s"]
         lines.append(
             f"| {row['run']} | {row['epochs']} | {row['samples_served']:,} | {row['samples_per_s']:,.0f} "
-            f"| {_fmt(row['distinct_share'], '.0%')} "
-            f"| {_fmt(row['reads_per_sample'], '.2f')} / {_fmt(row['lifetime_reads_per_sample'], '.2f')} "
-            f"| {_fmt(median and median * 1e3, '.1f')} / {_fmt(top and top * 1e3, '.1f')} ms "
-            f"| {_fmt(row['status_echo_factor'], '.2f')}, {' then '.join(row['status_ingest_bound']) or '-'} |"
+            f"| {dash(row['distinct_share'], '.0%')} "
+            f"| {dash(row['reads_per_sample'], '.2f')} / {dash(row['lifetime_reads_per_sample'], '.2f')} "
+            f"| {dash(median and median * 1e3, '.1f')} / {dash(top and top * 1e3, '.1f')} ms "
+            f"| {dash(row['status_echo_factor'], '.2f')}, {' then '.join(row['status_ingest_bound']) or '-'} |"
         )
     return lines
 
@@ -147,16 +143,12 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 def readme_table(doc: dict[str, Any]) -> str:
     """The README's echo table, from a committed result document."""
     figures = doc["figures"]
-    lines = [
+    intro = (
         f"{figures['samples']:,} samples of {figures['sample_kib']} KiB on a `file://` remote on tmpfs, a cache of "
         f"{figures['budget']:.0%} of them, training at {figures['rate']:g} samples/s (nominal) for one pass's worth "
-        f"of samples ({figures['capped_passes']} with the capped remote):",
-        "",
-        *table(figures["rows"]),
-        "",
-        "Measured with " + provenance_line(doc) + ".",
-    ]
-    return "\n".join(lines)
+        f"of samples ({figures['capped_passes']} with the capped remote):"
+    )
+    return readme_block(intro, table(figures["rows"]), doc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.results import provenance_line, save
+from benchmarks.common.results import dash, readme_block, save
 from cachefeed._testing.daemon import BUCKET, start_daemon, write_config
 from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
 from cachefeed._testing.proxy import FaultProxy
@@ -107,10 +107,6 @@ def run(server: LocalS3, work: Path, trainer: str, reads: int, args: argparse.Na
     }
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| trainer | evict_after_reads | samples trained | GETs | MiB downloaded | bytes / trained byte "
@@ -120,10 +116,10 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         lines.append(
             f"| {row['trainer']} | {row['evict_after_reads']} | {row['samples_trained']:,} | {row['gets']:,} "
-            f"| {row['bytes_downloaded'] / (1 << 20):,.1f} | {_fmt(row.get('bytes_per_trained_byte'), '.2f')} "
-            f"| {_fmt(row['gets_per_trained_sample'], '.2f')} | {row['evicted_unread_samples']:,} / "
-            f"{_fmt(row.get('witness_evicted_unread_samples'), ',')} | {_fmt(row.get('witness_repeated_keys'), ',')} "
-            f"| {_fmt(row['reads_per_evicted_sample'], '.2f')} |"
+            f"| {row['bytes_downloaded'] / (1 << 20):,.1f} | {dash(row.get('bytes_per_trained_byte'), '.2f')} "
+            f"| {dash(row['gets_per_trained_sample'], '.2f')} | {row['evicted_unread_samples']:,} / "
+            f"{dash(row.get('witness_evicted_unread_samples'), ',')} | {dash(row.get('witness_repeated_keys'), ',')} "
+            f"| {dash(row['reads_per_evicted_sample'], '.2f')} |"
         )
     return lines
 
@@ -131,15 +127,11 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 def readme_table(doc: dict[str, Any]) -> str:
     """The README's egress table, from a committed result document."""
     figures = doc["figures"]
-    lines = [
+    intro = (
         f"{figures['objects']} objects of {figures['object_kib']} KiB, a {figures['budget_mib']} MiB cache, "
-        f"{figures['seconds']:g} s per run:",
-        "",
-        *table(figures["rows"]),
-        "",
-        "Measured with " + provenance_line(doc) + ".",
-    ]
-    return "\n".join(lines)
+        f"{figures['seconds']:g} s per run:"
+    )
+    return readme_block(intro, table(figures["rows"]), doc)
 
 
 def main(argv: list[str] | None = None) -> int:

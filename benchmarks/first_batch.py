@@ -25,7 +25,7 @@ from typing import Any
 
 import msgpack
 
-from benchmarks.common.results import provenance_line, save
+from benchmarks.common.results import readme_block, save
 from cachefeed._codecs import msgpack_default
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import start_daemon
@@ -82,20 +82,17 @@ def run(work: Path, remote: Path, mode: str, rate: int, args: argparse.Namespace
 
 def readme_table(doc: dict[str, Any]) -> str:
     figures = doc["figures"]
-    lines = [
+    intro = (
         f"A cold start: the remote capped so that fetching all {figures['samples']:,} samples takes "
         f"{figures['fill_s']:g} s (file:// on tmpfs, the whole dataset fits the budget), a trainer with 2 workers "
-        "started with the daemon.",
-        "",
-        "| first epoch | first batch | end of epoch 0 | samples in epoch 0 |",
-        "|---|---|---|---|",
+        "started with the daemon."
+    )
+    rows = ["| first epoch | first batch | end of epoch 0 | samples in epoch 0 |", "|---|---|---|---|"]
+    rows += [
+        f"| {row['mode']} | {row['first_batch_s']:.2f} s | {row['first_epoch_s']:.1f} s | {row['served']:,} |"
+        for row in figures["rows"]
     ]
-    for row in figures["rows"]:
-        lines.append(
-            f"| {row['mode']} | {row['first_batch_s']:.2f} s | {row['first_epoch_s']:.1f} s | {row['served']:,} |"
-        )
-    lines += ["", "Measured with " + provenance_line(doc) + "."]
-    return "\n".join(lines) + "\n"
+    return readme_block(intro, rows, doc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from benchmarks.common.results import provenance_line, save
+from benchmarks.common.results import readme_block, save
 from cachefeed._codecs import msgpack_default
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import start_daemon
@@ -167,20 +167,19 @@ def through_cachefeed(work: Path, remote: Path, nbytes: int, args: argparse.Name
 
 def readme_table(doc: dict[str, Any]) -> str:
     f = doc["figures"]
-    lines = [
+    intro = (
         f"The training outcome under echo: a linear classifier on a synthetic 10-class task ({f['samples']:,} samples "
-        f"of 16 KiB), {f['steps']} steps of 64 at {f['rate']} samples/s, a 30% budget, the remote capped at "
-        f"{f['remote_share']:.0%} of what training reads.",
-        "",
+        f"of 16 KiB), {f['steps']} steps of 64 at {f['rate']:g} samples/s, a 30% budget, the remote capped at "
+        f"{f['remote_share']:.0%} of what training reads."
+    )
+    rows = [
         "| trained on | test accuracy | distinct samples seen | reads per distinct sample | longest handover |",
         "|---|---|---|---|---|",
         f"| full data, in memory | {f['full_accuracy']:.1%} | {f['samples']:,} | – | – |",
         f"| cachefeed, the remote at {f['remote_share']:.0%} | {f['cachefeed_accuracy']:.1%} | {f['distinct']:,} | "
         f"{f['reads_per_sample']:.2f} | {f['max_handover_s'] * 1000:.1f} ms |",
-        "",
-        "Measured with " + provenance_line(doc) + ".",
     ]
-    return "\n".join(lines) + "\n"
+    return readme_block(intro, rows, doc)
 
 
 def main(argv: list[str] | None = None) -> int:

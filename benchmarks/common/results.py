@@ -76,3 +76,13 @@ def provenance_line(doc: dict[str, Any]) -> str:
         f"`{doc['command']}` at {commit}, {prov['date_utc'][:10]}, {host.get('usable_cpus')} CPUs "
         f"({host.get('cpu_model')}), Python {host.get('python')}, torch {versions.get('torch')}"
     )
+
+
+def dash(value: Any, spec: str) -> str:
+    """``value`` formatted with ``spec``, or "-" where a result has none (an older result, a run without it)."""
+    return "-" if value is None else format(value, spec)
+
+
+def readme_block(intro: str, table: list[str], doc: dict[str, Any]) -> str:
+    """A README figure block: what was measured, the table, and where and when (``provenance_line``)."""
+    return "\n".join([intro, "", *table, "", "Measured with " + provenance_line(doc) + "."])
