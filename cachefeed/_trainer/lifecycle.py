@@ -116,7 +116,7 @@ class Epochs:
         self._prepared: tuple[int, Future[EpochState]] | None = None  # the epoch on the build thread
         self._resume: ResumePoint | None = None
         self.current: EpochState | None = None  # the epoch the training loop last took a batch of
-        self._last_names: frozenset[str] | None = None
+        self._last_built: EpochState | None = None  # its segments: the epoch being read while the next is built
         self.has_built = False
         self._build_estimate_s = 0.0
         self._waited_s = 0.0
@@ -245,6 +245,12 @@ class Epochs:
             agree_min=self.plan.agree_min,
         )
 
+    def _last_names(self) -> frozenset[str]:
+        """The segments of the epoch built last, as they are now (a growing epoch's, grown): the epoch the training
+        loop reads while the next one is built (under the lock)."""
+        last = self._last_built
+        return frozenset(last.snapshot.names) if last is not None else frozenset()
+
     def _can_grow(self) -> bool:
         """Whether the first epoch may start on a growing set (NOTE [ Growing snapshots ]'s scope): the user did
         not ask to wait (``min_samples``), and its length needs no agreement across nodes, and no sources are
@@ -340,7 +346,7 @@ class Epochs:
             snap_id = snapshot.snap_id
         elif plan.ranks.is_creator:
             with self._lock:
-                reading = self._last_names or frozenset()  # the epoch being read now: its receipt is pending
+                reading = self._last_names()  # the epoch being read now: its receipt is pending
             snapshot = Snapshot.create(plan.layout.root, snap_id, job=plan.job, reading=reading, growing=grows)
         else:
             snapshot = Snapshot.join(plan.layout.root, snap_id, timeout_s=join_timeout, job=plan.job)
@@ -357,7 +363,7 @@ class Epochs:
             # An exact resume: the skipped batches were served by the interrupted run (its checkpoint says so).
             credited = share[: skip_batches * plan.batch_size] if is_exact_resume else share[:0]
             with self._lock:
-                previous, self._last_names = self._last_names, frozenset(snapshot.names)
+                previous = self._last_names() if self._last_built is not None else None
             fresh = [
                 (n, c)
                 for n, c in zip(snapshot.names, snapshot.counts, strict=True)
@@ -376,6 +382,8 @@ class Epochs:
             )
             state.is_first_epoch = is_first
             state.prepared_in_background = background
+            with self._lock:
+                self._last_built = state
             if with_loader:
                 self._feed(state)
         except BaseException:
