@@ -98,6 +98,9 @@ class CacheMachine(RuleBasedStateMachine):
         snapshot = self._held.pop(snap_id)
         assert read_keys(snapshot.paths) == self.pins.pop(snap_id), "a held snapshot never changes"
         snapshot.release()
+        # The store learns of a release at its next pin scan (twice a second): the model checks FIFO among what is
+        # unpinned *now*, so the store scans again before its next decision rather than whenever its clock says.
+        self.store._swept_at = self.store._pins_scanned_at = 0
 
     @rule()
     def enforce(self) -> None:
