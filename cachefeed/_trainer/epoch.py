@@ -117,6 +117,7 @@ class EpochState:
         self.credited = credited if credited is not None else indices[:0]  # served by an earlier run of the epoch
         self.rank_samples = len(indices)
         self.new_samples = new_samples
+        self.previous: frozenset[str] = frozenset()  # the previous epoch's segments (a growing epoch counts its new)
         self.new_segments = new_segments
         self.wait_for_samples_s = wait_for_samples_s
         self.build_s = 0.0
@@ -184,13 +185,19 @@ class EpochState:
 
     def stats(self, *, handover: bool) -> EpochStats:
         skipped = self._final_skipped if self._final_skipped is not None else self.dataset.skipped
+        new_samples, new_segments = self.new_samples, self.new_segments
+        if self.growing is not None:  # what it holds now, grown, against the previous epoch's segments
+            fresh = [
+                c for n, c in zip(self.snapshot.names, self.snapshot.counts, strict=True) if n not in self.previous
+            ]
+            new_samples, new_segments = sum(fresh), len(fresh)
         return EpochStats(
             epoch=self.epoch,
             snapshot_id=self.snapshot.snap_id,
             samples=self.snapshot.samples,
             segments=len(self.snapshot.names),
-            new_samples=self.new_samples,
-            new_segments=self.new_segments,
+            new_samples=new_samples,
+            new_segments=new_segments,
             rank_samples=len(self.growing.share.indices) if self.growing is not None else self.rank_samples,
             batches=self.batches,
             batches_served=self.batches_served,

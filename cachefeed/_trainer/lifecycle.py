@@ -382,6 +382,7 @@ class Epochs:
             )
             state.is_first_epoch = is_first
             state.prepared_in_background = background
+            state.previous = previous or frozenset()
             with self._lock:
                 self._last_built = state
             if with_loader:
