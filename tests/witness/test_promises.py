@@ -128,14 +128,16 @@ def test_drop_last_and_abandoned_epochs_count_only_what_reached_the_loop(tmp_pat
         with EpochLoaderFactory(
             daemon.cache_dir, batch_size=48, samples_per_epoch=200, drop_last=True, run_id="cut", progress=None
         ) as factory:
-            train(factory, 20, served)  # 4 batches of 48: 8 samples of each epoch never reach the loop
+            # 4 batches of 48: 8 samples of each epoch never reach the loop; 40 epochs, so that the cache turns
+            # over (an epoch pins at most half the budget) however loaded the machine
+            train(factory, 40, served)
             train_more = Served()
-            for epoch in range(20, 30):  # abandoned after one batch each
+            for epoch in range(40, 50):  # abandoned after one batch each
                 keys = sample_keys(next(iter(factory.loader(epoch))))
                 train_more.epoch(keys)
             served.epochs += train_more.epochs
-        status = final_status(daemon, 30)
-    assert all(len(keys) == 192 for keys in served.epochs[:20])
+        status = final_status(daemon, 50)
+    assert all(len(keys) == 192 for keys in served.epochs[:40])
     assert check_promises(witness, served, status)["evicted"] > 0
 
 
