@@ -131,6 +131,7 @@ class Snapshot:
         self.is_open = False
         self._manifest: dict[str, object] = {}
         self._manifest_stat: tuple[int, int, int] | None = None
+        self._grown_bytes: int | None = None  # the creator's running total of pinned bytes while it grows
         self._load(manifest)
         self.job = str(manifest.get("job", ""))
         self.nonce = str(manifest.get("nonce", ""))
@@ -269,7 +270,9 @@ class Snapshot:
             return 0
         have = set(self.names)
         room = read_room(self.layout.root) if self.layout.has_writer() else None
-        pinned = sum(allocated_bytes(os.lstat(self.directory / name)) for name in self.names) if room else 0
+        if room and self._grown_bytes is None:  # once: later looks add what they link
+            self._grown_bytes = sum(allocated_bytes(os.lstat(self.directory / name)) for name in self.names)
+        pinned = self._grown_bytes or 0
         new: list[str] = []
         for name, info in self.layout.list_segments():
             if name in have:
@@ -280,6 +283,8 @@ class Snapshot:
             new.append(name)
             pinned += allocated_bytes(info)
         entries, fresh = _link_entries(self.layout, self.directory, new, read_counts(self.layout.root))
+        if self._grown_bytes is not None:
+            self._grown_bytes = pinned
         if not entries and not close:
             return 0
         manifest = dict(self._manifest)
