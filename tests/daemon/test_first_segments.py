@@ -80,9 +80,11 @@ def test_a_restarted_daemon_with_a_filled_cache_writes_full_size_segments(bucket
     assert second.stop() == 0
     new = sorted(p.stat().st_size for p in (second.cache_dir / "segments").iterdir() if p.name not in before)
     assert new, "the second daemon published nothing"
-    # Each sampler's last segment holds the tail of the pass; every other one is full size from the start.
-    full = [size for size in new if size >= SEGMENT_BYTES - RECORD_SLACK]
-    assert len(full) >= len(new) - 2, f"a restarted daemon ramped again: {new}"
+    # A ramp would start each of the 2 samplers at FIRST_SEGMENT_BYTES, then twice that. Only each sampler's tail of
+    # the pass may be that small; a segment cut early by an idle flush (a loaded machine) is not a ramp.
+    ramp_sized = [size for size in new if size <= 2 * FIRST_SEGMENT_BYTES + RECORD_SLACK]
+    assert len(ramp_sized) <= 2, f"a restarted daemon ramped again: {new}"
+    assert max(new) >= SEGMENT_BYTES - RECORD_SLACK, f"no full-size segment: {new}"
 
 
 def test_the_ramp_doubles_from_its_first_size_to_segment_bytes() -> None:

@@ -98,10 +98,15 @@ def test_n_daemons_on_a_shared_catalog_cost_one_listing_of_list_requests(
         build(fault_proxy)
         fault_proxy.set_rules([Rule("status", op="ListObjectsV2", status=403)])
         wait_for(all_cached, timeout_s=60, what="the 30 new objects cached")
+
+        def all_read_the_new_generation() -> bool:  # the status document is rewritten every second or so
+            docs = [proc.status() for proc in daemons]
+            return all(doc is not None and doc["remote"]["objects_listed"] == len(uploaded) for doc in docs)
+
+        wait_for(all_read_the_new_generation, timeout_s=30, what="every node's status counting 1,130 objects")
         for proc in daemons:
             doc = proc.status()
             assert doc is not None and doc["remote"]["list_requests_total"] == 0
-            assert doc["remote"]["objects_listed"] == len(uploaded)
         counts = fault_proxy.counts()
         assert counts.faults.get("status", 0) == 0, "no daemon tried to list"
         assert counts.ops.get("ListObjectsV2", 0) == 2 * one_listing  # two listings, by the lister, for N nodes
