@@ -466,6 +466,16 @@ class CacheStore:
         return self._published_bytes
 
     @property
+    def is_paced(self) -> bool:
+        """The last grant waited for trainers to read (``evict_after_reads``): the normal state of a full cache."""
+        return self._is_paced
+
+    @property
+    def is_backpressured(self) -> bool:
+        """The last grant waited for pinned segments to be released."""
+        return self._is_backpressured
+
+    @property
     def reserved_bytes(self) -> int:
         return sum(grant.nbytes for grant in self._grants.values())
 

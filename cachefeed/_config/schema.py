@@ -123,7 +123,11 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
         "count": ("count", fields.int_at_least(1), "number of nodes (default $NNODES or 1)"),
     },
     "status": {
-        "interval": ("interval_s", fields.positive_duration, "status publication interval (1s)"),
+        "interval": (
+            "interval_s",
+            fields.positive_duration,
+            "status publication interval (1s; at once when a pass completes or ingest starts or stops waiting)",
+        ),
         "stuck_after": (
             "stuck_after_s",
             fields.positive_duration,

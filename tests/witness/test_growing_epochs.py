@@ -44,7 +44,9 @@ def make_remote(root: Path) -> set[str]:
     return keys
 
 
-def start_slow_daemon(tmp_path: Path, remote: Path, rate: str = "150KB") -> DaemonProcess:
+def start_slow_daemon(
+    tmp_path: Path, remote: Path, rate: str = "150KB", status_interval: str = "100ms"
+) -> DaemonProcess:
     cache_dir = tmp_path / "cache"
     document: dict[str, Any] = {
         "remote": {"url": f"file://{remote}", "refresh_interval": "60s", "max_bytes_per_s": rate},
@@ -57,7 +59,7 @@ def start_slow_daemon(tmp_path: Path, remote: Path, rate: str = "150KB") -> Daem
             "snapshot_grace": "60s",  # a killed trainer's snapshot waits for its resume
         },
         "sampler": {"processes": 1, "concurrency": 2, "decode": "msgpack"},
-        "status": {"interval": "100ms"},
+        "status": {"interval": status_interval},
     }
     path = tmp_path / "daemon.toml"
     path.write_text(toml_text(document))
@@ -90,6 +92,31 @@ def test_a_cold_first_epoch_starts_on_the_first_segments_and_serves_every_sample
     assert len(first) == len(every), f"the growing epoch served {len(first)} of the {len(every)} samples fetched"
     assert stats.batches == len(first) // 32 + (1 if len(first) % 32 else 0), "len() is exact once it closed"
     assert len(second) == len(set(second)) == len(every), "the next epoch reads the whole cache once"
+
+
+def test_a_growing_epoch_ends_when_the_daemon_has_fetched_everything_not_at_its_next_status_interval(
+    tmp_path: Path,
+) -> None:
+    """The daemon publishes its status at once when it can fill no further (here: a pass over the remote is done),
+    so the growing epoch closes and the next one hands over in milliseconds, whatever ``status.interval`` is."""
+    every = make_remote(tmp_path / "data")
+    # A status document every 60 s unless something a trainer waits for changes.
+    daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="4MB", status_interval="60s")
+    first: list[str] = []
+    started = time.monotonic()
+    with EpochLoaderFactory(daemon.cache_dir, batch_size=32, num_workers=2, run_id="end", progress=None) as factory:
+        for batch in factory.loader(0):
+            first += sample_keys(batch)
+            last_batch_at = time.monotonic()
+        epoch_s = last_batch_at - started
+        second = next(iter(factory.loader(1)))
+        handover_s = time.monotonic() - last_batch_at
+    daemon.stop()
+    # 1.2 MB at 4 MB/s: fetched in well under a second. Closing at the next status document took 60 s.
+    assert epoch_s < 20.0, f"the growing epoch took {epoch_s:.1f}s to end"
+    assert len(first) == len(set(first)) == len(every), "the growing epoch served every sample once"
+    assert len(sample_keys(second)) == 32
+    assert handover_s < 5.0, f"the next epoch's first batch came {handover_s:.1f}s after the growing epoch's last"
 
 
 def test_local_ranks_get_disjoint_equal_shares_of_a_growing_epoch(tmp_path: Path) -> None:
