@@ -113,6 +113,22 @@ class _OpenSegments:
             self._inodes[id(reader)] = inode
             return reader
 
+    def share(self, path: Path) -> SegmentReader | None:
+        """The reader of ``path`` if one is open in this process (then paired with ``release``), else None."""
+        with self._lock:
+            if self._pid != os.getpid() or not self._readers:
+                return None
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:
+                return None
+            inode = (stat.st_dev, stat.st_ino)
+            held = self._readers.get(inode)
+            if held is None:
+                return None
+            self._readers[inode] = (held[0], held[1] + 1)
+            return held[0]
+
     def release(self, reader: SegmentReader) -> None:
         with self._lock:
             inode = self._inodes.get(id(reader))
@@ -253,6 +269,21 @@ class SnapshotDataset(Dataset[Any]):
                 ) from None
             self._readers[segment] = reader
         return reader
+
+    def share_open_readers(self) -> int:
+        """Take this process's open readers of this dataset's segments (another dataset's, an earlier epoch's
+        still being read): the epoch builder calls it in the background so that the training thread does not map
+        again, page by page, the segments consecutive epochs share. Returns how many were taken."""
+        if self._pid != os.getpid():
+            return 0
+        taken = 0
+        for segment, name in enumerate(self._names.tolist()):
+            if segment not in self._readers:
+                reader = _OPEN.share(Path(self.directory) / name.decode())
+                if reader is not None:
+                    self._readers[segment] = reader
+                    taken += 1
+        return taken
 
     # -- reading -------------------------------------------------------------------------------------------
 

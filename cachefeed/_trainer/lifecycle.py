@@ -355,6 +355,8 @@ class Epochs:
         pid = os.getpid()
         try:
             dataset = SnapshotDataset.from_snapshot(snapshot, transform=plan.transform, verify=plan.verify)
+            if self.pool is None:  # read in this process: keep the segments the epoch being read has mapped
+                dataset.share_open_readers()
             growing = (
                 self._growing(snapshot, dataset, epoch, skip_batches) if snapshot.generations is not None else None
             )

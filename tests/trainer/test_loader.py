@@ -93,6 +93,34 @@ def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(tm
     assert multiprocessing.active_children() == [], "no worker left behind"
 
 
+def test_in_process_epochs_map_each_segment_once_while_consecutive_epochs_share_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``num_workers=0``: the next epoch, built while this one is read, takes over its open readers (a map and its
+    faulted pages), so the training thread does not map the same segment files again every epoch."""
+    root = build_cache(tmp_path / "c", 600)
+    segments = len(list((root / "segments").iterdir()))
+    opened: list[str] = []
+    original = SegmentReader.__init__
+
+    def counting_init(self: SegmentReader, path: Path, *args: object, **kwargs: object) -> None:
+        opened.append(Path(path).name)
+        original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(SegmentReader, "__init__", counting_init)
+    with EpochLoaderFactory(root, batch_size=20, num_workers=0, prepare_at=0.5, run_id="t", epochs=4) as factory:
+        for epoch in range(4):
+            keys = []
+            for batch in factory.loader(epoch):
+                keys += check_batch(batch)
+                time.sleep(0.01)  # a training step: the previous epoch is released meanwhile
+            assert sorted(keys) == sorted(f"k{i}" for i in range(600))
+    assert segments > 5
+    assert sorted(opened) == sorted(set(opened)) and len(opened) == segments, (
+        f"{len(opened)} maps of {segments} segments in 4 epochs"
+    )
+
+
 def test_moving_on_releases_the_previous_pin_off_the_training_thread(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 100)
     with EpochLoaderFactory(root, batch_size=10, run_id="t", prepare_at=1.0) as factory:
