@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import os
 import subprocess
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,31 @@ def tree_bytes(root: Path) -> int:
             seen[(info.st_dev, info.st_ino)] = info.st_blocks * 512
         del dirnames  # os.walk lists each directory again as a dirpath: counted there
     return sum(seen.values())
+
+
+class PeakSize:
+    """The largest ``tree_bytes`` of a cache directory seen while the block runs, looked at every ``every_s`` from
+    another thread: a witness of the size bound taken from the directory itself while a real daemon churns it."""
+
+    def __init__(self, root: Path, *, every_s: float = 0.02) -> None:
+        self.root, self.every_s = root, every_s
+        self.peak = 0
+        self.looks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-size", daemon=True)
+
+    def __enter__(self) -> PeakSize:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak = max(self.peak, tree_bytes(self.root))
+            self.looks += 1
 
 
 def du(root: Path) -> int:
