@@ -5,7 +5,8 @@
 A ``file://`` remote on /dev/shm of ``--samples`` samples of ``--sample-kib`` KiB (msgpack objects of 10), a cache of
 ``--budget`` of the dataset (the daemon's defaults otherwise: turnover 50%, ``evict_after_reads = 1``), and a
 trainer that reads through ``EpochLoaderFactory`` (2 workers, batches of 16, default epochs: one pass over each
-snapshot) at ``--rate`` samples/s (a busy loop for the rest of each batch's time). Two runs:
+snapshot) at ``--rate`` samples/s (a busy loop for the rest of each batch's slot of ``16 / rate`` seconds: the
+time ``next()`` took counts in the slot; a batch that comes late starts a new slot). Two runs:
 
 * ``remote keeps up``: no cap, for one pass's worth of samples (``--samples``, counted from the batches the loop
   received);
@@ -81,10 +82,13 @@ def run(work: Path, remote: Path, name: str, args: argparse.Namespace) -> dict[s
                 while sum(len(keys) for keys in served.epochs) < samples:
                     epoch = len(served.epochs)
                     keys: list[str] = []
+                    due = time.perf_counter()
                     for batch in f.loader(epoch):
-                        until = time.perf_counter() + step_s
+                        # the training step: busy, as a GPU's launches are, until the batch's slot at --rate ends
+                        # (the time next() took is part of the slot; a late batch starts a new slot, no catch-up)
+                        due = max(due + step_s, time.perf_counter())
                         keys += sample_keys(batch)
-                        while time.perf_counter() < until:  # the training step: busy, as a GPU's launches are
+                        while time.perf_counter() < due:
                             pass
                     served.epoch(keys)
                     during = proc.status()  # while training runs (once it stops, a full cache paces ingest)
