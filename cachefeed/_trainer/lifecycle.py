@@ -497,10 +497,12 @@ class Epochs:
         if self.plan.prepare_at is not None:
             return consumed >= math.ceil(self.plan.prepare_at * total)
         remaining = total - consumed
+        if remaining > total / 2:
+            return False  # never in the first half: the next epoch's fresh samples are delivered during this one
         if remaining <= 2 * self.plan.window:
             return True
-        if self._pace_s is None or remaining > total / 2:
-            return False  # never in the first half: the next epoch's fresh samples are delivered during this one
+        if self._pace_s is None:
+            return False
         return remaining * self._pace_s <= _LEAD_FACTOR * self._build_estimate_s + _LEAD_MARGIN_S
 
     def _prepare(self, epoch: int) -> None:
