@@ -90,7 +90,7 @@ def run_epochs(
                 partial = stats.to_json(time.perf_counter() - started, sample_bytes)
                 reason = check(partial)
                 if reason is not None:
-                    results.append({**partial, "partial": True})
+                    results.append({**partial, "partial": True, "distinct_so_far": len(seen | stats.seen)})
                     raise StopEpochs(reason, results)
         ended = time.perf_counter()
         stats.stop_s = ended - asked
