@@ -5,7 +5,8 @@
 A ``file://`` remote on /dev/shm of ``--samples`` samples of ``--sample-kib`` KiB (msgpack objects of 10), a cache of
 ``--budget`` of the dataset (the daemon's defaults otherwise: turnover 50%, ``evict_after_reads = 1``), and a
 trainer that reads through ``EpochLoaderFactory`` (2 workers, batches of 16, default epochs: one pass over each
-snapshot) at ``--rate`` samples/s (a busy loop for the rest of each batch's time). Two runs:
+snapshot) at ``--rate`` samples/s (a busy loop for the rest of each batch's slot of ``16 / rate`` seconds: the
+time ``next()`` took counts in the slot; a batch that comes late starts a new slot). Two runs:
 
 * ``remote keeps up``: no cap, for one pass's worth of samples (``--samples``, counted from the batches the loop
   received);
@@ -22,6 +23,7 @@ factor (at the end) and ingest bound (as status said it at each epoch's end, aft
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -52,6 +54,37 @@ def make_remote(root: Path, samples: int, sample_bytes: int) -> Path:
     return root
 
 
+class _Witness:
+    """``SegmentWitness`` in a process of its own: it opens and verifies every segment every few milliseconds, which
+    in the training process would take the interpreter from the training loop (and slow the measured rate)."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._receive, send = context.Pipe(duplex=False)
+        self._process = context.Process(target=_witness_main, args=(cache_dir, self._stop, send), daemon=True)
+        self._process.start()
+        if not self._receive.poll(60):
+            raise RuntimeError("the segment witness did not start")
+        self._receive.recv()
+        self.evicted: list[str] = []
+
+    def __enter__(self) -> _Witness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.evicted = self._receive.recv() if self._receive.poll(60) else []
+        self._process.join(10)
+
+
+def _witness_main(cache_dir: Path, stop: Any, send: Any) -> None:
+    with SegmentWitness(cache_dir) as witness:
+        send.send("ready")
+        stop.wait()
+    send.send(witness.evicted_keys())
+
+
 def run(work: Path, remote: Path, name: str, args: argparse.Namespace) -> dict[str, Any]:
     sample_bytes = args.sample_kib << 10
     cap = int(args.rate / 3 * sample_bytes) if name == "remote at a third" else 0
@@ -70,21 +103,25 @@ def run(work: Path, remote: Path, name: str, args: argparse.Namespace) -> dict[s
     }
     config = work / f"{cache_dir.name}.toml"
     config.write_text(toml_text(document))
+    witness = _Witness(cache_dir)  # before the daemon: it sees every segment
     proc = start_daemon(config, cache_dir, work / f"{cache_dir.name}.stderr")
     served, waits, bounds = Served(), [], []
     step_s = BATCH / args.rate
     samples = args.samples * (args.capped_passes if cap else 1)
-    with SegmentWitness(cache_dir) as witness:
+    with witness:
         try:
             with EpochLoaderFactory(cache_dir, batch_size=BATCH, num_workers=2, run_id="echo", progress=None) as f:
                 started = time.perf_counter()
                 while sum(len(keys) for keys in served.epochs) < samples:
                     epoch = len(served.epochs)
                     keys: list[str] = []
+                    due = time.perf_counter()
                     for batch in f.loader(epoch):
-                        until = time.perf_counter() + step_s
+                        # the training step: busy, as a GPU's launches are, until the batch's slot at --rate ends
+                        # (the time next() took is part of the slot; a late batch starts a new slot, no catch-up)
+                        due = max(due + step_s, time.perf_counter())
                         keys += sample_keys(batch)
-                        while time.perf_counter() < until:  # the training step: busy, as a GPU's launches are
+                        while time.perf_counter() < due:
                             pass
                     served.epoch(keys)
                     during = proc.status()  # while training runs (once it stops, a full cache paces ingest)
@@ -102,7 +139,7 @@ def run(work: Path, remote: Path, name: str, args: argparse.Namespace) -> dict[s
     for number, keys in enumerate(served.epochs):
         for key in keys:
             first.setdefault(key, number)
-    settled = [times[key] for key in set(witness.evicted_keys()) if first.get(key, -1) >= WARM_EPOCHS]
+    settled = [times[key] for key in set(witness.evicted) if first.get(key, -1) >= WARM_EPOCHS]
     return {
         "run": name,
         "remote_cap_bytes_per_s": cap,

@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", help="comma-separated subset of: cachefeed, mosaic, litdata, local-files, ...")
     parser.add_argument("--workloads", help="comma-separated subset of: small, medium, large")
     parser.add_argument("--report-only", action="store_true", help="rebuild results.md and plots from results.json")
+    parser.add_argument(
+        "--budget-train-mb-per-s",
+        type=float,
+        help="under the 30%% budget, train at this rate (a step per batch) instead of as fast as batches come",
+    )
     args = parser.parse_args(argv)
     _ensure_bench_venv(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -92,14 +97,17 @@ def main(argv: list[str] | None = None) -> int:
         mode,
         systems,
         workloads,
-        plan.make_plan(mode),
+        plan.make_plan(mode, budget_train_mb_per_s=args.budget_train_mb_per_s),
         plan.ceiling_plan,
         work,
         extra={
-            "command": "benchmarks/run_all.py" + (" --smoke" if args.smoke else ""),
+            "command": "benchmarks/run_all.py"
+            + (" --smoke" if args.smoke else "")
+            + (f" --budget-train-mb-per-s {args.budget_train_mb_per_s:g}" if args.budget_train_mb_per_s else ""),
             "epoch_cuts": plan.EPOCH_CUTS,
             "handover_workload": plan.HANDOVER_WORKLOAD[mode],
             "workers": 2,
+            "budget_train_mb_per_s": args.budget_train_mb_per_s,
         },
     )
     doc = suite.run()
@@ -117,9 +125,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def readme_table(doc: dict[str, Any]) -> str:
     """The README's side-by-side table (block ``peers``), from ``results.json``'s ``summary`` rows."""
-    from benchmarks.common.report import fmt, get_measure, mean, own_files_read_mb_per_s, size_label, workloads
+    from benchmarks.common.report import (
+        fmt,
+        get_measure,
+        mean,
+        own_files_read_mb_per_s,
+        size_label,
+        summary_rows,
+        workloads,
+    )
 
-    rows = {(row["workload"], row["system"]): row for row in doc.get("summary", [])}
+    # the stored summary, completed with rows added since it was written (derived from the measurements)
+    rows = {(row["workload"], row["system"]): row for row in summary_rows(doc)}
+    for row in doc.get("summary", []):
+        rows[(row["workload"], row["system"])] = {**rows.get((row["workload"], row["system"]), {}), **row}
     names = [name for name, _entry in workloads(doc)]
     sizes = {name: size_label(int(entry["workload"]["sample_bytes"])) for name, entry in workloads(doc)}
     small, rest = names[0], names[1:]
@@ -186,21 +205,25 @@ def readme_table(doc: dict[str, Any]) -> str:
         f"s3fs {cell('s3fs', 'cold_epoch_s', names)}",
     )
     add("budget 30% of the dataset: peak on disk / budget", "budget_peak_disk_over_budget", names, "")
-    add("budget 30%: remote MB per epoch (mean of the epochs run)", "budget_remote_mb_per_epoch", names, "")
+    # Equal work under the budget (``peers/plan.py``): every system trains the same passes' worth of samples,
+    # in however many epochs; coverage and bytes over the whole measurement (``measures.trained``).
+    add("budget 30%, equal work: passes' worth of samples trained", "budget_passes_trained", names, "")
 
-    def distinct(system: str) -> str:
-        shares = []
-        for _name, entry in workloads(doc):
-            epochs = get_measure(entry.get("systems", {}).get(system, {}), "budget30").get("epochs") or []
-            counts = [e["unique_samples"] for e in epochs if e.get("unique_samples") is not None]
-            total = int(entry["workload"]["count"])
-            shares.append(f"{mean(counts) / total:.0%}" if counts and total else "-")
-        return " / ".join(shares)
+    def coverage(system: str) -> str:
+        shares = [rows.get((name, system), {}).get("budget_coverage") for name in names]
+        return "-" if all(v is None for v in shares) else " / ".join("-" if v is None else f"{v:.0%}" for v in shares)
 
     lines.append(
-        "| budget 30%: distinct samples per epoch, share of the dataset | "
-        + " | ".join(distinct(s) for s in systems)
+        "| budget 30%, equal work: distinct samples seen (coverage of the dataset) | "
+        + " | ".join(coverage(s) for s in systems)
         + " | |"
+    )
+    add(
+        "budget 30%, equal work: bytes the server sent per byte trained",
+        "budget_server_bytes_per_byte_trained",
+        names,
+        "",
+        digits=2,
     )
     handover = doc.get("extra", {}).get("handover_workload", rest[0] if rest else small)
     fork = cell("memory", "handover-fork", [handover])

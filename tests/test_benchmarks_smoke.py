@@ -37,7 +37,7 @@ def _plan(workload: Workload, key: str) -> list[MeasureSpec]:
         spec("convert", "convert"),
         spec("local", "local", epochs=2),
         spec("cold", "remote", epochs=2),
-        spec("budget30", "remote", epochs=2, budget_fraction=0.3, max_remote_factor=10),
+        spec("budget30", "remote", epochs=2, passes=2, budget_fraction=0.3, max_remote_factor=10),
     ]
 
 
@@ -71,6 +71,17 @@ def test_harness_runs_cachefeed_against_the_counting_server_and_writes_the_repor
     assert budget["peak_disk_over_budget"] <= 1.01
     assert all(0 < e["unique_samples"] < WORKLOAD.count for e in budget["epochs"])  # a rolling cache: part of it
     assert all(e["duplicate_samples"] == 0 for e in budget["epochs"])
+    # Equal work: epochs (a room each) until two passes' worth was trained; coverage and bytes over all of them.
+    trained = sum(e["samples"] for e in budget["epochs"])
+    assert budget["samples_trained"] == trained and 2 * WORKLOAD.count <= trained < 3 * WORKLOAD.count
+    assert sum(e["samples"] for e in budget["epochs"][:-1]) < 2 * WORKLOAD.count  # it stopped once there
+    assert budget["distinct_samples"] == budget["epochs"][-1]["distinct_so_far"] <= WORKLOAD.count
+    assert budget["distinct_samples"] > max(e["unique_samples"] for e in budget["epochs"])
+    assert budget["coverage"] == pytest.approx(budget["distinct_samples"] / WORKLOAD.count, abs=1e-4)
+    server = sum(e["remote_bytes"] for e in budget["epochs"])
+    assert budget["server_bytes_per_byte_trained"] == pytest.approx(
+        server / (trained * WORKLOAD.sample_bytes), abs=1e-4
+    )
 
     assert not any(c["processes_left_after_exit"] for c in entry["systems"]["cachefeed"]["children"])
 
@@ -79,6 +90,7 @@ def test_harness_runs_cachefeed_against_the_counting_server_and_writes_the_repor
     for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 7.", "## Cold start"):  # 5 and 6 were dropped
         assert heading in report
     assert "| cachefeed |" in report
+    assert f"{budget['distinct_samples']:,} ({budget['coverage']:.0%})" in report  # figure 3: coverage
     # The cold start counts the daemon's start: its first batch after open_s, its first epoch after that.
     started = measures["cold"]["open_s"]
     row = next(r for r in summary_rows(doc) if r["system"] == "cachefeed")

@@ -33,8 +33,19 @@ def run_epochs(
     report: Callable[[dict[str, Any]], None] | None = None,
     check: Callable[[dict[str, Any]], str | None] | None = None,
     check_interval_s: float = 1.0,
+    until_samples: int | None = None,
+    step_s: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Consume ``epochs`` epochs, verifying every sample; return one dict per epoch.
+
+    ``until_samples``: stop after the first epoch that brings the samples delivered so far to at least this many
+    (equal work for systems whose epochs differ in size: a rolling cache's epoch is what it holds, a peer's is a
+    pass); ``epochs`` is then only a bound. Each epoch's dict has ``distinct_so_far``: the distinct samples
+    delivered by it and every epoch before it.
+
+    ``step_s``: a training step per batch: the consumer sleeps until ``step_s`` after it got the batch (verifying
+    it included), as a trainer at a given rate would, leaving the CPU to the system (0: none, as fast as the
+    system delivers).
 
     ``on_epoch_end(epoch)`` is called right after an epoch's last batch (outside every timing) and its dict is
     merged into that epoch's result: the caller uses it to read server counters and disk peaks. ``report``
@@ -49,7 +60,11 @@ def run_epochs(
     results: list[dict[str, Any]] = []
     previous_end: float | None = None  # when the consumer asked for the batch after epoch e's last one
     callback_s = 0.0
+    seen: set[int] = set()
+    delivered = 0
     for epoch in range(epochs):
+        if until_samples is not None and delivered >= until_samples:
+            break
         stats = _EpochStats(epoch, dataset_count)
         started = time.perf_counter()
         iterator = iter(source.epoch(epoch))
@@ -68,16 +83,21 @@ def run_epochs(
                     stats.handover_s = got - previous_end - callback_s
             stats.add_wait(got - asked)
             stats.add_batch(batch)
+            if step_s > 0:
+                time.sleep(max(0.0, got + step_s - time.perf_counter()))
             if check is not None and got - last_check >= check_interval_s:
                 last_check = got
                 partial = stats.to_json(time.perf_counter() - started, sample_bytes)
                 reason = check(partial)
                 if reason is not None:
-                    results.append({**partial, "partial": True})
+                    results.append({**partial, "partial": True, "distinct_so_far": len(seen | stats.seen)})
                     raise StopEpochs(reason, results)
         ended = time.perf_counter()
         stats.stop_s = ended - asked
         result = stats.to_json(ended - started, sample_bytes)
+        seen |= stats.seen
+        delivered += stats.samples
+        result["distinct_so_far"] = len(seen)
         if on_epoch_end is not None:
             result.update(on_epoch_end(epoch))
         if report is not None:

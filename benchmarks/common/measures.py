@@ -8,12 +8,16 @@ measurement, not the run. Figures (numbered as in issue 7):
   sequential read of the same files from the same filesystem (``rawread``); with ``num_workers=0`` in the
   params, the same read in the training process (the plans' ``inprocess`` label).
 - ``remote`` (2, 3, 4): epochs from S3 into an empty cache with a budget (or none): per epoch, time,
-  server-counted bytes and requests, peak on-disk size; handover waits.
+  server-counted bytes and requests, peak on-disk size; handover waits; over all its epochs (``trained``): samples
+  trained, distinct samples (coverage) and server bytes per byte trained. With ``passes`` in the params, the
+  epochs run until that many passes' worth of samples was trained (equal work, ``budget30``); with
+  ``train_mb_per_s``, the consumer trains at that rate (a sleep per batch) instead of as fast as batches come.
 - ``s3_ceiling``: plain concurrent GETs of the same objects (no adapter).
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import statistics
 import tempfile
@@ -27,6 +31,7 @@ from typing import Any
 from benchmarks.common.adapter import DataLocation, LoaderSettings, SystemAdapter
 from benchmarks.common.epochs import StopEpochs, run_epochs
 from benchmarks.common.rawread import DEFAULT_BUFFER_BYTES, read_buffer, read_files
+from benchmarks.common.report import trained
 from benchmarks.common.s3server import fetch_stats, list_keys, split_url, stats_delta, upload_dir
 from benchmarks.common.samplers import DiskSampler, tree_bytes
 from benchmarks.common.samples import Workload
@@ -36,6 +41,7 @@ Progress = Callable[[dict[str, Any]], None]
 # A peak on disk within 1% over the budget is reported (``peak_disk_over_budget``) but not called an overshoot:
 # index and lock files that a system does not count against its limit are of that order.
 BUDGET_TOLERANCE = 0.01
+_MAX_EPOCHS = 200  # the bound on epochs of a ``passes`` measurement (a rolling cache's epochs are a room each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +180,14 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
     budget = None if fraction is None else int(ctx.workload.total_bytes * float(fraction))
     settings = _settings(ctx, params, cache=True, budget=budget)
     data = ctx.data(adapter, local=not adapter.supports_remote)
-    epochs = int(params.get("epochs", 1))
+    # ``passes``: equal work, whatever a system's epoch is: epochs until this many passes' worth of samples was
+    # trained (at most ``max_epochs``); otherwise ``epochs`` epochs.
+    passes = params.get("passes")
+    until = None if passes is None else math.ceil(float(passes) * ctx.workload.count)
+    epochs = int(params.get("max_epochs", _MAX_EPOCHS)) if until is not None else int(params.get("epochs", 1))
+    # ``train_mb_per_s``: the consumer trains at this rate (a step per batch, ``run_epochs``); none: at once
+    rate = params.get("train_mb_per_s")
+    step_s = 0.0 if not rate else ctx.workload.batch_size * ctx.workload.sample_bytes / (float(rate) * 1e6)
     cache_dir = settings.cache_dir
     if cache_dir is None:
         raise ValueError("remote measurement without a cache dir")
@@ -213,6 +226,8 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
                 on_epoch_end,
                 report=_epoch_reporter(progress),
                 check=watch,
+                until_samples=until,
+                step_s=step_s,
             )
         except StopEpochs as exc:
             stopped, results = exc.reason, exc.results
@@ -238,6 +253,7 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
         "budget_bytes": budget,
         "open_s": round(open_s, 3),
         "epochs": results,
+        **trained(results, ctx.workload.count, ctx.workload.sample_bytes),
         "disk": disk_summary,
         "peak_disk_over_budget": None if budget is None else round(disk_summary["peak_bytes"] / budget, 3),
         "cache_left_bytes": cache_left,
@@ -319,7 +335,7 @@ def _settings(ctx: Context, params: dict[str, Any], cache: bool, budget: int | N
         persistent_workers=bool(params.get("persistent_workers", False)),
         cache_dir=cache_dir,
         cache_budget_bytes=budget,
-        extra={"epochs": int(params.get("epochs", 1))},
+        extra={"epochs": None if params.get("passes") is not None else int(params.get("epochs", 1))},
     )
 
 

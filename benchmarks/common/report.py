@@ -55,12 +55,32 @@ def size_label(nbytes: int) -> str:
 def summary_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for workload_name, entry in doc.get("workloads", {}).items():
+        workload = entry.get("workload", {})
         for system, slot in entry.get("systems", {}).items():
-            rows.append({"workload": workload_name, "system": system, **_row(slot.get("measures", {}))})
+            rows.append({"workload": workload_name, "system": system, **_row(slot.get("measures", {}), workload)})
     return rows
 
 
-def _row(measures: dict[str, Any]) -> dict[str, Any]:
+def trained(results: list[dict[str, Any]], count: int, sample_bytes: int) -> dict[str, Any]:
+    """What a remote measurement trained over all its epochs (any system): samples delivered (and in passes over
+    the dataset), distinct samples among them (``coverage``: their share of the dataset; None for epochs measured
+    before ``distinct_so_far`` was recorded) and the bytes the server sent (server-counted, from before the system
+    opened to its last epoch's end) per byte delivered."""
+    samples = sum(int(r.get("samples") or 0) for r in results)
+    seen = [int(r["distinct_so_far"]) for r in results if r.get("distinct_so_far") is not None]
+    distinct = max(seen) if seen else None
+    server = sum(int(r.get("remote_bytes") or 0) for r in results)
+    return {
+        "samples_trained": samples,
+        "passes_trained": round(samples / count, 3) if count else None,
+        "distinct_samples": distinct,
+        "coverage": round(distinct / count, 4) if count and distinct is not None else None,
+        "server_bytes": server,
+        "server_bytes_per_byte_trained": round(server / (samples * sample_bytes), 4) if samples else None,
+    }
+
+
+def _row(measures: dict[str, Any], workload: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {}
     problems = {
         label: m.get("status")
@@ -87,6 +107,11 @@ def _row(measures: dict[str, Any]) -> dict[str, Any]:
     if budget.get("epochs"):
         row["budget_remote_mb_per_epoch"] = [_mb(e.get("remote_bytes")) for e in budget["epochs"]]
         row["budget_peak_disk_over_budget"] = budget.get("peak_disk_over_budget")
+        # over the whole measurement (coverage: None in documents from before ``distinct_so_far``)
+        whole = trained(budget["epochs"], int(workload.get("count") or 0), int(workload.get("sample_bytes") or 0))
+        row["budget_passes_trained"] = whole["passes_trained"]
+        row["budget_coverage"] = whole["coverage"]
+        row["budget_server_bytes_per_byte_trained"] = whole["server_bytes_per_byte_trained"]
     for label, measure in sorted(measures.items()):
         if label.startswith("handover-") and isinstance(measure, dict):
             waits = [e["handover_wait_s"] for e in measure.get("epochs", []) if e.get("handover_wait_s") is not None]

@@ -127,6 +127,24 @@ def test_a_check_stops_the_run_and_keeps_the_partial_epoch() -> None:
         )
     assert info.value.reason == "enough"
     assert info.value.results[-1]["partial"] is True
+    assert info.value.results[-1]["distinct_so_far"] == 2
+
+
+def test_equal_work_runs_epochs_until_the_samples_and_counts_distinct_ones_over_all_of_them() -> None:
+    """``until_samples`` (run_all's budget30: three passes' worth): a system with small epochs runs more of them;
+    coverage and bytes per byte trained are over the whole measurement (``report.trained``)."""
+    from benchmarks.common.report import trained
+
+    source = _ListSource([[_batch([0, 1, 2])], [_batch([2, 3])], [_batch([4, 5])], [_batch([6])]])
+    results = run_epochs(source, 10, dataset_count=10, sample_bytes=64, until_samples=6, step_s=0.01)
+    assert [r["samples"] for r in results] == [3, 2, 2], "stops after the epoch that reaches 6 samples"
+    assert [r["distinct_so_far"] for r in results] == [3, 4, 6]
+    assert results[0]["wall_s"] >= 0.01, "a training step per batch"
+    for r, nbytes in zip(results, (640, 0, 256), strict=True):
+        r["remote_bytes"] = nbytes
+    whole = trained(results, 10, 64)
+    assert (whole["samples_trained"], whole["distinct_samples"], whole["coverage"]) == (7, 6, 0.6)
+    assert whole["server_bytes_per_byte_trained"] == round(896 / (7 * 64), 4)
 
 
 class HangingAdapter:

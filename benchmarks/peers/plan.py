@@ -4,7 +4,9 @@ Where the full run cuts counts (2-core machine): the datasets are 32 MiB (small)
 (large); handover is measured on medium only; s3fs (no cache: every epoch is the same full download) runs 1 epoch
 cold, none under the budget (the same figure) and none per handover variant (``EPOCH_CUTS``). The in-process read
 (``inprocess``: ``num_workers=0``, right after the warm ``local`` read, same files) runs 3 to 5 epochs
-(``inprocess_epochs``) in every mode. Smoke: 1024 samples of 16 KiB, persistent-fork handover only.
+(``inprocess_epochs``) in every mode. Under the 30% budget every system trains three passes' worth of samples
+(two in smoke mode), however many epochs that takes it. Smoke: 1024 samples of 16 KiB, persistent-fork handover
+only.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ NO_HANDOVER = {
 }
 
 
-def make_plan(mode: str, workers: int = 2) -> PlanFn:
+def make_plan(mode: str, workers: int = 2, budget_train_mb_per_s: float | None = None) -> PlanFn:
+    """``budget_train_mb_per_s``: under the budget, the consumer trains at this rate (a step per batch) rather
+    than as fast as batches come: a remote faster than that keeps up with training, and a rolling cache then need
+    not re-read (none: every system is as remote-bound as its downloads make it)."""
     smoke = mode == "smoke"
     # No batch (nor heartbeat) for this long means hung. Heartbeats come every 5 s while batches arrive.
     hang_s = 60.0 if smoke else 120.0
@@ -55,6 +60,10 @@ def make_plan(mode: str, workers: int = 2) -> PlanFn:
     def plan(workload: Workload, key: str) -> list[MeasureSpec]:
         cuts = EPOCH_CUTS.get(key, {})
         base = {"num_workers": workers}
+        # Equal work under the budget: every system trains this many passes' worth of samples (a rolling cache's
+        # epoch is what it holds, smaller than a pass: it runs more epochs), so coverage and bytes downloaded per
+        # byte trained compare.
+        budget_passes = cuts.get("budget30", 2 if smoke else 3)
 
         def epochs_spec(label: str, kind: str, epochs: int, **params: object) -> MeasureSpec:
             # ``max_remote_factor``: stop a run that downloads over 10x the dataset per epoch (thrash).
@@ -67,7 +76,14 @@ def make_plan(mode: str, workers: int = 2) -> PlanFn:
             epochs_spec("local", "local", 2 if smoke else 4),
             epochs_spec("inprocess", "local", inprocess_epochs(workload), num_workers=0, sequential_read=False),
             epochs_spec("cold", "remote", cuts.get("cold", 2)),
-            epochs_spec("budget30", "remote", cuts.get("budget30", 2 if smoke else 3), budget_fraction=0.3),
+            epochs_spec(
+                "budget30",
+                "remote",
+                budget_passes,
+                budget_fraction=0.3,
+                passes=budget_passes,
+                **({"train_mb_per_s": budget_train_mb_per_s} if budget_train_mb_per_s else {}),
+            ),
         ]
         if workload.name == HANDOVER_WORKLOAD[mode] and key in NO_HANDOVER:
             specs.append(MeasureSpec("handover", "skipped", {"reason": NO_HANDOVER[key]}, 10.0))

@@ -42,9 +42,11 @@ snapshot (its last holder, or the daemon's sweep once its holders died: NOTE [ S
    the names of the receipts it just applied) atomically, and only then unlinks the receipts. After a crash between
    the two steps, a receipt named in the ledger is unlinked without being counted again. A segment the ledger does
    not name counts as unread: a lost or corrupt ledger makes the daemon keep data longer, never evict it early.
-4. A trainer creating a snapshot reads the ledger (``read_counts``) and writes each segment's reads into the
-   MANIFEST (``encode_reads``: the segment's reads and a bitmap of its samples read more than that), so every rank
-   of the epoch, and a resumed job, draws the same least-read-first order (``_trainer/partition.py``).
+4. A trainer creating a snapshot reads the ledger and the receipts not applied yet (``reads_with_receipts``: an
+   epoch released a moment ago has read its samples, whether or not the daemon collected its receipt yet) and
+   writes each segment's reads into the MANIFEST (``encode_reads``: the segment's reads and a bitmap of its samples
+   read more than that), so every rank of the epoch, and a resumed job, draws the same least-read-first order
+   (``_trainer/partition.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ __all__ = [
     "emit_receipt",
     "encode_reads",
     "read_counts",
+    "reads_with_receipts",
     "write_served",
 ]
 
@@ -227,11 +230,54 @@ def _load_ledger(path: Path) -> dict[str, Any]:
 
 def read_counts(root: Path) -> dict[str, Counts]:
     """The ledger's per-sample reads per segment name, for trainers: empty if there is none or it is unreadable."""
+    return _ledger_counts(root)[0]
+
+
+def _ledger_counts(root: Path) -> tuple[dict[str, Counts], frozenset[str]]:
     try:
         document = _load_ledger(root / LEDGER_NAME)
-        return {str(name): _unpack_counts(blob) for name, blob in document["counts"].items()}
+        counts = {str(name): _unpack_counts(blob) for name, blob in document["counts"].items()}
+        return counts, frozenset(str(name) for name in document["applied"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, zlib.error):
-        return {}
+        return {}, frozenset()
+
+
+def reads_with_receipts(root: Path, snapshots: Path) -> dict[str, Counts]:
+    """The ledger's per-sample reads plus those of the receipts the daemon has not applied yet, for a trainer
+    choosing what an epoch reads (``room.py``): an epoch released a moment ago has read its samples even though its
+    receipt is still waiting for the daemon's next collection.
+
+    Receipts are listed before the ledger is read, so a receipt the daemon applies meanwhile is counted (the ledger
+    has it), never missed; one it applied and unlinked between the two looks may count twice (a segment then looks
+    read once more than it is: kept for later, never served as unread)."""
+    receipts: list[Receipt] = []
+    try:
+        entries = [e for e in os.scandir(snapshots) if e.name.endswith(RECEIPT_SUFFIX)]
+    except FileNotFoundError:
+        entries = []
+    for entry in entries:
+        try:
+            receipts.append(_parse_receipt(Path(entry.path))[1])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # gone (applied: in the ledger now) or unreadable (the daemon removes it)
+    counts, applied = _ledger_counts(root)
+    for receipt in receipts:
+        if receipt.name in applied:
+            continue
+        for name, samples, bits in receipt.segments:
+            known = counts.get(name)
+            base = SampleReads(known) if known is not None and len(known) == samples else SampleReads.none(samples)
+            counts[name] = base.served(bits).counts
+    return counts
+
+
+def _parse_receipt(path: Path) -> tuple[float, Receipt]:
+    """A receipt file's time and contents (``OSError``/``ValueError``/``KeyError``/``TypeError`` if unreadable)."""
+    document = msgpack.unpackb(path.read_bytes(), raw=False)
+    if document.get("version") != _RECEIPT_VERSION:
+        raise ValueError(f"receipt version {document.get('version')!r}, expected {_RECEIPT_VERSION}")
+    segments = tuple((str(n), int(c), bytes(b)) for n, c, b in document["segments"])
+    return float(document.get("at", 0.0)), Receipt(path.name, str(document["snapshot"]), segments)
 
 
 class ReadLedger:
@@ -273,12 +319,7 @@ class ReadLedger:
             try:
                 if not entry.is_file(follow_symlinks=False):
                     raise ValueError("not a regular file")
-                document = msgpack.unpackb(Path(entry.path).read_bytes(), raw=False)
-                if document.get("version") != _RECEIPT_VERSION:
-                    raise ValueError(f"receipt version {document.get('version')!r}, expected {_RECEIPT_VERSION}")
-                segments = tuple((str(n), int(c), bytes(b)) for n, c, b in document["segments"])
-                receipt = Receipt(entry.name, str(document["snapshot"]), segments)
-                receipts.append((float(document.get("at", 0.0)), receipt))
+                receipts.append(_parse_receipt(Path(entry.path)))
             except FileNotFoundError:
                 continue
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

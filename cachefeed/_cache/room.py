@@ -12,9 +12,12 @@ that fit beside it, and each epoch would bring at most that room of new samples:
   remote fills the free half during an epoch, the next epoch reads only fresh samples (echo 1); when it fills a
   third of it, the next epoch is topped up with the least-read samples and each sample is read about three times
   (the remote sets the echo, not the room).
-* **Least-read first** (``choose``): a segment's reads (its least-read sample's, from the daemon's ledger, NOTE
-  [ Read receipts ] in ``reads.py``), plus one *pending* read if the creating job's previous snapshot (live and
-  being read right now, so its receipt has not arrived) holds it. Ties: oldest first (segment sequence numbers).
+* **Least-read first** (``choose``): a segment's reads (its least-read sample's, from the daemon's ledger and the
+  receipts it has not applied yet, NOTE [ Read receipts ] in ``reads.py``), plus one *pending* read if a live
+  snapshot holds it (the epoch being read right now, or one being released: their receipts have not arrived).
+  Without both, the segments of the epoch released a moment before, whose receipt the daemon has not collected,
+  would look unread and be read again at once, in place of the fresh samples the remote delivered meanwhile.
+  Ties: oldest first (segment sequence numbers).
   Unread segments therefore come first and the top-up is the least-read. With weighted sources (``sources.json``),
   each source first gets its weight's share of the room from its own least-read segments, then the rest of the room
   is filled from all sources in the same order: a fast source cannot crowd a slow one out of an epoch.
@@ -77,7 +80,7 @@ class Candidate:
     nbytes: int  # allocated bytes, as the store's budget counts them
     reads: int  # its least-read sample's reads (0: unread or unknown)
     tag: int = 0  # its source tag
-    pending: bool = False  # the creating job's live previous snapshot holds it: one more read is on its way
+    pending: bool = False  # a live snapshot holds it (an epoch reading it or being released): a read is on its way
 
 
 def choose(candidates: Sequence[Candidate], room: int | None, weights: Mapping[int, float] | None = None) -> list[int]:

@@ -69,6 +69,7 @@ from cachefeed._cache.reads import (
     emit_receipt,
     encode_reads,
     read_counts,
+    reads_with_receipts,
     write_served,
 )
 from cachefeed._cache.records import segment_trailer
@@ -171,9 +172,9 @@ class Snapshot:
         growing: bool = False,
     ) -> Snapshot:
         """Pin the segments published right now, at most the daemon's epoch room of them, least-read first
-        (``room.py``: ``reading`` names the segments of ``job``'s previous snapshot, still being read, which count
-        one pending read each), for ``job``. If another process of that job created ``snap_id`` first, join it
-        (``SnapshotError`` if another job did).
+        (``room.py``: the segments of every live snapshot, and those ``reading`` names, count one pending read each;
+        receipts the daemon has not applied yet count as applied), for ``job``. If another process of that job
+        created ``snap_id`` first, join it (``SnapshotError`` if another job did).
 
         ``growing``: the snapshot stays open and its creator adds segments published later, up to the room
         (``grow``; NOTE [ Growing snapshots ])."""
@@ -195,10 +196,11 @@ class Snapshot:
             directory = layout.snapshots / snap_id
             remove_tree(directory)  # a directory without its lock is garbage (see the NOTE)
             directory.mkdir(mode=0o750)
-            reads = read_counts(layout.root)
+            pending = _pending_reads(layout, reading)  # before the receipts: see _pending_reads
+            reads = reads_with_receipts(layout.root, layout.snapshots)
             named_sources = read_sources(layout.sources_file)
-            chosen = _chosen(layout, reads, reading, {e.tag: e.weight for e in named_sources})
-            entries, fresh = _link_entries(layout, directory, chosen, reads, reading)
+            chosen = _chosen(layout, reads, pending, {e.tag: e.weight for e in named_sources})
+            entries, fresh = _link_entries(layout, directory, chosen, reads, pending)
             named = [[e.tag, e.name, e.weight] for e in named_sources]
             manifest = {
                 "id": snap_id,
@@ -387,8 +389,16 @@ class Snapshot:
         raise TypeError("a Snapshot holds a lock and cannot be pickled; pass snap_id and names instead")
 
 
+def _pending_reads(layout: CacheLayout, reading: Collection[str]) -> frozenset[str]:
+    """The segments a read is on its way for: ``reading`` and those of every live snapshot (an epoch reading it, or
+    one being released whose receipt is not written yet). Looked at *before* the receipts: a snapshot released
+    meanwhile has renamed its receipt into place before its directory goes (NOTE [ Read receipts ], step 2), so
+    its read is seen here, in a receipt or in the ledger, never missed."""
+    return frozenset(reading).union(*(info.names for info in live_snapshots(layout)))
+
+
 def _chosen(
-    layout: CacheLayout, reads: Mapping[str, Counts], reading: Collection[str], weights: dict[int, float]
+    layout: CacheLayout, reads: Mapping[str, Counts], pending: Collection[str], weights: dict[int, float]
 ) -> list[str]:
     """The names of the published segments a new snapshot pins, oldest first (``room.py``'s rule). A static cache
     (no daemon) has no room: everything."""
@@ -396,7 +406,6 @@ def _chosen(
     room = read_room(layout.root) if layout.has_writer() else None
     if room is None:
         return [name for name, _info in listed]
-    pending = set(reading)
     candidates = []
     for name, info in listed:
         counts = reads.get(name)

@@ -38,6 +38,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ log = get_logger(__name__)
 _LEAD_FACTOR = 2.0
 _LEAD_MARGIN_S = 0.1
 _PACE_WEIGHT = 0.2
+_RECENT_BUILDS = 4  # background builds the lead's estimate is the longest of
 _TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
 
 
@@ -119,6 +121,7 @@ class Epochs:
         self._last_built: EpochState | None = None  # its segments: the epoch being read while the next is built
         self.has_built = False
         self._build_estimate_s = 0.0
+        self._recent_builds: deque[float] = deque(maxlen=_RECENT_BUILDS)  # background builds' seconds
         self._waited_s = 0.0
         self._pace_s: float | None = None
         self._last_batch_at = 0.0
@@ -399,7 +402,7 @@ class Epochs:
             snapshot.release()
             raise
         state.build_s = time.perf_counter() - started - waited
-        self._build_estimate_s = max(self._build_estimate_s, state.build_s)
+        self._learn_build(state.build_s, background=background)
         log.info(
             "epoch %d: snapshot %s, %d samples (%d new), %d for this rank, built in %.3fs%s",
             epoch,
@@ -477,6 +480,18 @@ class Epochs:
         if self._is_due(state, consumed):
             self._prepare(state.epoch + 1)
 
+    def _learn_build(self, seconds: float, *, background: bool) -> None:
+        """The build estimate the lead is made of (NOTE [ Epoch handover ]): the longest of the last few background
+        builds. A build on the training thread (the first epoch's: it also starts the worker pool, and a growing
+        one opens a snapshot still filling) counts only until the first background build is known: one slow
+        build must not pin every later epoch early, which would let the next epoch pin what the previous one just
+        read instead of what the remote delivered during the current one (``_cache/room.py``)."""
+        if background:
+            self._recent_builds.append(seconds)
+            self._build_estimate_s = max(self._recent_builds)
+        elif not self._recent_builds:
+            self._build_estimate_s = max(self._build_estimate_s, seconds)
+
     def _is_due(self, state: EpochState, consumed: int) -> bool:
         if state.growing is not None and not state.growing.is_complete:
             return False  # its end is not known yet: the next epoch is pinned once it stopped growing
@@ -484,6 +499,8 @@ class Epochs:
         if self.plan.prepare_at is not None:
             return consumed >= math.ceil(self.plan.prepare_at * total)
         remaining = total - consumed
+        if remaining > total / 2:
+            return False  # never in the first half: the next epoch's fresh samples are delivered during this one
         if remaining <= 2 * self.plan.window:
             return True
         if self._pace_s is None:

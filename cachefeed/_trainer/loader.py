@@ -8,15 +8,19 @@ started once, with the first epoch, and every epoch's batches are queued on them
 in-process through a DataLoader of its own.
 
 * While epoch ``e`` runs, the training thread reports progress after each batch (``Epochs.on_progress`` in
-  ``lifecycle.py``, the owner of every epoch's states and transitions). When the time
-  left in ``e`` (remaining batches x the recent batch interval) falls under twice the longest build seen so far
-  plus 0.1 s, or fewer than two prefetch windows (``num_workers x prefetch_factor`` batches) are left, or at the
-  fraction ``prepare_at`` if given, the build thread starts on ``e + 1``: pin its snapshot (local rank 0 creates,
-  the node's other ranks join), compute this rank's share, build the dataset and queue its pass on the pool
-  (without workers: build its DataLoader and fetch the first batch). The pool deals ``e + 1``'s batches to the
-  workers as soon as ``e``'s are all dealt, so its first batches are read while ``e``'s last ones are consumed.
+  ``lifecycle.py``, the owner of every epoch's states and transitions). When the time left in ``e`` (remaining
+  batches x the recent batch interval) falls under twice the longest of the last four background builds (before
+  the first one, the first epoch's build) plus 0.1 s, or fewer than two prefetch windows (``num_workers x
+  prefetch_factor`` batches) are left, but never before half of ``e``'s batches were taken (the daemon fetches
+  the next epoch's fresh samples during ``e``: pinned earlier, the next epoch would re-read what ``e - 1`` just
+  read), or at the fraction ``prepare_at`` if given, the build thread starts on ``e + 1``: pin its snapshot
+  (local rank 0 creates, the node's other ranks join), compute this rank's share, build the dataset and queue its
+  pass on the pool (without workers: build its DataLoader and fetch the first batch). The pool deals ``e + 1``'s
+  batches to the workers as soon as ``e``'s are all dealt, so its first batches are read while ``e``'s last ones
+  are consumed.
   Pinning late keeps the snapshot fresh (it holds what was cached a moment before the boundary; at most the
-  daemon's epoch room of it, least-read first, counting ``e``'s segments as read once more: ``_cache/room.py``)
+  daemon's epoch room of it, least-read first, counting the segments of ``e`` and of ``e - 1``, if its release
+  or its receipt is still on the way, as read: ``_cache/room.py``)
   and keeps two snapshots from sharing the budget for long (epochs only a little longer than the lead are fine);
   starting early enough keeps the boundary free of waits. No process is forked at a boundary, so the lead is small.
 * ``_EpochIterator`` stops after exactly ``len(loader)`` batches without asking the inner iterator again (a

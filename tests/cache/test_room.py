@@ -1,5 +1,6 @@
 """An epoch's room (``cachefeed/_cache/room.py``): a snapshot pins at most the daemon's epoch room, least-read
-first, counting the job's live previous snapshot as read once more; a static cache is pinned whole."""
+first, counting every live snapshot as read once more and the receipts the daemon has not collected as read; a
+static cache is pinned whole."""
 
 from __future__ import annotations
 
@@ -54,6 +55,36 @@ def test_the_previous_epochs_segments_count_one_pending_read(tmp_path: Path) -> 
         write_until_full(store, 0, nbytes=20_000)
         with Snapshot.create(root, "e0", job="j") as first:
             with Snapshot.create(root, "e1", job="j", reading=first.names) as second:
+                assert not set(second.names) & set(first.names)
+    finally:
+        store.close()
+
+
+def test_an_epoch_released_before_the_daemon_collected_its_receipt_counts_as_read(tmp_path: Path) -> None:
+    """The next epoch is pinned right after the last one's release: its receipt is still waiting for the daemon's
+    collection, yet its segments are not taken for unread ones (they would be read twice in a row)."""
+    root = tmp_path / "c"
+    store = _store(root)
+    try:
+        write_until_full(store, 0, nbytes=20_000)
+        with Snapshot.create(root, "e0", job="j") as first:
+            first.record_served(np.arange(first.samples))
+        assert list((root / "snapshots").glob("*.receipt")), "the receipt waits for the daemon"
+        with Snapshot.create(root, "e1", job="j") as second:
+            assert not set(second.names) & set(first.names)
+    finally:
+        store.close()
+
+
+def test_every_live_snapshot_counts_one_pending_read_without_being_named(tmp_path: Path) -> None:
+    """A snapshot being read (by this job or another) holds segments whose read is on its way, whether or not the
+    creator names them (``reading``)."""
+    root = tmp_path / "c"
+    store = _store(root)
+    try:
+        write_until_full(store, 0, nbytes=20_000)
+        with Snapshot.create(root, "e0", job="j") as first:
+            with Snapshot.create(root, "other-e0", job="k") as second:
                 assert not set(second.names) & set(first.names)
     finally:
         store.close()

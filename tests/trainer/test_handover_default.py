@@ -71,3 +71,25 @@ def test_the_next_epoch_is_pinned_near_the_end_so_two_snapshots_rarely_share_the
             pinned_at.append(seen / len(loader))
     print(f"\nthe next epoch was pinned after {pinned_at} of each epoch")
     assert min(pinned_at[1:]) >= 0.7, pinned_at  # the first epoch has no pace measured yet to plan with
+
+
+def test_the_next_epoch_is_never_pinned_in_the_first_half_of_a_short_epoch(tmp_path: Path) -> None:
+    """Where an epoch is shorter than the lead (twice the build plus 0.1 s), the next epoch was pinned right after
+    the current one started, so it read what the previous epoch had just read instead of what the daemon fetched
+    during the current one (issue 27: 47% distinct samples where the remote keeps up). The lead stops at half."""
+    root = build_cache(tmp_path / "c", 400)
+    pinned_at: list[float] = []
+    with EpochLoaderFactory(root, batch_size=20, num_workers=0, run_id="t", epochs=EPOCHS, progress=None) as factory:
+        for epoch in range(EPOCHS - 1):
+            loader = factory.loader(epoch)
+            following = root / "snapshots" / factory.snapshot_id(epoch + 1)
+            seen = None
+            for index, batch in enumerate(loader):
+                check_batch(batch)
+                time.sleep(0.002)  # a training step: an epoch of 20 batches takes about 0.05 s, less than the lead
+                if seen is None and following.exists():
+                    seen = index + 1  # batches handed out when the pin was there
+            assert seen is not None, f"epoch {epoch + 1} was not prepared during epoch {epoch}"
+            pinned_at.append(seen / len(loader))
+    print(f"\nthe next epoch was pinned after {pinned_at} of each epoch's batches")
+    assert min(pinned_at) >= 0.5, pinned_at
