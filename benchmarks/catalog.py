@@ -176,6 +176,104 @@ def measure_one(size: int, rank: int, count: int, work: Path, key_bytes: int = 0
     return figures
 
 
+S3_PREFIX = "set"
+
+
+def _daemon_figures(server: Any, config: Path, cache_dir: Path, objects: int, log: Path) -> dict[str, Any]:
+    """Start a real daemon on ``config``; time its first object GET at the server (polled every 20 ms), wait until
+    its listing is complete and its restart catalog written; return its supervisor's peak RSS and the server's
+    counts. The daemon is stopped (SIGTERM) before returning."""
+    from benchmarks.common.s3server import fetch_stats, stats_delta
+    from cachefeed._testing.daemon import start_daemon, wait_for
+
+    before = fetch_stats(server.endpoint)
+    started = time.perf_counter()
+    daemon = start_daemon(config, cache_dir, log)
+    first_list = first_get = None
+    try:
+        while first_get is None:
+            if daemon.process.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {daemon.process.returncode}: {daemon.stderr()[-2000:]}")
+            delta = stats_delta(before, fetch_stats(server.endpoint))["requests"]
+            now = time.perf_counter() - started
+            if first_list is None and delta.get("list"):
+                first_list = now
+            if delta.get("get") or delta.get("get_range"):
+                first_get = now
+            if time.perf_counter() - started > 600:
+                raise TimeoutError("no object fetched within 600 s")
+            time.sleep(0.02)
+        daemon.wait_status(
+            lambda doc: doc["remote"]["objects_listed"] >= objects and doc["remote"]["last_listed_at"],
+            timeout_s=1800,
+            what=f"a complete listing of {objects} objects",
+        )
+        wait_for(lambda: list(cache_dir.glob("catalog-*.cfcat")), timeout_s=300, what="the restart catalog")
+        peak_mb = _process_rss_mb(daemon.pid, "VmHWM")
+        listed_s = time.perf_counter() - started
+    finally:
+        daemon.stop()
+    served = stats_delta(before, fetch_stats(server.endpoint))["requests"]
+    return {
+        "first_fetch_s": round(first_get, 3),
+        "first_list_s": round(first_list if first_list is not None else first_get, 3),
+        "listed_by_s": round(listed_s, 1),  # the status (every 200 ms) showed the listing complete
+        "supervisor_peak_rss_mb": round(peak_mb, 1),
+        "list_requests": served.get("list", 0),
+        "objects_fetched": served.get("get", 0) + served.get("get_range", 0),
+    }
+
+
+def _process_rss_mb(pid: int, field: str) -> float:
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def measure_s3(objects: int, work: Path) -> dict[str, Any]:
+    """A bucket of ``objects`` tiny ``.npy`` objects (1,000 per directory) on the local S3 server (moto, counting
+    what it serves), read by a real daemon (``python -m cachefeed daemon``, 1 sampler process), then the same
+    daemon restarted on its cache directory. Reports, per start: seconds from the daemon's start to its first
+    object GET at the server (and to its first LIST), the supervisor's peak RSS (``VmHWM``, read once the listing
+    is complete and the restart catalog written), and the LIST requests the server answered. The objects are put
+    into the server's store directly (``s3server.fill_bucket``: moto accepts about 100 PUT requests a second on a
+    loaded 2-core host, 10⁵ would take 15 minutes); everything the daemon does goes through its HTTP API."""
+    import numpy as np
+
+    from benchmarks.common.s3server import S3Server, fill_bucket
+    from cachefeed._config import toml_text
+    from cachefeed._testing.local_s3 import s3_client, storage_options
+    from cachefeed._testing.samples import npy_bytes
+
+    server = S3Server.start()
+    try:
+        s3_client(server.endpoint).create_bucket(Bucket="catalog")
+        body = npy_bytes(np.arange(16, dtype=np.uint8))
+        started = time.perf_counter()
+        fill_bucket(server.endpoint, "catalog", S3_PREFIX, objects, body, PER_DIR)
+        upload_s = time.perf_counter() - started
+        cache_dir = work / "cache"
+        document = {
+            "remote": {
+                "url": f"s3://catalog/{S3_PREFIX}",
+                "storage_options": storage_options(server.endpoint),
+                "refresh_interval": "1h",
+            },
+            "cache": {"dir": str(cache_dir), "max_bytes": "2GiB", "min_free_bytes": 0, "fsync": False},
+            "sampler": {"processes": 1, "concurrency": 8},
+            "status": {"interval": "200ms"},
+        }
+        config = work / "daemon.toml"
+        config.write_text(toml_text(document))
+        first = _daemon_figures(server, config, cache_dir, objects, work / "first.log")
+        restart = _daemon_figures(server, config, cache_dir, objects, work / "restart.log")
+    finally:
+        server.stop()
+    return {"objects": objects, "fill_s": round(upload_s, 1), "first_start": first, "restart": restart}
+
+
 def run_one(size: int, rank: int, count: int, key_bytes: int = 0) -> dict[str, Any]:
     """``measure_one`` in a fresh process (clean RSS)."""
     done = subprocess.run(
@@ -199,6 +297,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 1000])
     parser.add_argument("--key-bytes", type=int, default=0, help="pad every key to this many bytes (default: 42-43)")
+    parser.add_argument(
+        "--s3", type=int, default=100_000, help="objects in the local S3 server's bucket (0: no S3 run)"
+    )
     parser.add_argument("--one", type=int, nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
@@ -224,7 +325,11 @@ def main() -> None:
                 "shared_list_job_per_hour": round(lister, 1),
             }
         rows.append({"size": size, "one_node": one, "node_of_100": share, "nodes": nodes})
-    figures = {"per_dir": PER_DIR, "refresh_s": DEFAULT_REFRESH_S, "rows": rows}
+    figures: dict[str, Any] = {"per_dir": PER_DIR, "refresh_s": DEFAULT_REFRESH_S, "rows": rows}
+    if args.s3:
+        with tempfile.TemporaryDirectory() as work:
+            figures["s3"] = measure_s3(args.s3, Path(work))
+        print(json.dumps(figures["s3"]), flush=True)
     if not args.no_save:
         print(save("catalog", figures, work_dir=Path(os.getcwd())))
     print(readme_table({"figures": figures, "command": "", "provenance": None}) if args.no_save else "")
@@ -252,6 +357,19 @@ def readme_table(doc: dict[str, Any]) -> str:
             f"+ {one['key_bytes_per_owned']:.0f} B key | {share['rss_mb']:.0f} MB | {one['first_fetch_s']:.2f} s "
             f"| {one['listing_s']:.1f} s | {one['restart_first_fetch_s']:.2f} s | {per_node} | {shared} |"
         )
+    s3 = figures.get("s3")
+    if s3:
+        first, restart = s3["first_start"], s3["restart"]
+        lines += [
+            "",
+            f"A bucket of {s3['objects']:,} objects on the local S3 server (moto on 127.0.0.1), read by a real daemon: "
+            f"first object fetched {first['first_fetch_s']:.1f} s after the daemon started "
+            f"({first['first_fetch_s'] - first['first_list_s']:.1f} s after its first LIST), "
+            f"{first['list_requests']:,} LIST requests for the whole listing, supervisor peak RSS "
+            f"{first['supervisor_peak_rss_mb']:.0f} MB; restarted on its cache: first fetch "
+            f"{restart['first_fetch_s']:.1f} s after the start, supervisor peak RSS "
+            f"{restart['supervisor_peak_rss_mb']:.0f} MB.",
+        ]
     if doc.get("provenance"):
         lines += ["", "Measured with " + provenance_line(doc) + "."]
     return "\n".join(lines)
