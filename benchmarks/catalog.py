@@ -1,6 +1,7 @@
 """The catalog at scale: memory per object, time to the first fetch, LIST requests per node per hour, restarts.
 
-    python -m benchmarks.catalog [--sizes 100000 1000000 10000000] [--nodes 1 100 1000]
+    python -m benchmarks.catalog [--sizes 100000 1000000 10000000] [--nodes 1 100 1000] [--long-keys 10000000]
+                                 [--s3 100000] [--jobs 4]
 
 A synthetic dataset (``--sizes`` keys of 42 to 43 bytes, ``<root>/class-NNNNN/<name>.jpg``, 1,000 per directory)
 is served by an in-process fsspec filesystem (``SyntheticFS``) that answers one ``ls`` per directory: one LIST
@@ -24,6 +25,12 @@ supervisor drives them (pages taken as they come, ``update_page``, ``end_listing
   shared catalog (one listing per interval for the whole job, by the lister). Nodes beyond the one measured are
   simulated by that same arithmetic (every node's listing costs the same requests).
 
+``--long-keys`` sizes are measured again (node 0 of 1) with every key padded to ``--long-key-bytes`` (80) bytes.
+``--s3 N`` (default 10⁵; 0 skips it): a bucket of N objects on the local S3 server, read by a real daemon and then
+restarted on its cache (``measure_s3``): seconds from the daemon's start to its first LIST and first object GET (at
+the server), LIST requests, the supervisor's peak RSS. ``--jobs``: measurements run at once (each in a process of
+its own: times are longer, memory is not shared).
+
 What it does not measure: the samplers' downloads (the first fetch is the plan handing out its first object), and
 a real S3 server's listing speed (the synthetic filesystem answers at memory speed).
 """
@@ -38,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -102,7 +110,9 @@ def _reset_peak() -> None:
 
 
 def measure_one(size: int, rank: int, count: int, work: Path, key_bytes: int = 0) -> dict[str, Any]:
-    """One size in this process (see the module docstring)."""
+    """One size in this process (see the module docstring). The pass is laid out while the plan still holds the
+    listing's pass-0 queue (4 bytes per object), which a daemon has emptied by the time it lays out a pass: the peak
+    is over by that much."""
     from cachefeed._config import RemoteConfig
     from cachefeed._daemon.catalog import Catalog, ListingEnd
     from cachefeed._daemon.catalog_file import load_restart, restart_header, save_restart
@@ -284,12 +294,37 @@ def run_one(size: int, rank: int, count: int, key_bytes: int = 0) -> dict[str, A
         timeout=3600,
     )
     figures: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(figures), flush=True)
     return figures
 
 
 def per_hour(requests: int, listing_s: float) -> float:
     """LIST requests per hour of one node listing every refresh interval (``Catalog``'s rule)."""
     return requests * 3600.0 / max(DEFAULT_REFRESH_S, COST_FACTOR * listing_s)
+
+
+def _measure_s3_in_temp(objects: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as work:
+        figures = measure_s3(objects, Path(work))
+    print(json.dumps(figures), flush=True)
+    return figures
+
+
+def _row(
+    size: int, key_bytes: int, node_counts: list[int], one: dict[str, Any], node_of_100: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One size: node 0 of 1 and of 100 (measured), LIST requests per hour for each node count."""
+    nodes = {}
+    for count in node_counts:
+        listing = per_hour(one["list_requests"], one["listing_s"])
+        lister = per_hour(one["list_requests"], one["listing_s"])  # the one lister of a shared catalog
+        nodes[str(count)] = {
+            "list_per_node_per_hour": round(listing, 1),
+            "list_job_per_hour": round(listing * count, 1),
+            "shared_list_per_node_per_hour": round(lister / count, 3),
+            "shared_list_job_per_hour": round(lister, 1),
+        }
+    return {"size": size, "key_bytes": key_bytes, "one_node": one, "node_of_100": node_of_100, "nodes": nodes}
 
 
 def main() -> None:
@@ -300,6 +335,13 @@ def main() -> None:
     parser.add_argument(
         "--s3", type=int, default=100_000, help="objects in the local S3 server's bucket (0: no S3 run)"
     )
+    parser.add_argument(
+        "--long-keys", type=int, nargs="*", default=[], help="sizes also measured with --long-key-bytes keys, 1 node"
+    )
+    parser.add_argument("--long-key-bytes", type=int, default=80)
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="measurements run at once (each in a process of its own; times get longer)"
+    )
     parser.add_argument("--one", type=int, nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
@@ -308,28 +350,23 @@ def main() -> None:
             size, rank, count, key_bytes = args.one
             print(json.dumps(measure_one(size, rank, count, Path(work), key_bytes)))
         return
-    rows = []
-    for size in args.sizes:
-        one = run_one(size, 0, 1, args.key_bytes)
-        print(json.dumps(one), flush=True)
-        share = run_one(size, 0, 100, args.key_bytes)
-        print(json.dumps(share), flush=True)
-        nodes = {}
-        for count in args.nodes:
-            listing = per_hour(one["list_requests"], one["listing_s"])
-            lister = per_hour(one["list_requests"], one["listing_s"])  # the one lister of a shared catalog
-            nodes[str(count)] = {
-                "list_per_node_per_hour": round(listing, 1),
-                "list_job_per_hour": round(listing * count, 1),
-                "shared_list_per_node_per_hour": round(lister / count, 3),
-                "shared_list_job_per_hour": round(lister, 1),
-            }
-        rows.append({"size": size, "one_node": one, "node_of_100": share, "nodes": nodes})
-    figures: dict[str, Any] = {"per_dir": PER_DIR, "refresh_s": DEFAULT_REFRESH_S, "rows": rows}
-    if args.s3:
-        with tempfile.TemporaryDirectory() as work:
-            figures["s3"] = measure_s3(args.s3, Path(work))
-        print(json.dumps(figures["s3"]), flush=True)
+    runs = [(size, args.key_bytes, 1) for size in args.sizes] + [(size, args.key_bytes, 100) for size in args.sizes]
+    runs += [(size, args.long_key_bytes, 1) for size in args.long_keys]
+    runs.sort(key=lambda run: -run[0])  # the longest first
+    with ThreadPoolExecutor(args.jobs) as pool:  # each run is a process of its own
+        s3 = pool.submit(_measure_s3_in_temp, args.s3) if args.s3 else None
+        done = dict(zip(runs, pool.map(lambda run: run_one(run[0], 0, run[2], run[1]), runs), strict=True))
+        rows = [
+            _row(size, args.key_bytes, args.nodes, done[size, args.key_bytes, 1], done[size, args.key_bytes, 100])
+            for size in args.sizes
+        ]
+        rows += [
+            _row(size, args.long_key_bytes, args.nodes, done[size, args.long_key_bytes, 1], None)
+            for size in args.long_keys
+        ]
+        figures: dict[str, Any] = {"per_dir": PER_DIR, "refresh_s": DEFAULT_REFRESH_S, "rows": rows}
+        if s3 is not None:
+            figures["s3"] = s3.result()
     if not args.no_save:
         print(save("catalog", figures, work_dir=Path(os.getcwd())))
     print(readme_table({"figures": figures, "command": "", "provenance": None}) if args.no_save else "")
@@ -351,10 +388,13 @@ def readme_table(doc: dict[str, Any]) -> str:
             f"{nodes[c]['list_job_per_hour']:,.0f} ({int(c):,} node{'s' if int(c) > 1 else ''})" for c in node_counts
         )
         shared = ", ".join(f"{nodes[c]['shared_list_job_per_hour']:,.0f} ({int(c):,})" for c in node_counts)
+        keys = f" ({row['key_bytes']}-byte keys)" if row.get("key_bytes") else ""
+        per_node_of_100 = f"{share['rss_mb']:.0f} MB" if share else "—"
         lines.append(
-            f"| {row['size']:,} | {one['rss_mb']:,.0f} MB ({one['rss_per_object']:.0f} B) "
+            f"| {row['size']:,}{keys} | {one['rss_mb']:,.0f} MB ({one['rss_per_object']:.0f} B) "
             f"| {one['plan_bytes_per_owned']:.0f} B "
-            f"+ {one['key_bytes_per_owned']:.0f} B key | {share['rss_mb']:.0f} MB | {one['first_fetch_s']:.2f} s "
+            f"+ {one['key_bytes_per_owned']:.0f} B key | {per_node_of_100} "
+            f"| {one['first_fetch_s']:.2f} s "
             f"| {one['listing_s']:.1f} s | {one['restart_first_fetch_s']:.2f} s | {per_node} | {shared} |"
         )
     s3 = figures.get("s3")
