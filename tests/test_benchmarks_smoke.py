@@ -306,6 +306,18 @@ def test_catalog_measures_a_tiny_dataset_and_renders_its_table(tmp_path: Path) -
     assert "| 3,000 |" in catalog.readme_table({"figures": {"rows": [row]}})
 
 
+def test_catalog_s3_bucket_run_reports_a_real_daemons_first_fetch_lists_and_restart(tmp_path: Path) -> None:
+    from benchmarks import catalog
+
+    s3 = catalog.measure_s3(1500, tmp_path)
+    first, restart = s3["first_start"], s3["restart"]
+    assert first["list_requests"] == 2  # 1,500 keys: two pages of at most 1,000, counted at the server
+    assert 0 < first["first_list_s"] <= first["first_fetch_s"] and restart["first_fetch_s"] > 0
+    assert 40 < first["supervisor_peak_rss_mb"] < 1000 and first["objects_fetched"] > 0
+    text = catalog.readme_table({"figures": {"rows": [], "s3": s3}})
+    assert "A bucket of 1,500 objects on the local S3 server" in text
+
+
 def test_first_batch_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import first_batch
 

@@ -6,6 +6,7 @@ in a counting middleware: every request is classified (object GET, ranged GET, H
 response body bytes are added up as they leave. Counters are read and zeroed over HTTP on the same port:
 
     GET  /__bench__/stats   -> JSON counters (:func:`fetch_stats`)
+    POST /__bench__/fill    -> creates many small objects in the server's own store (:func:`fill_bucket`)
 
 :class:`S3Server` starts that subprocess for a benchmark run through the one local-S3 launcher
 (``cachefeed._testing.local_s3``). Why not the tests' counting proxy (``cachefeed._testing.proxy``): the counters
@@ -31,6 +32,7 @@ from benchmarks.common.results import REPO_ROOT
 from cachefeed._testing.local_s3 import LocalS3, s3_client
 
 _STATS_PATH = "/__bench__/stats"
+_FILL_PATH = "/__bench__/fill"
 
 
 class _Counters:
@@ -92,6 +94,11 @@ class CountingMiddleware:
             body = json.dumps(self.counters.snapshot()).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
+        if path == _FILL_PATH and environ.get("REQUEST_METHOD") == "POST":
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+            body = json.dumps({"created": _fill(json.loads(environ["wsgi.input"].read(length)))}).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
         kind = classify(environ)
         bytes_in = int(environ.get("CONTENT_LENGTH") or 0)
         return self._count(kind, bytes_in, self.app(environ, start_response))
@@ -108,6 +115,31 @@ class CountingMiddleware:
             close = getattr(body, "close", None)
             if callable(close):
                 close()
+
+
+def _fill(request: dict[str, Any]) -> int:
+    """Objects ``<prefix>/class-<i // per_dir>/n<i>.npy`` for i < count, each holding ``body`` (hex), put into
+    moto's S3 store directly (its ``put_object``, as a PUT request does after parsing it): not counted."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    body = bytes.fromhex(request["body"])
+    prefix, per_dir, count = request["prefix"], int(request["per_dir"]), int(request["count"])
+    for i in range(count):
+        backend.put_object(request["bucket"], f"{prefix}/class-{i // per_dir:05d}/n{i:09d}.npy", body)
+    return count
+
+
+def fill_bucket(endpoint: str, bucket: str, prefix: str, count: int, body: bytes, per_dir: int = 1000) -> int:
+    """Create ``count`` objects of ``body`` under ``prefix/`` of an existing bucket of the counting server at
+    ``endpoint``, ``per_dir`` per directory (``class-NNNNN/nNNNNNNNNN.npy``), without one HTTP PUT each: a
+    benchmark of listing needs 10⁵ objects, which moto takes minutes to accept as PUT requests."""
+    payload = {"bucket": bucket, "prefix": prefix, "count": count, "per_dir": per_dir, "body": body.hex()}
+    request = urllib.request.Request(endpoint + _FILL_PATH, data=json.dumps(payload).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        created: int = json.loads(response.read())["created"]
+    return created
 
 
 def main(argv: list[str] | None = None) -> None:

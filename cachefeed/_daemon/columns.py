@@ -20,15 +20,16 @@ Invariants of ``ObjectTable`` (oid = the row number, ``0 <= oid < len(table)``):
 * **Versions.** 16 bytes and a kind per row: a quoted or bare 32-hex ETag (S3's MD5 ETags) as its 16 raw bytes,
   a local ``"<mtime_ns>-<size>"`` as the int64 mtime, None as kind 0; anything else (multipart ETags, GCS
   generations) in an overflow dict. ``version(oid)`` gives back exactly the string the listing had.
-* **Memory.** Per owned row: 8 (key end) + 8 (size) + 17 (version) + 12 (index) bytes plus the key's bytes;
-  ``SamplingPlan`` adds 4 (generation seen) + 8 (segment) + 4 (pass queue). ``trim()`` (after a complete listing)
-  gives back the columns' spare capacity, so a settled catalog costs about 61 bytes per owned object beyond its key
-  (``tests/daemon/test_columns.py`` asserts ≤ 64). Above that, the peak: a column's growth (one column's old and new
-  arrays for a moment; the spare capacity is never written until used), one index merge (≤ ``MAX_RUN`` entries), a
-  pass layout (the new queue's 4 bytes per row and about 1 more, ``pass_order``), one block of a restart catalog
-  being written (from the live columns, ``blocks``), with large freed arrays given back to the system
-  (``return_freed_memory``): ``benchmarks.catalog`` measured 123 bytes per object at 10⁷ objects of 43-byte keys,
-  peak RSS.
+* **Memory.** Per owned row: 4 (key end) + 4 (size) + 17 (version) + 12 (index) bytes plus the key's bytes;
+  ``SamplingPlan`` adds 4 (generation seen) + 4 (segment) + 4 (pass queue). Key ends, sizes and segment numbers
+  are 4 bytes while they fit (the key blob and every object under 4 GiB, segment numbers under 2³¹), then their
+  column is widened to 8 once (``Column``). ``trim()`` (after a complete listing) gives back the columns' spare
+  capacity, so a settled catalog costs about 49 bytes per owned object beyond its key (``tests/daemon/
+  test_columns.py`` asserts ≤ 64). Above that, the peak: a column's growth (in place: ``realloc`` moves a large
+  array's mapping, never copies it; 1/``GROWTH`` spare rows), one index merge (≤ ``MAX_RUN`` entries), a pass
+  layout (the new queue's 4 bytes per row and about 1 more, ``pass_order``), one block of a restart catalog being
+  written (from the live columns, ``blocks``), with large freed arrays given back to the system
+  (``return_freed_memory``). ``benchmarks.catalog`` measures the peak RSS per object.
 """
 
 from __future__ import annotations
@@ -115,26 +116,59 @@ def return_freed_memory() -> bool:
         return False
 
 
-class Column:
-    """A growable numpy array (amortised O(1) appends; ``trim`` drops the spare capacity)."""
+GROWTH = 32  # a column grows by 1/GROWTH of its rows at a time (``Column._grow``)
+MIN_GROWTH = 1 << 14  # rows, at least
 
-    def __init__(self, dtype: Any, width: int = 0, fill: int = 0) -> None:
+
+class Column:
+    """A growable numpy array (amortised O(1) appends; ``trim`` drops the spare capacity).
+
+    ``wide``: an integer column held narrow (``dtype``) until a value does not fit, then widened to ``wide`` once
+    (a copy of the rows held): key ends and sizes are 4 bytes per row while the key blob and every object are
+    under 4 GiB, segment numbers while under 2³¹."""
+
+    def __init__(self, dtype: Any, width: int = 0, fill: int = 0, wide: Any = None) -> None:
         self._shape_tail = (width,) if width else ()
         self._fill = fill
+        self._wide = np.dtype(wide) if wide is not None else None
         self.data: npt.NDArray[Any] = np.full((0, *self._shape_tail), fill, dtype=dtype)
         self.n = 0
 
+    def _fit(self, values: npt.ArrayLike) -> npt.NDArray[Any]:
+        """``values`` in this column's dtype, the column widened first if one does not fit."""
+        array = np.asarray(values)
+        dtype = self.data.dtype
+        if self._wide is not None and dtype != self._wide and array.size and array.dtype != dtype:
+            limits = np.iinfo(dtype)
+            if int(array.min()) < limits.min or int(array.max()) > limits.max:
+                wider = np.empty(self.data.shape, self._wide)
+                wider[: self.n] = self.data[: self.n]
+                self.data = wider
+        return array.astype(self.data.dtype, copy=False)
+
     def extend(self, values: npt.ArrayLike) -> None:
-        values = np.asarray(values, dtype=self.data.dtype)
+        values = self._fit(values)
         end = self.n + len(values)
         if end > len(self.data):
-            # np.empty: the spare capacity is never written until used, so it costs address space, not memory
-            # (a large allocation is its own mapping, ``release_freed_memory``)
-            grown = np.empty((max(end, len(self.data) * 3 // 2, 1024), *self._shape_tail), self.data.dtype)
-            grown[: self.n] = self.data[: self.n]
-            self.data = grown
+            self._grow(max(end, len(self.data) + max(len(self.data) // GROWTH, MIN_GROWTH)))
         self.data[self.n : end] = values
         self.n = end
+
+    def _grow(self, rows: int) -> None:
+        """Capacity for ``rows`` rows, in place where nothing else refers to the array: ``realloc``, which moves a
+        large array's mapping (``return_freed_memory``) instead of copying it, so growing a column never holds
+        its old and new arrays at once (a copy did: 16 bytes per row for the versions, the peak at the end of a
+        listing). The new rows are zeroed (written: that is why the column grows by 1/``GROWTH`` at a time)."""
+        try:
+            self.data.resize((rows, *self._shape_tail), refcheck=True)
+        except ValueError:  # a view of it is held (the restart catalog's writer): copy
+            grown = np.empty((rows, *self._shape_tail), self.data.dtype)
+            grown[: self.n] = self.data[: self.n]
+            self.data = grown
+
+    def put(self, index: Any, values: npt.ArrayLike) -> None:
+        """``data[index] = values``, the column widened first if a value does not fit."""
+        self.data[index] = self._fit(values)
 
     def grow_to(self, n: int) -> None:
         """Rows up to ``n``, the new ones set to the fill value."""
@@ -270,8 +304,8 @@ class ObjectTable:
 
     def __init__(self) -> None:
         self._blob = bytearray()
-        self._ends = Column(np.int64)
-        self._sizes = Column(np.int64)
+        self._ends = Column(np.uint32, wide=np.int64)  # 4 bytes a row while the blob is under 4 GiB
+        self._sizes = Column(np.uint32, wide=np.int64)  # 4 bytes a row while every object is under 4 GiB
         self._vkind = Column(np.uint8)
         self._vraw = Column(np.uint8, width=16)
         self._other: dict[int, str] = {}  # oid -> a version that fits no fixed-width kind
@@ -313,7 +347,7 @@ class ObjectTable:
 
     def set_version_from(self, oid: int, page: FoldedPage, row: int) -> None:
         """Row ``oid`` takes the size and version of ``page`` row ``row``."""
-        self._sizes.data[oid] = page.sizes[row]
+        self._sizes.put(oid, page.sizes[row])
         kind = int(page.vkinds[row])
         self._vkind.data[oid] = kind
         self._vraw.data[oid] = page.vraw[row]
@@ -429,7 +463,7 @@ class ObjectTable:
         return Block(
             keys,
             np.cumsum(ends - begins, dtype=np.int64),
-            self._sizes.data[oids],
+            self._sizes.data[oids].astype(np.int64),
             self._vkind.data[oids],
             self._vraw.data[oids],
             hashes,

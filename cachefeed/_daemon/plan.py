@@ -100,7 +100,8 @@ class SamplingPlan:
         self._now = clock
         self.table = ObjectTable()
         self._seen = Column(np.uint32)  # oid -> the last listing generation that showed it
-        self._segment_of = Column(np.int64, fill=-1)  # oid -> seq of the segment holding its last sample, or -1
+        # oid -> seq of the segment holding its last sample, or -1 (4 bytes a row while seqs are under 2³¹)
+        self._segment_of = Column(np.int32, fill=-1, wide=np.int64)
         self._generation = 0  # the listing being folded in, or the last one
         self._complete = 0  # the last complete listing: an object is listed if seen >= this
         self._is_listing = False
@@ -345,7 +346,7 @@ class SamplingPlan:
                 current.append(oid)
         if seq is not None and current:
             held = np.array(current, dtype=np.uint32)
-            self._segment_of.data[held] = seq
+            self._segment_of.put(held, np.full(len(held), seq, np.int64))
             self._objects_in.setdefault(seq, []).append(held)
 
     def failed(self, oid: int, kind: str) -> None:
@@ -380,7 +381,7 @@ class SamplingPlan:
         if adopted is None or adopted[0] != self._etag(oid):
             return
         seq = adopted[1]
-        self._segment_of.data[oid] = seq
+        self._segment_of.put(oid, np.int64(seq))
         self._objects_in.setdefault(seq, []).append(np.array([oid], dtype=np.uint32))
 
     def evicted(self, seqs: Iterable[int]) -> None:

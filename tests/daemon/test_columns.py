@@ -169,3 +169,39 @@ def test_an_index_of_capped_runs_finds_every_path_and_a_pass_visits_each_once(mo
     assert plan.table.lookup(page.paths, page.hashes).tolist() == list(range(len(objects)))
     drawn = paths_of(plan.next(200_000))
     assert sorted(drawn) == sorted(o.path for o in objects)
+
+
+def test_narrow_columns_widen_when_a_key_end_a_size_or_a_segment_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Key ends, sizes and segment numbers are held in 4 bytes until a value needs 8; then the column is widened
+    # once and every value reads back exactly.
+    column = columns.Column(np.uint32, wide=np.int64)
+    column.extend([1, 2, 3])
+    assert column.data.dtype == np.uint32
+    column.extend([2**32 + 7])
+    column.put(0, np.int64(2**40))
+    assert column.data.dtype == np.int64
+    assert column.view.tolist() == [2**40, 2, 3, 2**32 + 7]
+    held = column.data  # a reference held elsewhere: the column grows by a copy, not in place
+    column.extend(np.arange(100_000))
+    assert column.data is not held and column.view[:5].tolist() == [2**40, 2, 3, 2**32 + 7, 0]
+    assert column.view[-1] == 99_999 and held[0] == 2**40
+    huge = 5 << 30  # an object over 4 GiB (a tar shard)
+    objects = [RemoteObject("b/small", 10, '"' + "a" * 32 + '"'), RemoteObject("b/huge", huge, None)]
+    table = ObjectTable()
+    table.add(fold_page(objects, 0, 1), np.arange(2))
+    assert [table.get(i) for i in range(2)] == objects
+    grown = fold_page([RemoteObject("b/small", huge + 1, "v2")], 0, 1)
+    table.set_version_from(0, grown, 0)
+    assert table.get(0) == RemoteObject("b/small", huge + 1, "v2")
+    block = next(table.blocks(np.ones(2, dtype=bool), 10))
+    assert sorted(block.sizes.tolist()) == [huge, huge + 1]
+    plan = SamplingPlan()
+    plan.update_catalog(listing(3))
+    drawn = plan.next(3)
+    plan.done([drawn[0][0]], 2**40)  # a segment number past 2³¹: the column widens
+    plan.done([drawn[1][0]], 5)
+    assert plan.cached_segments() == {2**40, 5}
+    plan.evicted([2**40])
+    assert plan.cached_segments() == {5}
