@@ -301,6 +301,22 @@ class Snapshot:
         self._load(manifest)
         return len(entries)
 
+    def seal(self) -> None:
+        """Creator only: end the growth with the segments the snapshot has (no new ones linked): the way out when
+        ``grow(close=True)`` fails. A no-op on a closed snapshot."""
+        if self._lock_fd is None or os.getpid() != self._owner_pid:
+            raise SnapshotError(f"snapshot {self.snap_id}: only its holding creator seals it")
+        if not self.is_open:
+            return
+        manifest = dict(self._manifest)
+        generations = list(self.generations or ())
+        if not generations or generations[-1] != len(self.names):
+            generations.append(len(self.names))
+        manifest["generations"] = generations
+        manifest["open"] = False
+        atomic_write(self.directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
+        self._load(manifest)
+
     def refresh(self) -> bool:
         """Joiners: read the MANIFEST again if its creator grew or closed it since; True if anything changed."""
         if not self.is_open:
@@ -447,7 +463,8 @@ def _link_entries(
 ) -> tuple[list[list[object]], int]:
     """Hard-link the published segments ``names`` into ``directory``; their MANIFEST entries (name, samples, reads
     level, source tag, reads above the level) and how many of their samples are fresh (no epoch has read them nor
-    is reading them: ``room.py``). A segment evicted meanwhile, or empty, is left out."""
+    is reading them: ``room.py``). A segment evicted meanwhile, or empty, is left out. A link already there to the
+    same file is kept: a grower killed between linking and writing its MANIFEST left it (the resumed one links on)."""
     entries: list[list[object]] = []
     fresh = 0
     for name in names:
@@ -455,6 +472,13 @@ def _link_entries(
             os.link(layout.segments / name, directory / name, follow_symlinks=False)
         except FileNotFoundError:
             continue  # evicted between the listing and the link
+        except FileExistsError:
+            if not _same_file(layout.segments / name, directory / name):
+                os.unlink(directory / name)  # not the published segment of that name: never read, replaced
+                try:
+                    os.link(layout.segments / name, directory / name, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
         count, tag = segment_trailer(directory / name)
         if count > 0:
             counts = reads.get(name)
@@ -465,6 +489,13 @@ def _link_entries(
         else:
             os.unlink(directory / name)
     return entries, fresh
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samestat(os.stat(a, follow_symlinks=False), os.stat(b, follow_symlinks=False))
+    except FileNotFoundError:
+        return False
 
 
 def _checked_layout(root: str | os.PathLike[str], snap_id: str) -> CacheLayout:

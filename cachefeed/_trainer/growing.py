@@ -165,7 +165,15 @@ class Grower:
                 try:
                     added = self.snapshot.grow(close=True)
                 except (OSError, SnapshotError):
-                    log.warning("could not close growing snapshot %s", self.snapshot.snap_id, exc_info=True)
+                    log.warning(
+                        "could not link the last segments of growing snapshot %s: closing it as it is",
+                        self.snapshot.snap_id,
+                        exc_info=True,
+                    )
+                    try:
+                        self.snapshot.seal()  # the ranks reading it end the epoch with what it has
+                    except (OSError, SnapshotError):
+                        log.exception("could not close growing snapshot %s", self.snapshot.snap_id)
                     return
                 log.info(
                     "snapshot %s closed: %d segments, %d samples (%d in its last generation)",
