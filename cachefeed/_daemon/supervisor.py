@@ -71,6 +71,7 @@ log = get_logger(__name__)
 
 DRAIN_TIMEOUT_S = 5.0
 _MAX_WAIT_S = 0.25
+_FIRST_LISTING_WAIT_S = 0.01  # the main loop's longest nap while a source's first listing runs (_serve)
 # What one sampler may hold of assigned objects: the larger of these, and always two objects (_assign).
 _ASSIGNED_BYTES_MIN = 16 << 20
 _ASSIGNED_SEGMENTS = 4
@@ -222,7 +223,9 @@ class Supervisor:
             now = time.monotonic()
             timers = [next_status, next_upkeep] + ([next_watchdog] if watchdog_s else [])
             is_listing = any(catalog.pending() for catalog in self.inputs.catalogs())  # pages waiting: no nap
-            self._poll(0.0 if is_listing else min(_MAX_WAIT_S, max(0.0, min(timers) - now)))
+            # Until a first listing ends, its pages are looked for often: they are what the samplers wait for.
+            nap = _FIRST_LISTING_WAIT_S if self._is_first_listing() else _MAX_WAIT_S
+            self._poll(0.0 if is_listing else min(nap, max(0.0, min(timers) - now)))
             if self.should_exit and not self._is_draining:
                 self._begin_drain()
             if self._is_draining:
@@ -245,6 +248,11 @@ class Supervisor:
         self._publish_status()
         log.info("stopped")
         return 0
+
+    def _is_first_listing(self) -> bool:
+        """Whether some source's first listing is under way (not done, and not failing: then the normal nap)."""
+        states = [catalog.state() for catalog in self.inputs.catalogs()]
+        return any(state.last_listed_at == 0 and not state.is_failing for state in states)
 
     def _shutdown(self) -> None:
         """Whatever happened: no sampler outlives us, the catalog thread stops, the lock is released."""
