@@ -82,6 +82,7 @@ class CachefeedAdapter:
     supports_remote = True
     uses_sample_objects = True
     rolling = True  # under a budget, an epoch covers what is cached (coverage reported, not a failure)
+    decoder = f"{__name__}:decode_sample"  # the daemon's ``sampler.decode``
 
     def describe(self) -> dict[str, Any]:
         import cachefeed
@@ -146,7 +147,7 @@ class CachefeedAdapter:
                 "fsync": False,
                 **cache_extra,
             },
-            "sampler": {"processes": 2, "concurrency": 16, "decode": f"{__name__}:decode_sample"},
+            "sampler": {"processes": 2, "concurrency": 16, "decode": self.decoder},
             "status": {"interval": "500ms"},
             "log": {"level": "info"},
         }

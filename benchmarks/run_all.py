@@ -149,10 +149,10 @@ def readme_table(doc: dict[str, Any]) -> str:
             return "-"
         return " / ".join(fmt(v if not isinstance(v, list) else mean(v), digits) for v in values)
 
-    systems = ("cachefeed", "mosaic", "litdata")
+    systems = ("cachefeed", "cachefeed-tar", "mosaic", "litdata")
     lines = [
-        "| | cachefeed | mosaicml-streaming | litdata | baseline |",
-        "|---|---|---|---|---|",
+        "| | cachefeed | cachefeed, tar shards | mosaicml-streaming | litdata | baseline |",
+        "|---|---|---|---|---|---|",
     ]
 
     def add(what: str, key: str, which: list[str], baseline: str, digits: int = 3) -> None:
@@ -241,7 +241,10 @@ def readme_table(doc: dict[str, Any]) -> str:
         s: f"{fmt(min(v))}-{fmt(max(v))}" if (v := [x for x in values if x is not None]) else "-"
         for s, values in converts.items()
     }
-    lines.append(f"| conversion before training (s) | 0 (none needed) | {spans['mosaic']} | {spans['litdata']} | |")
+    lines.append(
+        f"| conversion before training (s) | 0 (none needed) | {spans['cachefeed-tar']} | {spans['mosaic']} "
+        f"| {spans['litdata']} | |"
+    )
     problems = [
         f"{row['system']} on {sizes.get(row['workload'], row['workload'])}, {label}: {text}"
         for row in doc.get("summary", [])

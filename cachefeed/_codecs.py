@@ -34,6 +34,8 @@ Built-in formats (``get_decoder(name)``):
   absolute or ``..`` names, non-regular members (links, devices, directories) and names without an extension
   are skipped; nothing is ever extracted to disk. Compressed tars (gz, bz2, xz) are read transparently. An
   archive cut short (no end-of-archive zero block after the last member) is a ``DecodeError``, not fewer samples.
+  A plain archive (uncompressed ustar or GNU headers, no pax or long-name headers) is read straight from its
+  headers, the same members ``tarfile`` gives at a fraction of its cost; anything else goes through ``tarfile``.
 
 What a decoder may return (the segment writer's contract, checked by ``check_sample`` for every decoder, user
 ones included): field names are ``str`` and may not start with ``__`` (except ``__key__``); values are numpy
@@ -56,7 +58,7 @@ import json
 import math
 import posixpath
 import tarfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,35 +287,85 @@ def decode_tar(key: str, body: bytes, *, images: _Images | None = None) -> Decod
     (``Decoded.skipped``), a malformed archive raises."""
     groups: dict[str, Sample] = {}
     failed: dict[str, str] = {}  # group -> why its sample is left out (the first member that failed)
-    with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as archive:
-        for member in archive:
-            if not member.isreg():
-                continue
-            where = _tar_group(member.name)
-            if where is None:
-                continue
-            group, extension = where
-            sample = groups.setdefault(group, {"__key__": group})
-            if extension in sample:
-                raise ValueError(f"member {member.name!r}: field {extension!r} appears twice in {group!r}")
-            handle = archive.extractfile(member)
-            if handle is None:
-                continue
-            payload = handle.read()
-            if group in failed:
-                sample[extension] = None  # the sample is left out: only its fields' names are kept
-                continue
-            try:
-                sample[extension] = _tar_field(extension, payload, images, member.name)
-            except (ValueError, DecodeError) as exc:  # bad data in this member: costs its sample, not the shard
-                sample[extension] = None
-                reason = str(exc) if isinstance(exc, DecodeError) else f"{type(exc).__name__}: {exc}"
-                failed[group] = reason if reason.startswith(member.name) else f"member {member.name!r}: {reason}"
-        _check_end_of_archive(archive)
+    members = _plain_tar_members(body)
+    for name, payload in members if members is not None else _tarfile_members(body):
+        where = _tar_group(name)
+        if where is None:
+            continue
+        group, extension = where
+        sample = groups.setdefault(group, {"__key__": group})
+        if extension in sample:
+            raise ValueError(f"member {name!r}: field {extension!r} appears twice in {group!r}")
+        if group in failed:
+            sample[extension] = None  # the sample is left out: only its fields' names are kept
+            continue
+        try:
+            sample[extension] = _tar_field(extension, payload, images, name)
+        except (ValueError, DecodeError) as exc:  # bad data in this member: costs its sample, not the shard
+            sample[extension] = None
+            reason = str(exc) if isinstance(exc, DecodeError) else f"{type(exc).__name__}: {exc}"
+            failed[group] = reason if reason.startswith(name) else f"member {name!r}: {reason}"
     return Decoded(
         (sample for group, sample in groups.items() if group not in failed),
         ((group, why) for group, why in failed.items()),
     )
+
+
+def _tarfile_members(body: bytes) -> Iterator[tuple[str, bytes]]:
+    """(name, payload) of each regular member, read by ``tarfile`` (any archive it reads: compressed, pax, GNU
+    long names); raises on a malformed or truncated one."""
+    with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as archive:
+        for member in archive:
+            if not member.isreg() or _tar_group(member.name) is None:
+                continue
+            handle = archive.extractfile(member)
+            if handle is not None:
+                yield member.name, handle.read()
+        _check_end_of_archive(archive)
+
+
+_POSIX_MAGIC = b"ustar\x0000"
+_GNU_MAGIC = b"ustar  \x00"
+_REGULAR = (b"0", b"\x00", b"7")  # what tarfile's isreg() accepts
+_NOT_REGULAR = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, FIFOs: skipped
+
+
+def _plain_tar_members(body: bytes) -> list[tuple[str, bytes]] | None:
+    """(name, payload) of each regular member of a plain archive (uncompressed ustar or GNU headers, no pax or long
+    names, every checksum right, ending in a zero block), read straight from the headers: what ``tarfile`` gives
+    for it at a fraction of the cost (its header parsing is most of a small-sample shard's decode). None for
+    anything else: ``_tarfile_members`` then reads it, and raises what it raises."""
+    members: list[tuple[str, bytes]] = []
+    offset, end = 0, len(body)
+    view = memoryview(body)
+    while offset + tarfile.BLOCKSIZE <= end:
+        header = view[offset : offset + tarfile.BLOCKSIZE]
+        if not any(header):
+            return members  # the end-of-archive block
+        magic = bytes(header[257:265])
+        kind = bytes(header[156:157])
+        if magic not in (_POSIX_MAGIC, _GNU_MAGIC) or header[124] & 0x80 or kind not in _REGULAR + _NOT_REGULAR:
+            return None
+        try:
+            stored = int(bytes(header[148:156]).strip(b"\x00 ") or b"x", 8)
+            size = int(bytes(header[124:136]).strip(b"\x00 ") or b"0", 8)
+        except ValueError:
+            return None
+        if stored != sum(header) - sum(header[148:156]) + 8 * 32:
+            return None
+        name = bytes(header[0:100]).split(b"\x00", 1)[0]
+        if magic == _POSIX_MAGIC:
+            prefix = bytes(header[345:500]).split(b"\x00", 1)[0]
+            name = prefix + b"/" + name if prefix else name
+        start = offset + tarfile.BLOCKSIZE
+        if start + size > end:
+            return None
+        text = name.decode("utf-8", "surrogateescape")
+        is_directory = kind == b"\x00" and text.endswith("/")  # tarfile's old-style directory
+        if kind in _REGULAR and not is_directory and _tar_group(text) is not None:
+            members.append((text, body[start : start + size]))
+        offset = start + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    return None  # no end-of-archive block: cut short
 
 
 def _check_end_of_archive(archive: tarfile.TarFile) -> None:

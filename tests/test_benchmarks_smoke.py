@@ -98,6 +98,38 @@ def test_harness_runs_cachefeed_against_the_counting_server_and_writes_the_repor
     assert row["cold_first_epoch_s"] == pytest.approx(started + cold[0]["wall_s"], abs=0.002)
 
 
+def test_cachefeed_reads_the_workload_packed_into_tar_shards_one_get_per_shard(tmp_path: Path) -> None:
+    """The ``cachefeed-tar`` system: its conversion packs the samples into tar shards of the peers' shard size,
+    the harness uploads them, and the daemon caches every sample from them (each verified by the harness), fetching
+    each shard once."""
+    from benchmarks.common.adapter import shard_bytes_for
+
+    system = System("cachefeed-tar", "benchmarks.cachefeed_tar_adapter:CachefeedTarAdapter")
+
+    def plan(workload: Workload, key: str) -> list[MeasureSpec]:
+        return [
+            MeasureSpec("convert", "convert", {}, timeout_s=40.0),
+            MeasureSpec("cold", "remote", {"num_workers": 0, "epochs": 2}, timeout_s=40.0, max_s=60.0),
+        ]
+
+    doc = Suite("test", [system], [WORKLOAD], plan, _no_ceiling, tmp_path / "run").run()
+    measures = doc["workloads"]["small"]["systems"]["cachefeed-tar"]["measures"]
+    convert = measures["convert"]
+    assert convert["status"] == "ok", convert
+    shard_bytes = shard_bytes_for(WORKLOAD)
+    assert shard_bytes - WORKLOAD.sample_bytes - 2048 < convert["largest_file_bytes"] <= shard_bytes  # full shards
+    assert convert["files"] == -(-convert["bytes"] // convert["largest_file_bytes"])  # all full but the last
+
+    cold = measures["cold"]
+    assert cold["status"] == "ok", cold
+    epochs = cold["epochs"]
+    assert [e["unique_samples"] for e in epochs] == [WORKLOAD.count, WORKLOAD.count]
+    assert all(e["duplicate_samples"] == 0 and e["corrupt_samples"] == 0 for e in epochs)
+    assert epochs[0]["remote_requests_by_kind"] == {"list": 1, "get": convert["files"]}  # one GET per shard
+    assert epochs[0]["remote_bytes"] == convert["bytes"]  # each shard downloaded once
+    assert epochs[1]["remote_bytes"] == 0
+
+
 def test_a_baseline_measured_in_process(tmp_path: Path) -> None:
     """The local-files baseline through the same measurement (in this process: no child, no S3)."""
     from benchmarks.common.measures import Context, measure_local
@@ -162,13 +194,13 @@ def test_the_readme_table_renders_the_new_rows_and_dashes_for_a_run_without_them
     cells = [line.strip("| ").split(" | ") for line in readme_table(doc).splitlines()]
     rows = {row[0]: row[1:] for row in cells}
     inprocess = next(cells for what, cells in rows.items() if "num_workers=0" in what)
-    assert inprocess[:3] == ["250", "-", "-"]
-    assert "DataLoader ceiling, batched from RAM 400" in inprocess[3]
-    assert "per-sample Dataset over RAM -" in inprocess[3]
+    assert inprocess[:4] == ["250", "-", "-", "-"]
+    assert "DataLoader ceiling, batched from RAM 400" in inprocess[4]
+    assert "per-sample Dataset over RAM -" in inprocess[4]
     raw = next(cells for what, cells in rows.items() if "raw sequential read" in what)
-    assert raw == ["900", "-", "800", "per-sample files -"]
+    assert raw == ["900", "-", "-", "800", "per-sample files -"]
     warm = next(cells for what, cells in rows.items() if "(samples/s)" in what and "num_workers" not in what)
-    assert "DataLoader ceiling, batched from RAM 300" in warm[3]
+    assert "DataLoader ceiling, batched from RAM 300" in warm[4]
 
 
 def test_the_cold_start_table_counts_each_systems_start_and_shows_a_failed_run_by_its_status() -> None:
@@ -193,7 +225,7 @@ def test_the_cold_start_table_counts_each_systems_start_and_shows_a_failed_run_b
         "provenance": {"commit": "0123456789abcdef", "dirty": False},
     }
     rows = {line.split(" | ")[0].strip("| "): line for line in cold_start_table(doc).splitlines()}
-    assert rows["cachefeed"] == "| cachefeed | 1.5 / 4.5 |"
+    assert rows["cachefeed, one object per sample"] == "| cachefeed, one object per sample | 1.5 / 4.5 |"
     assert rows["litdata"] == "| litdata | 0.75 / - |"
     assert rows["mosaicml-streaming"] == "| mosaicml-streaming | timeout |"
     assert "s3fs (no cache)" not in rows  # not run at all: no row

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -284,6 +285,45 @@ def test_a_tar_member_that_fails_to_decode_costs_its_sample_only(member: str, pa
     assert [(s["__key__"], s["cls"]) for s in samples] == [("a", 1), ("c", 3)], "the neighbours are kept"
     ((key, reason),) = samples.skipped
     assert key == "bad" and member in reason, (key, reason)
+
+
+FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("long_names", [False, True])
+def test_a_plain_tar_is_read_from_its_headers_exactly_as_tarfile_reads_it(fmt: int, long_names: bool) -> None:
+    """The fast path (``_plain_tar_members``) gives what ``tarfile`` gives, or declines (None) and ``tarfile``
+    reads the archive: pax headers, GNU long names (over 100 characters), compression."""
+    from cachefeed._codecs import _plain_tar_members, _tarfile_members
+
+    deep = "d" * 60 + "/" + "e" * 60 + "/" if long_names else "x/"  # a ustar name prefix, or a GNU long name
+    members = [(deep + f"{i:04d}.bin", bytes([i]) * (i * 97 % 1500)) for i in range(12)] + GOOD_MEMBERS
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt) as archive:
+        for name, data in members:
+            add(archive, name, data)
+        add(archive, "a/s1.png", kind=tarfile.SYMTYPE, link="/etc/passwd")  # skipped by both
+        add(archive, "subdir", kind=tarfile.DIRTYPE)
+        add(archive, "../escape.txt", b"up")
+    body = buffer.getvalue()
+    expected = list(_tarfile_members(body))
+    assert [name for name, _ in expected] == [name for name, _ in members]
+    found = _plain_tar_members(body)
+    if long_names and fmt != tarfile.USTAR_FORMAT:  # a GNU long-name or a pax header: tarfile's path
+        assert found is None
+    else:  # pax with short names writes plain ustar headers
+        assert found == expected
+
+    def plain(samples: list[Sample]) -> list[dict[str, Any]]:
+        return [{k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in s.items()} for s in samples]
+
+    assert plain(decode("tar", body)) == plain(decode("tar", gzip.compress(body)))  # compressed: tarfile's path
+    content_end = len(body.rstrip(b"\0"))  # the last member's last byte (then padding, the end blocks)
+    for cut in (content_end - 1, content_end + 10, 700):  # cut short: declined, then tarfile raises
+        assert _plain_tar_members(body[:cut]) is None
+        with pytest.raises(DecodeError):
+            decode("tar", body[:cut])
 
 
 # ---------------------------------------------------------------------------------------------------- user callables

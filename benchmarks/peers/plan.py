@@ -17,6 +17,7 @@ from benchmarks.common.suite import PlanFn, System
 
 SYSTEMS = [
     System("cachefeed", "benchmarks.cachefeed_adapter:CachefeedAdapter"),
+    System("cachefeed-tar", "benchmarks.cachefeed_tar_adapter:CachefeedTarAdapter"),
     System("mosaic", "benchmarks.peers.mosaic:MosaicAdapter"),
     System("litdata", "benchmarks.peers.lit:LitAdapter"),
     System("local-files", "benchmarks.peers.baselines:LocalFilesAdapter"),

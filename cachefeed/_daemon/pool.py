@@ -20,6 +20,7 @@ from typing import Any
 
 from cachefeed._daemon.notify import child_env
 from cachefeed._daemon.protocol import Init
+from cachefeed._daemon.spawn import ForkedProcess, fork_sampler
 from cachefeed._daemon.wire import Channel, ChannelClosed, Message, socket_pair
 from cachefeed._logs import get_logger
 
@@ -48,11 +49,13 @@ class SamplerHandle:
 
     index: int
     state: SamplerState = SamplerState.STARTING
-    process: subprocess.Popen[bytes] | None = None
+    process: subprocess.Popen[bytes] | ForkedProcess | None = None
     channel: Channel | None = None
     restarts: int = 0
     credits: int = 0
     assigned: set[int] = field(default_factory=set)
+    assigned_bytes: int = 0  # the listed sizes of ``assigned`` (``assign`` and ``settle`` keep it)
+    _sizes: dict[int, int] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)  # the latest Stats message's remote counters
     objects_total: int = 0
     base_objects_total: int = 0  # objects of earlier incarnations
@@ -62,6 +65,22 @@ class SamplerHandle:
     restart_at: float = 0.0
     backoff_s: float = 0.0
     is_drained: bool = False
+
+    def assign(self, objects: list[tuple[int, int]]) -> None:
+        """``(oid, size)`` of objects sent to this sampler: assigned until done, failed or re-queued."""
+        for oid, listed in objects:
+            size = max(listed, 0)  # -1: a manifest that gives no size
+            self.assigned.add(oid)
+            self._sizes[oid] = size
+            self.assigned_bytes += size
+
+    def settle(self, oids: list[int]) -> list[int]:
+        """Those of ``oids`` this sampler was assigned, no longer assigned (done, failed, or to re-queue)."""
+        settled = [oid for oid in oids if oid in self.assigned]
+        for oid in settled:
+            self.assigned.discard(oid)
+            self.assigned_bytes -= self._sizes.pop(oid, 0)
+        return settled
 
     @property
     def pid(self) -> int:
@@ -110,7 +129,10 @@ class SamplerPool:
         """Spawn the process of ``handle`` and send it ``Init``. A failure to spawn schedules a restart."""
         parent, child = socket_pair()
         try:
-            process = subprocess.Popen(
+            process: subprocess.Popen[bytes] | ForkedProcess | None = fork_sampler(
+                child.fileno(), self._lock_fd, handle.index
+            )
+            process = process or subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
@@ -143,7 +165,8 @@ class SamplerPool:
         handle.objects_total = 0
         handle.started_at = handle.last_heard = now
         handle.is_drained = False
-        log.info("started sampler %d (pid %d)", handle.index, process.pid)
+        how = "forked" if isinstance(process, ForkedProcess) else "a fresh interpreter"
+        log.info("started sampler %d (pid %d, %s)", handle.index, process.pid, how)
         self.send(handle, self._make_init(handle.index))
 
     def send(self, handle: SamplerHandle, message: Message) -> bool:

@@ -1,7 +1,8 @@
 """A sampler subprocess: fetch objects (many requests in flight), decode them, write segments.
 
-Started by the supervisor as ``python -m cachefeed._daemon.sampler --fd N --parent-pid P --index I`` with the
-protocol socket and the cache's writer-lock descriptor inherited (so a new daemon cannot take the cache while
+Started by the supervisor (``spawn.py``): forked from it (``serve_forked``), or as ``python -m
+cachefeed._daemon.sampler --fd N --parent-pid P --index I``; either way with the protocol socket and the cache's
+writer-lock descriptor inherited (so a new daemon cannot take the cache while
 this process could still write into it). See NOTE [ Supervisor-sampler protocol ] in ``protocol.py``.
 
 Threads: the asyncio loop (socket, fetches, credits, stats) and the segment writer thread (``sink.py``).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import gc
 import os
 import signal
 import socket
@@ -29,6 +31,7 @@ from typing import Any
 from cachefeed._codecs import get_decoder, get_preprocess
 from cachefeed._config import RemoteConfig
 from cachefeed._daemon.grants import GrantReply, PublishReply, RpcGrantProvider
+from cachefeed._daemon.notify import NOTIFY_VARIABLES
 from cachefeed._daemon.protocol import (
     Credit,
     Done,
@@ -337,19 +340,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True, help="this sampler's index")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return serve(args.fd, args.parent_pid, args.index)
+
+
+def serve_forked(fd: int, lock_fd: int, parent_pid: int, index: int) -> int:
+    """A sampler forked from the supervisor (``spawn.py``): leave the supervisor's state behind, then ``serve``."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.set_wakeup_fd(-1)
+    gc.collect()  # the supervisor's garbage goes now, while its descriptors are still the ones it knew
+    gc.freeze()  # and its live objects never: their descriptors are closed below, the numbers may be reused
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    keep = sorted({0, 1, 2, fd, lock_fd})
+    for low, high in zip(keep, [*keep[1:], None], strict=True):
+        os.closerange(low + 1, high if high is not None else os.sysconf("SC_OPEN_MAX"))
+    for name in NOTIFY_VARIABLES:
+        os.environ.pop(name, None)
+    return serve(fd, parent_pid, index)
+
+
+def serve(fd: int, parent_pid: int, index: int) -> int:
+    """The sampler's life on protocol socket ``fd``, however it was started: ``Init``, then fetch and write."""
     yield_to_training()  # a finished download never preempts a training thread on this node (_sched.py)
-    if not die_with_parent(args.parent_pid):
+    if not die_with_parent(parent_pid):
         return 0
-    channel = Channel(socket.socket(fileno=args.fd))
+    channel = Channel(socket.socket(fileno=fd))
     init = channel.recv(timeout_s=30.0)
     if not isinstance(init, Init):
-        print(f"sampler {args.index}: expected an init message, got {init!r}", file=sys.stderr)
+        print(f"sampler {index}: expected an init message, got {init!r}", file=sys.stderr)
         return 2
     options = [init.remote.get("storage_options") or {}, *(source["storage_options"] for source in init.sources)]
     setup_logging(init.log_level, secrets=secrets_from_options({str(i): o for i, o in enumerate(options)}))
     started = time.monotonic()
     code = asyncio.run(Sampler(channel, init).run())
-    log.info("sampler %d exits after %.1fs", args.index, time.monotonic() - started)
+    log.info("sampler %d exits after %.1fs", index, time.monotonic() - started)
     return code
 
 

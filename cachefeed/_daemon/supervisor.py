@@ -71,6 +71,10 @@ log = get_logger(__name__)
 
 DRAIN_TIMEOUT_S = 5.0
 _MAX_WAIT_S = 0.25
+_FIRST_LISTING_WAIT_S = 0.01  # the main loop's longest nap while a source's first listing runs (_serve)
+# What one sampler may hold of assigned objects: the larger of these, and always two objects (_assign).
+_ASSIGNED_BYTES_MIN = 16 << 20
+_ASSIGNED_SEGMENTS = 4
 _UPKEEP_INTERVAL_S = 0.5
 _EARLY_STATUS_GAP_S = 0.02  # at most this often a status document published early (``_waited_on`` changed)
 
@@ -107,6 +111,7 @@ class Supervisor:
         self._reporter: StatusReporter | None = None
         self.quarantine = QuarantineLog()  # the most recent objects and samples left out, for status
         self._next_handle = 0
+        self._object_bytes = 0  # the largest object of the last draw: how many objects fill a sampler's room
         self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
         self._saver: threading.Thread | None = None  # writes the restart catalog (catalog_file.py)
 
@@ -220,7 +225,9 @@ class Supervisor:
             now = time.monotonic()
             timers = [next_status, next_upkeep] + ([next_watchdog] if watchdog_s else [])
             is_listing = any(catalog.pending() for catalog in self.inputs.catalogs())  # pages waiting: no nap
-            self._poll(0.0 if is_listing else min(_MAX_WAIT_S, max(0.0, min(timers) - now)))
+            # Until a first listing ends, its pages are looked for often: they are what the samplers wait for.
+            nap = _FIRST_LISTING_WAIT_S if self._is_first_listing() else _MAX_WAIT_S
+            self._poll(0.0 if is_listing else min(nap, max(0.0, min(timers) - now)))
             if self.should_exit and not self._is_draining:
                 self._begin_drain()
             if self._is_draining:
@@ -245,6 +252,11 @@ class Supervisor:
         self._publish_status()
         log.info("stopped")
         return 0
+
+    def _is_first_listing(self) -> bool:
+        """Whether some source's first listing is under way (not done, and not failing: then the normal nap)."""
+        states = [catalog.state() for catalog in self.inputs.catalogs()]
+        return any(state.last_listed_at == 0 and not state.is_failing for state in states)
 
     def _shutdown(self) -> None:
         """Whatever happened: no sampler outlives us, the catalog thread stops, the lock is released."""
@@ -390,27 +402,42 @@ class Supervisor:
         handles = pool.handles[self._next_handle :] + pool.handles[: self._next_handle]
         self._next_handle = (self._next_handle + 1) % len(pool.handles)
         cached = self._require_store().samples_by_source() if self.inputs.is_named else {}
+        classes = self._classes
+        cap = max(_ASSIGNED_BYTES_MIN, _ASSIGNED_SEGMENTS * self.config.cache.segment_bytes)
         for handle in handles:
-            if handle.channel is None or handle.credits <= 0:
-                continue
-            entry, drawn = self.inputs.draw(handle.index, handle.credits, cached)
-            if not drawn:
+            items: list[WorkItem] = []
+            exhausted = False
+            # Credits count objects, not bytes: a few large objects (tar shards) would all go to the first
+            # sampler to ask, fetched at once and written one after another while the others idle. So a sampler
+            # holds at most ``cap`` bytes of assigned objects (at least two of them); the rest waits for the
+            # next sampler with credit.
+            while handle.channel is not None and handle.credits > 0:
+                room = cap - handle.assigned_bytes
+                if room <= 0 and len(handle.assigned) >= 2:
+                    break
+                wanted = 1 if self._object_bytes <= 0 else max(1, room // self._object_bytes)
+                entry, drawn = self.inputs.draw(handle.index, min(handle.credits, wanted), cached)
+                if not drawn:
+                    exhausted = True
+                    break
+                self._object_bytes = max(obj.size for _oid, obj in drawn)
+                handle.credits -= len(drawn)
+                handle.assign([(oid, obj.size) for oid, obj in drawn])
+                items += [
+                    WorkItem(
+                        oid,
+                        obj.path,
+                        obj.size,
+                        obj.etag,
+                        classes.label(obj.path) if classes is not None else None,
+                        entry.index,
+                    )
+                    for oid, obj in drawn
+                ]
+            if items:
+                pool.send(handle, Work(items))
+            if exhausted:
                 return
-            handle.credits -= len(drawn)
-            handle.assigned.update(oid for oid, _ in drawn)
-            classes = self._classes
-            items = [
-                WorkItem(
-                    oid,
-                    obj.path,
-                    obj.size,
-                    obj.etag,
-                    classes.label(obj.path) if classes is not None else None,
-                    entry.index,
-                )
-                for oid, obj in drawn
-            ]
-            pool.send(handle, Work(items))
 
     def _upkeep(self) -> None:
         store = self._require_store()
@@ -443,10 +470,10 @@ class Supervisor:
         elif isinstance(message, Abort):
             grants.abort(handle.index, message)
         elif isinstance(message, Done):
-            handle.assigned.difference_update(message.oids)
+            handle.settle(message.oids)
             self.inputs.done(message.oids, None)
         elif isinstance(message, Failed):
-            handle.assigned.discard(message.oid)
+            handle.settle([message.oid])
             self.inputs.failed(message.oid, message.kind)
             catalog = self.inputs.split(message.oid)[0].catalog
             if message.kind == "changed" and catalog is not None:
@@ -463,8 +490,7 @@ class Supervisor:
 
     def _publish(self, handle: SamplerHandle, message: Publish) -> None:
         pool = self._require_pool()
-        done = [oid for oid in message.done if oid in handle.assigned]
-        handle.assigned.difference_update(done)
+        done = handle.settle(message.done)
         reply, segment = self._require_grants().publish(handle.index, message)
         if segment is None:
             self.inputs.requeue(done)
@@ -482,9 +508,8 @@ class Supervisor:
         """A sampler is gone: re-queue what it had not finished, delete what it had not published."""
         if handle.assigned:
             log.info("re-queueing %d objects of sampler %d", len(handle.assigned), handle.index)
-        self.inputs.requeue(sorted(handle.assigned))
+        self.inputs.requeue(handle.settle(sorted(handle.assigned)))
         self.inputs.forget_sampler(handle.index)
-        handle.assigned.clear()
         self._require_grants().abort_all(handle.index)
         handle.credits = 0
 
