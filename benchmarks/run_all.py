@@ -9,7 +9,7 @@ environment with ``benchmarks/peers/setup_env.sh`` if it is missing). Writes int
   DataLoader's ceilings next to them, and every failure as it happened), ``results.json``: everything raw,
 * ``handover.png``, ``cache_size.png``, ``throughput.png``: the figures a picture explains better.
 
-The full run takes 6-12 minutes on 2 cores, with the host (372 s in the committed run); ``--smoke`` (one
+The full run takes about 15 minutes on 2 cores (903 s in the committed run, with cachefeed-tar); ``--smoke`` (one
 16 MiB workload, fewer variants) about 3.
 Measurement details, per-child logs and scratch space go to ``<out>/tmp/run-<mode>-<time>/`` (git-ignored).
 ``--report-only`` rebuilds the report from an existing ``results.json``.
