@@ -52,23 +52,30 @@ def test_the_default_schedule_prepares_each_epoch_before_the_boundary_under_load
             assert stats.handover_wait_s < 0.05, stats
 
 
+def pin_points(root: Path, factory: EpochLoaderFactory, *, step_s: float) -> list[float]:
+    """Train every epoch but the last with a step of ``step_s`` per batch; for each, the share of its batches handed
+    out when the next epoch's snapshot was there (pinned)."""
+    points: list[float] = []
+    for epoch in range(EPOCHS - 1):
+        loader = factory.loader(epoch)
+        following = root / "snapshots" / factory.snapshot_id(epoch + 1)
+        seen = None
+        for index, batch in enumerate(loader):
+            check_batch(batch)
+            time.sleep(step_s)  # a training step
+            if seen is None and following.exists():
+                seen = index + 1
+        assert seen is not None, f"epoch {epoch + 1} was not prepared during epoch {epoch}"
+        points.append(seen / len(loader))
+    return points
+
+
 def test_the_next_epoch_is_pinned_near_the_end_so_two_snapshots_rarely_share_the_cache(tmp_path: Path) -> None:
     """Two pinned snapshots share the turnover room: the next epoch's pin must come late in an epoch, not right
     after it starts (short epochs then halved what the daemon could bring in; issue: the sampling contract)."""
     root = build_cache(tmp_path / "c", 1200)
-    pinned_at: list[float] = []
     with EpochLoaderFactory(root, batch_size=20, num_workers=2, run_id="t", epochs=EPOCHS, progress=None) as factory:
-        for epoch in range(EPOCHS - 1):
-            loader = factory.loader(epoch)
-            following = root / "snapshots" / factory.snapshot_id(epoch + 1)
-            seen = None
-            for index, batch in enumerate(loader):
-                check_batch(batch)
-                time.sleep(0.02)  # a training step: an epoch of 60 batches takes about 1.2 s
-                if seen is None and following.exists():
-                    seen = index
-            assert seen is not None, f"epoch {epoch + 1} was not prepared during epoch {epoch}"
-            pinned_at.append(seen / len(loader))
+        pinned_at = pin_points(root, factory, step_s=0.02)  # an epoch of 60 batches takes about 1.2 s
     print(f"\nthe next epoch was pinned after {pinned_at} of each epoch")
     assert min(pinned_at[1:]) >= 0.7, pinned_at  # the first epoch has no pace measured yet to plan with
 
@@ -78,18 +85,7 @@ def test_the_next_epoch_is_never_pinned_in_the_first_half_of_a_short_epoch(tmp_p
     the current one started, so it read what the previous epoch had just read instead of what the daemon fetched
     during the current one (issue 27: 47% distinct samples where the remote keeps up). The lead stops at half."""
     root = build_cache(tmp_path / "c", 400)
-    pinned_at: list[float] = []
     with EpochLoaderFactory(root, batch_size=20, num_workers=0, run_id="t", epochs=EPOCHS, progress=None) as factory:
-        for epoch in range(EPOCHS - 1):
-            loader = factory.loader(epoch)
-            following = root / "snapshots" / factory.snapshot_id(epoch + 1)
-            seen = None
-            for index, batch in enumerate(loader):
-                check_batch(batch)
-                time.sleep(0.002)  # a training step: an epoch of 20 batches takes about 0.05 s, less than the lead
-                if seen is None and following.exists():
-                    seen = index + 1  # batches handed out when the pin was there
-            assert seen is not None, f"epoch {epoch + 1} was not prepared during epoch {epoch}"
-            pinned_at.append(seen / len(loader))
+        pinned_at = pin_points(root, factory, step_s=0.002)  # an epoch of 20 batches: about 0.05 s, under the lead
     print(f"\nthe next epoch was pinned after {pinned_at} of each epoch's batches")
     assert min(pinned_at) >= 0.5, pinned_at
