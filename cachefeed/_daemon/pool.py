@@ -53,9 +53,8 @@ class SamplerHandle:
     channel: Channel | None = None
     restarts: int = 0
     credits: int = 0
-    assigned: set[int] = field(default_factory=set)
-    assigned_bytes: int = 0  # the listed sizes of ``assigned`` (``assign`` and ``settle`` keep it)
-    _sizes: dict[int, int] = field(default_factory=dict)
+    assigned: dict[int, int] = field(default_factory=dict)  # oid -> its listed size, until done, failed or re-queued
+    assigned_bytes: int = 0  # the sum of ``assigned``'s sizes (``assign`` and ``settle`` keep it)
     stats: dict[str, Any] = field(default_factory=dict)  # the latest Stats message's remote counters
     objects_total: int = 0
     base_objects_total: int = 0  # objects of earlier incarnations
@@ -70,16 +69,14 @@ class SamplerHandle:
         """``(oid, size)`` of objects sent to this sampler: assigned until done, failed or re-queued."""
         for oid, listed in objects:
             size = max(listed, 0)  # -1: a manifest that gives no size
-            self.assigned.add(oid)
-            self._sizes[oid] = size
-            self.assigned_bytes += size
+            self.assigned_bytes += size - self.assigned.get(oid, 0)
+            self.assigned[oid] = size
 
     def settle(self, oids: list[int]) -> list[int]:
         """Those of ``oids`` this sampler was assigned, no longer assigned (done, failed, or to re-queue)."""
         settled = [oid for oid in oids if oid in self.assigned]
         for oid in settled:
-            self.assigned.discard(oid)
-            self.assigned_bytes -= self._sizes.pop(oid, 0)
+            self.assigned_bytes -= self.assigned.pop(oid)
         return settled
 
     @property
