@@ -315,8 +315,8 @@ class EpochLoader(DataLoaderAttributes):
         started = time.perf_counter()
         inner, head = self._state.take_iterator()
         self._state.received(0)
-        self._hooks.on_wait(time.perf_counter() - started, first_batch=None)
         self._hooks.on_progress(self._state, 0)
+        self._hooks.on_wait(time.perf_counter() - started, first_batch=None)  # the whole call is the handover's
         return _EpochIterator(self._state, self._hooks, inner, head)
 
 

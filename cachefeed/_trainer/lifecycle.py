@@ -16,12 +16,13 @@ Transitions, who runs them and on which thread:
   build + feed of ``e + 1`` on the *build thread*, which pins its snapshot (local rank 0 creates, the node's other
   ranks join; the first epoch waits for the cache first, or starts on a growing set), computes this rank's share,
   opens the dataset and queues its pass on the pool (without workers: builds its DataLoader and fetches the first
-  batch).
+  batch), with prompt GIL hand-offs (``gil.py``).
 * **activate** (training thread: ``loader(e)``, ``dataset(e)``, ``share(e)``): takes the prepared epoch, waiting
   only if its build is late (or builds it now), makes it *current* and retires every other epoch.
 * **retire** (training thread): hands the epoch to the *teardown thread*; the training thread never joins a
   process or unlinks a file.
-* **release** (teardown thread, or ``close``): stops a growing snapshot's grower, closes the epoch's iterators and
+* **release** (teardown thread, once the handover is over: the current epoch's first batch was handed out, or
+  ``_TEARDOWN_HOLD_S`` passed; or ``close``): stops a growing snapshot's grower, closes the epoch's iterators and
   passes, waits until every worker has closed its readers of the epoch's segments, closes the dataset, records what
   the epoch served (NOTE [ Read receipts ] in ``_cache/reads.py``) and drops the pin. Idempotent.
 
@@ -57,6 +58,7 @@ from cachefeed._logs import get_logger
 from cachefeed._trainer.background import SerialWorker
 from cachefeed._trainer.dataset import SnapshotDataset, Transform
 from cachefeed._trainer.epoch import EpochState, EpochStats, GrowingBatchSampler, SkipEmptyCollate, shutdown_iterator
+from cachefeed._trainer.gil import prompt_handoffs
 from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
 from cachefeed._trainer.partition import EpochBatchSampler, RankInfo, rank_share, snapshot_name
 from cachefeed._trainer.pool import WorkerPool
@@ -72,6 +74,7 @@ _LEAD_MARGIN_S = 0.1
 _PACE_WEIGHT = 0.2
 _RECENT_BUILDS = 4  # background builds the lead's estimate is the longest of
 _TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
+_TEARDOWN_HOLD_S = 1.0  # how long teardown steps wait for the handover to end (the new epoch's first batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,9 @@ class Epochs:
         self._pace_s: float | None = None
         self._last_batch_at = 0.0
         self._closed = False
+        # Set while no handover is under way: teardown steps wait for it (``_after_handover``).
+        self._handover_over = threading.Event()
+        self._handover_over.set()
 
     # -- what the factory asks --------------------------------------------------------------------------------
 
@@ -150,6 +156,7 @@ class Epochs:
             if self._closed:
                 return
             self._closed = True
+            self._handover_over.set()
             prepared, self._prepared = self._prepared, None
             states = list(self._states.values())
             self._retired.update(self._states)
@@ -415,11 +422,18 @@ class Epochs:
         )
         return state
 
+    def _build_in_background(self, epoch: int) -> EpochState:
+        """The build thread's build of the next epoch, with prompt GIL hand-offs (``gil.py``): beside a training
+        loop busy in Python, each of the build's system calls would otherwise wait up to 5 ms for the GIL."""
+        with prompt_handoffs():
+            return self._build(epoch, with_loader=True, background=True)
+
     def activate(self, epoch: int, *, with_loader: bool) -> EpochState:
         """Make ``epoch`` the current epoch: take or build its state, retire every other one."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("this EpochLoaderFactory is closed")
+            self._handover_over.clear()  # until this epoch's first batch (``on_wait``)
             state = self._states.get(epoch)
             prepared = None
             if state is None and self._prepared is not None:
@@ -451,7 +465,7 @@ class Epochs:
             state.phase = "retired"
             self._retired[state.epoch] = state
             if not self._closed:  # close() shuts the teardown thread down only after setting _closed
-                self._teardown.submit(_logged, self._release, f"releasing epoch {state.epoch}", state)
+                self._teardown.submit(self._after_handover, self._release, f"releasing epoch {state.epoch}", state)
                 return
         self._release(state)
 
@@ -516,7 +530,7 @@ class Epochs:
             discarded = self._prepared
             if discarded is not None and discarded[0] == epoch:
                 return
-            future = self._builder.submit(self._build, epoch, with_loader=True, background=True)
+            future = self._builder.submit(self._build_in_background, epoch)
             self._prepared = (epoch, future)
         if discarded is not None:  # outside the lock: a done future runs the callback right here
             discarded[1].add_done_callback(self._retire_future)
@@ -526,13 +540,24 @@ class Epochs:
         self._waited_s += seconds
         if first_batch is not None:
             first_batch.first_batch_wait_s, self._waited_s = self._waited_s, 0.0
+            self._handover_over.set()
 
     def on_exhausted(self, inner: Iterator[Any]) -> None:
+        """An epoch's last batch was taken: its iterator is stopped on the teardown thread, after the handover."""
         with self._lock:
             if not self._closed:
-                self._teardown.submit(_logged, shutdown_iterator, "stopping DataLoader workers", inner)
+                self._handover_over.clear()  # until the next epoch's first batch (``on_wait``)
+                self._teardown.submit(self._after_handover, shutdown_iterator, "stopping DataLoader workers", inner)
                 return
         shutdown_iterator(inner)
+
+    def _after_handover(self, fn: Callable[..., object], what: str, *args: object) -> None:
+        """Run a teardown step once the handover under way is over (the next epoch's first batch was handed out, or
+        ``_TEARDOWN_HOLD_S`` passed: a loop that stops between epochs), not during it: the teardown thread's Python
+        would hold the GIL whenever the training thread makes a system call at the boundary, for up to the switch
+        interval (5 ms) each time. Releasing a pin or stopping a pass a moment later costs nothing."""
+        self._handover_over.wait(_TEARDOWN_HOLD_S)
+        _logged(fn, what, *args)
 
 
 def _logged(fn: Callable[..., object], what: str, *args: object) -> None:

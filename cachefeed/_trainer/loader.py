@@ -23,13 +23,16 @@ in-process through a DataLoader of its own.
   or its receipt is still on the way, as read: ``_cache/room.py``)
   and keeps two snapshots from sharing the budget for long (epochs only a little longer than the lead are fine);
   starting early enough keeps the boundary free of waits. No process is forked at a boundary, so the lead is small.
+  A training loop busy in Python holds the GIL: the build runs with prompt GIL hand-offs (``gil.py``), or its
+  system calls would each wait up to 5 ms for the GIL and the build would outlast the lead.
 * ``_EpochIterator`` stops after exactly ``len(loader)`` batches without asking the inner iterator again (a
   DataLoader's own end would join its workers on the training thread); the exhausted iterator goes to the teardown
   thread, which closes it.
 * ``loader(e + 1)`` takes the prepared epoch (waiting for the build only if it is late) and retires every other
   epoch: the teardown thread closes its passes, waits until every worker has closed its readers of the epoch's
   segments, closes its dataset and releases its pin. The training thread never joins a process or unlinks a file
-  at the boundary.
+  at the boundary, and the teardown thread starts only once the boundary is over (the new epoch's first batch
+  handed out, or after 1 s): its Python would otherwise hold the GIL while the training thread waits for it.
 * The handover wait (``EpochStats.handover_wait_s``) is the time the training thread spends inside cachefeed
   between the last batch of ``e`` and the first of ``e + 1``: the ``next()`` that ends ``e``, ``loader(e + 1)``,
   ``iter()`` and the first ``next()``. The training step itself is not counted.
