@@ -11,7 +11,8 @@ measurement, not the run. Figures (numbered as in issue 7):
   server-counted bytes and requests, peak on-disk size; handover waits; over all its epochs (``trained``): samples
   trained, distinct samples (coverage) and server bytes per byte trained. With ``passes`` in the params, the
   epochs run until that many passes' worth of samples was trained (equal work, ``budget30``); with
-  ``train_mb_per_s``, the consumer trains at that rate (a sleep per batch) instead of as fast as batches come.
+  ``train_mb_per_s``, the consumer trains at that rate (a sleep per batch) instead of as fast as batches come;
+  with ``train_pass_s``, at a pass's worth of samples per that many seconds (``budget30-paced``).
 - ``s3_ceiling``: plain concurrent GETs of the same objects (no adapter).
 """
 
@@ -186,8 +187,11 @@ def measure_remote(adapter: SystemAdapter, ctx: Context, params: dict[str, Any],
     until = None if passes is None else math.ceil(float(passes) * ctx.workload.count)
     epochs = int(params.get("max_epochs", _MAX_EPOCHS)) if until is not None else int(params.get("epochs", 1))
     # ``train_mb_per_s``: the consumer trains at this rate (a step per batch, ``run_epochs``); none: at once
-    rate = params.get("train_mb_per_s")
+    # ``train_pass_s``: a pass's worth of samples per that many seconds
+    rate, pass_s = params.get("train_mb_per_s"), params.get("train_pass_s")
     step_s = 0.0 if not rate else ctx.workload.batch_size * ctx.workload.sample_bytes / (float(rate) * 1e6)
+    if pass_s:
+        step_s = float(pass_s) * ctx.workload.batch_size / ctx.workload.count
     cache_dir = settings.cache_dir
     if cache_dir is None:
         raise ValueError("remote measurement without a cache dir")

@@ -107,11 +107,14 @@ def _row(measures: dict[str, Any], workload: dict[str, Any]) -> dict[str, Any]:
     if budget.get("epochs"):
         row["budget_remote_mb_per_epoch"] = [_mb(e.get("remote_bytes")) for e in budget["epochs"]]
         row["budget_peak_disk_over_budget"] = budget.get("peak_disk_over_budget")
-        # over the whole measurement (coverage: None in documents from before ``distinct_so_far``)
-        whole = trained(budget["epochs"], int(workload.get("count") or 0), int(workload.get("sample_bytes") or 0))
-        row["budget_passes_trained"] = whole["passes_trained"]
-        row["budget_coverage"] = whole["coverage"]
-        row["budget_server_bytes_per_byte_trained"] = whole["server_bytes_per_byte_trained"]
+    # over the whole measurement (coverage: None in documents from before ``distinct_so_far``)
+    for label, prefix in (("budget30", "budget"), ("budget30-paced", "paced")):
+        epochs = measures.get(label, {}).get("epochs")
+        if epochs:
+            whole = trained(epochs, int(workload.get("count") or 0), int(workload.get("sample_bytes") or 0))
+            row[f"{prefix}_passes_trained"] = whole["passes_trained"]
+            row[f"{prefix}_coverage"] = whole["coverage"]
+            row[f"{prefix}_server_bytes_per_byte_trained"] = whole["server_bytes_per_byte_trained"]
     for label, measure in sorted(measures.items()):
         if label.startswith("handover-") and isinstance(measure, dict):
             waits = [e["handover_wait_s"] for e in measure.get("epochs", []) if e.get("handover_wait_s") is not None]
