@@ -134,12 +134,21 @@ class Grower:
     """The creator's thread that grows an open snapshot (NOTE above) until ``is_done(samples)`` or ``stop``.
 
     ``is_done`` is asked after every look with the snapshot's samples; it is the factory's rule (the epoch has its
-    samples, or the daemon can fill no further). The thread never raises: a failure closes the snapshot as it is and
-    is logged (the epoch then ends with what it has)."""
+    samples, or the daemon can fill no further). ``on_closed`` is called (on this thread) once the growth ended by
+    that rule or by a full room (``Snapshot.grow``), not after ``stop``. The thread never raises: a failure closes the snapshot as it is and is logged
+    (the epoch then ends with what it has)."""
 
-    def __init__(self, snapshot: Snapshot, is_done: Callable[[int], bool], *, every_s: float = GROW_EVERY_S) -> None:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        is_done: Callable[[int], bool],
+        *,
+        every_s: float = GROW_EVERY_S,
+        on_closed: Callable[[], None] | None = None,
+    ) -> None:
         self.snapshot = snapshot
         self._is_done = is_done
+        self._on_closed = on_closed
         self._every_s = every_s
         self._stop = threading.Event()
         self.lock = threading.Lock()  # held while the snapshot changes: readers take it to see one generation whole
@@ -150,14 +159,19 @@ class Grower:
         try:
             while not self._stop.is_set():
                 with self.lock:
-                    self.snapshot.grow()
-                    samples = self.snapshot.samples
-                if self._is_done(samples):
+                    self.snapshot.grow()  # closes the snapshot itself once the epoch's room is full
+                    samples, is_open = self.snapshot.samples, self.snapshot.is_open
+                if not is_open or self._is_done(samples):
                     break
                 self._stop.wait(self._every_s)
         except Exception:
             log.warning("growing snapshot %s failed: closing it as it is", self.snapshot.snap_id, exc_info=True)
         self._close()
+        if self._on_closed is not None and not self._stop.is_set():
+            try:
+                self._on_closed()
+            except Exception:
+                log.warning("after closing growing snapshot %s", self.snapshot.snap_id, exc_info=True)
 
     def _close(self) -> None:
         with self.lock:

@@ -285,7 +285,11 @@ class Epochs:
             local_world_size=ranks.local_world_size,
             quota=quota,
         )
-        grower = Grower(snapshot, self._growth_done) if snapshot.is_open and ranks.is_creator else None
+        grower = (
+            Grower(snapshot, self._growth_done, on_closed=lambda: self._growth_closed(epoch))
+            if snapshot.is_open and ranks.is_creator
+            else None
+        )
         return GrowingEpoch(
             snapshot,
             dataset,
@@ -509,7 +513,25 @@ class Epochs:
     def _is_due(self, state: EpochState, consumed: int) -> bool:
         if state.growing is not None and not state.growing.is_complete:
             return False  # its end is not known yet: the next epoch is pinned once it stopped growing
-        total = state.batches
+        return self._due(consumed, state.batches)
+
+    def _growth_closed(self, epoch: int) -> None:
+        """The grower closed ``epoch``'s growing snapshot (grower thread). A loop that caught up with ingest is
+        waiting in ``next()`` for the last generation and ends the epoch a batch or two later; the training thread
+        would learn that the epoch is complete only at its last batch, and the next epoch's build would make the
+        boundary wait. So the next epoch is prepared now, if due by the usual rule at this rank's final count."""
+        with self._lock:
+            state = self._states.get(epoch)
+        if state is None or state.phase != "current" or state.growing is None:
+            return
+        samples = state.snapshot.samples // self.plan.ranks.local_world_size
+        full, rest = divmod(samples, self.plan.batch_size)
+        total = full + (1 if rest and not self.plan.drop_last else 0)
+        if self._due(state.batches_consumed, total):
+            self._prepare(epoch + 1)
+
+    def _due(self, consumed: int, total: int) -> bool:
+        """NOTE [ Epoch handover ]'s rule: after ``consumed`` of ``total`` batches, is it time to build the next?"""
         if self.plan.prepare_at is not None:
             return consumed >= math.ceil(self.plan.prepare_at * total)
         remaining = total - consumed

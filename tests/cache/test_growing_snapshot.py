@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,3 +74,48 @@ def test_a_grower_that_cannot_link_closes_the_snapshot_as_it_is_so_readers_end_t
         reader.release()
     finally:
         snapshot.release()
+
+
+def test_a_grower_reports_the_end_of_growth_by_its_rule_or_a_full_room_but_not_a_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``on_closed`` lets the factory prepare the next epoch as soon as growth ends (a loop that caught up with
+    ingest ends its epoch a batch later); a grower whose snapshot a full room closed used to look on until its epoch
+    was released, and never said so."""
+    root = tmp_path / "c"
+    add_segments(root, 0, 40)
+
+    def grow_and_report(snapshot: Snapshot, is_done: Any) -> threading.Event:
+        closed = threading.Event()
+        grower = Grower(snapshot, is_done, every_s=0.01, on_closed=closed.set)
+        try:
+            assert closed.wait(10), "growth ended without on_closed"
+            assert not snapshot.is_open
+        finally:
+            grower.stop()
+        return closed
+
+    by_rule = Snapshot.create(root, "e0", growing=True)
+    try:
+        add_segments(root, 40, 40)
+        grow_and_report(by_rule, lambda samples: samples >= 80)
+        assert by_rule.samples == 80
+    finally:
+        by_rule.release()
+
+    full_room = Snapshot.create(root, "e1", growing=True)
+    try:
+        original = Snapshot.grow
+        monkeypatch.setattr(Snapshot, "grow", lambda self, *, close=False: original(self, close=True))  # room full
+        grow_and_report(full_room, lambda samples: False)
+    finally:
+        monkeypatch.undo()
+        full_room.release()
+
+    stopped = Snapshot.create(root, "e2", growing=True)
+    try:
+        closed = threading.Event()
+        Grower(stopped, lambda samples: False, every_s=0.01, on_closed=closed.set).stop()
+        assert not stopped.is_open and not closed.is_set(), "a stopped grower's epoch is being released"
+    finally:
+        stopped.release()
