@@ -162,7 +162,8 @@ def trainer_main(root: str, progress: str) -> None:
 
 def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_path: Path) -> None:
     every = make_remote(tmp_path / "data")
-    daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="60KB")  # some 20 s: killed well before the end
+    # some 30 s: killed well before the end, even where the trainer process takes 10 s to start on a loaded machine
+    daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="40KB")
     progress = tmp_path / "progress.json"
     trainer = python(
         f"from tests.witness.test_growing_epochs import trainer_main; "
