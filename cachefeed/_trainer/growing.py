@@ -135,8 +135,8 @@ class Grower:
 
     ``is_done`` is asked after every look with the snapshot's samples; it is the factory's rule (the epoch has its
     samples, or the daemon can fill no further). ``on_closed`` is called (on this thread) once the growth ended by
-    that rule or by a full room (``Snapshot.grow``), not after ``stop``. The thread never raises: a failure closes the snapshot as it is and is logged
-    (the epoch then ends with what it has)."""
+    that rule or by a full room (``Snapshot.grow``), not after ``stop``. The thread never raises: a failure closes
+    the snapshot as it is and is logged (the epoch then ends with what it has)."""
 
     def __init__(
         self,

@@ -437,7 +437,8 @@ class Epochs:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this EpochLoaderFactory is closed")
-            self._handover_over.clear()  # until this epoch's first batch (``on_wait``)
+            if with_loader:  # a loader's first batch ends the handover (``on_wait``); dataset()/share() have none
+                self._handover_over.clear()
             state = self._states.get(epoch)
             prepared = None
             if state is None and self._prepared is not None:
