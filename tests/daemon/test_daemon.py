@@ -16,7 +16,7 @@ import pytest
 
 from cachefeed._status.document import load_document
 from cachefeed._status.schema import undeclared_keys
-from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_for
+from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_while_running
 from cachefeed._testing.proxy import FaultProxy
 from cachefeed._testing.samples import cache_samples, upload_arrays
 from tests.support.cache_helpers import tree_bytes
@@ -64,7 +64,9 @@ def test_objects_added_mid_run_are_cached_after_the_next_refresh(bucket: Any, da
     def cached_keys() -> set[str]:
         return {sample["__key__"] for _, sample in cache_samples(proc.cache_dir)}
 
-    wait_for(lambda: cached_keys() == set(uploaded), timeout_s=30, what="the 20 new objects in the cache")
+    wait_while_running(
+        proc, lambda: cached_keys() == set(uploaded), timeout_s=30, what="the 20 new objects in the cache"
+    )
     for _, sample in cache_samples(proc.cache_dir):
         np.testing.assert_array_equal(sample["data"], uploaded[sample["__key__"]])
     # The status document is written once a second: it may still show the listing before the last one.

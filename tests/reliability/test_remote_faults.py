@@ -29,10 +29,10 @@ from botocore.config import Config as BotoConfig
 from cachefeed._config import RemoteConfig
 from cachefeed._errors import RemoteError
 from cachefeed._remote import Remote
-from cachefeed._testing.daemon import BUCKET, StartDaemon
+from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_while_running
 from cachefeed._testing.local_s3 import LocalS3
 from cachefeed._testing.proxy import FaultProxy, RequestInfo, Rule
-from tests.reliability.common import check_cache, report, sv_body, sv_key, upload_sv, wait_until
+from tests.reliability.common import check_cache, report, sv_body, sv_key, upload_sv
 
 OBJECT_BYTES = 8 << 10
 MAX_ATTEMPTS = 8
@@ -109,14 +109,16 @@ def mixed_faults(bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon, obje
         found = check_cache(proc.cache_dir, ("", "#v2"))
         return set(healthy) <= set(found.keys)
 
-    wait_until(all_cached, timeout_s=120, interval_s=0.5, what="every healthy object cached")
+    wait_while_running(proc, all_cached, timeout_s=120, interval_s=0.5, what="every healthy object cached")
     all_done_s = time.monotonic() - started
 
     def new_versions_cached() -> bool:
         found = check_cache(proc.cache_dir, ("", "#v2"))
         return all("#v2" in found.versions.get(path, []) for path in replaced)
 
-    wait_until(new_versions_cached, timeout_s=60, interval_s=0.5, what="the new version of each replaced object")
+    wait_while_running(
+        proc, new_versions_cached, timeout_s=60, interval_s=0.5, what="the new version of each replaced object"
+    )
     doc = proc.wait_status(lambda d: d["plan"]["pass"] >= 3, timeout_s=60, what="two more passes")
     time.sleep(1.5)  # samplers send their counters once a second
     doc = proc.status() or doc
@@ -206,7 +208,9 @@ def test_outage_of_the_remote_keeps_the_cache_then_recovers(
         sections={"remote": {"max_attempts": 4, "retry_budget": 0.2}, "cache": {"max_bytes": "32MiB"}},
     )
     proc.wait_status(lambda d: d["ingest"]["objects_total"] >= len(first), timeout_s=60, what="the first set")
-    wait_until(lambda: set(first) <= set(check_cache(proc.cache_dir).keys), timeout_s=30, what="published")
+    wait_while_running(
+        proc, lambda: set(first) <= set(check_cache(proc.cache_dir).keys), timeout_s=30, what="published"
+    )
     before = segment_identity(proc.cache_dir)
     baseline = proc.status() or {}
     base_requests = baseline["remote"]["requests_total"]
@@ -227,6 +231,7 @@ def test_outage_of_the_remote_keeps_the_cache_then_recovers(
     while degraded_at is None or tried < len(new_keys) or time.monotonic() < degraded_at + 1.0:
         if time.monotonic() - began > 60:
             raise TimeoutError(f"after 60s: degraded={degraded_at is not None}, objects tried={tried}")
+        proc.check_running()
         doc = proc.status() or {}
         if doc.get("state") == "degraded":
             degraded_at = degraded_at or time.monotonic()
