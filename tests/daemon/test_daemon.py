@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,16 @@ def test_objects_added_mid_run_are_cached_after_the_next_refresh(bucket: Any, da
     proc = daemon(sections={"remote": {"refresh_interval": "1s"}})
     proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 40, timeout_s=30, what="first 40 objects")
     uploaded |= upload_arrays(bucket, BUCKET, 20, 16 << 10, start=40)
+    added = time.monotonic()
 
     def cached_keys() -> set[str]:
         return {sample["__key__"] for _, sample in cache_samples(proc.cache_dir)}
 
+    # The next refresh comes after max(1 s, ten listing durations), and a loaded machine lists slowly: 30 s ran out.
     wait_while_running(
-        proc, lambda: cached_keys() == set(uploaded), timeout_s=30, what="the 20 new objects in the cache"
+        proc, lambda: cached_keys() == set(uploaded), timeout_s=120, what="the 20 new objects in the cache"
     )
+    print(f"\nthe 20 new objects were cached {time.monotonic() - added:.1f} s after their upload")
     for _, sample in cache_samples(proc.cache_dir):
         np.testing.assert_array_equal(sample["data"], uploaded[sample["__key__"]])
     # The status document is written once a second: it may still show the listing before the last one.
