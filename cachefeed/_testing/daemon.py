@@ -3,7 +3,8 @@
 :func:`write_config` writes the config the tests and benchmarks start a daemon on (fast intervals, small segments,
 no fsync; sections override keys); :func:`start_daemon` starts the daemon on it in its own session (process
 group), so a test can SIGKILL the whole group the way a crash or ``systemctl kill`` would; :class:`DaemonProcess`
-reads its status document and stderr and stops it. :func:`wait_for` polls with a deadline.
+reads its status document and stderr and stops it. :func:`wait_for` polls with a deadline; :func:`wait_while_running`
+polls while daemons run, failing at once with a daemon's stderr when one has exited (not after the timeout).
 
 The tests' ``bucket`` and ``daemon`` fixtures (``tests/conftest.py``) are built on these.
 """
@@ -16,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,16 @@ from typing import Any
 from cachefeed._config import toml_text
 from cachefeed._testing.local_s3 import storage_options
 
-__all__ = ["BUCKET", "DaemonProcess", "StartDaemon", "daemon_argv", "start_daemon", "wait_for", "write_config"]
+__all__ = [
+    "BUCKET",
+    "DaemonProcess",
+    "StartDaemon",
+    "daemon_argv",
+    "start_daemon",
+    "wait_for",
+    "wait_while_running",
+    "write_config",
+]
 
 BUCKET = "data"
 """The bucket the tests' daemons read (the ``bucket`` fixture creates it)."""
@@ -40,6 +50,25 @@ def wait_for(predicate: Callable[[], Any], *, timeout_s: float, interval_s: floa
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what or predicate}")
         time.sleep(interval_s)
+
+
+def wait_while_running(
+    daemons: DaemonProcess | Iterable[DaemonProcess],
+    predicate: Callable[[], Any],
+    *,
+    timeout_s: float,
+    interval_s: float = 0.05,
+    what: str = "",
+) -> Any:
+    """:func:`wait_for` on something the daemons bring about; fails at once with a daemon's stderr if one exits."""
+    watched = [daemons] if isinstance(daemons, DaemonProcess) else list(daemons)
+
+    def check() -> Any:
+        for daemon in watched:
+            daemon.check_running()
+        return predicate()
+
+    return wait_for(check, timeout_s=timeout_s, interval_s=interval_s, what=what)
 
 
 def write_config(
@@ -98,12 +127,16 @@ class DaemonProcess:
             return None
         return document if document.get("pid") == self.pid else None
 
+    def check_running(self) -> None:
+        """Raise ``RuntimeError`` with the exit status and the end of stderr if the daemon has exited."""
+        if self.process.poll() is not None:
+            raise RuntimeError(f"daemon exited with {self.process.returncode}:\n{self.stderr()[-4000:]}")
+
     def wait_status(
         self, predicate: Callable[[dict[str, Any]], bool], *, timeout_s: float, what: str = ""
     ) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.process.returncode}:\n{self.stderr()[-4000:]}")
+            self.check_running()
             document = self.status()
             return document if document is not None and predicate(document) else None
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from cachefeed._status.document import load_document
-from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_for
+from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_for, wait_while_running
 from cachefeed._testing.proxy import FaultProxy, Rule
 from cachefeed._testing.samples import cache_samples, upload_arrays
 
@@ -31,7 +31,9 @@ def test_a_killed_sampler_is_restarted_and_its_objects_requeued(
     uploaded = upload_arrays(bucket, BUCKET, 120, 4 << 10)
     fault_proxy.set_rules([Rule("latency", op="GetObject", delay_s=0.5)])  # the fill takes about 4 s
     proc = daemon(endpoint=fault_proxy.endpoint, sections={"sampler": {"restart_backoff": "1s"}})
-    wait_for(lambda: fault_proxy.counts().ops.get("GetObject", 0) >= 20, timeout_s=30, what="fill under way")
+    wait_while_running(
+        proc, lambda: fault_proxy.counts().ops.get("GetObject", 0) >= 20, timeout_s=30, what="fill under way"
+    )
     doc = proc.status()
     assert doc is not None and doc["ingest"]["objects_total"] < 120
     victim = doc["samplers"][0]["pid"]

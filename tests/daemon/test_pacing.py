@@ -39,6 +39,7 @@ def quiet_after_fill(fault_proxy: FaultProxy, daemon: StartDaemon, quiet_s: floa
     assert OBJECTS > gets_at_fill > 0, "the budget holds part of the dataset"
     deadline = time.monotonic() + quiet_s
     while time.monotonic() < deadline:
+        proc.check_running()
         doc = proc.status()
         assert doc is not None and doc["cache"]["is_paced"]
         time.sleep(0.5)
@@ -148,6 +149,7 @@ def test_a_trainer_that_stops_reading_is_a_fault_and_one_that_reads_is_not(bucke
         assert read_report(proc.cache_dir).health is Health.DEGRADED
         deadline = time.monotonic() + 4
         while time.monotonic() < deadline:  # now it reads: progress every half second
+            proc.check_running()
             snapshot.touch()
             time.sleep(0.5)
         doc = proc.wait_status(lambda d: d["state"] == "running", timeout_s=10, what="progress clears it")

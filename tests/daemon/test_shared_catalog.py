@@ -19,7 +19,7 @@ from cachefeed._daemon.catalog_file import CatalogFileError
 from cachefeed._daemon.shared import SharedCatalog, publish
 from cachefeed._errors import RemoteTransientError
 from cachefeed._remote import Remote
-from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_for, write_config
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_while_running, write_config
 from cachefeed._testing.local_s3 import LocalS3, storage_options
 from cachefeed._testing.proxy import FaultProxy, Rule
 from cachefeed._testing.samples import cache_samples, upload_arrays
@@ -86,7 +86,7 @@ def test_n_daemons_on_a_shared_catalog_cost_one_listing_of_list_requests(
         def all_cached() -> bool:
             return sum(len(cached_keys(proc)) for proc in daemons if proc.status()) == len(uploaded)
 
-        wait_for(all_cached, timeout_s=90, what="every object cached by one of the nodes")
+        wait_while_running(daemons, all_cached, timeout_s=90, what="every object cached by one of the nodes")
         per_node = [cached_keys(proc) for proc in daemons]
         assert set().union(*per_node) == set(uploaded)
         assert sum(len(keys) for keys in per_node) == len(uploaded)  # disjoint
@@ -97,13 +97,15 @@ def test_n_daemons_on_a_shared_catalog_cost_one_listing_of_list_requests(
         uploaded |= upload_arrays(bucket, BUCKET, 30, 16, start=1100)
         build(fault_proxy)
         fault_proxy.set_rules([Rule("status", op="ListObjectsV2", status=403)])
-        wait_for(all_cached, timeout_s=60, what="the 30 new objects cached")
+        wait_while_running(daemons, all_cached, timeout_s=60, what="the 30 new objects cached")
 
         def all_read_the_new_generation() -> bool:  # the status document is rewritten every second or so
             docs = [proc.status() for proc in daemons]
             return all(doc is not None and doc["remote"]["objects_listed"] == len(uploaded) for doc in docs)
 
-        wait_for(all_read_the_new_generation, timeout_s=30, what="every node's status counting 1,130 objects")
+        wait_while_running(
+            daemons, all_read_the_new_generation, timeout_s=30, what="every node's status counting 1,130 objects"
+        )
         for proc in daemons:
             doc = proc.status()
             assert doc is not None and doc["remote"]["list_requests_total"] == 0
@@ -195,7 +197,7 @@ def test_node_0_publishes_each_changed_listing_and_the_other_nodes_read_it_witho
                 },
             )
             daemons.append(start_daemon(config, tmp_path / f"cache-{rank}", tmp_path / f"node-{rank}.stderr", env={}))
-        wait_for(all_cached, timeout_s=90, what="every object cached by one of the two nodes")
+        wait_while_running(daemons, all_cached, timeout_s=90, what="every object cached by one of the two nodes")
         per_node = [cached_keys(proc) for proc in daemons]
         assert per_node[0] and per_node[1] and not per_node[0] & per_node[1]
 
@@ -203,11 +205,15 @@ def test_node_0_publishes_each_changed_listing_and_the_other_nodes_read_it_witho
             first = fault_proxy.counts().ops.get("ListObjectsV2", 0)
             return lambda: fault_proxy.counts().ops.get("ListObjectsV2", 0) >= first + 2 * times
 
-        wait_for(listed_again(1), timeout_s=120, what="node 0 listing once more (every 10 listing durations)")
+        wait_while_running(
+            daemons, listed_again(1), timeout_s=120, what="node 0 listing once more (every 10 listing durations)"
+        )
         assert len(generations()) == 1  # unchanged listings publish nothing new
 
         uploaded |= upload_arrays(bucket, BUCKET, 30, 16, start=1100)
-        wait_for(all_cached, timeout_s=60, what="the 30 new objects cached, node 1's share from a new generation")
+        wait_while_running(
+            daemons, all_cached, timeout_s=60, what="the 30 new objects cached, node 1's share from a new generation"
+        )
         assert len(generations()) == 2
         reader = daemons[1].status()
         assert reader is not None and reader["remote"]["list_requests_total"] == 0  # node 1 never listed

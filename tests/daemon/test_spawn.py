@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefeed._daemon.pool import SamplerHandle
-from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_for
+from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_for, wait_while_running
 from cachefeed._testing.proxy import FaultProxy, Rule
 from cachefeed._testing.samples import cache_samples, upload_arrays
 
@@ -29,7 +29,9 @@ def test_samplers_start_forked_from_the_supervisor_and_a_restart_takes_a_fresh_i
     proc = daemon(endpoint=fault_proxy.endpoint, sections={"sampler": {"restart_backoff": "200ms"}})
     doc = proc.wait_status(lambda d: all(s["pid"] for s in d["samplers"]), timeout_s=30, what="samplers up")
     pids = [s["pid"] for s in doc["samplers"]]
-    wait_for(lambda: fault_proxy.counts().ops.get("GetObject", 0) >= 10, timeout_s=30, what="fill under way")
+    wait_while_running(
+        proc, lambda: fault_proxy.counts().ops.get("GetObject", 0) >= 10, timeout_s=30, what="fill under way"
+    )
     for pid in pids:
         # Forked: the supervisor's command line, not ``-m cachefeed._daemon.sampler``; its own process, which
         # left the supervisor's descriptors behind (stdin is /dev/null) and yields to training as a fresh one does.

@@ -23,7 +23,7 @@ import pytest
 
 from cachefeed._cache.store import CacheStore
 from cachefeed._cache.writer import CacheWriter
-from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_while_running, write_config
 from cachefeed._testing.local_s3 import LocalS3
 from cachefeed._testing.samples import payload
 from tests.reliability.common import check_cache, read_status, report, tree_listing, upload_sv, wait_until
@@ -132,7 +132,9 @@ def test_planted_symlinks_fifos_and_foreign_files_are_never_followed_or_served(
         ready_s = time.monotonic() - started
         left_after_recovery = [p for p in planted if os.path.lexists(cache_dir / p)]
         planted += plant(cache_dir, world, "b")  # and again while it runs
-        wait_until(lambda: set(keys) <= set(check_cache(cache_dir).keys), timeout_s=60, what="every object cached")
+        wait_while_running(
+            proc, lambda: set(keys) <= set(check_cache(cache_dir).keys), timeout_s=60, what="every object cached"
+        )
         first = trainer_epochs(cache_dir, tmp_path / "trainer-0.err")
         assert proc.process.poll() is None
         assert proc.stop() == 0

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from cachefeed._cache.records import SegmentReader
-from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, write_config
+from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_while_running, write_config
 from cachefeed._testing.local_s3 import LocalS3
 from cachefeed._trainer import EpochLoaderFactory
 from tests.reliability.common import DiskWatch, check_cache, report, sample_problem, upload_sv, wait_until
@@ -250,7 +250,9 @@ def test_corruption_behind_the_daemons_back_is_detected_never_served(tmp_path: P
     proc = daemon_on(tmp_path, s3, cache_dir, "corrupt", cache)
     try:
         proc.wait_status(lambda d: d["ingest"]["objects_total"] >= len(paths), timeout_s=60, what="all cached")
-        wait_until(lambda: len(check_cache(cache_dir).keys) >= len(paths), timeout_s=30, what="all published")
+        wait_while_running(
+            proc, lambda: len(check_cache(cache_dir).keys) >= len(paths), timeout_s=30, what="all published"
+        )
         segments = sorted((cache_dir / "segments").glob("*.seg"))
         assert len(segments) >= 4
         flipped, truncated, trailer = segments[0], segments[1], segments[2]

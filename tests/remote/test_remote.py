@@ -385,7 +385,9 @@ def test_read_timeout_is_transient_and_retried(
     s3: LocalS3, proxy: FaultProxy, make_remote: Callable[..., Remote]
 ) -> None:
     put(s3, "slow.npy", b"eventually")
-    remote = make_remote(read_timeout_s=0.2)
+    # 2 s: the retry, a healthy GET through the proxy and moto, must beat it on a loaded machine too (0.2 s left
+    # it a fifth of a second; a second timeout counts a second retry)
+    remote = make_remote(read_timeout_s=2.0)
     (obj,) = remote.list_objects()
     proxy.set_rules([Rule("latency", delay_s=30.0, method="GET", key="slow", max_count=1)])
 

@@ -179,6 +179,9 @@ def test_the_first_epoch_waits_for_min_samples_and_shows_progress(tmp_path: Path
     store = CacheStore(cache_config(root, segment_bytes=8 << 10))
 
     def fill_later() -> None:
+        # Once the loader says it waits (its clock runs from then), not half a second after the thread started:
+        # a loaded machine may start the loader later than that.
+        wait_until(lambda: "waiting for samples" in progress.getvalue(), timeout_s=60, what="the loader waiting")
         time.sleep(0.5)
         with CacheWriter(store, segment_bytes=8 << 10, fsync=False) as writer:
             for i in range(100):
