@@ -28,7 +28,10 @@ into the batch as they are, without the tensors (``iter_items(tensors=False)``).
 2 shared CPUs, Python 3.11.7, torch 2.13.0+cpu: ``python -m benchmarks.record_cost`` from the repository root,
 median of 20 passes): ``__getitems__`` of 32 shuffled records of one 128 KiB array each, ``verify=False``, took
 0.78-0.82 ms at 1023a54 (format 3, flags checked per array) and 0.34-0.36 ms since (about 11 us a sample, of which
-about 5 the reader's and 2 ``torch.from_numpy``'s).
+about 5 the reader's and 2 ``torch.from_numpy``'s). A batch (``__getitems__``, ``read_items``) is read in one
+loop over its records (``records.read_records``), which pays per sample what ``read`` pays less its per-call
+lookups and the second pass of ``as_tensors``; it matters for small samples, where that Python is most of a
+sample's cost.
 
 Corrupt records: ``__getitems__`` (the batched path the DataLoader uses) skips a record that fails verification
 (``CorruptRecordError``), logs it and counts it in ``skipped``; the batch then holds *fewer* samples (never a
