@@ -186,3 +186,25 @@ def test_the_fast_path_reads_plain_records_and_leaves_the_others_to_read(tmp_pat
         first.close()
         assert read_records([first], [0], 0, out) == 0, "a closed reader: read() says why"
         last.close()
+
+
+def test_each_sample_names_its_source_with_corrupt_records_skipped(tmp_path: Path) -> None:
+    root = build(tmp_path / "c")
+    with Snapshot.create(root, "t-e000000") as snapshot:
+        names = ["even" if i % 2 == 0 else "odd" for i in range(len(snapshot.names))]
+
+        def open_dataset() -> SnapshotDataset:
+            return SnapshotDataset(snapshot.directory, snapshot.names, snapshot.counts, sources=names)
+
+        dataset, other = open_dataset(), open_dataset()
+        for index in (5, 60):
+            segment, record = dataset.locate([index])
+            corrupt_record(snapshot.paths[int(segment[0])], int(record[0]))
+        shuffled = [i for i in np.random.default_rng(11).permutation(len(dataset)).tolist() if i not in (5, 60)]
+        batch = np.array([5, *shuffled[:98], 60])
+        fast = dataset.read_items(batch)
+        assert len(fast) == 98 and dataset.skipped == 2
+        assert same(fast, list(other.iter_items(batch)))
+        assert {item["__source__"] for item in fast} == {"even", "odd"}
+        dataset.close()
+        other.close()
