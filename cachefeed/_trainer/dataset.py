@@ -343,7 +343,8 @@ class SnapshotDataset(Dataset[Any]):
             if position >= total:
                 break
             try:  # what the fast path left: read as ``iter_items`` reads it
-                reader = readers[position] or self._reader(where[position])
+                held = readers[position]  # None: its segment did not open, and ``_reader`` says why
+                reader = self._reader(where[position]) if held is None else held
                 sample = reader.read(wanted[position], verify=verify)
                 samples.append(as_tensors(sample) if wrap is not None else sample)
             except CorruptRecordError as exc:
