@@ -41,7 +41,18 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["INLINE_LIMIT", "LARGE_PAYLOAD", "Fields", "Plan", "classify", "loosen", "payload_align"]
+__all__ = [
+    "INLINE_LIMIT",
+    "LARGE_PAYLOAD",
+    "SLICE",
+    "VIEW",
+    "Fields",
+    "Plan",
+    "classify",
+    "loosen",
+    "payload",
+    "payload_align",
+]
 
 INLINE_LIMIT = 256  # str/bytes up to this size are inline values; larger ones are payloads
 LARGE_PAYLOAD = 4096  # payloads of this size or more start 64-aligned; smaller ones 16-aligned
@@ -50,7 +61,7 @@ SMALL_ALIGN = 16
 
 # kinds of a plan's steps
 _INLINE, _ND, _PT, _PT_VIEW, _BYTES, _STR = range(6)
-_SLICE, _VIEW, _CALL = range(3)  # how a plan with fixed offsets reads a payload (``_mode``)
+SLICE, VIEW, _CALL = range(3)  # how a plan with fixed offsets reads a payload (``_mode``)
 
 
 def payload_align(nbytes: int) -> int:
@@ -180,7 +191,7 @@ class Plan:
     through another descriptor than the one it was written with fails its checksum.
     """
 
-    __slots__ = ("area_len", "arrays", "inline_names", "seed", "steps", "values")
+    __slots__ = ("area_len", "arrays", "inline_names", "runs", "seed", "steps", "values")
 
     def __init__(self, blob: bytes) -> None:
         self.seed = xxhash.xxh3_64_intdigest(blob)
@@ -209,6 +220,30 @@ class Plan:
             self.inline_names = tuple(step.name for step in steps if step.kind == _INLINE)
             self.arrays = tuple(arrays)
             self.area_len = offset
+        self.runs: dict[Any, tuple[tuple[Any, ...], ...] | None] = {}  # ``run_arrays`` by ``wrap``
+
+    def run_arrays(self, wrap: Any) -> tuple[tuple[Any, ...], ...] | None:
+        """How ``SegmentReader.read_run`` reads this plan's payloads: ``(name, offset, nbytes, shape, dtype, slice,
+        wrapped, step)`` per payload, ``wrapped`` where ``wrap`` (``torch.from_numpy``, say) takes the numpy array
+        made for it (an ``nd`` field whose dtype ``wrap`` accepts: it raises TypeError or ValueError for the others,
+        which stay numpy arrays). None for a plan whose sizes are not all fixed (each record is read by ``fill``).
+        Worked out once per ``wrap``."""
+        if self.inline_names is None:
+            return None
+        if wrap in self.runs:
+            return self.runs[wrap]
+        found = []
+        for name, mode, offset, nbytes, dtype, shape, step in self.arrays:
+            wrapped = False
+            if wrap is not None and step.kind == _ND:
+                try:
+                    wrap(np.empty(0, dtype))
+                    wrapped = True
+                except (TypeError, ValueError):  # ValueError: the byte order
+                    pass
+            found.append((name, offset, nbytes, shape, dtype, mode, wrapped, step))
+        self.runs[wrap] = runs = tuple(found)
+        return runs
 
     def fill(
         self, sample: dict[str, Any], values: list[Any], source: npt.NDArray[np.uint8], base: int, area_len: int
@@ -225,12 +260,12 @@ class Plan:
             sample.update(zip(names, values))  # noqa: B905 (lengths checked above)
         for name, mode, offset, nbytes, dtype, shape, step in self.arrays:
             at = base + offset
-            if mode == _SLICE:  # the cheapest view there is: a byte array is a slice of the source
+            if mode == SLICE:  # the cheapest view there is: a byte array is a slice of the source
                 sample[name] = source[at : at + nbytes]
-            elif mode == _VIEW:
+            elif mode == VIEW:
                 sample[name] = np.ndarray(shape, dtype, source, at)
             else:
-                sample[name] = _payload(step, source, at, shape, nbytes)
+                sample[name] = payload(step, source, at, shape, nbytes)
 
     def area_of(self, values: list[Any]) -> int:
         """The payload area's length for a record with these values (to check a decompressed area)."""
@@ -276,7 +311,7 @@ class Plan:
             offset += -offset % payload_align(nbytes)
             if offset + nbytes > area_len:
                 raise ValueError("the record does not match its field descriptor")
-            payloads.append((step.name, _payload(step, source, base + offset, value, nbytes)))
+            payloads.append((step.name, payload(step, source, base + offset, value, nbytes)))
             offset += nbytes
         if offset != area_len:
             raise ValueError("the record does not match its field descriptor")
@@ -296,13 +331,13 @@ class _Step:
 
 
 def _mode(step: _Step) -> int:
-    """How a plan with fixed offsets reads one payload: a slice, an array view, or ``_payload``."""
+    """How a plan with fixed offsets reads one payload: a slice, an array view, or ``payload``."""
     if step.kind != _ND or not step.nbytes:
         return _CALL
-    return _SLICE if step.dtype == np.uint8 and len(step.shape or ()) == 1 else _VIEW
+    return SLICE if step.dtype == np.uint8 and len(step.shape or ()) == 1 else VIEW
 
 
-def _payload(step: _Step, source: Any, offset: int, shape: Any, nbytes: int) -> Any:
+def payload(step: _Step, source: Any, offset: int, shape: Any, nbytes: int) -> Any:
     """One payload field of ``nbytes`` read from ``source`` at ``offset`` (zero-copy for arrays)."""
     kind = step.kind
     if kind == _ND:

@@ -195,8 +195,13 @@ class RowCollator:
         self.count = 0
 
     @classmethod
-    def start(cls, first: Any, rows: int, allocate: Callable[[int], tuple[int, Any]]) -> RowCollator | None:
-        """A collator for up to ``rows`` samples like ``first`` (added already), its region allocated; or None."""
+    def start(
+        cls, first: Any, rows: int, allocate: Callable[[int], tuple[int, Any]], *, small: bool = False
+    ) -> RowCollator | None:
+        """A collator for up to ``rows`` samples like ``first`` (added already), its region allocated; or None.
+
+        ``small``: take a batch without a field of ``ROW_COPY_BYTES`` too (samples read whole, their arrays numpy
+        arrays: a row copied by numpy costs less than a tensor made per array for ``torch.stack``)."""
         if type(first) is not dict:
             return None
         specs: list[tuple[Any, str, torch.dtype | None, tuple[int, ...], int]] = []
@@ -222,7 +227,7 @@ class RowCollator:
             else:
                 return None
         total = sum(spec[4] for spec in specs)
-        if not large:
+        if not large and not small:
             return None
         offset, region = allocate(total)
         if region is None:

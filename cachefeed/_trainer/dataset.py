@@ -28,7 +28,10 @@ into the batch as they are, without the tensors (``iter_items(tensors=False)``).
 2 shared CPUs, Python 3.11.7, torch 2.13.0+cpu: ``python -m benchmarks.record_cost`` from the repository root,
 median of 20 passes): ``__getitems__`` of 32 shuffled records of one 128 KiB array each, ``verify=False``, took
 0.78-0.82 ms at 1023a54 (format 3, flags checked per array) and 0.34-0.36 ms since (about 11 us a sample, of which
-about 5 the reader's and 2 ``torch.from_numpy``'s).
+about 5 the reader's and 2 ``torch.from_numpy``'s). A batch (``__getitems__``, ``read_items``) is read in one
+loop over its records (``records.read_records``), which pays per sample what ``read`` pays less its per-call
+lookups and the second pass of ``as_tensors``; it matters for small samples, where that Python is most of a
+sample's cost.
 
 Corrupt records: ``__getitems__`` (the batched path the DataLoader uses) skips a record that fails verification
 (``CorruptRecordError``), logs it and counts it in ``skipped``; the batch then holds *fewer* samples (never a
@@ -50,7 +53,7 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.records import SegmentReader, read_records
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.sources import SOURCE_FIELD
 from cachefeed._errors import CorruptRecordError, SnapshotError
@@ -309,7 +312,68 @@ class SnapshotDataset(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch of samples, corrupt records skipped and counted (see the module docstring)."""
-        return list(self.iter_items(indices))
+        return self.read_items(indices)
+
+    def read_items(self, indices: Sequence[int], *, tensors: bool = True) -> list[Any]:
+        """``list(iter_items(indices, tensors=tensors))``, read in one pass: the samples, their order, the records
+        skipped (counted and logged) and the transform's calls (in the batch's order) are ``iter_items``'s.
+
+        Why: a batch of small samples costs more in per-sample Python than in bytes. The batch's records are read
+        by ``records.read_records`` (one loop, arrays made tensors as they are read); a record it leaves is read
+        by ``SegmentReader.read`` as ``iter_items`` reads it, so a compressed or corrupt record, a segment that
+        does not open, or a record of another kind gets the one answer. ``iter_items`` stays for a worker copying
+        each large sample into its batch as it is read (``RowCollator``).
+        """
+        segments, records = self.locate(indices)
+        if self._pid != os.getpid():  # forked after readers were opened: reopen our own
+            self._readers, self._pid = {}, os.getpid()
+        wanted, where = records.tolist(), segments.tolist()
+        opened = self._readers.get
+        readers = [opened(segment) for segment in where]
+        for position, reader in enumerate(readers):
+            if reader is None:
+                readers[position] = self._open(where[position])
+        transform = self.transform
+        wrap = torch.from_numpy if tensors or transform is not None else None
+        samples: list[Any] = []
+        skipped: set[int] = set()
+        position, total, verify = 0, len(wanted), self.verify
+        while True:
+            position = read_records(readers, wanted, position, samples, verify=verify, wrap=wrap)
+            if position >= total:
+                break
+            try:  # what the fast path left: read as ``iter_items`` reads it
+                held = readers[position]  # None: its segment did not open, and ``_reader`` says why
+                reader = self._reader(where[position]) if held is None else held
+                sample = reader.read(wanted[position], verify=verify)
+                samples.append(as_tensors(sample) if wrap is not None else sample)
+            except CorruptRecordError as exc:
+                self._skip(exc)
+                skipped.add(position)
+            position += 1
+        if self._source_names:
+            names, source_of = self._source_names, self._source_of
+            kept = [segment for position, segment in enumerate(where) if position not in skipped]
+            for sample, segment in zip(samples, kept, strict=True):
+                sample[SOURCE_FIELD] = names[source_of[segment]]
+        if transform is None:
+            return samples
+        return [transform(sample) for sample in samples]
+
+    def _open(self, segment: int) -> SegmentReader | None:
+        """This process's reader of a segment, or None where it does not open (``CorruptRecordError``: each of its
+        records is skipped when read)."""
+        try:
+            return self._reader(segment)
+        except CorruptRecordError:
+            return None
+
+    def record_bytes(self, index: int) -> int:
+        """The length of sample ``index``'s record, unchecked (a hint: ``SegmentReader.length``); 0 where its segment
+        does not open."""
+        segment, record = self.locate([index])
+        reader = self._open(int(segment[0]))
+        return 0 if reader is None else reader.length(int(record[0]))
 
     def iter_items(self, indices: Sequence[int], *, tensors: bool = True) -> Iterator[Any]:
         """``__getitems__`` one sample at a time: each record is read (and verified) when the next is asked for,
@@ -328,10 +392,13 @@ class SnapshotDataset(Dataset[Any]):
                     readers = self._readers
                 sample = self._read(reader, segment, record, tensors=tensors)
             except CorruptRecordError as exc:
-                self._count_skip()
-                log.warning("skipping a corrupt record in snapshot %s: %s", self.snap_id, exc)
+                self._skip(exc)
                 continue
             yield sample
+
+    def _skip(self, exc: CorruptRecordError) -> None:
+        self._count_skip()
+        log.warning("skipping a corrupt record in snapshot %s: %s", self.snap_id, exc)
 
     def _count_skip(self) -> None:
         info = get_worker_info()

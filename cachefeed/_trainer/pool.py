@@ -95,7 +95,7 @@ from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._sched import yield_to_training
 from cachefeed._trainer.arena import ACK_WORD, HEADER_BYTES, Allocator, Arena, grown_end
-from cachefeed._trainer.collate import Builder, RowCollator, collate_into, compile_skeleton, split
+from cachefeed._trainer.collate import ROW_COPY_BYTES, Builder, RowCollator, collate_into, compile_skeleton, split
 from cachefeed._trainer.dataset import SnapshotDataset, as_tensors
 from cachefeed._trainer.growing import GrowingEpoch
 from cachefeed._trainer.pinning import PinnedArenas
@@ -268,10 +268,24 @@ def _collate_batch(
     release: Callable[[int, int], None],
 ) -> tuple[int, int, Any]:
     """Read a batch and collate it into the arena: ``collate_into``'s ``(offset, nbytes, layout)``, with ``nbytes``
-    -1 when every record was skipped. With default collation each sample is copied as soon as it is read
-    (``RowCollator``), unless the batch is not of the shape that helps; without a transform the reader's numpy
-    arrays are copied as they are (no tensor per array), and turned into tensors only for the usual path."""
+    -1 when every record was skipped. A batch of small samples (its first record under ``ROW_COPY_BYTES``), or one
+    for the caller's collate function, is read whole, a segment at a time (``SnapshotDataset.read_items``). With
+    default collation of larger samples each sample is copied as soon as it is read (``RowCollator``), unless the
+    batch is not of the shape that helps; without a transform the reader's numpy arrays are copied as they are (no
+    tensor per array), and turned into tensors only for the usual path."""
     arrays = collate is None and dataset.transform is None
+    if collate is not None or not len(indices) or dataset.record_bytes(int(indices[0])) < ROW_COPY_BYTES:
+        whole = dataset.read_items(indices, tensors=not arrays)  # type: ignore[arg-type]  # int64: see partition.py
+        if not whole:
+            return -1, -1, None
+        collator = RowCollator.start(whole[0], len(whole), allocate, small=True) if arrays else None
+        if collator is None:
+            return collate_into(_tensors(whole, arrays), collate, allocate)
+        for sample in whole[1:]:
+            if not collator.add(sample):
+                release(collator.offset, collator.nbytes)
+                return collate_into(_tensors(whole, arrays), None, allocate)
+        return collator.offset, collator.nbytes, collator.finish()
     samples = dataset.iter_items(indices, tensors=not arrays)  # type: ignore[arg-type]  # int64: see partition.py
     first = next(samples, None)
     if first is None:
