@@ -60,6 +60,37 @@ _PR_SET_PDEATHSIG = 1
 _STATS_INTERVAL_S = 1.0
 _EXIT_GRACE_S = 5.0
 _REASON_CHARS = 500  # a quarantine reason sent to the supervisor (status lists it) is cut to this length
+FIRST_FETCHES = 1  # fetches in flight at a sampler's start; one more per completed fetch (FetchWindow)
+
+
+class FetchWindow:
+    """How many fetches may be in flight: ``first`` at the start, one more each time a fetch completes (a slow
+    start, as TCP's: the window doubles per round trip), up to ``limit`` (``sampler.concurrency``).
+
+    Why: objects arrive whole before they are decoded, and the remote's bandwidth is shared by every request in
+    flight; a sampler that asked for ``limit`` shards at once would get the first one complete only when about all
+    of them are, so a cold trainer's first segment would wait for ``limit`` objects instead of one. The window
+    reaches ``limit`` after a few completions, so steady ingest is unchanged. Used as ``async with window:``.
+    """
+
+    def __init__(self, first: int, limit: int) -> None:
+        if limit < 1 or first < 1:
+            raise ValueError(f"first and limit must be at least 1, got {first!r} and {limit!r}")
+        self.limit = limit
+        self.size = min(first, limit)
+        self.active = 0
+        self._changed = asyncio.Condition()
+
+    async def __aenter__(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.active < self.size)
+            self.active += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        async with self._changed:
+            self.active -= 1
+            self.size = min(self.limit, self.size + 1)
+            self._changed.notify_all()
 
 
 def die_with_parent(parent_pid: int) -> bool:
@@ -102,7 +133,7 @@ class Sampler:
             )
             for source in sources
         ]
-        self._fetch_slots = asyncio.Semaphore(concurrency)
+        self._fetch_slots = FetchWindow(FIRST_FETCHES, concurrency)
         self._provider = RpcGrantProvider(channel)
         self._sink = SegmentSink(
             self._provider,
@@ -155,10 +186,18 @@ class Sampler:
         """Build the HTTP client before asking for work: loading botocore's models takes a second or more, and
         this overlaps it with the supervisor's first listing instead of delaying the first fetches."""
         for remote in self._remotes:
+            started = time.process_time()
             try:
                 await remote.connect()
             except Exception as exc:  # the first fetch will meet (and report) the same problem
                 log.debug("warming up the remote client failed: %s", type(exc).__name__)
+            else:
+                log.debug(
+                    "remote client for %s built in %.3fs of CPU (%s)",
+                    remote.where,
+                    time.process_time() - started,
+                    "the supervisor's warmed session" if remote.has_warm_session else "a session of its own",
+                )
 
     # -- messages -------------------------------------------------------------------------------------------
 

@@ -159,6 +159,8 @@ class Supervisor:
                 reason = str(exc).removeprefix(f"{value!r}: ")
                 raise ConfigError(f"{config.source}: {key} = {value!r}: {reason}") from None
         self.inputs.open_catalogs()
+        for catalog in self.inputs.catalogs():  # before any fork or thread: NOTE [ Warmed session ] (client.py)
+            catalog.remote.warm_session()
 
     def run(self) -> int:
         config = self.config

@@ -87,3 +87,19 @@ def test_a_sampler_handle_counts_the_bytes_assigned_until_they_are_settled() -> 
     assert set(handle.assigned) == {1, 3} and handle.assigned_bytes == 100
     assert sorted(handle.settle(sorted(handle.assigned))) == [1, 3]
     assert not handle.assigned and handle.assigned_bytes == 0
+
+
+def test_forked_samplers_build_their_s3_clients_on_the_supervisors_warmed_session(
+    bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon
+) -> None:
+    """NOTE [ Warmed session ]: botocore's models are loaded once, in the supervisor before it forks, not again in
+    each sampler; the client each sampler builds is its own. Judged from the samplers' debug lines."""
+    uploaded = upload_arrays(bucket, BUCKET, 8, 4 << 10)
+    proc = daemon(endpoint=fault_proxy.endpoint, sections={"log": {"level": "debug"}})
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 8, timeout_s=60, what="every object cached")
+    built = [line for line in proc.stderr().splitlines() if "remote client for" in line]
+    assert len(built) == 2, built  # one per sampler (two by default)
+    assert all("the supervisor's warmed session" in line for line in built), built
+    keys = [sample["__key__"] for _, sample in cache_samples(proc.cache_dir)]
+    assert sorted(keys) == sorted(uploaded)
+    assert proc.stop() == 0
