@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 
+from benchmarks.common.machine import byte_compile_cachefeed
 from benchmarks.common.results import readme_block, save
 from cachefeed._codecs import msgpack_default
 from cachefeed._config import toml_text
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill-s", type=float, default=20.0)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
+    byte_compile_cachefeed()  # the daemon's start loads .pyc files, as an installed package's does
     with tempfile.TemporaryDirectory(prefix="cf-first-batch-", dir="/dev/shm") as tmp:
         work = Path(tmp)
         nbytes = make_remote(work / "remote", args)

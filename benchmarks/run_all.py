@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common.results import provenance
 
     start_provenance = provenance(out)  # which commit is measured, and whether the tree differed from it
+    from benchmarks.common.machine import byte_compile_cachefeed
+
+    byte_compile_cachefeed()  # as a wheel's install does: the daemons' starts load .pyc files, as the peers' do
     started = time.monotonic()
     suite = Suite(
         mode,
