@@ -148,10 +148,12 @@ def test_local_ranks_get_disjoint_equal_shares_of_a_growing_epoch(tmp_path: Path
     assert len(zero) + len(one) >= len(every) - 1, "every sample but an odd one out"
 
 
-def trainer_main(root: str, progress: str) -> None:
-    """Train the growing epoch slowly; after every batch, save the keys received and the factory's state."""
+def trainer_main(root: str, progress: str, ready: str) -> None:
+    """Train the growing epoch slowly; after every batch, save the keys received and the factory's state. ``ready``
+    is created once the interpreter and its imports are up (the factory then waits for the cache to appear)."""
     from cachefeed._fsutil import atomic_write
 
+    Path(ready).touch()
     received: list[str] = []
     with EpochLoaderFactory(root, batch_size=16, run_id="job", progress=None) as factory:
         for batch in factory.loader(0):
@@ -162,14 +164,17 @@ def trainer_main(root: str, progress: str) -> None:
 
 def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_path: Path) -> None:
     every = make_remote(tmp_path / "data")
-    # some 30 s: killed well before the end, even where the trainer process takes 10 s to start on a loaded machine
-    daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="40KB")
-    progress = tmp_path / "progress.json"
+    progress, ready = tmp_path / "progress.json", tmp_path / "trainer-ready"
+    # The trainer's interpreter and imports come first: on a loaded machine they took longer than the daemon took to
+    # fetch the whole dataset, and the epoch had stopped growing before the kill. The daemon starts once they are up.
     trainer = python(
         f"from tests.witness.test_growing_epochs import trainer_main; "
-        f"trainer_main({str(daemon.cache_dir)!r}, {str(progress)!r})"
+        f"trainer_main({str(tmp_path / 'cache')!r}, {str(progress)!r}, {str(ready)!r})"
     )
     try:
+        wait_for(ready.exists, timeout_s=120, what="the trainer's imports")
+        daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="60KB")  # some 20 s: killed well before the end
+        assert daemon.cache_dir == tmp_path / "cache"
         wait_for(
             lambda: progress.exists() and len(json.loads(progress.read_text())["keys"]) >= 3 * 16,
             timeout_s=120,
