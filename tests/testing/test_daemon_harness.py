@@ -25,13 +25,14 @@ def exited_daemon(tmp_path: Path, name: str) -> DaemonProcess:
     return DaemonProcess(process, tmp_path / "daemon.toml", tmp_path / "cache", stderr_path)
 
 
+def sleeping_daemon(tmp_path: Path) -> DaemonProcess:
+    """A process that stays up for a minute, as a running daemon does for these waits."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return DaemonProcess(process, tmp_path / "daemon.toml", tmp_path / "cache", tmp_path / "running.stderr")
+
+
 def test_a_wait_on_daemons_fails_at_once_with_the_stderr_of_one_that_exited(tmp_path: Path) -> None:
-    running = DaemonProcess(
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
-        tmp_path / "daemon.toml",
-        tmp_path / "cache",
-        tmp_path / "running.stderr",
-    )
+    running = sleeping_daemon(tmp_path)
     try:
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"daemon exited with 3:\nnode-1: the reason it stopped"):
@@ -45,12 +46,7 @@ def test_a_wait_on_daemons_fails_at_once_with_the_stderr_of_one_that_exited(tmp_
 
 
 def test_a_wait_on_a_running_daemon_returns_what_the_predicate_returns(tmp_path: Path) -> None:
-    running = DaemonProcess(
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
-        tmp_path / "daemon.toml",
-        tmp_path / "cache",
-        tmp_path / "running.stderr",
-    )
+    running = sleeping_daemon(tmp_path)
     try:
         polls: list[int] = []
         found = wait_while_running(running, lambda: polls.append(1) or (len(polls) >= 3 and "ready"), timeout_s=60)
