@@ -110,6 +110,7 @@ _SWEEP_INTERVAL_S = 1.0
 ECHO_WINDOW = 64  # evicted segments the echo factor is measured over
 TOPPED_UP_SHARE = 0.25  # ingest is remote-bound when more than this share of the newest snapshot was read already
 _HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
+_ORPHAN_WAIT_S = 5.0  # how long a daemon waits for the children of a gone holder to let go of the lock
 
 
 def _lock_holder(fd: int) -> str:
@@ -124,6 +125,43 @@ def _lock_holder(fd: int) -> str:
             if time.monotonic() > deadline:
                 return "another process"
             time.sleep(0.01)
+
+
+def _wait_for_orphaned_lock(fd: int) -> bool:
+    """Take the lock held for a daemon that is gone: True once taken.
+
+    A daemon's samplers inherit its lock and keep it until they exit (``CacheStore.lock_fd``). When the daemon is
+    killed, they follow it (PR_SET_PDEATHSIG), but a sampler forked a moment before may take a little longer; a
+    daemon restarted at once (systemd's ``Restart=``) then found the lock held for a process that no longer
+    exists and refused to start. Where the lock file names a process of this host that is gone, wait up to
+    ``_ORPHAN_WAIT_S`` for its children to let go; a live holder, or one on another host, is not waited for."""
+    try:
+        who = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+        pid, host = int(who["pid"]), str(who["host"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname() or pid <= 0 or _is_alive(pid):
+        return False
+    log.info("the cache's lock is held for pid %d, which has exited: waiting for its samplers to exit", pid)
+    deadline = time.monotonic() + _ORPHAN_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue
+        return True
+    return False
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
 
 
 def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
@@ -251,12 +289,19 @@ class CacheStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if _wait_for_orphaned_lock(fd):
+                return self._write_holder(fd)
             name = _lock_holder(fd)
             os.close(fd)
             raise CacheLockedError(
                 f"cache dir {self.layout.root} is in use by {name}: stop that daemon first, "
                 "or give this one another cache.dir"
             ) from None
+        return self._write_holder(fd)
+
+    @staticmethod
+    def _write_holder(fd: int) -> int:
+        """Write this process into the lock file it holds (``_lock_holder`` reads it)."""
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
         text = json.dumps(me).encode()
         os.pwrite(fd, text, 0)

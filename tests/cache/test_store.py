@@ -80,6 +80,31 @@ def test_a_daemon_that_loses_the_race_by_microseconds_still_names_the_winner(tmp
         os.close(fd)
 
 
+def test_a_daemon_restarted_at_once_waits_for_the_samplers_of_a_killed_one_to_let_go(tmp_path: Path) -> None:
+    """A killed daemon's samplers keep its lock until they follow it out (PR_SET_PDEATHSIG): a daemon started in
+    between (systemd's restart, the crash-loop test) used to refuse, naming a process that no longer existed."""
+    import fcntl
+    import json
+    import socket
+    import threading
+
+    config = cache_config(tmp_path / "c")
+    CacheStore(config).close()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the killed daemon: a pid of this host that has exited
+    fd = os.open(CacheLayout(config.dir).lock_file, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # its sampler, which inherited the lock
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": gone.pid, "host": socket.gethostname(), "since": "then"}).encode(), 0)
+    exits = threading.Timer(0.5, os.close, (fd,))  # the sampler follows its daemon out
+    exits.start()
+    try:
+        store = CacheStore(config)  # waits for it instead of refusing
+        store.close()
+    finally:
+        exits.join()
+
+
 def test_fifo_eviction_keeps_the_newest_samples_within_budget(tmp_path: Path) -> None:
     store = CacheStore(cache_config(tmp_path / "c", max_bytes=8 << 20, segment_bytes=256 << 10))
     fill(store, range(5000))
