@@ -214,7 +214,9 @@ def test_node_0_publishes_each_changed_listing_and_the_other_nodes_read_it_witho
         wait_while_running(
             daemons, all_cached, timeout_s=60, what="the 30 new objects cached, node 1's share from a new generation"
         )
-        assert len(generations()) == 2
+        # One generation more, or two where a listing ran during the upload and saw part of it (each changed
+        # listing is published); unchanged listings published nothing (above).
+        assert 2 <= len(generations()) <= 3
         reader = daemons[1].status()
         assert reader is not None and reader["remote"]["list_requests_total"] == 0  # node 1 never listed
         assert reader["remote"]["objects_listed"] == len(uploaded)
