@@ -60,7 +60,8 @@ at most, ``python -m benchmarks.record_cost`` prints it).
 The trailer's **source tag** (u32) says which configured source (``[[source]]``, see ``_cache/sources.py``) every
 record of the segment came from; 0 when the daemon reads one unnamed remote. A segment never mixes sources.
 
-**Sources** name the remote objects whose last sample the segment holds (path and version). They let a restarted
+**Sources** name the remote objects the segment holds samples of (path and version): the objects whose last
+sample it holds, and the one being written when the segment was cut (``_daemon/sink.py``). They let a restarted
 daemon know what its recovered cache already holds. Best effort by design: a source that does not fit the
 segment's capacity is left out (that object is fetched again after a restart), never a reason to fail a segment.
 

@@ -68,7 +68,9 @@ class CacheWriter:
     While the provider says the cache is full, ``add`` waits (back-pressure), polling every ``poll_s``, until room
     appears or ``stop`` is set (then it raises ``WriterStopped``). ``on_wait(seconds_waited)`` is called while
     waiting, for progress reporting. Segments are cut at ``segment_bytes``, or at ``ramp.target()`` while a
-    ``ramp`` is given (a record larger than that gets a segment of its own size).
+    ``ramp`` is given (a record larger than that gets a segment of its own size). ``before_publish`` (if set) is
+    called just before a segment that holds samples is finished, while ``add_source`` still names sources in it:
+    a segment cut inside an object's samples can name that object too.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class CacheWriter:
         self._grant: Grant | None = None
         self._encoder = RecordEncoder(compression=compression)
         self.published: list[object] = []
+        self.before_publish: Callable[[], None] | None = None
         self.source = 0  # the source tag of segments opened from now on (records.py); set it between segments
 
     @property
@@ -167,6 +170,12 @@ class CacheWriter:
             self._provider.abort(grant)
             return None
         try:
+            if self.before_publish is not None:
+                self._writer = writer  # add_source names sources in it
+                try:
+                    self.before_publish()
+                finally:
+                    self._writer = None
             writer.finish(fsync=self._fsync)
         except BaseException:
             writer.abort()

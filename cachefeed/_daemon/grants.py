@@ -10,9 +10,11 @@ sampler's channel, and ``GrantServer`` in the supervisor runs them on the store:
 * ``Reserve(req, nbytes)`` -> ``GrantReply``: a grant (``seq``, tmp path, bytes) the writer may fill, or ``wait``
   (the cache is full of data trainers have not read or still pin: ask again later), or an ``error`` (a segment of
   that size can never fit: the object is quarantined as ``too_large``).
-* ``Publish(req, seq, done)`` -> ``PublishReply``: the finished file of grant ``seq`` is verified and renamed into
-  ``segments/``; ``done`` lists the objects whose last sample it holds (the supervisor marks them done). An
-  ``error`` means the file did not verify and was deleted; the supervisor re-queued ``done``.
+* ``Publish(req, seq, done, spanning)`` -> ``PublishReply``: the finished file of grant ``seq`` is verified and
+  renamed into ``segments/``; ``done`` lists the objects whose last sample it holds (the supervisor marks them
+  done), ``spanning`` the object (at most one) some of whose samples it holds while the rest are still being
+  written: the plan counts both as cached in it (``plan.py``, "Cached objects"). An ``error`` means the file did
+  not verify and was deleted; the supervisor re-queued ``done``.
 * ``Abort(seq)``: the writer gives the grant back (no reply); its tmp file is deleted.
 
 Invariants:
@@ -69,6 +71,7 @@ class Publish(Message):
     req: int
     seq: int
     done: list[int]
+    spanning: list[int]
 
 
 @message
@@ -107,8 +110,9 @@ class PublishReply(Message):
 class RpcGrantProvider:
     """``GrantProvider`` over the protocol channel. Called from the writer thread; replies arrive on the loop.
 
-    ``completed`` lists the objects whose samples have all been added to the writer; ``publish`` sends them with
-    the segment and clears the list (they are done once it is published).
+    ``completed`` lists the objects whose samples have all been added to the writer, ``spanning`` the object whose
+    samples are being added once one of them is in the open segment; ``publish`` sends both with the segment and
+    clears them (the completed are done once it is published; the spanning one has samples in it).
     """
 
     def __init__(self, channel: Channel) -> None:
@@ -118,6 +122,7 @@ class RpcGrantProvider:
         self._next_req = 0
         self._closed: BaseException | None = None
         self.completed: list[int] = []
+        self.spanning: list[int] = []
 
     def _call(self, message_for: Callable[[int], Message]) -> Message:
         future: Future[Message] = Future()
@@ -159,7 +164,8 @@ class RpcGrantProvider:
 
     def publish(self, grant: Grant) -> object:
         done, self.completed = self.completed, []
-        reply = self._call(lambda req: Publish(req, grant.seq, done))
+        spanning, self.spanning = self.spanning, []
+        reply = self._call(lambda req: Publish(req, grant.seq, done, spanning))
         if not isinstance(reply, PublishReply):
             raise TypeError(f"expected a publish reply, got {reply!r}")
         if reply.error:

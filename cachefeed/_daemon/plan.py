@@ -21,17 +21,25 @@ Contract:
   skipped); only then does the next pass start, so an object is never in two passes at once. A pass that drew
   nothing (everything is already cached) or cached nothing (every object failed) is followed by a wait
   (``idle_backoff``) instead of spinning; an eviction or a catalog change ends the wait early.
-* **Skips.** An object is not drawn while it is in flight, while its samples are still cached (its segment
-  is published and not yet evicted: the cache never holds the same sample twice), after a 404/403 (dropped
-  until the listing shows a new version), after a decode failure (quarantined for that version: decoding the
-  same bytes again would fail again), or after any other failure in the same pass (retried next pass).
+* **Skips.** An object is not drawn while it is in flight, while any of its samples is still cached (some
+  segment holding one is published and not yet evicted: the cache never holds the same sample twice), after a
+  404/403 (dropped until the listing shows a new version), after a decode failure (quarantined for that version:
+  decoding the same bytes again would fail again), or after any other failure in the same pass (retried next
+  pass).
 * **Versions.** An outcome (done or failed) counts for the version that was drawn. If the listing shows a new
   version while the old one is in flight, the old outcome is recorded as such (its samples stay cached: they are
   another sample) and the new version is queued again in the current pass; it is never mistaken for cached.
 * **Re-queues.** Objects of a dead sampler go to the front and are drawn before anything else.
+* **Cached objects.** An object's samples may span several segments (a tar shard larger than a segment), and
+  read-gated eviction removes segments in any order. So the plan counts, per object, the cached segments that
+  hold samples of its current version (``_live``, 1 byte a row until a count passes 255): ``done`` counts the
+  segment of the last sample, ``spanning`` each earlier one, published while the object was still being written.
+  ``evicted`` counts them down; the object is drawn again only at zero. A new version starts at zero: the old
+  version's samples are another sample.
 * **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
-  from each segment's source list); an object listed at the same version is skipped as cached until that
-  segment is evicted, so a restarted daemon does not download what it already holds.
+  from each segment's source list, which names every object with a sample in it); an object listed at the same
+  version is skipped as cached until all those segments are evicted, so a restarted daemon does not download
+  what it already holds.
 """
 
 from __future__ import annotations
@@ -100,8 +108,8 @@ class SamplingPlan:
         self._now = clock
         self.table = ObjectTable()
         self._seen = Column(np.uint32)  # oid -> the last listing generation that showed it
-        # oid -> seq of the segment holding its last sample, or -1 (4 bytes a row while seqs are under 2³¹)
-        self._segment_of = Column(np.int32, fill=-1, wide=np.int64)
+        # oid -> cached segments holding samples of its current version ("Cached objects")
+        self._live = Column(np.uint8, wide=np.uint32)
         self._generation = 0  # the listing being folded in, or the last one
         self._complete = 0  # the last complete listing: an object is listed if seen >= this
         self._is_listing = False
@@ -115,8 +123,8 @@ class SamplingPlan:
         self._dropped: dict[int, str | None] = {}  # oid -> etag it was dropped at
         self._quarantined: dict[int, str | None] = {}
         self._reason: dict[int, str] = {}  # oid -> why it is dropped or quarantined (the failure kind)
-        self._objects_in: dict[int, list[npt.NDArray[np.uint32]]] = {}  # seq -> oids whose last sample it holds
-        self._adopted: dict[str, tuple[str | None, int]] = {}  # path -> (version, seq), from recovered segments
+        self._objects_in: dict[int, list[npt.NDArray[np.uint32]]] = {}  # seq -> oids with samples in it
+        self._adopted: dict[str, dict[str | None, list[int]]] = {}  # path -> version -> seqs, recovered segments
         self._drawn_this_pass = 0
         self._done_this_pass = 0
         self._not_before = 0.0
@@ -140,7 +148,7 @@ class SamplingPlan:
     def nbytes(self) -> int:
         """The memory of the plan's per-object columns (the table's included)."""
         queued = sum(int(chunk.nbytes) for chunk in self._queue)
-        return self.table.nbytes + self._seen.nbytes + self._segment_of.nbytes + queued
+        return self.table.nbytes + self._seen.nbytes + self._live.nbytes + queued
 
     def object(self, oid: int) -> RemoteObject:
         return self.table.get(oid)
@@ -175,6 +183,7 @@ class SamplingPlan:
         if len(known):
             was_listed = self._seen.data[known] >= self._complete
             changed = self.table.changed(known, page, known_rows)
+            self._forget_cached(known[changed])
             for i in np.flatnonzero(changed):
                 # A new version is a new object: it joins the current pass, whatever happened to the old one.
                 oid = int(known[i])
@@ -182,7 +191,6 @@ class SamplingPlan:
                 self._dropped.pop(oid, None)
                 self._quarantined.pop(oid, None)
                 self._failed_this_pass.discard(oid)
-                self._segment_of.data[oid] = -1
             back = ~was_listed & ~changed  # listed again after it vanished
             joined.extend(int(oid) for oid in known[changed | back])
             self._owned += int(np.count_nonzero(~was_listed))
@@ -191,7 +199,7 @@ class SamplingPlan:
         oids = self.table.add(page, new_rows)
         if len(oids):
             self._seen.grow_to(len(self.table))
-            self._segment_of.grow_to(len(self.table))
+            self._live.grow_to(len(self.table))
             self._seen.data[oids.start : oids.stop] = generation
             self._owned += len(oids)
             if self._adopted:
@@ -234,7 +242,7 @@ class SamplingPlan:
             self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
         self.table.trim()
         self._seen.trim()
-        self._segment_of.trim()
+        self._live.trim()
         if before > self._owned:
             self.revision += 1
             log.info("%d objects vanished from the remote listing", before - self._owned)
@@ -250,7 +258,7 @@ class SamplingPlan:
                 return True
             if oid in self._quarantined and self._quarantined[oid] == etag:
                 return True
-        if self._segment_of.data[oid] >= 0:
+        if self._live.data[oid]:
             self.counters.skipped_cached_total += 1
             return True
         return False
@@ -344,10 +352,34 @@ class SamplingPlan:
             self.counters.done_total += 1
             if oid not in self._in_flight or self._resolve(oid):
                 current.append(oid)
-        if seq is not None and current:
-            held = np.array(current, dtype=np.uint32)
-            self._segment_of.put(held, np.full(len(held), seq, np.int64))
-            self._objects_in.setdefault(seq, []).append(held)
+        if seq is not None:
+            self._hold(current, seq)
+
+    def spanning(self, oids: Sequence[int], seq: int) -> None:
+        """Segment ``seq`` was published while these objects, still in flight, were being written: it holds some
+        of their samples (not their last). Counted for the version drawn, if the listing still shows it."""
+        self._hold([oid for oid in oids if oid in self._in_flight and self._in_flight[oid] == self._etag(oid)], seq)
+
+    def _hold(self, oids: Sequence[int], seq: int) -> None:
+        """Segment ``seq`` holds samples of the current version of each of ``oids`` (distinct)."""
+        if not oids:
+            return
+        held = np.array(oids, dtype=np.uint32)
+        self._live.put(held, self._live.data[held].astype(np.int64) + 1)
+        self._objects_in.setdefault(seq, []).append(held)
+
+    def _forget_cached(self, oids: npt.NDArray[np.integer]) -> None:
+        """New versions of ``oids`` were listed: the cached samples of the old ones no longer hold them back."""
+        if not len(oids):
+            return
+        self._live.data[oids] = 0
+        for seq, held in list(self._objects_in.items()):
+            kept = [part[~np.isin(part, oids)] for part in held]
+            kept = [part for part in kept if len(part)]
+            if kept:
+                self._objects_in[seq] = kept
+            else:
+                del self._objects_in[seq]
 
     def failed(self, oid: int, kind: str) -> None:
         """An object could not be cached; see the module docstring for what each ``kind`` implies."""
@@ -367,41 +399,52 @@ class SamplingPlan:
             self._failed_this_pass.add(oid)
 
     def adopt(self, seq: int, sources: Iterable[tuple[str, str | None]]) -> None:
-        """Segment ``seq``, recovered at start, holds the last sample of each ``(path, version)`` in ``sources``.
+        """Segment ``seq``, recovered at start, holds samples of each ``(path, version)`` in ``sources``.
 
-        Call before the first ``update_catalog``; objects listed later at the same version count as cached.
+        Call before the first ``update_catalog``; objects listed later at the same version count as cached until
+        every recovered segment that holds samples of that version is evicted.
         """
         for path, version in sources:
-            known = self._adopted.get(path)
-            if known is None or known[1] < seq:
-                self._adopted[path] = (version, seq)
+            seqs = self._adopted.setdefault(path, {}).setdefault(version, [])
+            if seq not in seqs:
+                seqs.append(seq)
 
     def _adopt_listed(self, oid: int) -> None:
         adopted = self._adopted.pop(self.table.path(oid), None)
-        if adopted is None or adopted[0] != self._etag(oid):
-            return
-        seq = adopted[1]
-        self._segment_of.put(oid, np.int64(seq))
-        self._objects_in.setdefault(seq, []).append(np.array([oid], dtype=np.uint32))
+        seqs = adopted.get(self._etag(oid)) if adopted is not None else None
+        for seq in seqs or ():
+            self._hold([oid], seq)
 
     def evicted(self, seqs: Iterable[int]) -> None:
         """Segments left the cache: their objects may be drawn again."""
         gone = set(seqs)
         if self._adopted:
-            self._adopted = {path: entry for path, entry in self._adopted.items() if entry[1] not in gone}
+            self._adopted = {path: entry for path, entry in self._adopted.items() if self._still_cached(entry, gone)}
         for seq in gone:
             held = self._objects_in.pop(seq, None)
             if not held:
                 continue
             oids = np.concatenate(held)
-            oids = oids[self._segment_of.data[oids] == seq]
-            if len(oids):
-                self._segment_of.data[oids] = -1
+            live = self._live.data[oids].astype(np.int64) - 1
+            self._live.put(oids, np.maximum(live, 0))
+            if np.any(live <= 0):
                 self._is_changed = True
 
+    @staticmethod
+    def _still_cached(versions: dict[str | None, list[int]], gone: set[int]) -> bool:
+        """Drop the evicted segments from an adopted path's entry; whether any remain."""
+        for version in list(versions):
+            seqs = [seq for seq in versions[version] if seq not in gone]
+            if seqs:
+                versions[version] = seqs
+            else:
+                del versions[version]
+        return bool(versions)
+
     def cached_segments(self) -> set[int]:
-        """The segments the plan believes hold some object's last sample."""
-        return set(self._objects_in) | {seq for _, seq in self._adopted.values()}
+        """The segments the plan believes hold samples of some object."""
+        adopted = {seq for versions in self._adopted.values() for seqs in versions.values() for seq in seqs}
+        return set(self._objects_in) | adopted
 
     @property
     def in_flight(self) -> int:

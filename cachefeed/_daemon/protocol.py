@@ -46,6 +46,8 @@ Invariants:
   sampler, every object assigned and not yet done or failed; when a sampler dies (EOF, exit, or killed for not
   answering) those objects are re-queued at the front of the plan and the sampler's outstanding grants are
   aborted (their tmp files deleted). So a crash loses work, never correctness, and never leaves partial output.
+  An object re-queued after a segment holding some of its samples was published (``spanning``, NOTE [ Grant
+  protocol ]) is drawn again only once that segment is evicted: the cache never holds a sample twice.
 * The supervisor never blocks on a sampler for long: its sends time out (the sampler is then killed), and its
   reads are non-blocking. A message never exceeds ``MAX_MESSAGE_BYTES``.
 

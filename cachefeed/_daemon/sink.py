@@ -16,6 +16,11 @@ Sizes: the first segments of a filling cache are small and grow to ``segment_byt
 ``_cache/writer.py``; the cache's published bytes at the sampler's start come in ``Init``), so that the first
 segments reach trainers after a few objects.
 
+Objects across segments: an object's samples may not fit the open segment; the writer then publishes it and
+goes on in the next. Each segment holds at least one of the samples of every object it names: the object being
+written when a segment is cut is named in it (``before_publish``) and reported to the supervisor as ``spanning``
+(NOTE [ Grant protocol ]), so the plan never draws an object again while any of its samples is cached.
+
 Flushing: a segment is published when full (once another sample as large as the last would not fit: at the end
 of the object that filled it, not when the next object arrives), when the sampler has nothing in flight
 (``request_flush``: the tail of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow
@@ -104,6 +109,7 @@ class SegmentSink:
         self._stop = threading.Event()  # interrupts a wait for room
         self._is_hard_stop = False
         self._thread = threading.Thread(target=self._run, name="segment-writer", daemon=True)
+        self._writing: WorkItem | None = None  # the object being added, once a sample of it is in the open segment
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -150,6 +156,7 @@ class SegmentSink:
             if settings.published_bytes is None
             else SegmentRamp(settings.segment_bytes, settings.published_bytes, settings.writers),
         )
+        writer.before_publish = lambda: self._name_spanning(writer)
         opened_at = 0.0
         try:
             while True:
@@ -187,6 +194,14 @@ class SegmentSink:
             log.exception("segment writer failed")
             writer.abort()
 
+    def _name_spanning(self, writer: CacheWriter) -> None:
+        """A segment is cut inside the samples of the object being written: it names that object too."""
+        item = self._writing
+        if item is not None:
+            writer.add_source(item.path, item.etag)  # best effort, as for the object's last segment
+            self._provider.spanning.append(item.oid)
+            self._writing = None  # until its next sample is added to the next segment
+
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
         key, url = self._names[item.source](item.path)
         try:
@@ -212,6 +227,7 @@ class SegmentSink:
         try:
             for sample in samples:
                 writer.add(sample)
+                self._writing = item
         except GrantTooLarge as exc:
             self._on_failed(item, "too_large", f"{item.path}: {exc}")
             return
@@ -219,6 +235,8 @@ class SegmentSink:
             log.warning("publishing a segment failed: %s", exc)
             self._on_failed(item, "error", f"{item.path}: {exc}")
             return
+        finally:
+            self._writing = None
         if samples:
             writer.add_source(item.path, item.etag)  # best effort: lets a restarted daemon skip this object
             self._provider.completed.append(item.oid)

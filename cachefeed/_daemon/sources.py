@@ -178,6 +178,11 @@ class Inputs:
             entry.plan.done(oids, seq)
             entry.objects_done += len(oids)
 
+    def spanning(self, gids: Sequence[int], seq: int) -> None:
+        """Objects still being written with samples in segment ``seq`` (``SamplingPlan.spanning``)."""
+        for index, oids in self._by_input(gids).items():
+            self.inputs[index].plan.spanning(oids, seq)
+
     def published(self, tag: int, samples: int, nbytes: int) -> None:
         """A segment of source ``tag`` was published (ingest per source)."""
         entry = self._by_tag.get(tag)

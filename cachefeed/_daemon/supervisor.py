@@ -499,9 +499,16 @@ class Supervisor:
             pool.send(handle, reply)
             return
         self.inputs.done(done, message.seq)
+        self.inputs.spanning(message.spanning, message.seq)
         self.inputs.published(segment.source, segment.samples, segment.nbytes)
         self.inputs.segment_published(handle.index)  # it may be pointed at another source now
-        log.debug("sampler %d published segment %d with %d objects done", handle.index, message.seq, len(done))
+        log.debug(
+            "sampler %d published segment %d with %d objects done, %s spanning",
+            handle.index,
+            message.seq,
+            len(done),
+            message.spanning,
+        )
         handle.backoff_s = self.config.sampler.restart_backoff_s  # it works: a later crash restarts fast
         pool.send(handle, reply)
         self._check_evictions()

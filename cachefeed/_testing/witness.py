@@ -4,7 +4,8 @@ Two records, both taken outside the code under test:
 
 * ``SegmentWitness`` watches a cache's ``segments/`` from another thread: every segment file that appears is opened
   and its samples' keys are read *from the file* (records verified); a file that disappears has been evicted. No
-  counter, receipt or ledger of the daemon is read.
+  counter, receipt or ledger of the daemon is read. ``held_twice`` lists each key that two segments held in one
+  listing of the directory: the cache held that sample twice.
 * ``Served`` is what the user's loop received: the keys of every batch, epoch by epoch, as the loop saw them.
 
 ``check_promises`` then asserts, for one configuration: no key served twice within an epoch; every key the loop
@@ -50,6 +51,8 @@ class SegmentWitness:
         self.keys: dict[str, list[str]] = {}  # segment name -> keys of its samples, read from the file
         self.evicted: set[str] = set()
         self.unreadable: list[str] = []  # published and gone before the witness could open it
+        self.held_twice: list[tuple[str, str, str]] = []  # (key, segment, segment): both in one listing of segments/
+        self._holder: dict[str, str] = {}  # key -> the present segment that holds it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="witness", daemon=True)
 
@@ -77,14 +80,24 @@ class SegmentWitness:
             present = {name for name in os.listdir(self.segments_dir) if name.endswith(".seg")}
         except FileNotFoundError:
             return
-        for name in present - self.keys.keys():
+        gone = (self.keys.keys() - self.evicted) - present
+        for name in gone:
+            for key in self.keys[name]:
+                if self._holder.get(key) == name:
+                    del self._holder[key]
+        self.evicted |= gone
+        for name in sorted(present - self.keys.keys()):
             try:
                 with SegmentReader(self.segments_dir / name) as reader:
                     samples = (reader.read(i) for i in range(len(reader)))
                     self.keys[name] = [identity(s["__key__"], s.get("__url__")) for s in samples]
             except FileNotFoundError:
                 self.unreadable.append(name)
-        self.evicted |= self.keys.keys() - present
+                continue
+            for key in self.keys[name]:
+                other = self._holder.setdefault(key, name)
+                if other != name:  # both files were in this one listing: the cache held the sample twice
+                    self.held_twice.append((key, other, name))
 
     def evicted_keys(self) -> list[str]:
         return [key for name in sorted(self.evicted) for key in self.keys[name]]

@@ -208,3 +208,59 @@ def test_a_recovered_segment_evicted_before_the_first_listing_is_forgotten() -> 
     plan.evicted([3])
     plan.update_catalog(listing)
     assert len(plan.next(10)) == 2
+
+
+def drawn_paths(plan: SamplingPlan, clock: Clock, seq: int) -> list[str]:
+    """After any idle wait: the paths the plan draws now, each then done in segment ``seq`` (never evicted here)."""
+    clock.now += 60
+    drawn = plan.next(100)
+    plan.done([oid for oid, _ in drawn], seq)
+    return sorted(obj.path for _, obj in drawn)
+
+
+def test_an_object_whose_samples_span_segments_is_drawn_again_only_when_all_of_them_are_evicted() -> None:
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    plan.update_catalog(objects(2))
+    (a, _), (b, _) = sorted(plan.next(2), key=lambda pair: pair[1].path)
+    plan.spanning([a], 5)  # a's first samples, published while a was still being written
+    plan.spanning([a], 6)
+    plan.done([a, b], 7)  # a's last samples, and all of b's
+    assert plan.cached_segments() == {5, 6, 7}
+    plan.evicted([7])  # read-gated eviction: the segment of the last samples may go first
+    assert drawn_paths(plan, clock, 101) == ["b/k0001"]
+    plan.evicted([5])
+    assert drawn_paths(plan, clock, 102) == []
+    plan.evicted([6])
+    assert drawn_paths(plan, clock, 103) == ["b/k0000"]
+
+
+def test_a_spanning_segment_of_a_version_the_listing_replaced_does_not_hold_back_the_new_one() -> None:
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    plan.update_catalog(objects(1))
+    ((oid, _),) = plan.next(1)
+    plan.spanning([oid], 5)
+    plan.done([oid], 6)
+    plan.update_catalog([RemoteObject("b/k0000", 100, "v2")])  # a new version: another sample
+    assert [obj.etag for _, obj in plan.next(10)] == ["v2"]
+    plan.spanning([oid], 8)
+    plan.done([oid], 9)
+    plan.evicted([5, 6])  # the old version's segments go: the new one's are still cached
+    assert drawn_paths(plan, clock, 104) == []
+    plan.evicted([8, 9])
+    assert drawn_paths(plan, clock, 105) == ["b/k0000"]
+
+
+def test_an_object_named_by_several_recovered_segments_is_fetched_again_when_the_last_of_them_goes() -> None:
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    listing = objects(1)
+    plan.adopt(3, [(listing[0].path, listing[0].etag)])
+    plan.adopt(4, [(listing[0].path, listing[0].etag)])
+    plan.update_catalog(listing)
+    assert plan.next(10) == []
+    plan.evicted([4])
+    assert drawn_paths(plan, clock, 106) == []
+    plan.evicted([3])
+    assert drawn_paths(plan, clock, 107) == ["b/k0000"]

@@ -21,7 +21,7 @@ EXAMPLES: list[Message] = [
     Drain(),
     Credit(16),
     Reserve(8, 1 << 20),
-    Publish(9, 7, [1, 2, 3]),
+    Publish(9, 7, [1, 2, 3], [4]),
     Abort(7),
     Done([4]),
     Failed(5, "not_found", "not found for b/x"),
