@@ -60,10 +60,12 @@ at most, ``python -m benchmarks.record_cost`` prints it).
 The trailer's **source tag** (u32) says which configured source (``[[source]]``, see ``_cache/sources.py``) every
 record of the segment came from; 0 when the daemon reads one unnamed remote. A segment never mixes sources.
 
-**Sources** name the remote objects the segment holds samples of (path and version): the objects whose last
-sample it holds, and the one being written when the segment was cut (``_daemon/sink.py``). They let a restarted
-daemon know what its recovered cache already holds. Best effort by design: a source that does not fit the
-segment's capacity is left out (that object is fetched again after a restart), never a reason to fail a segment.
+**Sources** name the remote objects the segment holds samples of (``Source``: path and version): the objects
+whose last sample it holds, and the one being written when the segment was cut (``_daemon/sink.py``), with
+``cut``, how many of its first samples this segment and earlier ones hold. They let a restarted daemon know what
+its recovered cache already holds, and fetch only the rest of an object a crash cut short. Best effort by design:
+a source that does not fit the segment's capacity is left out (that object is fetched again after a restart), never
+a reason to fail a segment.
 
 A segment of another format version (an older cachefeed's) is refused at open like a foreign file
 (``CorruptRecordError``): the store drops it at recovery and a snapshot leaves it out; its samples are fetched
@@ -109,6 +111,7 @@ __all__ = [
     "RecordEncoder",
     "SegmentReader",
     "SegmentWriter",
+    "Source",
     "read_records",
     "segment_count",
     "segment_trailer",
@@ -227,6 +230,15 @@ class _Binding(NamedTuple):
     table_growth: int
 
 
+class Source(NamedTuple):
+    """A remote object a segment holds samples of. ``cut`` is None where the segment holds its last sample; else
+    the segment was cut inside its samples, and it and earlier segments hold its first ``cut``."""
+
+    path: str
+    version: str | None
+    cut: int | None = None
+
+
 class SegmentWriter:
     """Appends records to one new segment file. Not thread-safe; one writer per file.
 
@@ -271,7 +283,7 @@ class SegmentWriter:
         self._prefix = 0  # the previous key's prefix
         self._previous_key = ""
         self._tables_bytes = _packed_len([[], [""]])
-        self._sources: list[tuple[str, str | None]] = []
+        self._sources: list[tuple[object, ...]] = []
         self._sources_bytes = 0  # msgpack size of self._sources
         self._position = 0
         self._write([_SEGMENT_HEADER.pack(_SEGMENT_MAGIC, FORMAT_VERSION, 0, 0)])
@@ -363,9 +375,9 @@ class SegmentWriter:
                 return len(self._prefixes), key[shared:], key[:shared]
         return (self._prefix if usable else 0), key[usable:], None
 
-    def add_source(self, path: str, version: str | None) -> bool:
-        """Name a remote object whose last sample this segment holds; False (left out) if it does not fit."""
-        entry = (path, version)
+    def add_source(self, path: str, version: str | None, cut: int | None = None) -> bool:
+        """Name a remote object this segment holds samples of (``Source``); False (left out) if it does not fit."""
+        entry: tuple[object, ...] = (path, version) if cut is None else (path, version, cut)
         grown = self._sources_bytes + len(msgpack.packb(entry)) + (5 if not self._sources else 0)  # + array header
         if self._finished_size(self.count, self._tables_bytes, grown) > self.capacity:
             return False
@@ -585,8 +597,8 @@ class SegmentReader:
         """Every record's length, from the headers (unverified; computed on each access: for tools and tests)."""
         return np.array([_RECORD_HEADER.unpack_from(self._map, int(at))[1] for at in self.offsets], dtype=np.int64)
 
-    def sources(self) -> list[tuple[str, str | None]]:
-        """The ``(path, version)`` of each remote object whose last sample this segment holds (see module doc)."""
+    def sources(self) -> list[Source]:
+        """The remote objects this segment holds samples of (see module doc)."""
         raw = self._sources_raw
         if not raw.strip(b"\x00"):
             return []
@@ -594,7 +606,10 @@ class SegmentReader:
             unpacker = msgpack.Unpacker(use_list=True)
             unpacker.feed(raw)  # one array, then padding
             entries = unpacker.unpack()
-            found = [(str(path), None if version is None else str(version)) for path, version in entries]
+            found = [
+                Source(str(path), None if version is None else str(version), int(cut[0]) if cut else None)
+                for path, version, *cut in entries
+            ]
         except (ValueError, TypeError, msgpack.UnpackException, msgpack.OutOfData) as exc:
             raise CorruptRecordError(f"{self._name}: malformed source list: {exc}") from exc
         return found

@@ -92,7 +92,7 @@ from cachefeed._cache.layout import (
     segment_seq,
 )
 from cachefeed._cache.reads import ReadLedger, SampleReads
-from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.records import SegmentReader, Source
 from cachefeed._cache.room import epoch_room, write_room
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
@@ -245,7 +245,7 @@ class CacheStore:
         self._published: dict[int, PublishedSegment] = {}
         self._published_bytes = 0  # sum of their nbytes, kept as they come and go (the budget is checked per grant)
         # seq -> (path, version) of the remote objects each recovered segment ends; the daemon's plan takes it
-        self.recovered_sources: dict[int, list[tuple[str, str | None]]] = {}
+        self.recovered_sources: dict[int, list[Source]] = {}
         self._grants: dict[int, Grant] = {}
         self._pinned_only: dict[int, int] = {}
         self._pinned_published: set[int] = set()

@@ -128,12 +128,12 @@ class CacheWriter:
         writer = self._writer
         return writer is not None and writer.count > 0 and writer.capacity - writer.nbytes < self._last_growth
 
-    def add_source(self, path: str, version: str | None) -> bool:
+    def add_source(self, path: str, version: str | None, cut: int | None = None) -> bool:
         """Name the remote object whose last sample was just added (see "Sources" in ``records.py``).
 
         Returns False if it was left out: no open segment (the object had no samples) or no room left in it.
         """
-        return self._writer is not None and self._writer.add_source(path, version)
+        return self._writer is not None and self._writer.add_source(path, version, cut)
 
     def _open(self, nbytes: int) -> SegmentWriter:
         waited_from = time.monotonic()

@@ -13,7 +13,8 @@ sampler's channel, and ``GrantServer`` in the supervisor runs them on the store:
 * ``Publish(req, seq, done, spanning)`` -> ``PublishReply``: the finished file of grant ``seq`` is verified and
   renamed into ``segments/``; ``done`` lists the objects whose last sample it holds (the supervisor marks them
   done), ``spanning`` the object (at most one) some of whose samples it holds while the rest are still being
-  written: the plan counts both as cached in it (``plan.py``, "Cached objects"). An ``error`` means the file did
+  written, as ``[oid, cut]``: its first ``cut`` samples are in this segment and earlier ones. The plan counts
+  both as cached in it (``plan.py``, "Cached objects"). An ``error`` means the file did
   not verify and was deleted; the supervisor re-queued ``done``.
 * ``Abort(seq)``: the writer gives the grant back (no reply); its tmp file is deleted.
 
@@ -71,7 +72,7 @@ class Publish(Message):
     req: int
     seq: int
     done: list[int]
-    spanning: list[int]
+    spanning: list[list[int]]  # [[oid, cut]]
 
 
 @message
@@ -122,7 +123,7 @@ class RpcGrantProvider:
         self._next_req = 0
         self._closed: BaseException | None = None
         self.completed: list[int] = []
-        self.spanning: list[int] = []
+        self.spanning: list[list[int]] = []  # [[oid, cut]]
 
     def _call(self, message_for: Callable[[int], Message]) -> Message:
         future: Future[Message] = Future()

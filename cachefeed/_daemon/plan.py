@@ -36,6 +36,11 @@ Contract:
   segment of the last sample, ``spanning`` each earlier one, published while the object was still being written.
   ``evicted`` counts them down; the object is drawn again only at zero. A new version starts at zero: the old
   version's samples are another sample.
+* **Cut objects.** An object whose sampler died after a segment holding its first samples was published (or
+  whose daemon restarted then) is *cut*: ``spanning`` said how many of its first samples are cached (``cut``).
+  It is drawn again at once, despite its cached segments, with ``cut(oid)`` samples to skip: only the rest are
+  fetched into the cache, so nothing is cached twice and nothing is missing. When the last of its segments is
+  evicted first, it is whole again: drawn as any other object.
 * **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
   from each segment's source list, which names every object with a sample in it); an object listed at the same
   version is skipped as cached until all those segments are evicted, so a restarted daemon does not download
@@ -54,6 +59,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from cachefeed._cache.records import Source
 from cachefeed._daemon.columns import Column, FoldedPage, ObjectTable, fold_page, key_hash, mix, pass_order
 from cachefeed._logs import get_logger
 from cachefeed._remote import RemoteObject
@@ -124,7 +130,9 @@ class SamplingPlan:
         self._quarantined: dict[int, str | None] = {}
         self._reason: dict[int, str] = {}  # oid -> why it is dropped or quarantined (the failure kind)
         self._objects_in: dict[int, list[npt.NDArray[np.uint32]]] = {}  # seq -> oids with samples in it
-        self._adopted: dict[str, dict[str | None, list[int]]] = {}  # path -> version -> seqs, recovered segments
+        # path -> version -> (seqs, cut or None where a segment holds its last sample), from recovered segments
+        self._adopted: dict[str, dict[str | None, tuple[list[int], int | None]]] = {}
+        self._cut: dict[int, int] = {}  # oid -> its first samples cached while the rest are not ("Cut objects")
         self._drawn_this_pass = 0
         self._done_this_pass = 0
         self._not_before = 0.0
@@ -258,10 +266,14 @@ class SamplingPlan:
                 return True
             if oid in self._quarantined and self._quarantined[oid] == etag:
                 return True
-        if self._live.data[oid]:
+        if self._live.data[oid] and oid not in self._cut:
             self.counters.skipped_cached_total += 1
             return True
         return False
+
+    def cut(self, oid: int) -> int:
+        """How many of the first samples of ``oid``, drawn now, are cached already ("Cut objects")."""
+        return self._cut.get(oid, 0)
 
     def _pop_queue(self) -> int | None:
         while self._queue:
@@ -352,13 +364,21 @@ class SamplingPlan:
             self.counters.done_total += 1
             if oid not in self._in_flight or self._resolve(oid):
                 current.append(oid)
+        for oid in current:
+            self._cut.pop(oid, None)
         if seq is not None:
             self._hold(current, seq)
 
-    def spanning(self, oids: Sequence[int], seq: int) -> None:
+    def spanning(self, cuts: Sequence[tuple[int, int]], seq: int) -> None:
         """Segment ``seq`` was published while these objects, still in flight, were being written: it holds some
-        of their samples (not their last). Counted for the version drawn, if the listing still shows it."""
-        self._hold([oid for oid in oids if oid in self._in_flight and self._in_flight[oid] == self._etag(oid)], seq)
+        of their samples (not their last); ``(oid, cut)``: it and earlier segments hold the first ``cut``. Counted
+        for the version drawn, if the listing still shows it."""
+        current = [
+            (oid, cut) for oid, cut in cuts if oid in self._in_flight and self._in_flight[oid] == self._etag(oid)
+        ]
+        self._hold([oid for oid, _ in current], seq)
+        for oid, cut in current:
+            self._cut[oid] = cut
 
     def _hold(self, oids: Sequence[int], seq: int) -> None:
         """Segment ``seq`` holds samples of the current version of each of ``oids`` (distinct)."""
@@ -373,6 +393,8 @@ class SamplingPlan:
         if not len(oids):
             return
         self._live.data[oids] = 0
+        for oid in oids.tolist():
+            self._cut.pop(oid, None)
         for seq, held in list(self._objects_in.items()):
             kept = [part[~np.isin(part, oids)] for part in held]
             kept = [part for part in kept if len(part)]
@@ -398,22 +420,28 @@ class SamplingPlan:
         else:
             self._failed_this_pass.add(oid)
 
-    def adopt(self, seq: int, sources: Iterable[tuple[str, str | None]]) -> None:
-        """Segment ``seq``, recovered at start, holds samples of each ``(path, version)`` in ``sources``.
+    def adopt(self, seq: int, sources: Iterable[Source]) -> None:
+        """Segment ``seq``, recovered at start, holds samples of each ``(path, version[, cut])`` in ``sources``
+        (``records.Source``: ``cut`` where the segment was cut inside the object's samples).
 
         Call before the first ``update_catalog``; objects listed later at the same version count as cached until
         every recovered segment that holds samples of that version is evicted.
         """
-        for path, version in sources:
-            seqs = self._adopted.setdefault(path, {}).setdefault(version, [])
+        for path, version, cut in sources:
+            versions = self._adopted.setdefault(path, {})
+            seqs, known = versions.get(version, ([], 0))
             if seq not in seqs:
                 seqs.append(seq)
+            # whole once any segment holds its last sample; else cut at the most its segments hold
+            versions[version] = (seqs, None if cut is None or known is None else max(cut, known))
 
     def _adopt_listed(self, oid: int) -> None:
         adopted = self._adopted.pop(self.table.path(oid), None)
-        seqs = adopted.get(self._etag(oid)) if adopted is not None else None
-        for seq in seqs or ():
+        seqs, cut = adopted.get(self._etag(oid), ([], None)) if adopted is not None else ([], None)
+        for seq in seqs:
             self._hold([oid], seq)
+        if seqs and cut is not None:
+            self._cut[oid] = cut
 
     def evicted(self, seqs: Iterable[int]) -> None:
         """Segments left the cache: their objects may be drawn again."""
@@ -427,23 +455,28 @@ class SamplingPlan:
             oids = np.concatenate(held)
             live = self._live.data[oids].astype(np.int64) - 1
             self._live.put(oids, np.maximum(live, 0))
-            if np.any(live <= 0):
+            whole = oids[live <= 0]
+            if len(whole):
                 self._is_changed = True
+                if self._cut:
+                    for oid in whole.tolist():
+                        self._cut.pop(oid, None)  # none of its samples is cached: fetched whole
 
     @staticmethod
-    def _still_cached(versions: dict[str | None, list[int]], gone: set[int]) -> bool:
+    def _still_cached(versions: dict[str | None, tuple[list[int], int | None]], gone: set[int]) -> bool:
         """Drop the evicted segments from an adopted path's entry; whether any remain."""
         for version in list(versions):
-            seqs = [seq for seq in versions[version] if seq not in gone]
-            if seqs:
-                versions[version] = seqs
+            seqs, cut = versions[version]
+            kept = [seq for seq in seqs if seq not in gone]
+            if kept:
+                versions[version] = (kept, cut)
             else:
                 del versions[version]
         return bool(versions)
 
     def cached_segments(self) -> set[int]:
         """The segments the plan believes hold samples of some object."""
-        adopted = {seq for versions in self._adopted.values() for seqs in versions.values() for seq in seqs}
+        adopted = {seq for versions in self._adopted.values() for seqs, _ in versions.values() for seq in seqs}
         return set(self._objects_in) | adopted
 
     @property

@@ -67,7 +67,8 @@ __all__ = ["Credit", "Done", "Drain", "Drained", "Failed", "Init", "Quarantined"
 @dataclass(frozen=True, slots=True)
 class WorkItem:
     """One object to fetch: its id (``sources.py``), its listing entry, with ``sampler.label`` its class index,
-    and the index of its source in ``Init.sources``."""
+    the index of its source in ``Init.sources``, and ``skip``: how many of its first samples are cached already
+    (published before its sampler died or the daemon restarted; ``plan.py``, "Cut objects"), not written again."""
 
     oid: int
     path: str
@@ -75,6 +76,7 @@ class WorkItem:
     etag: str | None
     label: int | None = None
     source: int = 0
+    skip: int = 0
 
 
 # -- supervisor -> sampler -------------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ segments reach trainers after a few objects.
 
 Objects across segments: an object's samples may not fit the open segment; the writer then publishes it and
 goes on in the next. Each segment holds at least one of the samples of every object it names: the object being
-written when a segment is cut is named in it (``before_publish``) and reported to the supervisor as ``spanning``
-(NOTE [ Grant protocol ]), so the plan never draws an object again while any of its samples is cached.
+written when a segment is cut is named in it (``before_publish``) with how many of its first samples are published
+(``cut``), and reported to the supervisor as ``spanning`` (NOTE [ Grant protocol ]), so the plan never draws an
+object again while any of its samples is cached. An object drawn again after a crash cut it short comes with
+``WorkItem.skip``: its first ``skip`` samples are cached, and only the rest are written.
 
 Flushing: a segment is published when full (once another sample as large as the last would not fit: at the end
 of the object that filled it, not when the next object arrives), when the sampler has nothing in flight
@@ -110,6 +112,7 @@ class SegmentSink:
         self._is_hard_stop = False
         self._thread = threading.Thread(target=self._run, name="segment-writer", daemon=True)
         self._writing: WorkItem | None = None  # the object being added, once a sample of it is in the open segment
+        self._cut = 0  # its samples added before the one being added now (its first ``skip`` included)
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -198,15 +201,15 @@ class SegmentSink:
         """A segment is cut inside the samples of the object being written: it names that object too."""
         item = self._writing
         if item is not None:
-            writer.add_source(item.path, item.etag)  # best effort, as for the object's last segment
-            self._provider.spanning.append(item.oid)
+            writer.add_source(item.path, item.etag, self._cut)  # best effort, as for the object's last segment
+            self._provider.spanning.append([item.oid, self._cut])
             self._writing = None  # until its next sample is added to the next segment
 
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
         key, url = self._names[item.source](item.path)
         try:
             decoded = self._decoders[item.source](key, body)
-            samples = list(decoded)
+            samples = list(decoded)[item.skip :]  # the first ``skip`` are cached already (a crash cut the object)
             for sample in samples:
                 sample["__url__"] = url
                 if item.label is not None:  # sampler.label: the class index of the object's path (_labels.py)
@@ -225,7 +228,8 @@ class SegmentSink:
         if decoded.skipped and self._on_skipped is not None:
             self._on_skipped(item, decoded.skipped)
         try:
-            for sample in samples:
+            for index, sample in enumerate(samples):
+                self._cut = item.skip + index
                 writer.add(sample)
                 self._writing = item
         except GrantTooLarge as exc:

@@ -24,6 +24,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from cachefeed._cache.records import Source
 from cachefeed._cache.sources import SourceEntry, write_sources
 from cachefeed._config import Config, SourceConfig
 from cachefeed._daemon.catalog import Catalog, CatalogState
@@ -178,10 +179,12 @@ class Inputs:
             entry.plan.done(oids, seq)
             entry.objects_done += len(oids)
 
-    def spanning(self, gids: Sequence[int], seq: int) -> None:
-        """Objects still being written with samples in segment ``seq`` (``SamplingPlan.spanning``)."""
-        for index, oids in self._by_input(gids).items():
-            self.inputs[index].plan.spanning(oids, seq)
+    def spanning(self, cuts: Sequence[Sequence[int]], seq: int) -> None:
+        """Objects still being written with samples in segment ``seq``, as ``[gid, cut]``
+        (``SamplingPlan.spanning``)."""
+        for gid, cut in cuts:
+            entry, oid = self.split(gid)
+            entry.plan.spanning([(oid, cut)], seq)
 
     def published(self, tag: int, samples: int, nbytes: int) -> None:
         """A segment of source ``tag`` was published (ingest per source)."""
@@ -194,7 +197,7 @@ class Inputs:
         entry, oid = self.split(gid)
         entry.plan.failed(oid, kind)
 
-    def adopt(self, seq: int, tag: int, sources: Iterable[tuple[str, str | None]]) -> None:
+    def adopt(self, seq: int, tag: int, sources: Iterable[Source]) -> None:
         """A recovered segment of source ``tag`` (see ``SamplingPlan.adopt``); a source no longer configured is
         ignored: its segments stay until evicted, and are never fetched again."""
         entry = self._by_tag.get(tag)

@@ -433,6 +433,7 @@ class Supervisor:
                         obj.etag,
                         classes.label(obj.path) if classes is not None else None,
                         entry.index,
+                        entry.plan.cut(self.inputs.split(oid)[1]),
                     )
                     for oid, obj in drawn
                 ]

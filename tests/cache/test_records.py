@@ -20,6 +20,7 @@ from cachefeed._cache.records import (
     MAX_PREFIXES,
     SegmentReader,
     SegmentWriter,
+    Source,
     segment_count,
     segment_trailer,
 )
@@ -183,7 +184,7 @@ def test_sources_round_trip_and_are_covered_by_the_checksum(tmp_path: Path) -> N
     path = tmp_path / "s.seg"
     writer = SegmentWriter(path, capacity=1 << 20)
     assert writer.append(writer.encode({"__key__": "k", "x": np.arange(4)}))
-    sources = [("bucket/a.npy", '"etag-1"'), ("bucket/\u00e9 \u0000 odd", None), ("bucket/z", "")]
+    sources = [Source("bucket/a.npy", '"etag-1"'), Source("bucket/\u00e9 \u0000 odd", None), Source("bucket/z", "", 7)]
     for source in sources:
         assert writer.add_source(*source)
     expected = writer.nbytes

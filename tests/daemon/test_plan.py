@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefeed._cache.records import Source
 from cachefeed._daemon.plan import SamplingPlan, owner_of, pass_order_key
 from cachefeed._remote import RemoteObject
 
@@ -190,8 +191,8 @@ def test_a_failure_of_an_old_version_does_not_hold_back_the_new_one() -> None:
 def test_objects_held_by_recovered_segments_are_not_fetched_again() -> None:
     plan = SamplingPlan()
     listing = objects(4)
-    plan.adopt(3, [(listing[0].path, listing[0].etag), (listing[1].path, "an older version")])
-    plan.adopt(4, [(listing[2].path, listing[2].etag), ("b/gone", "e")])
+    plan.adopt(3, [Source(listing[0].path, listing[0].etag), Source(listing[1].path, "an older version")])
+    plan.adopt(4, [Source(listing[2].path, listing[2].etag), Source("b/gone", "e")])
     plan.update_catalog(listing)
     assert sorted(obj.path for _, obj in plan.next(10)) == ["b/k0001", "b/k0003"]
     assert plan.cached_segments() == {3, 4}
@@ -203,7 +204,7 @@ def test_objects_held_by_recovered_segments_are_not_fetched_again() -> None:
 def test_a_recovered_segment_evicted_before_the_first_listing_is_forgotten() -> None:
     plan = SamplingPlan()
     listing = objects(2)
-    plan.adopt(3, [(o.path, o.etag) for o in listing])
+    plan.adopt(3, [Source(o.path, o.etag) for o in listing])
     assert plan.cached_segments() == {3}
     plan.evicted([3])
     plan.update_catalog(listing)
@@ -223,8 +224,8 @@ def test_an_object_whose_samples_span_segments_is_drawn_again_only_when_all_of_t
     plan = SamplingPlan(clock=clock)
     plan.update_catalog(objects(2))
     (a, _), (b, _) = sorted(plan.next(2), key=lambda pair: pair[1].path)
-    plan.spanning([a], 5)  # a's first samples, published while a was still being written
-    plan.spanning([a], 6)
+    plan.spanning([(a, 10)], 5)  # a's first samples, published while a was still being written
+    plan.spanning([(a, 20)], 6)
     plan.done([a, b], 7)  # a's last samples, and all of b's
     assert plan.cached_segments() == {5, 6, 7}
     plan.evicted([7])  # read-gated eviction: the segment of the last samples may go first
@@ -240,11 +241,11 @@ def test_a_spanning_segment_of_a_version_the_listing_replaced_does_not_hold_back
     plan = SamplingPlan(clock=clock)
     plan.update_catalog(objects(1))
     ((oid, _),) = plan.next(1)
-    plan.spanning([oid], 5)
+    plan.spanning([(oid, 10)], 5)
     plan.done([oid], 6)
     plan.update_catalog([RemoteObject("b/k0000", 100, "v2")])  # a new version: another sample
     assert [obj.etag for _, obj in plan.next(10)] == ["v2"]
-    plan.spanning([oid], 8)
+    plan.spanning([(oid, 10)], 8)
     plan.done([oid], 9)
     plan.evicted([5, 6])  # the old version's segments go: the new one's are still cached
     assert drawn_paths(plan, clock, 104) == []
@@ -256,11 +257,28 @@ def test_an_object_named_by_several_recovered_segments_is_fetched_again_when_the
     clock = Clock()
     plan = SamplingPlan(clock=clock)
     listing = objects(1)
-    plan.adopt(3, [(listing[0].path, listing[0].etag)])
-    plan.adopt(4, [(listing[0].path, listing[0].etag)])
+    plan.adopt(3, [Source(listing[0].path, listing[0].etag, 10)])
+    plan.adopt(4, [Source(listing[0].path, listing[0].etag)])
     plan.update_catalog(listing)
     assert plan.next(10) == []
     plan.evicted([4])
     assert drawn_paths(plan, clock, 106) == []
     plan.evicted([3])
     assert drawn_paths(plan, clock, 107) == ["b/k0000"]
+
+
+def test_an_object_cut_by_a_dead_sampler_is_drawn_again_at_once_to_skip_what_is_cached() -> None:
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    plan.update_catalog(objects(2))
+    (a, _), (b, _) = sorted(plan.next(2), key=lambda pair: pair[1].path)
+    plan.spanning([(a, 12)], 5)  # a's first 12 samples were published; then its sampler died
+    plan.done([b], 5)
+    plan.requeue([a])
+    assert [(oid, plan.cut(oid)) for oid, _ in plan.next(10)] == [(a, 12)]  # only its rest is fetched
+    plan.done([a], 6)
+    assert plan.cut(a) == 0
+    plan.evicted([6])
+    assert drawn_paths(plan, clock, 300) == []  # its first samples are still cached
+    plan.evicted([5])
+    assert drawn_paths(plan, clock, 301) == ["b/k0000", "b/k0001"]  # whole again, as is b

@@ -11,7 +11,7 @@ from cachefeed._daemon.wire import MAX_MESSAGE_BYTES, Channel, ChannelClosed, Me
 
 EXAMPLES: list[Message] = [
     Init(0, 0.5, "info", {"url": "s3://b/p", "storage_options": {"key": "k"}}, {"concurrency": 4}, {"fsync": False}),
-    Work([WorkItem(1, "b/a.npy", 10, '"etag"'), WorkItem(2, "b/ü b.npy", 0, None)]),
+    Work([WorkItem(1, "b/a.npy", 10, '"etag"'), WorkItem(2, "b/ü b.npy", 0, None, 3, 1, 17)]),
     Work([]),
     GrantReply(3, 7, "/cache/tmp/0000000000000007.tmp", 4096),
     GrantReply(4, wait=True),
@@ -21,7 +21,7 @@ EXAMPLES: list[Message] = [
     Drain(),
     Credit(16),
     Reserve(8, 1 << 20),
-    Publish(9, 7, [1, 2, 3], [4]),
+    Publish(9, 7, [1, 2, 3], [[4, 10]]),
     Abort(7),
     Done([4]),
     Failed(5, "not_found", "not found for b/x"),

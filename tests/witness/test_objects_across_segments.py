@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgpack
 
+from cachefeed._cache.records import SegmentReader
 from cachefeed._codecs import msgpack_default
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import start_daemon
@@ -87,3 +88,57 @@ def test_an_object_spanning_segments_is_fetched_again_only_once_none_of_its_samp
         twice = [key for key, n in Counter(keys).items() if n > 1]
         assert not twice, f"epoch {number} served {len(twice)} samples twice, e.g. {twice[:3]}"
         assert len(keys) == SAMPLES_PER_EPOCH, f"epoch {number} served {len(keys)} samples"
+
+
+def test_a_daemon_killed_inside_an_object_fetches_only_the_rest_of_it_after_a_restart(tmp_path: Path) -> None:
+    """The cache fills while no trainer reads: each sampler waits for room right after publishing a segment cut
+    inside an object. Killed there and restarted with room for everything, the daemon must cache every sample of
+    the remote exactly once: the cut objects' first samples are not fetched again, and their rest is not lost."""
+    remote = tmp_path / "data"
+    remote.mkdir()
+    expected = set()
+    for obj in range(60):  # 2.4 MB
+        samples = [{"data": payload(f"{obj}/{i}", NBYTES)} for i in range(PER_OBJECT)]
+        (remote / f"obj-{obj:04d}.msgpack").write_bytes(msgpack.packb(samples, default=msgpack_default))
+        expected |= {f"obj-{obj:04d}.msgpack#{i}" for i in range(PER_OBJECT)}
+    cache_dir = tmp_path / "cache"
+    config = tmp_path / "daemon.toml"
+
+    def write_config(max_bytes: str) -> None:
+        config.write_text(
+            toml_text(
+                {
+                    "remote": {"url": f"file://{remote}", "refresh_interval": "60s"},
+                    "cache": {
+                        "dir": str(cache_dir),
+                        "max_bytes": max_bytes,
+                        "min_free_bytes": 0,
+                        "segment_bytes": "8KiB",
+                        "fsync": False,
+                        "evict_after_reads": 1,
+                    },
+                    "sampler": {"processes": 2, "concurrency": 2, "decode": "msgpack"},
+                    "status": {"interval": "100ms"},
+                }
+            )
+        )
+
+    write_config("2200KiB")  # room for about half the remote
+    daemon = start_daemon(config, cache_dir, tmp_path / "first.stderr")
+    daemon.wait_status(lambda d: d["cache"]["is_paced"], timeout_s=60, what="a full cache")
+    time.sleep(0.5)  # the samplers are waiting for room
+    daemon.kill_group()
+    cut = []
+    for path in (cache_dir / "segments").glob("*.seg"):
+        with SegmentReader(path) as reader:
+            cut += [source for source in reader.sources() if source.cut is not None]
+    assert cut, "no segment was cut inside an object: the test would not kill a daemon inside one"
+
+    write_config("8MiB")  # room for everything: whatever is missing after the restart is lost, not evicted
+    with SegmentWitness(cache_dir) as witness:
+        daemon = start_daemon(config, cache_dir, tmp_path / "second.stderr")
+        daemon.wait_status(lambda d: d["remote"]["passes_completed"] >= 1, timeout_s=60, what="a pass")
+        assert daemon.stop() == 0, daemon.stderr()
+    cached = Counter(key.split("::")[-1] for keys in witness.keys.values() for key in keys)
+    assert not [key for key, n in cached.items() if n > 1], "samples cached twice"
+    assert set(cached) == expected, f"{len(expected - set(cached))} samples of the remote were never cached"
