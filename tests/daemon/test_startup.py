@@ -218,7 +218,8 @@ def test_the_daemon_starts_without_the_cyclic_gc_and_freezes_what_it_loaded() ->
 
 def test_a_daemon_loads_its_modules_inside_its_start_and_freezes_them(bucket: Any, daemon: StartDaemon) -> None:
     """Nothing heavy is imported before the daemon's start pauses the GC (the CLI's parser and ``import cachefeed``
-    load no numpy, config or remote client), and a real daemon's start ends with everything it loaded frozen."""
+    load no numpy, config or remote client), nothing the start does not need is imported in it (the Prometheus
+    client, with metrics off), and a real daemon's start ends with everything it loaded frozen."""
     code = (
         "import sys, cachefeed, cachefeed._cli as cli; cli.build_parser(['daemon']);"
         "print(sorted(m for m in ('numpy', 'fsspec', 's3fs', 'cachefeed._config', 'cachefeed._daemon.supervisor')"
@@ -226,6 +227,9 @@ def test_a_daemon_loads_its_modules_inside_its_start_and_freezes_them(bucket: An
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+    code = "import sys, cachefeed._daemon.supervisor; print('prometheus_client' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "False"  # only a daemon with metrics configured loads it
     upload_arrays(bucket, BUCKET, 4, 1024)
     proc = daemon(sections={"log": {"level": "debug"}})
     proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 4, timeout_s=60, what="every object cached")
