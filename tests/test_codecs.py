@@ -326,6 +326,55 @@ def test_a_plain_tar_is_read_from_its_headers_exactly_as_tarfile_reads_it(fmt: i
             decode("tar", body[:cut])
 
 
+@pytest.mark.parametrize("which", [0, 5, -1])
+def test_a_plain_tar_with_one_wrong_header_checksum_is_left_to_tarfile(which: int) -> None:
+    """The fast path checks every header's checksum (all at once, at the end): one wrong checksum, first, in the
+    middle or last, and it declines the whole archive, which ``tarfile`` then reads as it would any other."""
+    from cachefeed._codecs import _plain_tar_members, _tarfile_members
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as archive:
+        for i in range(8):
+            add(archive, f"{i:04d}.bin", bytes([i + 1]) * (i * 300))
+    body = bytearray(buffer.getvalue())
+    assert _plain_tar_members(bytes(body)) == list(_tarfile_members(bytes(body)))
+    headers = [offset for offset, _ in _header_offsets(bytes(body))]
+    body[headers[which] + 30] ^= 0x01  # inside the name field's padding: only the checksum can tell
+    assert _plain_tar_members(bytes(body)) is None
+
+
+def _header_offsets(body: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of each member header of a plain archive."""
+    found, offset = [], 0
+    while body[offset : offset + 512] != bytes(512):
+        size = int(body[offset + 124 : offset + 136].strip(b"\x00 ") or b"0", 8)
+        found.append((offset, size))
+        offset += 512 + -(-size // 512) * 512
+    return found
+
+
+@pytest.mark.parametrize(
+    "name, group",
+    [
+        ("0001.bin", ("0001", "bin")),
+        ("0001.seg.npy", ("0001", "seg.npy")),
+        ("a/b/0001.cls", ("a/b/0001", "cls")),
+        ("./a//0001.cls", ("a/0001", "cls")),
+        ("noext", None),
+        (".hidden", None),
+        ("0001.", None),
+        ("..", None),
+        ("", None),
+        ("/abs/0001.bin", None),
+        ("a/../0001.bin", None),
+    ],
+)
+def test_a_member_name_gives_its_sample_and_field_as_webdataset_groups_them(name: str, group: Any) -> None:
+    from cachefeed._codecs import _tar_group
+
+    assert _tar_group(name) == group
+
+
 # ---------------------------------------------------------------------------------------------------- user callables
 
 

@@ -138,6 +138,7 @@ MAX_PREFIXES = 256  # a segment's key prefixes; then keys use the last one (or n
 _PREFIX_GAIN = 4  # a new prefix must spare at least this many more characters of the key than the current one
 _WRITE_BUFFER = 64 << 10  # larger writes (most payloads of large samples) bypass the buffer: no extra copy
 _TABLE_SLACK = 128  # what a lone record's table entries may take beyond its ``nbytes`` (``size_for``)
+_PACKED_DESCRIPTORS = 1024  # descriptors an encoder keeps packed
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads record positions over the 64 bits of a seed
 _MASK = (1 << 64) - 1
 TRAILER_BYTES = 64
@@ -196,6 +197,7 @@ class RecordEncoder:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, not {compression!r}")
         self._compress = compression == "zlib"
+        self._packed: dict[tuple[tuple[Any, ...], ...], bytes] = {}  # descriptors seen: most samples share one
 
     def encode(self, sample: Mapping[str, Any]) -> EncodedRecord:
         key, fields = classify(sample)
@@ -205,7 +207,12 @@ class RecordEncoder:
             area_len, align, flags = len(payloads[0]), SMALL_ALIGN, _FLAG_ZLIB
         if align == ALIGN:
             flags |= _FLAG_ALIGN64
-        descriptor = msgpack.packb(fields.exact, use_bin_type=True)
+        descriptor = self._packed.get(fields.exact)
+        if descriptor is None:
+            descriptor = msgpack.packb(fields.exact, use_bin_type=True)
+            if len(self._packed) >= _PACKED_DESCRIPTORS:  # samples of ever new shapes: keep the recent ones
+                self._packed.clear()
+            self._packed[fields.exact] = descriptor
         # the meta with the descriptor and the whole key in it, at most (ValueError for a key that is no UTF-8)
         meta_len = 5 + len(descriptor) + 5 + 9 + len(key.encode("utf-8")) + 5 + fields.values_bytes
         nbytes = _RECORD_HEADER.size + meta_len + _pad(_RECORD_HEADER.size + meta_len, align) + area_len
@@ -313,12 +320,14 @@ class SegmentWriter:
     def _write(self, parts: list[memoryview | bytes]) -> None:
         for part in parts:
             view = memoryview(part)
-            while view.nbytes:
-                written = self._file.write(view)
+            total = size = view.nbytes
+            written = self._file.write(view)  # all of it (a blocking file); else the rest, again
+            while written != size:
                 if written is None or written <= 0:
                     raise OSError("short write to segment file")
-                view = view[written:]
-        self._position += sum(memoryview(p).nbytes for p in parts)
+                view, size = view[written:], size - written
+                written = self._file.write(view)
+            self._position += total
 
     def encode(self, sample: Mapping[str, Any]) -> EncodedRecord:
         return self._encoder.encode(sample)

@@ -14,7 +14,7 @@ Degraded reasons:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachefeed._cache.snapshots import SnapshotInfo, live_snapshots
 from cachefeed._cache.store import CacheStore
@@ -25,8 +25,10 @@ from cachefeed._daemon.sources import Inputs
 from cachefeed._daemon.status_doc import RateMeter, RemoteTotals, build_status, write_status
 from cachefeed._logs import get_logger
 from cachefeed._scrub import safe_url
-from cachefeed._status.metrics import MetricsExporter
 from cachefeed._units import format_bytes
+
+if TYPE_CHECKING:  # loaded only where metrics are configured (Supervisor.run): prometheus_client is not light
+    from cachefeed._status.metrics import MetricsExporter
 
 __all__ = ["RATE_WINDOW_S", "StatusReporter"]
 

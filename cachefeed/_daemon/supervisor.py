@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.store import CacheStore
@@ -63,7 +63,9 @@ from cachefeed._errors import ConfigError
 from cachefeed._labels import ClassIndex, class_name
 from cachefeed._logs import get_logger
 from cachefeed._scrub import safe_url
-from cachefeed._status.metrics import MetricsExporter
+
+if TYPE_CHECKING:
+    from cachefeed._status.metrics import MetricsExporter
 
 __all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
 
@@ -185,7 +187,10 @@ class Supervisor:
             self._restore_catalogs(store)
             self.inputs.write_table(str(store.layout.sources_file), mode=config.cache.file_mode)
             try:
-                self._metrics = MetricsExporter(config.status)
+                if config.status.metrics_port or config.status.metrics_textfile:  # else: no prometheus_client
+                    from cachefeed._status.metrics import MetricsExporter
+
+                    self._metrics = MetricsExporter(config.status)
                 self._pool = SamplerPool(
                     config.sampler.processes,
                     make_init=self._make_init,

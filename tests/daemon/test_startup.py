@@ -7,6 +7,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -186,3 +187,54 @@ def test_an_existing_cache_dir_keeps_its_mode_and_one_the_daemon_cannot_write_is
         [line] = result.stderr.strip().splitlines()
         assert f"cache.dir {cache_dir}: exists with mode 0555" in line and "never changes the mode" in line, line
     assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o555
+
+
+def test_the_daemon_starts_without_the_cyclic_gc_and_freezes_what_it_loaded() -> None:
+    """NOTE [ A daemon's start without the cyclic GC ]: collections are paused inside the block and the collector is
+    back (in the state it was) after it, raise or not; what existed then is frozen."""
+    import gc
+
+    from cachefeed._cli.daemon import start_without_gc
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with start_without_gc():
+            assert not gc.isenabled()
+            kept = [[object()] for _ in range(100)]
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen + len(kept)
+        with pytest.raises(RuntimeError), start_without_gc():
+            raise RuntimeError("a start that fails")
+        assert gc.isenabled()
+        gc.disable()
+        with start_without_gc():
+            pass
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_a_daemon_loads_its_modules_inside_its_start_and_freezes_them(bucket: Any, daemon: StartDaemon) -> None:
+    """Nothing heavy is imported before the daemon's start pauses the GC (the CLI's parser and ``import cachefeed``
+    load no numpy, config or remote client), nothing the start does not need is imported in it (the Prometheus
+    client, with metrics off), and a real daemon's start ends with everything it loaded frozen."""
+    code = (
+        "import sys, cachefeed, cachefeed._cli as cli; cli.build_parser(['daemon']);"
+        "print(sorted(m for m in ('numpy', 'fsspec', 's3fs', 'cachefeed._config', 'cachefeed._daemon.supervisor')"
+        " if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+    code = "import sys, cachefeed._daemon.supervisor; print('prometheus_client' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "False"  # only a daemon with metrics configured loads it
+    upload_arrays(bucket, BUCKET, 4, 1024)
+    proc = daemon(sections={"log": {"level": "debug"}})
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 4, timeout_s=60, what="every object cached")
+    line = next((line for line in proc.stderr().splitlines() if "objects of the start frozen" in line), None)
+    assert line is not None, proc.stderr()[-2000:]
+    frozen = int(line.split("; ")[1].split()[0])
+    assert frozen > 50_000, line  # numpy, s3fs, botocore and cachefeed: well over this many objects
+    assert proc.stop() == 0
