@@ -1,9 +1,10 @@
-"""Epochs over a growing set: the first epoch starts on what is cached and takes segments as they are published.
+"""Epochs over a growing set: an epoch starts on what is cached and takes segments as they are published.
 
 A cold job used to wait until the cache held ``min_samples`` (75% of what the daemon keeps) before its first batch.
 Now, by default, its first epoch starts as soon as every worker has a segment to read and keeps taking segments
 as the daemon publishes them, until the epoch has its samples (``samples_per_epoch``) or the daemon can fill no
 further (its fill level reached, it waits for trainers, it holds everything the remote lists, or no daemon runs).
+A later epoch of a set size grows too while the cache fills ("Later epochs" in the NOTE).
 
 NOTE [ Growing snapshots ]
 --------------------------
@@ -27,9 +28,33 @@ workers, its pool's workers read the segments).
 * ``len(loader)`` of a growing epoch is an estimate until the snapshot closes (``samples_per_epoch``: exact from
   the start); the factory prepares the next epoch only once the growing one is closed.
 
+Later epochs (``samples_per_epoch`` set, built while the daemon has not filled the cache to its level:
+``fill_reached``; the first epoch's other conditions, ``min_samples`` unset included). Without growth such an
+epoch read a snapshot of what was cached: where fewer unread samples were cached than it needs, it re-read samples
+earlier epochs had served while the remote was delivering fresh ones. Instead:
+
+* Its snapshot is *unread-first* (``Snapshot.create(wants=...)``, MANIFEST ``wants``): it pins only segments no
+  epoch has read nor is reading (``room.unread_first``: the previous epoch, still being read, counts as reading),
+  and grows by unread segments only. It is created closed when those hold ``wants`` samples (``samples_per_epoch
+  + local_world_size - 1``: every rank's quota, the carry included): then nothing waits and nothing grows. So a
+  later epoch grows only while the cache holds fewer unread samples than the epoch needs.
+* Its growth ends when the epoch has its samples, when the daemon can fill no further (as the first epoch's), or
+  when the creator's loop caught up with ingest (``GrowingEpoch.pause``: it would wait for the remote). Closed
+  short of ``wants``, the snapshot gets a last generation of the least-read other segments (``room.top_up``, as
+  many samples as it lacks; MANIFEST ``topup_from``). The ranks draw what they lack from it and the carry as a
+  set-size epoch draws (``partition.fixed_size_order``: least-read first; seeded by ``(seed, epoch)``, so every
+  rank and a resumed run draw the same) and each takes its slice: exactly ``samples_per_epoch`` samples, each once,
+  ranks disjoint (reused in seeded passes only if the whole cache holds fewer).
+* What it served is recorded per sample as for any epoch (NOTE [ Read receipts ]); a resumed run joins the
+  snapshot and its creator grows it on (``Snapshot.grow`` looks again at what it has not linked).
+
 The trade: the first epoch is ordered by arrival within a generation (a window of about ``GROW_EVERY_S`` of
 ingest), not shuffled over the whole cache. ``min_samples`` (a count or a fill level) keeps the former behaviour:
-wait, then shuffle over everything cached.
+wait, then shuffle over everything cached (and later epochs then read snapshots of what is cached, as before). A
+later epoch reads fresh samples as fast as the remote delivers them and never waits for the remote: where training
+is faster, the rest of the epoch is re-read samples (the remote sets the echo), at the cost of one short stall
+(the top-up, tens of milliseconds) where its loop caught up; it is likewise ordered by arrival, its top-up last.
+Once the cache is at its fill level, epochs read snapshots of what is cached, least-read first.
 
 Scope: a growing epoch needs no agreement across nodes only when its size is set (``samples_per_epoch``): with
 several nodes and no set size, and with weighted sources, the first epoch waits for the fill as before.

@@ -12,15 +12,24 @@ States of epoch ``e`` (``EpochState.phase``)::
 
 Transitions, who runs them and on which thread:
 
-* **prepare** (training thread, from ``on_progress``; NOTE [ Epoch handover ] in ``loader.py`` says when): queues
-  build + feed of ``e + 1`` on the *build thread*, which pins its snapshot (local rank 0 creates, the node's other
-  ranks join; the first epoch waits for the cache first, or starts on a growing set), computes this rank's share,
-  opens the dataset and queues its pass on the pool (without workers: builds its DataLoader and fetches the first
-  batch), with prompt GIL hand-offs (``gil.py``).
+* **prepare** (training thread, from ``on_progress``; NOTE [ Epoch handover ] in ``loader.py`` says when; or the
+  grower thread once a growing epoch stopped growing, ``_growth_closed``): queues build + feed of ``e + 1`` on the
+  *build thread*, which pins its snapshot (local rank 0 creates, the node's other ranks join), computes this rank's
+  share, opens the dataset and queues its pass on the pool (without workers: builds its DataLoader and fetches the
+  first batch, if one is cut), with prompt GIL hand-offs (``gil.py``). Never while ``e + 1`` is being activated.
+  Which snapshot (NOTE [ Growing snapshots ] in ``growing.py``): the first epoch waits for the cache, or starts on
+  a growing set (``_can_grow``); a later epoch of a set size built while the cache fills is *unread-first*
+  (``_later_wants``: growing while fewer unread samples are cached than it needs, then topped up); any other epoch
+  is a snapshot of what is cached, least-read first.
 * **activate** (training thread: ``loader(e)``, ``dataset(e)``, ``share(e)``): takes the prepared epoch, waiting
   only if its build is late (or builds it now), makes it *current* and retires every other epoch.
 * **retire** (training thread): hands the epoch to the *teardown thread*; the training thread never joins a
   process or unlinks a file.
+* **grow** (the creator's *grower thread*, while a growing epoch is built, fed or current): links published
+  segments into its snapshot (``growing.Grower``) until the epoch has its samples, the daemon can fill no further,
+  or (a later epoch) its loop caught up with ingest; then closes it (a later epoch's topped up) and calls
+  ``_growth_closed``. The epoch's batches follow its generations (``GrowingEpoch.poll``); the next epoch is
+  prepared only once it stopped growing.
 * **release** (teardown thread, once the handover is over: the current epoch's first batch was handed out, or
   ``_TEARDOWN_HOLD_S`` passed; or ``close``): stops a growing snapshot's grower, closes the epoch's iterators and
   passes, waits until every worker has closed its readers of the epoch's segments, closes the dataset, records what
@@ -263,9 +272,9 @@ class Epochs:
         return frozenset(last.snapshot.names) if last is not None else frozenset()
 
     def _can_grow(self) -> bool:
-        """Whether the first epoch may start on a growing set (NOTE [ Growing snapshots ]'s scope): the user did
-        not ask to wait (``min_samples``), and its length needs no agreement across nodes, and no sources are
-        weighed."""
+        """Whether the first epoch may start on a growing set (NOTE [ Growing snapshots ]'s scope; a later one
+        also needs ``_later_wants``): the user did not ask to wait (``min_samples``), and its length needs no
+        agreement across nodes, and no sources are weighed."""
         if not self.plan.grows_first or read_sources(self.plan.layout.sources_file):
             return False
         if not self.plan.layout.has_writer():
