@@ -300,12 +300,12 @@ class Snapshot:
         pinned = self._grown_bytes or 0
         listed = self.layout.list_segments()
         unseen = [(name, info) for name, info in listed if name not in have and name not in self._passed]
-        reads: Mapping[str, Counts]
-        if self.wants is not None:
+        reads: Mapping[str, Counts] = {}
+        if self.wants is None:
+            reads = read_counts(self.layout.root)
+        elif unseen or close:  # nothing new to look at: no ledger to read (every 50 ms while nothing is published)
             reads = reads_with_receipts(self.layout.root, self.layout.snapshots)
             unseen = self._unread(unseen, reads)
-        else:
-            reads = read_counts(self.layout.root)
         new: list[str] = []
         for name, info in unseen:
             if room is not None and pinned + allocated_bytes(info) > room:
@@ -505,13 +505,14 @@ def _candidates(
     layout: CacheLayout, listed: list[tuple[str, os.stat_result]], reads: Mapping[str, Counts], pending: Collection[str]
 ) -> list[Candidate]:
     """``listed`` segments as candidates with their samples and whether any was read (``unread_first``, ``top_up``);
-    a segment that vanished or is empty is left out."""
+    a segment that vanished or is empty is left out. Samples from the reads where known (one count per sample),
+    else from the segment's trailer."""
     candidates = []
     for name, info in listed:
-        samples = segment_trailer(layout.segments / name)[0]
+        counts = reads.get(name)
+        samples = len(counts) if counts is not None and len(counts) else segment_trailer(layout.segments / name)[0]
         if samples <= 0:
             continue
-        counts = reads.get(name)
         level = int(counts.min()) if counts is not None and len(counts) else 0
         untouched = counts is None or not bool(counts.any())
         candidates.append(
