@@ -217,13 +217,14 @@ class Grower:
         self._stop = threading.Event()
         self._finish = threading.Event()
         self._wake = threading.Event()  # set by ``stop`` and ``finish``: the thread looks now
+        self.closed = threading.Event()  # set once the thread closed the snapshot (its last generation is there)
         self.lock = threading.Lock()  # held while the snapshot changes: readers take it to see one generation whole
         self._thread = threading.Thread(target=self._run, name="cachefeed-grow", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self._finish.is_set():  # closing looks once more
                 with self.lock:
                     self.snapshot.grow()  # closes the snapshot itself once the epoch's room is full
                     samples, is_open = self.snapshot.samples, self.snapshot.is_open
@@ -233,6 +234,7 @@ class Grower:
         except Exception:
             log.warning("growing snapshot %s failed: closing it as it is", self.snapshot.snap_id, exc_info=True)
         self._close()
+        self.closed.set()
         if self._on_closed is not None and not self._stop.is_set():
             try:
                 self._on_closed()
@@ -349,14 +351,17 @@ class GrowingEpoch:
 
         An unread-first snapshot's creator (a later epoch: ``Snapshot.wants``) does not wait for the remote: its
         growth ends now and the snapshot is topped up with the least-read samples (NOTE above, "later epochs")."""
+        started = time.perf_counter()
         if self.grower is not None and self.snapshot.wants is not None:
             self.grower.finish()
+            self.grower.closed.wait(GROW_EVERY_S)  # milliseconds: the top-up is cut as soon as it is linked
+            self.waited_s += time.perf_counter() - started
+            return
         if time.monotonic() - self._grown_at > self._timeout_s:
             raise SnapshotError(
                 f"snapshot {self.snapshot.snap_id} did not grow for {self._timeout_s:g}s while its epoch waited for "
                 "samples: check that the daemon runs and fetches (cachefeed status), or raise wait_timeout_s"
             )
-        started = time.perf_counter()
         time.sleep(GROW_EVERY_S / 2)
         self.waited_s += time.perf_counter() - started
 

@@ -84,6 +84,10 @@ def test_a_later_epoch_faster_than_the_remote_is_topped_up_instead_of_waiting_fo
             took.append(time.monotonic() - started)
         waits = [factory.stats(epoch).handover_wait_s or 0.0 for epoch in range(1, 4)]
     daemon.stop()
+    print(
+        f"later epochs faster than the remote: {', '.join(f'{t * 1e3:.0f}' for t in took[1:])} ms each, handover "
+        f"waits up to {max(waits) * 1e3:.1f} ms"
+    )
     for number, keys in enumerate(epochs):
         assert len(keys) == len(set(keys)) == spe, f"epoch {number}: {len(keys)} samples, {len(set(keys))} distinct"
     # Waiting for 200 fresh samples would take about 1.4 s an epoch; reading them from the cache takes milliseconds.
