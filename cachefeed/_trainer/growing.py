@@ -39,7 +39,8 @@ earlier epochs had served while the remote was delivering fresh ones. Instead:
   + local_world_size - 1``: every rank's quota, the carry included): then nothing waits and nothing grows. So a
   later epoch grows only while the cache holds fewer unread samples than the epoch needs.
 * Its growth ends when the epoch has its samples, when the daemon can fill no further (as the first epoch's), or
-  when the creator's loop caught up with ingest (``GrowingEpoch.pause``: it would wait for the remote). Closed
+  when the creator's loop caught up with ingest (``GrowingEpoch.pause``: it would wait for the remote; another
+  local rank that caught up waits for the creator's, a step away at most in lockstep training). Closed
   short of ``wants``, the snapshot gets a last generation of the least-read other segments (``room.top_up``, as
   many samples as it lacks; MANIFEST ``topup_from``). The ranks draw what they lack from it and the carry as a
   set-size epoch draws (``partition.fixed_size_order``: least-read first; seeded by ``(seed, epoch)``, so every
@@ -54,7 +55,11 @@ wait, then shuffle over everything cached (and later epochs then read snapshots 
 later epoch reads fresh samples as fast as the remote delivers them and never waits for the remote: where training
 is faster, the rest of the epoch is re-read samples (the remote sets the echo), at the cost of one short stall
 (the top-up, tens of milliseconds) where its loop caught up; it is likewise ordered by arrival, its top-up last.
-Once the cache is at its fill level, epochs read snapshots of what is cached, least-read first.
+The rule looks at the moment, not at rates: an epoch that starts at the ingest frontier (its predecessor read
+every sample as it arrived) and finds less than a batch unread is topped up at once, even if the remote is faster
+on average; behind a loop slower than the remote, unread samples pile up and the epoch is topped up only if the
+daemon can fill no further. Once the cache is at its fill level, epochs read snapshots of what is cached,
+least-read first.
 
 Scope: a growing epoch needs no agreement across nodes only when its size is set (``samples_per_epoch``): with
 several nodes and no set size, and with weighted sources, the first epoch waits for the fill as before.
