@@ -21,6 +21,11 @@ that fit beside it, and each epoch would bring at most that room of new samples:
   Unread segments therefore come first and the top-up is the least-read. With weighted sources (``sources.json``),
   each source first gets its weight's share of the room from its own least-read segments, then the rest of the room
   is filled from all sources in the same order: a fast source cannot crowd a slow one out of an epoch.
+* **A later epoch of a set size while the cache fills** (NOTE [ Growing snapshots ] in ``_trainer/growing.py``)
+  pins only what no epoch has read nor is reading (``unread_first``: segments none of whose samples was read, held
+  by no live snapshot), oldest first within the room, and grows by what the daemon publishes; if its growth stops
+  short of its samples, it is topped up with the least-read segments (``top_up``: ``choose``'s order, only as many
+  samples as it lacks, within what is left of the room).
 * A cache whose published set fits the room is pinned whole, as before; a static cache (no daemon holding the
   writer lock) has no room: every segment is pinned.
 
@@ -41,7 +46,7 @@ from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES
 from cachefeed._fsutil import atomic_write
 
-__all__ = ["Candidate", "choose", "epoch_room", "read_room", "write_room"]
+__all__ = ["Candidate", "choose", "epoch_room", "read_room", "top_up", "unread_first", "write_room"]
 
 _VERSION = 1
 
@@ -81,6 +86,8 @@ class Candidate:
     reads: int  # its least-read sample's reads (0: unread or unknown)
     tag: int = 0  # its source tag
     pending: bool = False  # a live snapshot holds it (an epoch reading it or being released): a read is on its way
+    samples: int = 0  # its samples (where a choice counts them: ``top_up``)
+    untouched: bool = False  # no epoch has read any of its samples (``unread_first``)
 
 
 def choose(candidates: Sequence[Candidate], room: int | None, weights: Mapping[int, float] | None = None) -> list[int]:
@@ -104,5 +111,29 @@ def choose(candidates: Sequence[Candidate], room: int | None, weights: Mapping[i
     for candidate in order:
         if candidate.seq not in chosen and candidate.nbytes <= left:
             chosen.add(candidate.seq)
+            left -= candidate.nbytes
+    return sorted(chosen)
+
+
+def unread_first(candidates: Sequence[Candidate], room: int | None) -> list[int]:
+    """The sequence numbers (ascending) a snapshot of unread samples pins (module docstring): the untouched segments
+    no live snapshot holds, oldest first, within ``room``."""
+    return choose([c for c in candidates if c.untouched and not c.pending], room)
+
+
+def top_up(candidates: Sequence[Candidate], need: int, room: int | None) -> list[int]:
+    """The sequence numbers (ascending) that top a snapshot up by ``need`` samples (module docstring): least-read
+    first (``choose``'s order: reads plus a pending one, then oldest), until their ``samples`` reach ``need``, each
+    within what is left of ``room`` (None: no limit)."""
+    chosen: list[int] = []
+    have, left = 0, room
+    for candidate in sorted(candidates, key=lambda c: (c.reads + c.pending, c.seq)):
+        if have >= need:
+            break
+        if left is not None and candidate.nbytes > left:
+            continue
+        chosen.append(candidate.seq)
+        have += candidate.samples
+        if left is not None:
             left -= candidate.nbytes
     return sorted(chosen)

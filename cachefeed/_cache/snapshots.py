@@ -73,7 +73,7 @@ from cachefeed._cache.reads import (
     write_served,
 )
 from cachefeed._cache.records import segment_trailer
-from cachefeed._cache.room import Candidate, choose, read_room
+from cachefeed._cache.room import Candidate, choose, read_room, top_up, unread_first
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._fsutil import atomic_write, remove_tree
@@ -133,6 +133,9 @@ class Snapshot:
         self._manifest: dict[str, object] = {}
         self._manifest_stat: tuple[int, int, int] | None = None
         self._grown_bytes: int | None = None  # the creator's running total of pinned bytes while it grows
+        self.wants: int | None = None  # an unread-first snapshot: the samples its epoch needs (``create``)
+        self.topup_from: int | None = None  # its first generation of least-read samples, if growth stopped short
+        self._passed: set[str] = set()  # published segments its growth does not take (read, or being read)
         self._load(manifest)
         self.job = str(manifest.get("job", ""))
         self.nonce = str(manifest.get("nonce", ""))
@@ -170,6 +173,7 @@ class Snapshot:
         job: str = "",
         reading: Collection[str] = (),
         growing: bool = False,
+        wants: int | None = None,
     ) -> Snapshot:
         """Pin the segments published right now, at most the daemon's epoch room of them, least-read first
         (``room.py``: the segments of every live snapshot, and those ``reading`` names, count one pending read each;
@@ -177,7 +181,12 @@ class Snapshot:
         created ``snap_id`` first, join it (``SnapshotError`` if another job did).
 
         ``growing``: the snapshot stays open and its creator adds segments published later, up to the room
-        (``grow``; NOTE [ Growing snapshots ])."""
+        (``grow``; NOTE [ Growing snapshots ]).
+
+        ``wants`` (a later epoch of a set size while the cache fills; implies ``growing``): pin only unread segments
+        (``room.unread_first``); the snapshot is created closed if they hold ``wants`` samples, else open, and
+        ``grow`` then takes only unread segments and, closing short of ``wants``, tops the snapshot up with the
+        least-read ones in a last generation (``topup_from``)."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
@@ -199,7 +208,12 @@ class Snapshot:
             pending = _pending_reads(layout, reading)  # before the receipts: see _pending_reads
             reads = reads_with_receipts(layout.root, layout.snapshots)
             named_sources = read_sources(layout.sources_file)
-            chosen = _chosen(layout, reads, pending, {e.tag: e.weight for e in named_sources})
+            listed = layout.list_segments()
+            if wants is None:
+                chosen = _chosen(layout, listed, reads, pending, {e.tag: e.weight for e in named_sources})
+            else:
+                room = read_room(layout.root) if layout.has_writer() else None
+                chosen = [segment_name(seq) for seq in unread_first(_candidates(layout, listed, reads, pending), room)]
             entries, fresh = _link_entries(layout, directory, chosen, reads, pending)
             named = [[e.tag, e.name, e.weight] for e in named_sources]
             manifest = {
@@ -211,11 +225,16 @@ class Snapshot:
                 "nonce": secrets.token_hex(8),
                 "fresh": fresh,
             }
-            if growing:
+            if growing or wants is not None:
                 manifest["generations"] = [len(entries)]
                 manifest["open"] = True
+            if wants is not None:
+                manifest["wants"] = wants
+                manifest["open"] = sum(int(entry[1]) for entry in entries) < wants  # type: ignore[call-overload]
             atomic_write(directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
             snapshot = cls(layout, snap_id, fd, manifest)
+            if wants is not None:  # what it did not take now, its growth never takes
+                snapshot._passed = {name for name, _info in listed}.difference(chosen)
             fd = -1
             return snapshot
         finally:
@@ -265,7 +284,11 @@ class Snapshot:
     def grow(self, *, close: bool = False) -> int:
         """Creator only: pin the segments published since the last generation as a new one, in publication order
         and within the daemon's epoch room (``room.py``; a full room closes the snapshot); with ``close``, end the
-        growth. Returns the number of segments added. A no-op on a closed snapshot."""
+        growth. Returns the number of segments added. A no-op on a closed snapshot.
+
+        An unread-first snapshot (``wants``) takes only segments no epoch has read nor is reading, and one closed
+        with fewer than ``wants`` samples gets a last generation of the least-read others (``room.top_up``), its
+        index in ``topup_from``."""
         if self._lock_fd is None or os.getpid() != self._owner_pid:
             raise SnapshotError(f"snapshot {self.snap_id}: only its holding creator grows it")
         if not self.is_open:
@@ -275,31 +298,72 @@ class Snapshot:
         if room and self._grown_bytes is None:  # once: later looks add what they link
             self._grown_bytes = sum(allocated_bytes(os.lstat(self.directory / name)) for name in self.names)
         pinned = self._grown_bytes or 0
+        listed = self.layout.list_segments()
+        unseen = [(name, info) for name, info in listed if name not in have and name not in self._passed]
+        reads: Mapping[str, Counts] = {}
+        if self.wants is None:
+            reads = read_counts(self.layout.root)
+        elif unseen or close:  # nothing new to look at: no ledger to read (every 50 ms while nothing is published)
+            reads = reads_with_receipts(self.layout.root, self.layout.snapshots)
+            unseen = self._unread(unseen, reads)
         new: list[str] = []
-        for name, info in self.layout.list_segments():
-            if name in have:
-                continue
+        for name, info in unseen:
             if room is not None and pinned + allocated_bytes(info) > room:
                 close = True  # the epoch's room is full (``room.py``): the rest is for the next epoch
                 break
             new.append(name)
             pinned += allocated_bytes(info)
-        entries, fresh = _link_entries(self.layout, self.directory, new, read_counts(self.layout.root))
+        entries, fresh = _link_entries(self.layout, self.directory, new, reads)
+        segments: list[object] = [*self._manifest.get("segments", []), *entries]  # type: ignore[misc]
+        generations = list(self.generations or ())
+        if entries or not generations:
+            generations.append(len(segments))
+        added = len(entries)
+        samples = self.samples + sum(int(entry[1]) for entry in entries)  # type: ignore[call-overload]
+        topup_from = None
+        if close and self.wants is not None and samples < self.wants:
+            pending = _pending_reads(self.layout, ())
+            taken = have.union(new)
+            candidates = _candidates(self.layout, [(n, i) for n, i in listed if n not in taken], reads, pending)
+            extra = top_up(candidates, self.wants - samples, None if room is None else room - pinned)
+            topping, _fresh = _link_entries(self.layout, self.directory, [segment_name(q) for q in extra], reads)
+            if topping:
+                topup_from = len(generations)
+                segments += topping
+                generations.append(len(segments))
+                added += len(topping)
+                pinned += sum(allocated_bytes(os.lstat(self.directory / str(entry[0]))) for entry in topping)
         if self._grown_bytes is not None:
             self._grown_bytes = pinned
-        if not entries and not close:
+        if not added and not close:
             return 0
         manifest = dict(self._manifest)
         manifest["fresh"] = int(manifest.get("fresh", 0)) + fresh  # type: ignore[call-overload]
-        manifest["segments"] = [*manifest.get("segments", []), *entries]  # type: ignore[misc]
-        generations = list(self.generations or ())
-        if entries or not generations:
-            generations.append(len(manifest["segments"]))  # type: ignore[arg-type]
+        manifest["segments"] = segments
         manifest["generations"] = generations
         manifest["open"] = not close
+        if topup_from is not None:
+            manifest["topup_from"] = topup_from
         atomic_write(self.directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
         self._load(manifest)
-        return len(entries)
+        return added
+
+    def _unread(
+        self, unseen: list[tuple[str, os.stat_result]], reads: Mapping[str, Counts]
+    ) -> list[tuple[str, os.stat_result]]:
+        """Of ``unseen`` (published, not linked, not looked at before), those no epoch has read nor is reading; the
+        others are passed over for good (this process's growth does not look at them again)."""
+        if not unseen:
+            return unseen
+        pending = _pending_reads(self.layout, ())
+        kept = []
+        for name, info in unseen:
+            counts = reads.get(name)
+            if name in pending or (counts is not None and bool(counts.any())):
+                self._passed.add(name)
+            else:
+                kept.append((name, info))
+        return kept
 
     def seal(self) -> None:
         """Creator only: end the growth with the segments the snapshot has (no new ones linked): the way out when
@@ -348,6 +412,9 @@ class Snapshot:
         generations = manifest.get("generations")
         self.generations = tuple(int(g) for g in generations) if isinstance(generations, list) else None
         self.is_open = bool(manifest.get("open", False))
+        wants, topup_from = manifest.get("wants"), manifest.get("topup_from")
+        self.wants = int(wants) if isinstance(wants, int) else None
+        self.topup_from = int(topup_from) if isinstance(topup_from, int) else None
         self._manifest = manifest
 
     # -- reads and release ----------------------------------------------------------------------------------
@@ -414,11 +481,14 @@ def _pending_reads(layout: CacheLayout, reading: Collection[str]) -> frozenset[s
 
 
 def _chosen(
-    layout: CacheLayout, reads: Mapping[str, Counts], pending: Collection[str], weights: dict[int, float]
+    layout: CacheLayout,
+    listed: list[tuple[str, os.stat_result]],
+    reads: Mapping[str, Counts],
+    pending: Collection[str],
+    weights: dict[int, float],
 ) -> list[str]:
-    """The names of the published segments a new snapshot pins, oldest first (``room.py``'s rule). A static cache
-    (no daemon) has no room: everything."""
-    listed = layout.list_segments()
+    """The names of the published segments (``listed``) a new snapshot pins, oldest first (``room.py``'s rule). A
+    static cache (no daemon) has no room: everything."""
     room = read_room(layout.root) if layout.has_writer() else None
     if room is None:
         return [name for name, _info in listed]
@@ -429,6 +499,26 @@ def _chosen(
         tag = segment_trailer(layout.segments / name)[1] if weights else 0
         candidates.append(Candidate(segment_seq(name), allocated_bytes(info), level, tag, name in pending))
     return [segment_name(seq) for seq in choose(candidates, room, weights)]
+
+
+def _candidates(
+    layout: CacheLayout, listed: list[tuple[str, os.stat_result]], reads: Mapping[str, Counts], pending: Collection[str]
+) -> list[Candidate]:
+    """``listed`` segments as candidates with their samples and whether any was read (``unread_first``, ``top_up``);
+    a segment that vanished or is empty is left out. Samples from the reads where known (one count per sample),
+    else from the segment's trailer."""
+    candidates = []
+    for name, info in listed:
+        counts = reads.get(name)
+        samples = len(counts) if counts is not None and len(counts) else segment_trailer(layout.segments / name)[0]
+        if samples <= 0:
+            continue
+        level = int(counts.min()) if counts is not None and len(counts) else 0
+        untouched = counts is None or not bool(counts.any())
+        candidates.append(
+            Candidate(segment_seq(name), allocated_bytes(info), level, 0, name in pending, samples, untouched)
+        )
+    return candidates
 
 
 def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:

@@ -1,9 +1,10 @@
-"""Epochs over a growing set: the first epoch starts on what is cached and takes segments as they are published.
+"""Epochs over a growing set: an epoch starts on what is cached and takes segments as they are published.
 
 A cold job used to wait until the cache held ``min_samples`` (75% of what the daemon keeps) before its first batch.
 Now, by default, its first epoch starts as soon as every worker has a segment to read and keeps taking segments
 as the daemon publishes them, until the epoch has its samples (``samples_per_epoch``) or the daemon can fill no
 further (its fill level reached, it waits for trainers, it holds everything the remote lists, or no daemon runs).
+A later epoch of a set size grows too while the cache fills ("Later epochs" in the NOTE).
 
 NOTE [ Growing snapshots ]
 --------------------------
@@ -27,9 +28,38 @@ workers, its pool's workers read the segments).
 * ``len(loader)`` of a growing epoch is an estimate until the snapshot closes (``samples_per_epoch``: exact from
   the start); the factory prepares the next epoch only once the growing one is closed.
 
+Later epochs (``samples_per_epoch`` set, built while the daemon has not filled the cache to its level:
+``fill_reached``; the first epoch's other conditions, ``min_samples`` unset included). Without growth such an
+epoch read a snapshot of what was cached: where fewer unread samples were cached than it needs, it re-read samples
+earlier epochs had served while the remote was delivering fresh ones. Instead:
+
+* Its snapshot is *unread-first* (``Snapshot.create(wants=...)``, MANIFEST ``wants``): it pins only segments no
+  epoch has read nor is reading (``room.unread_first``: the previous epoch, still being read, counts as reading),
+  and grows by unread segments only. It is created closed when those hold ``wants`` samples (``samples_per_epoch
+  + local_world_size - 1``: every rank's quota, the carry included): then nothing waits and nothing grows. So a
+  later epoch grows only while the cache holds fewer unread samples than the epoch needs.
+* Its growth ends when the epoch has its samples, when the daemon can fill no further (as the first epoch's), or
+  when the creator's loop caught up with ingest (``GrowingEpoch.pause``: it would wait for the remote; another
+  local rank that caught up waits for the creator's, a step away at most in lockstep training). Closed
+  short of ``wants``, the snapshot gets a last generation of the least-read other segments (``room.top_up``, as
+  many samples as it lacks; MANIFEST ``topup_from``). The ranks draw what they lack from it and the carry as a
+  set-size epoch draws (``partition.fixed_size_order``: least-read first; seeded by ``(seed, epoch)``, so every
+  rank and a resumed run draw the same) and each takes its slice: exactly ``samples_per_epoch`` samples, each once,
+  ranks disjoint (reused in seeded passes only if the whole cache holds fewer).
+* What it served is recorded per sample as for any epoch (NOTE [ Read receipts ]); a resumed run joins the
+  snapshot and its creator grows it on (``Snapshot.grow`` looks again at what it has not linked).
+
 The trade: the first epoch is ordered by arrival within a generation (a window of about ``GROW_EVERY_S`` of
 ingest), not shuffled over the whole cache. ``min_samples`` (a count or a fill level) keeps the former behaviour:
-wait, then shuffle over everything cached.
+wait, then shuffle over everything cached (and later epochs then read snapshots of what is cached, as before). A
+later epoch reads fresh samples as fast as the remote delivers them and never waits for the remote: where training
+is faster, the rest of the epoch is re-read samples (the remote sets the echo), at the cost of one short stall
+(the top-up, tens of milliseconds) where its loop caught up; it is likewise ordered by arrival, its top-up last.
+The rule looks at the moment, not at rates: an epoch that starts at the ingest frontier (its predecessor read
+every sample as it arrived) and finds less than a batch unread is topped up at once, even if the remote is faster
+on average; behind a loop slower than the remote, unread samples pile up and the epoch is topped up only if the
+daemon can fill no further. Once the cache is at its fill level, epochs read snapshots of what is cached,
+least-read first.
 
 Scope: a growing epoch needs no agreement across nodes only when its size is set (``samples_per_epoch``): with
 several nodes and no set size, and with weighted sources, the first epoch waits for the fill as before.
@@ -48,6 +78,7 @@ from cachefeed._cache.snapshots import Snapshot
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._trainer.dataset import SnapshotDataset
+from cachefeed._trainer.partition import fixed_size_order
 
 __all__ = ["GROW_EVERY_S", "Grower", "GrowingEpoch", "GrowingShare"]
 
@@ -55,14 +86,18 @@ log = get_logger(__name__)
 
 GROW_EVERY_S = 0.05  # how often the creator looks for new segments, and a waiting rank for growth
 _GROWTH_SEED = 0x6772_6F77  # "grow": keeps a generation's permutation apart from the epoch order's
+_TOPUP = 0x746F_7075  # "topu": the top-up's draws, apart from a set-size epoch's (``fixed_size_order``'s stream)
 
 
 class GrowingShare:
     """This rank's indices into a growing snapshot, generation by generation (the NOTE above).
 
     ``quota``: this rank's samples in the epoch (``samples_per_epoch // local_world_size``), or None for "what the
-    snapshot holds when it closes". With a quota and a snapshot that closed short of it, the rest is filled by
-    seeded passes over this rank's share (samples reused, as a set-size epoch does over a small cache).
+    snapshot holds when it closes". With a quota and a snapshot that closed short of it: the generations from
+    ``topup_from`` on (an unread-first snapshot's least-read segments) and the carry are drawn from as a set-size
+    epoch draws (``partition.fixed_size_order``: least-read first, in seeded passes if they are too few) and split
+    equally among the ranks; what is still missing is filled by seeded passes over this rank's share (samples
+    reused, as a set-size epoch does over a small cache).
     """
 
     def __init__(
@@ -75,6 +110,7 @@ class GrowingShare:
         self.is_complete = False
         self._generations = 0
         self._carry: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+        self._reserve: list[npt.NDArray[np.int64]] = []  # the top-up generations' samples, drawn from at the close
 
     def update(
         self,
@@ -82,9 +118,11 @@ class GrowingShare:
         generations: tuple[int, ...],
         is_open: bool,
         reads: Callable[[int, int], npt.NDArray[np.int64]] | None = None,
+        topup_from: int | None = None,
     ) -> int:
         """Take the generations not seen yet; returns how many indices this rank gained. ``reads(first, last)``:
-        the per-sample reads of segments ``first .. last - 1``: within a generation the least-read go first."""
+        the per-sample reads of segments ``first .. last - 1``: within a generation the least-read go first.
+        ``topup_from``: the first generation that only tops a closed snapshot up (class docstring)."""
         if self.is_complete:
             return 0
         before = len(self.indices)
@@ -95,6 +133,9 @@ class GrowingShare:
         for g in range(self._generations, len(generations)):
             first = generations[g - 1] if g else 0
             new = np.arange(starts[first], starts[generations[g]], dtype=np.int64)
+            if topup_from is not None and g >= topup_from:
+                self._reserve.append(new)
+                continue
             if self.shuffle and len(new) > 1:
                 new = np.random.default_rng((self.seed, self.epoch, _GROWTH_SEED, g)).permutation(new)
             if reads is not None and len(new) > 1:
@@ -112,9 +153,36 @@ class GrowingShare:
             self.is_complete = True
         elif not is_open:
             if self.quota is not None:
+                if topup_from is not None:
+                    self.indices = self._top_up(self.indices, self.quota, starts, reads)
                 self.indices = self._reuse(self.indices, self.quota)
             self.is_complete = True
         return len(self.indices) - before
+
+    def _top_up(
+        self,
+        mine: npt.NDArray[np.int64],
+        quota: int,
+        starts: npt.NDArray[np.int64],
+        reads: Callable[[int, int], npt.NDArray[np.int64]] | None,
+    ) -> npt.NDArray[np.int64]:
+        """``mine`` and this rank's part of the top-up (class docstring): every rank lacks as many samples (the
+        generations were split equally), so the node draws ``missing x ranks`` from the carry and the reserve and
+        each rank takes its slice of the draw."""
+        pool = np.concatenate((self._carry, *self._reserve))
+        missing = quota - len(mine)
+        if missing <= 0 or not len(pool):
+            return mine
+        every = reads(0, len(starts) - 1) if reads is not None else np.zeros(0, dtype=np.int64)
+        pool_reads = every[pool] if len(every) == starts[-1] else np.zeros(len(pool), dtype=np.int64)
+        ranks = self.local_world_size
+        drawn = pool[
+            fixed_size_order(
+                pool_reads, missing * ranks, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle, stream=_TOPUP
+            )
+        ]
+        self._carry = self._carry[:0]
+        return np.concatenate((mine, drawn[self.local_rank * missing : (self.local_rank + 1) * missing]))
 
     def _reuse(self, mine: npt.NDArray[np.int64], quota: int) -> npt.NDArray[np.int64]:
         """``mine`` followed by seeded passes over it up to ``quota`` (nothing to reuse: ``mine`` as it is)."""
@@ -134,8 +202,9 @@ class Grower:
     """The creator's thread that grows an open snapshot (NOTE above) until ``is_done(samples)`` or ``stop``.
 
     ``is_done`` is asked after every look with the snapshot's samples; it is the factory's rule (the epoch has its
-    samples, or the daemon can fill no further). ``on_closed`` is called (on this thread) once the growth ended by
-    that rule or by a full room (``Snapshot.grow``), not after ``stop``. The thread never raises: a failure closes
+    samples, or the daemon can fill no further). ``finish`` ends the growth at once (a later epoch whose loop caught
+    up with ingest). ``on_closed`` is called (on this thread) once the growth ended by that rule, by ``finish`` or by
+    a full room (``Snapshot.grow``), not after ``stop``. The thread never raises: a failure closes
     the snapshot as it is and is logged (the epoch then ends with what it has)."""
 
     def __init__(
@@ -151,22 +220,26 @@ class Grower:
         self._on_closed = on_closed
         self._every_s = every_s
         self._stop = threading.Event()
+        self._finish = threading.Event()
+        self._wake = threading.Event()  # set by ``stop`` and ``finish``: the thread looks now
+        self.closed = threading.Event()  # set once the thread closed the snapshot (its last generation is there)
         self.lock = threading.Lock()  # held while the snapshot changes: readers take it to see one generation whole
         self._thread = threading.Thread(target=self._run, name="cachefeed-grow", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self._finish.is_set():  # closing looks once more
                 with self.lock:
                     self.snapshot.grow()  # closes the snapshot itself once the epoch's room is full
                     samples, is_open = self.snapshot.samples, self.snapshot.is_open
-                if not is_open or self._is_done(samples):
+                if not is_open or self._finish.is_set() or self._is_done(samples):
                     break
-                self._stop.wait(self._every_s)
+                self._wake.wait(self._every_s)
         except Exception:
             log.warning("growing snapshot %s failed: closing it as it is", self.snapshot.snap_id, exc_info=True)
         self._close()
+        self.closed.set()
         if self._on_closed is not None and not self._stop.is_set():
             try:
                 self._on_closed()
@@ -197,9 +270,15 @@ class Grower:
                     added,
                 )
 
+    def finish(self) -> None:
+        """End the growth at its next look (within milliseconds), as its rule would; does not wait."""
+        self._finish.set()
+        self._wake.set()
+
     def stop(self) -> None:
         """End the growth now (the epoch is released or the factory closes); the snapshot is closed as it is."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -273,13 +352,21 @@ class GrowingEpoch:
 
     def pause(self) -> None:
         """Wait a little for growth (a rank that has read every batch cut so far). Raises SnapshotError once the
-        snapshot did not grow for ``timeout_s``."""
+        snapshot did not grow for ``timeout_s``.
+
+        An unread-first snapshot's creator (a later epoch: ``Snapshot.wants``) does not wait for the remote: its
+        growth ends now and the snapshot is topped up with the least-read samples (NOTE above, "later epochs")."""
+        started = time.perf_counter()
+        if self.grower is not None and self.snapshot.wants is not None:
+            self.grower.finish()
+            self.grower.closed.wait(GROW_EVERY_S)  # milliseconds: the top-up is cut as soon as it is linked
+            self.waited_s += time.perf_counter() - started
+            return
         if time.monotonic() - self._grown_at > self._timeout_s:
             raise SnapshotError(
                 f"snapshot {self.snapshot.snap_id} did not grow for {self._timeout_s:g}s while its epoch waited for "
                 "samples: check that the daemon runs and fetches (cachefeed status), or raise wait_timeout_s"
             )
-        started = time.perf_counter()
         time.sleep(GROW_EVERY_S / 2)
         self.waited_s += time.perf_counter() - started
 
@@ -308,7 +395,8 @@ class GrowingEpoch:
             names, counts = snapshot.names[have : generations[-1]], snapshot.counts[have : generations[-1]]
             self.dataset.extend(names, counts)
             self._deltas.append((names, counts))
-        if self.share.update(snapshot.counts[: generations[-1]], generations, snapshot.is_open, snapshot.sample_reads):
+        counts, is_open = snapshot.counts[: generations[-1]], snapshot.is_open
+        if self.share.update(counts, generations, is_open, snapshot.sample_reads, snapshot.topup_from):
             self._grown_at = time.monotonic()
 
     def _cut_batches(self) -> int:

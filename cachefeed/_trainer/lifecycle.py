@@ -12,15 +12,24 @@ States of epoch ``e`` (``EpochState.phase``)::
 
 Transitions, who runs them and on which thread:
 
-* **prepare** (training thread, from ``on_progress``; NOTE [ Epoch handover ] in ``loader.py`` says when): queues
-  build + feed of ``e + 1`` on the *build thread*, which pins its snapshot (local rank 0 creates, the node's other
-  ranks join; the first epoch waits for the cache first, or starts on a growing set), computes this rank's share,
-  opens the dataset and queues its pass on the pool (without workers: builds its DataLoader and fetches the first
-  batch), with prompt GIL hand-offs (``gil.py``).
+* **prepare** (training thread, from ``on_progress``; NOTE [ Epoch handover ] in ``loader.py`` says when; or the
+  grower thread once a growing epoch stopped growing, ``_growth_closed``): queues build + feed of ``e + 1`` on the
+  *build thread*, which pins its snapshot (local rank 0 creates, the node's other ranks join), computes this rank's
+  share, opens the dataset and queues its pass on the pool (without workers: builds its DataLoader and fetches the
+  first batch, if one is cut), with prompt GIL hand-offs (``gil.py``). Never while ``e + 1`` is being activated.
+  Which snapshot (NOTE [ Growing snapshots ] in ``growing.py``): the first epoch waits for the cache, or starts on
+  a growing set (``_can_grow``); a later epoch of a set size built while the cache fills is *unread-first*
+  (``_later_wants``: growing while fewer unread samples are cached than it needs, then topped up); any other epoch
+  is a snapshot of what is cached, least-read first.
 * **activate** (training thread: ``loader(e)``, ``dataset(e)``, ``share(e)``): takes the prepared epoch, waiting
   only if its build is late (or builds it now), makes it *current* and retires every other epoch.
 * **retire** (training thread): hands the epoch to the *teardown thread*; the training thread never joins a
   process or unlinks a file.
+* **grow** (the creator's *grower thread*, while a growing epoch is built, fed or current): links published
+  segments into its snapshot (``growing.Grower``) until the epoch has its samples, the daemon can fill no further,
+  or (a later epoch) its loop caught up with ingest; then closes it (a later epoch's topped up) and calls
+  ``_growth_closed``. The epoch's batches follow its generations (``GrowingEpoch.poll``); the next epoch is
+  prepared only once it stopped growing.
 * **release** (teardown thread, once the handover is over: the current epoch's first batch was handed out, or
   ``_TEARDOWN_HOLD_S`` passed; or ``close``): stops a growing snapshot's grower, closes the epoch's iterators and
   passes, waits until every worker has closed its readers of the epoch's segments, closes the dataset, records what
@@ -119,6 +128,7 @@ class Epochs:
         self._states: dict[int, EpochState] = {}  # built, fed or current (at most one current)
         self._retired: dict[int, EpochState] = {}  # retired or released, kept for their stats
         self._prepared: tuple[int, Future[EpochState]] | None = None  # the epoch on the build thread
+        self._taking: set[int] = set()  # epochs being activated: taken from ``_prepared``, not in ``_states`` yet
         self._resume: ResumePoint | None = None
         self.current: EpochState | None = None  # the epoch the training loop last took a batch of
         self._last_built: EpochState | None = None  # its segments: the epoch being read while the next is built
@@ -194,7 +204,7 @@ class Epochs:
         batches = len(sampler)  # type: ignore[arg-type]
         loader = iter(state.dataloader)
         head: list[Any] = []
-        if batches:
+        if batches and (growing is None or growing.batches):  # a growing one's first batch is read when asked for
             try:
                 head.append(next(loader))
             except StopIteration:  # a growing epoch that closed empty
@@ -262,14 +272,25 @@ class Epochs:
         return frozenset(last.snapshot.names) if last is not None else frozenset()
 
     def _can_grow(self) -> bool:
-        """Whether the first epoch may start on a growing set (NOTE [ Growing snapshots ]'s scope): the user did
-        not ask to wait (``min_samples``), and its length needs no agreement across nodes, and no sources are
-        weighed."""
+        """Whether the first epoch may start on a growing set (NOTE [ Growing snapshots ]'s scope; a later one
+        also needs ``_later_wants``): the user did not ask to wait (``min_samples``), and its length needs no
+        agreement across nodes, and no sources are weighed."""
         if not self.plan.grows_first or read_sources(self.plan.layout.sources_file):
             return False
         if not self.plan.layout.has_writer():
             return False  # no daemon: a static cache does not grow, its first epoch is all of it
         return self.plan.samples_per_epoch is not None or not self.plan.ranks.nodes_differ
+
+    def _later_wants(self) -> int | None:
+        """The samples a later epoch of a set size needs, if it reads what no epoch has read first and grows while the
+        cache fills (NOTE [ Growing snapshots ], "later epochs"): the first epoch's conditions (``_can_grow``) hold
+        and the daemon has not filled the cache to its level (``fill_reached``); else None (a snapshot of what is
+        cached, least-read first). ``samples_per_epoch + local_world_size - 1``: the carry of a split is less than
+        the local ranks, so every rank gets its quota from that many."""
+        spe = self.plan.samples_per_epoch
+        if spe is None or not self._can_grow() or fill_reached(self.plan.layout, 1.0, 1)[0]:
+            return None
+        return spe + self.plan.ranks.local_world_size - 1
 
     def _growing(self, snapshot: Snapshot, dataset: SnapshotDataset, epoch: int, skip_batches: int) -> GrowingEpoch:
         """This rank's reading of a growing snapshot; its creator (alive in this process) keeps growing it."""
@@ -337,6 +358,7 @@ class Epochs:
         waited = 0.0
         join_timeout = plan.join_timeout_s
         grows = is_first and self._resume is None and self._can_grow()
+        wants = self._later_wants() if not is_first and plan.ranks.is_creator else None
         if is_first and self.pool is not None:
             self.pool.start()  # forked while the cache fills, not after
         if grows and plan.ranks.is_creator:
@@ -361,7 +383,9 @@ class Epochs:
         elif plan.ranks.is_creator:
             with self._lock:
                 reading = self._last_names()  # the epoch being read now: its receipt is pending
-            snapshot = Snapshot.create(plan.layout.root, snap_id, job=plan.job, reading=reading, growing=grows)
+            snapshot = Snapshot.create(
+                plan.layout.root, snap_id, job=plan.job, reading=reading, growing=grows, wants=wants
+            )
         else:
             snapshot = Snapshot.join(plan.layout.root, snap_id, timeout_s=join_timeout, job=plan.job)
         dataset: SnapshotDataset | None = None
@@ -443,18 +467,15 @@ class Epochs:
             prepared = None
             if state is None and self._prepared is not None:
                 prepared, self._prepared = self._prepared, None
-        if state is None:
-            if prepared is not None and prepared[0] == epoch:
-                state = prepared[1].result()
-            else:
-                if prepared is not None:
-                    prepared[1].add_done_callback(self._retire_future)
-                state = self._build(epoch, with_loader=with_loader, background=False)
-        elif with_loader and not state.fed:
-            started = time.perf_counter()
-            self._feed(state)
-            state.build_s += time.perf_counter() - started
+            self._taking.add(epoch)  # until it is in ``_states``: ``_prepare`` must not build it again meanwhile
+        try:
+            state = self._take(epoch, state, prepared, with_loader=with_loader)
+        except BaseException:
+            with self._lock:
+                self._taking.discard(epoch)
+            raise
         with self._lock:
+            self._taking.discard(epoch)
             self._states[epoch] = state
             if state.fed:
                 state.phase = "current"
@@ -463,6 +484,27 @@ class Epochs:
                 del self._states[other.epoch]
         for other in others:
             self._retire(other)
+        return state
+
+    def _take(
+        self,
+        epoch: int,
+        state: EpochState | None,
+        prepared: tuple[int, Future[EpochState]] | None,
+        *,
+        with_loader: bool,
+    ) -> EpochState:
+        """``activate``'s part outside the lock: the prepared state, or a build now; fed if asked."""
+        if state is None:
+            if prepared is not None and prepared[0] == epoch:
+                return prepared[1].result()
+            if prepared is not None:
+                prepared[1].add_done_callback(self._retire_future)
+            return self._build(epoch, with_loader=with_loader, background=False)
+        if with_loader and not state.fed:
+            started = time.perf_counter()
+            self._feed(state)
+            state.build_s += time.perf_counter() - started
         return state
 
     def _retire(self, state: EpochState) -> None:
@@ -525,7 +567,8 @@ class Epochs:
             state = self._states.get(epoch)
         if state is None or state.phase != "current" or state.growing is None:
             return
-        samples = state.snapshot.samples // self.plan.ranks.local_world_size
+        quota = state.growing.share.quota  # a set size: exact; else what the closed snapshot holds
+        samples = quota if quota is not None else state.snapshot.samples // self.plan.ranks.local_world_size
         full, rest = divmod(samples, self.plan.batch_size)
         total = full + (1 if rest and not self.plan.drop_last else 0)
         if self._due(state.batches_consumed, total):
@@ -548,7 +591,7 @@ class Epochs:
         if self.plan.epochs is not None and epoch >= self.plan.epochs:
             return
         with self._lock:
-            if self._closed or epoch in self._states:
+            if self._closed or epoch in self._states or epoch in self._taking:
                 return
             discarded = self._prepared
             if discarded is not None and discarded[0] == epoch:

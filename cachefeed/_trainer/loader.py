@@ -126,14 +126,17 @@ class EpochLoaderFactory:
             checks nothing of a record's bytes, not even which key it holds.
         samples_per_epoch: every epoch is exactly this many samples of the node's snapshot (split equally among
             the node's ranks), least-read first, reusing samples when fewer are cached: ``len(loader)`` and the
-            number of steps are known before training starts (``batches_per_epoch``). None: each epoch is one pass
-            over its snapshot.
+            number of steps are known before training starts (``batches_per_epoch``). While the daemon fills the
+            cache, a later epoch reads what no epoch has read first and takes segments as they are published, and
+            where the remote is slower than training its rest is the least-read cached samples (it never waits
+            for the remote: ``growing.py``, "Later epochs"). None: each epoch is one pass over its snapshot.
         min_samples: None (the default): the first epoch starts on a *growing set* as soon as every worker has a
             segment to read, and keeps taking segments as the daemon publishes them until it has its samples
             (``samples_per_epoch``) or the daemon can fill no further (``growing.py``): the first batch comes
             seconds after a cold start, and the first epoch is ordered by arrival (shuffled within each ~50 ms of
             ingest) rather than over the whole cache. Set it to wait instead, then shuffle over everything cached
-            (the behaviour before growing epochs): a number of cached samples, or a fill level such as ``"75%"`` of
+            (the behaviour before growing epochs; later epochs then read snapshots of what is cached, least-read
+            first): a number of cached samples, or a fill level such as ``"75%"`` of
             what the daemon keeps (its budget less metadata), reached also when the daemon
             cannot fill further (it waits for trainers, or holds everything the remote lists) or when no daemon
             runs (a static cache). With several nodes and no ``samples_per_epoch``, or with weighted sources, the

@@ -119,3 +119,36 @@ def test_a_grower_reports_the_end_of_growth_by_its_rule_or_a_full_room_but_not_a
         assert not stopped.is_open and not closed.is_set(), "a stopped grower's epoch is being released"
     finally:
         stopped.release()
+
+
+def test_an_unread_first_snapshot_takes_only_unread_segments_and_is_topped_up_with_read_ones_when_closed_short(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "c"
+    add_segments(root, 0, 40)
+    with Snapshot.create(root, "e0", job="j") as previous:  # being read: its segments have a read on its way
+        add_segments(root, 40, 16)
+        fresh = sorted(set(os.listdir(root / "segments")) - set(previous.names))
+        with Snapshot.create(root, "e1", job="j", reading=previous.names, wants=40) as later:
+            assert list(later.names) == fresh and later.is_open, "only what no epoch read nor reads; short: open"
+            add_segments(root, 56, 16)
+            grown = sorted(set(os.listdir(root / "segments")) - set(previous.names) - set(fresh))
+            assert later.grow() == len(grown) and list(later.names) == fresh + grown, "grows by unread segments"
+            unread = later.samples
+            assert unread < 40 and later.topup_from is None
+            later.grow(close=True)
+            assert not later.is_open and later.topup_from == len(later.generations or ()) - 1
+            topping = later.names[(later.generations or ())[-2] :]
+            assert set(topping) <= set(previous.names), "topped up from the read segments"
+            assert later.samples >= 40 > later.samples - later.counts[-1], "as many samples as it lacked, no more"
+            reader = Snapshot.join(root, "e1", timeout_s=5)
+            assert reader.topup_from == later.topup_from and reader.wants == 40, "every rank sees the top-up"
+            reader.release()
+
+
+def test_an_unread_first_snapshot_with_enough_unread_samples_is_created_closed(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    add_segments(root, 0, 40)
+    with Snapshot.create(root, "e0", wants=20) as snapshot:
+        assert not snapshot.is_open and snapshot.generations == (len(snapshot.names),)
+        assert snapshot.samples == 40 and snapshot.topup_from is None

@@ -86,3 +86,23 @@ def test_run_ids_come_from_the_launcher_and_are_valid_snapshot_names() -> None:
     for raw in ["a/b c", "..x", "::1", "é" * 300, "-lead"]:
         name = sanitize_run_id(raw)
         assert SNAPSHOT_ID.match(f"{name}-e000001"), (raw, name)
+
+
+def test_a_topped_up_growing_share_gives_every_local_rank_its_quota_disjoint_the_unread_first() -> None:
+    from cachefeed._trainer.growing import GrowingShare
+
+    counts = (7, 6, 5, 8, 8)  # generations: unread (0, 1), unread (2); the top-up: read segments 3 and 4
+    generations = (2, 3, 5)
+    reads = np.array([0] * 18 + [1] * 8 + [2] * 8, dtype=np.int64)
+    shares = []
+    for rank in range(2):
+        share = GrowingShare(seed=3, epoch=1, shuffle=True, local_rank=rank, local_world_size=2, quota=12)
+        share.update(counts[:3], generations[:2], True, lambda a, b: reads[sum(counts[:a]) : sum(counts[:b])])
+        assert not share.is_complete
+        share.update(counts, generations, False, lambda a, b: reads[sum(counts[:a]) : sum(counts[:b])], 2)
+        assert share.is_complete and len(share.indices) == 12
+        shares.append(share.indices)
+    both = np.concatenate(shares)
+    assert len(set(both.tolist())) == 24, "disjoint, each sample once"
+    assert set(range(18)) <= set(both.tolist()), "every unread sample first (the carry included)"
+    assert set(both.tolist()) - set(range(18)) <= set(range(18, 26)), "then the least-read"
