@@ -96,6 +96,7 @@ class SnapshotInfo:
     names: tuple[str, ...] = ()  # its segment file names
     active_at: float = 0.0  # when a holder last showed progress (``Snapshot.touch``: the lock file's mtime)
     fresh: int | None = None  # samples no epoch had read (nor was reading) when it was made; None: not recorded
+    is_open: bool = False  # still growing (NOTE [ Growing snapshots ]): its samples and fresh ones may change
 
 
 class Snapshot:
@@ -756,6 +757,7 @@ def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
                 names=tuple(str(entry[0]) for entry in segments),
                 active_at=active_at,
                 fresh=int(manifest["fresh"]) if isinstance(manifest.get("fresh"), int) else None,
+                is_open=bool(manifest.get("open", False)),
             )
         )
     return infos

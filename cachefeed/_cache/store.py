@@ -394,9 +394,10 @@ class CacheStore:
         live = live_snapshots(self.layout)
         self._live_snapshots = len(live)
         for info in live:
-            if (
+            if (  # judged once a snapshot is closed: a growing one may still be topped up with read samples
                 info.fresh is not None
                 and info.samples
+                and not info.is_open
                 and (self._newest_pin is None or info.created > self._newest_pin[0])
             ):
                 self._newest_pin = (info.created, info.samples, info.fresh)
@@ -783,7 +784,7 @@ class CacheStore:
 
     @property
     def ingest_bound(self) -> str | None:
-        """What limits fresh samples, judged on the newest snapshot a trainer made (``room.py``: unread segments
+        """What limits fresh samples, judged on the newest closed snapshot a trainer made (``room.py``: unread segments
         first, then the least-read): "remote" when more than ``TOPPED_UP_SHARE`` of it had been read already (fresh
         samples did not fill the epoch's room, so it was topped up and samples are read again: the remote is slower
         than training), "trainer" otherwise (the epoch read mostly fresh samples, and ingest waits for training).
