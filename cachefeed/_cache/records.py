@@ -63,9 +63,10 @@ record of the segment came from; 0 when the daemon reads one unnamed remote. A s
 **Sources** name the remote objects the segment holds samples of (``Source``: path and version): the objects
 whose last sample it holds, and the one being written when the segment was cut (``_daemon/sink.py``), with
 ``cut``, how many of its first samples this segment and earlier ones hold. They let a restarted daemon know what
-its recovered cache already holds, and fetch only the rest of an object a crash cut short. Best effort by design:
-a source that does not fit the segment's capacity is left out (that object is fetched again after a restart), never
-a reason to fail a segment.
+its recovered cache already holds, and fetch only the rest of an object a crash cut short. A writer keeps room for
+the name of the object it is writing (``SegmentWriter.source_room``, ``source_bytes``), so that name always fits
+where its samples are; beyond that, sources are best effort by design: one that does not fit the segment's
+capacity is left out (that object is fetched again after a restart), never a reason to fail a segment.
 
 A segment of another format version (an older cachefeed's) is refused at open like a foreign file
 (``CorruptRecordError``): the store drops it at recovery and a snapshot leaves it out; its samples are fetched
@@ -115,6 +116,7 @@ __all__ = [
     "read_records",
     "segment_count",
     "segment_trailer",
+    "source_bytes",
 ]
 
 # 2: the Sources section; 3: 16-byte record headers, 64-byte alignment for large payloads only; 4: descriptor and
@@ -237,6 +239,13 @@ class _Binding(NamedTuple):
     table_growth: int
 
 
+def source_bytes(path: str, version: str | None) -> int:
+    """The most bytes naming ``(path, version)`` adds to a segment's source list, with a ``cut`` and the list's
+    header: what a writer keeps free (``SegmentWriter.source_room``) so that the object it is writing can always
+    be named in the segment its samples are in."""
+    return len(msgpack.packb((path, version, 2**63 - 1))) + 5
+
+
 class Source(NamedTuple):
     """A remote object a segment holds samples of. ``cut`` is None where the segment holds its last sample; else
     the segment was cut inside its samples, and it and earlier segments hold its first ``cut``."""
@@ -292,6 +301,7 @@ class SegmentWriter:
         self._tables_bytes = _packed_len([[], [""]])
         self._sources: list[tuple[object, ...]] = []
         self._sources_bytes = 0  # msgpack size of self._sources
+        self.source_room = 0  # bytes a record must leave free for a source its caller will name (``source_bytes``)
         self._position = 0
         self._write([_SEGMENT_HEADER.pack(_SEGMENT_MAGIC, FORMAT_VERSION, 0, 0)])
 
@@ -341,7 +351,8 @@ class SegmentWriter:
         if start > _MAX_START:
             return False
         tables = self._tables_bytes + binding.table_growth
-        return self._finished_size(self.count + 1, tables, self._sources_bytes, start + binding.length) <= self.capacity
+        sources = self._sources_bytes + self.source_room
+        return self._finished_size(self.count + 1, tables, sources, start + binding.length) <= self.capacity
 
     def _bind(self, record: EncodedRecord) -> _Binding:
         """The record's meta and length in this segment, and the table entries it would add (not added yet)."""

@@ -101,6 +101,7 @@ class CacheWriter:
         self._encoder = RecordEncoder(compression=compression)
         self.published: list[object] = []
         self.before_publish: Callable[[], None] | None = None
+        self.source_room = 0  # kept free in each segment for the source its caller names next (records.source_bytes)
         self.source = 0  # the source tag of segments opened from now on (records.py); set it between segments
 
     @property
@@ -113,6 +114,8 @@ class CacheWriter:
         record = self._encoder.encode(sample)
         writer = self._writer
         before = writer.nbytes if writer is not None else 0
+        if writer is not None:
+            writer.source_room = self.source_room
         if writer is None or not writer.append(record):
             self.flush()
             target = self._segment_bytes if self._ramp is None else self._ramp.target()
@@ -156,6 +159,7 @@ class CacheWriter:
         except BaseException:
             self._provider.abort(grant)
             raise
+        writer.source_room = self.source_room
         self._writer, self._grant = writer, grant
         return writer
 

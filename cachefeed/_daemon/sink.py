@@ -18,10 +18,11 @@ segments reach trainers after a few objects.
 
 Objects across segments: an object's samples may not fit the open segment; the writer then publishes it and
 goes on in the next. Each segment holds at least one of the samples of every object it names: the object being
-written when a segment is cut is named in it (``before_publish``) with how many of its first samples are published
-(``cut``), and reported to the supervisor as ``spanning`` (NOTE [ Grant protocol ]), so the plan never draws an
-object again while any of its samples is cached. An object drawn again after a crash cut it short comes with
-``WorkItem.skip``: its first ``skip`` samples are cached, and only the rest are written.
+written when a segment is cut is named in it (``before_publish``; the writer keeps room for that name,
+``records.source_bytes``) with how many of its first samples are published (``cut``), and reported to the
+supervisor as ``spanning`` (NOTE [ Grant protocol ]), so the plan never draws an object again while any of its
+samples is cached. An object drawn again after a crash cut it short comes with ``WorkItem.skip``: its first
+``skip`` samples are cached, and only the rest are written.
 
 Flushing: a segment is published when full (once another sample as large as the last would not fit: at the end
 of the object that filled it, not when the next object arrives), when the sampler has nothing in flight
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cachefeed._cache.records import source_bytes
 from cachefeed._cache.writer import CacheWriter, SegmentRamp, WriterStopped
 from cachefeed._codecs import Decoded, Sample
 from cachefeed._daemon.grants import RpcGrantProvider
@@ -227,6 +229,7 @@ class SegmentSink:
         del body
         if decoded.skipped and self._on_skipped is not None:
             self._on_skipped(item, decoded.skipped)
+        writer.source_room = source_bytes(item.path, item.etag)  # its name always fits where its samples are
         try:
             for index, sample in enumerate(samples):
                 self._cut = item.skip + index

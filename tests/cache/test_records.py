@@ -23,6 +23,7 @@ from cachefeed._cache.records import (
     Source,
     segment_count,
     segment_trailer,
+    source_bytes,
 )
 from cachefeed._errors import CorruptRecordError
 from tests.support.cache_helpers import FORMAT_3_SEGMENT
@@ -388,3 +389,27 @@ def test_a_segment_of_an_older_format_is_refused_cleanly(tmp_path: Path) -> None
     with pytest.raises(CorruptRecordError, match="format 3"):
         SegmentReader(path)
     assert segment_trailer(path) == (-1, 0) and segment_count(path) == -1
+
+
+def test_room_kept_for_a_source_always_fits_its_name_however_full_the_segment() -> None:
+    """A segment is cut because the next record did not fit: what is left may be too small to name the object being
+    written. With ``source_room``, its name (with a cut) always fits; without, some capacities leave it out."""
+    import tempfile
+
+    path_name, version = "bucket/shards/shard-000123.tar", '"0123456789abcdef0123456789abcdef"'
+    fitted: dict[int, list[bool]] = {0: [], source_bytes(path_name, version): []}
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = SegmentWriter(Path(tmp) / "probe.seg", capacity=1 << 20)
+        record = probe.encode({"__key__": "k", "x": np.zeros(1000, np.uint8)})
+        probe.abort()
+        base = SegmentWriter.size_for(record.nbytes)
+        for room, results in fitted.items():
+            for extra in range(0, 1200, 7):
+                writer = SegmentWriter(Path(tmp) / f"s-{room}-{extra}.seg", capacity=2 * base + extra)
+                writer.source_room = room
+                while writer.append(record):
+                    pass
+                results.append(writer.add_source(path_name, version, 2**40))
+                writer.abort()
+    assert all(fitted[source_bytes(path_name, version)]), "with room kept, the name always fits"
+    assert not all(fitted[0]), "without it, some capacities leave the name out (the test would show nothing)"
