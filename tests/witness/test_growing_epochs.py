@@ -162,18 +162,19 @@ def trainer_main(root: str, progress: str, ready: str) -> None:
             time.sleep(0.02)  # a training step
 
 
-def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_path: Path) -> None:
-    every = make_remote(tmp_path / "data")
+def kill_trainer_in_a_slow_fill(tmp_path: Path, module: str) -> tuple[DaemonProcess, dict[str, Any]]:
+    """Run ``module``'s ``trainer_main`` over a daemon filling at 60 KB/s (some 20 s) and SIGKILL it once it has
+    recorded three batches of 16 in its progress file; the daemon and what the trainer saved last."""
     progress, ready = tmp_path / "progress.json", tmp_path / "trainer-ready"
     # The trainer's interpreter and imports come first: on a loaded machine they took longer than the daemon took to
     # fetch the whole dataset, and the epoch had stopped growing before the kill. The daemon starts once they are up.
     trainer = python(
-        f"from tests.witness.test_growing_epochs import trainer_main; "
+        f"from {module} import trainer_main; "
         f"trainer_main({str(tmp_path / 'cache')!r}, {str(progress)!r}, {str(ready)!r})"
     )
     try:
         wait_for(ready.exists, timeout_s=120, what="the trainer's imports")
-        daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="60KB")  # some 20 s: killed well before the end
+        daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="60KB")  # killed well before the end
         assert daemon.cache_dir == tmp_path / "cache"
         wait_for(
             lambda: progress.exists() and len(json.loads(progress.read_text())["keys"]) >= 3 * 16,
@@ -184,8 +185,14 @@ def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
+    saved: dict[str, Any] = json.loads(progress.read_text())
+    return daemon, saved
+
+
+def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_path: Path) -> None:
+    every = make_remote(tmp_path / "data")
+    daemon, saved = kill_trainer_in_a_slow_fill(tmp_path, "tests.witness.test_growing_epochs")
     try:
-        saved = json.loads(progress.read_text())
         interrupted = saved["keys"]
         assert cached_samples(daemon) < len(every), "killed while the epoch was still growing"
         with EpochLoaderFactory(daemon.cache_dir, batch_size=16, run_id="job", progress=None) as factory:

@@ -18,7 +18,6 @@ several epochs of ``samples_per_epoch`` are read. The promises:
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 from pathlib import Path
@@ -27,12 +26,17 @@ import msgpack
 import pytest
 
 from cachefeed._codecs import msgpack_default
-from cachefeed._testing.daemon import wait_for
 from cachefeed._testing.samples import payload
 from cachefeed._testing.witness import sample_keys
 from cachefeed._trainer import EpochLoaderFactory
-from tests.witness.test_growing_epochs import NBYTES, PER_OBJECT, cached_samples, make_remote, start_slow_daemon
-from tests.witness.test_resume_promises import python
+from tests.witness.test_growing_epochs import (
+    NBYTES,
+    PER_OBJECT,
+    cached_samples,
+    kill_trainer_in_a_slow_fill,
+    make_remote,
+    start_slow_daemon,
+)
 
 
 def test_later_epochs_of_a_set_size_read_what_no_epoch_read_as_the_remote_delivers_it(tmp_path: Path) -> None:
@@ -193,25 +197,8 @@ def trainer_main(root: str, progress: str, ready: str) -> None:
 
 def test_a_trainer_killed_in_a_growing_later_epoch_resumes_exactly_the_rest_of_it(tmp_path: Path) -> None:
     every = make_remote(tmp_path / "data")
-    progress, ready = tmp_path / "progress.json", tmp_path / "trainer-ready"
-    trainer = python(
-        f"from tests.witness.test_growing_later_epochs import trainer_main; "
-        f"trainer_main({str(tmp_path / 'cache')!r}, {str(progress)!r}, {str(ready)!r})"
-    )
+    daemon, saved = kill_trainer_in_a_slow_fill(tmp_path, "tests.witness.test_growing_later_epochs")  # in epoch 1
     try:
-        wait_for(ready.exists, timeout_s=120, what="the trainer's imports")
-        daemon = start_slow_daemon(tmp_path, tmp_path / "data", rate="60KB")  # some 20 s: killed well before the end
-        wait_for(
-            lambda: progress.exists() and len(json.loads(progress.read_text())["keys"]) >= 3 * 16,
-            timeout_s=120,
-            interval_s=0.005,
-            what="three batches of epoch 1",
-        )
-    finally:
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait()
-    try:
-        saved = json.loads(progress.read_text())
         first, interrupted = saved["first"], saved["keys"]
         assert cached_samples(daemon) < len(every), "killed while the cache was still filling"
         with EpochLoaderFactory(
