@@ -19,9 +19,9 @@ Epoch 0 is the factory's default (inside the epoch's timing, so the cold figure 
 each worker has a segment and grows as the daemon publishes (``cachefeed/_trainer/growing.py``), until the daemon
 can fill no further (no budget: the whole dataset, as the peers' first epoch) or the epoch's room is full (under a
 budget: at most the budget less turnover and the reserve; a rolling cache trains on what is cached, the harness
-reports the coverage). Under a budget the daemon's default turnover (50%: an epoch pins at most half the budget) is
-kept unless the budget is too small for two segments of epoch room, then the largest turnover that leaves them;
-without a budget the turnover is 10%, so that the room holds the whole dataset.
+reports the coverage). Under a budget the daemon's default turnover (67%: an epoch pins at most a third of the
+budget) is kept unless the budget is too small for two segments of epoch room, then the largest turnover that
+leaves them; without a budget the turnover is 10%, so that the room holds the whole dataset.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Echo: how often training reads each sample, where the remote keeps up and where it is three times slower.
 
     python -m benchmarks.echo [--samples 6000] [--sample-kib 16] [--budget 0.3] [--rate 800] [--capped-passes 3]
+                              [--turnover 50%] [--runs NAME ...] [--no-save]
 
-A ``file://`` remote on /dev/shm of ``--samples`` samples of ``--sample-kib`` KiB (msgpack objects of 10), a cache of
-``--budget`` of the dataset (the daemon's defaults otherwise: turnover 50%, ``evict_after_reads = 1``), and a
-trainer that reads through ``EpochLoaderFactory`` (2 workers, batches of 16, default epochs: one pass over each
-snapshot) at ``--rate`` samples/s (a busy loop for the rest of each batch's slot of ``16 / rate`` seconds: the
-time ``next()`` took counts in the slot; a batch that comes late starts a new slot). Two runs:
+A ``file://`` remote on /dev/shm of ``--samples`` samples of ``--sample-kib`` KiB (msgpack objects of 10), a cache
+of ``--budget`` of the dataset (the daemon's defaults otherwise: ``cache.turnover`` 67% unless ``--turnover`` says,
+``evict_after_reads = 1``), and a trainer that reads through ``EpochLoaderFactory`` (2 workers, batches of 16,
+default epochs: one pass over each snapshot) at ``--rate`` samples/s (a busy loop for the rest of each batch's slot
+of ``16 / rate`` seconds: the time ``next()`` took counts in the slot; a batch that comes late starts a new slot).
+Two runs:
 
 * ``remote keeps up``: no cap, for one pass's worth of samples (``--samples``, counted from the batches the loop
   received);
@@ -97,6 +99,7 @@ def run(work: Path, remote: Path, name: str, args: argparse.Namespace) -> dict[s
             "min_free_bytes": 0,
             "segment_bytes": "256KiB",
             "fsync": False,
+            **({"turnover": args.turnover} if args.turnover else {}),
         },
         "sampler": {"processes": 2, "concurrency": 4, "decode": "msgpack"},
         "status": {"interval": "200ms"},
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=0.3, help="the cache's budget, a fraction of the dataset")
     parser.add_argument("--rate", type=float, default=800.0, help="training's samples per second")
     parser.add_argument("--capped-passes", type=int, default=3, help="passes' worth trained with the capped remote")
+    parser.add_argument("--turnover", help='cache.turnover ("50%%"); the daemon\'s default if not given')
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=RUNS)
     parser.add_argument("--no-save", dest="save", action="store_false")
     args = parser.parse_args(argv)
@@ -212,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget": args.budget,
             "rate": args.rate,
             "capped_passes": args.capped_passes,
+            "turnover": args.turnover,
             "rows": rows,
         }
         print("\n".join(table(rows)))

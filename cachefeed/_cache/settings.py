@@ -16,11 +16,14 @@ __all__ = [
     "DEFAULT_TURNOVER_PERCENT",
     "METADATA_RESERVE_BYTES",
     "MIN_SEGMENTS_IN_BUDGET",
+    "SMALL_CACHE_TURNOVER_PERCENT",
     "CacheConfig",
+    "default_turnover",
 ]
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
-DEFAULT_TURNOVER_PERCENT = 50  # cache.turnover's default: room kept for fresh samples while epochs pin the rest
+DEFAULT_TURNOVER_PERCENT = 67  # cache.turnover's default: room kept for fresh samples (why 67: ``room.py``)
+SMALL_CACHE_TURNOVER_PERCENT = 50  # the least the default becomes in a cache too small for 67%: ``default_turnover``
 METADATA_RESERVE_BYTES = 1 << 20  # lock, tag, status.json, snapshot dirs: part of max_bytes (see store.py)
 MIN_SEGMENTS_IN_BUDGET = 4
 
@@ -42,4 +45,17 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.turnover_bytes < 0:  # the one default, whether the config comes from TOML or from code
-            object.__setattr__(self, "turnover_bytes", self.max_bytes * DEFAULT_TURNOVER_PERCENT // 100)
+            object.__setattr__(self, "turnover_bytes", default_turnover(self.max_bytes, self.segment_bytes))
+
+
+def default_turnover(max_bytes: int, segment_bytes: int) -> int:
+    """``cache.turnover``'s default in bytes: ``DEFAULT_TURNOVER_PERCENT`` of ``max_bytes`` (why: ``room.py``).
+
+    In a small cache (under about 13 MiB, where the 1 MiB metadata reserve is a large part) 67% would leave the epoch
+    room (``max_bytes - turnover - reserve``) almost nothing: the default is then the turnover that leaves the room a
+    quarter of ``max_bytes`` and at least two segments, but never less than ``SMALL_CACHE_TURNOVER_PERCENT`` (the
+    default before). So a budget the earlier default accepted is still accepted, with at least the turnover it had.
+    """
+    high = max_bytes * DEFAULT_TURNOVER_PERCENT // 100
+    low = max_bytes * SMALL_CACHE_TURNOVER_PERCENT // 100
+    return max(low, min(high, max_bytes - METADATA_RESERVE_BYTES - max(2 * segment_bytes, max_bytes // 4)))

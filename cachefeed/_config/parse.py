@@ -18,6 +18,8 @@ from cachefeed._cache.settings import (
     DEFAULT_TURNOVER_PERCENT,
     METADATA_RESERVE_BYTES,
     MIN_SEGMENTS_IN_BUDGET,
+    SMALL_CACHE_TURNOVER_PERCENT,
+    default_turnover,
 )
 from cachefeed._cache.sources import MAX_SOURCES
 from cachefeed._config.model import DEFAULT_PROCESSES, Config, SourceConfig
@@ -229,12 +231,19 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
     max_bytes = int(cache["max_bytes"])  # type: ignore[call-overload]
     segment_bytes = int(cache.get("segment_bytes", DEFAULT_SEGMENT_BYTES))  # type: ignore[call-overload]
     processes = int(sampler.get("processes", DEFAULT_PROCESSES))  # type: ignore[call-overload]
-    turnover = cache.get("turnover_bytes", ("percent", float(DEFAULT_TURNOVER_PERCENT)))
-    percent = float(turnover[1]) if isinstance(turnover, tuple) else None
-    turnover_bytes = _percent_of(max_bytes, percent) if percent is not None else int(turnover)  # type: ignore[call-overload]
+    turnover = cache.get("turnover_bytes")
+    percent: float | None
+    if turnover is None:  # the default: 67%, lowered to 50% at most where the budget is small (default_turnover)
+        percent = float(SMALL_CACHE_TURNOVER_PERCENT)
+        turnover_bytes = default_turnover(max_bytes, segment_bytes)
+    else:
+        percent = float(turnover[1]) if isinstance(turnover, tuple) else None
+        turnover_bytes = _percent_of(max_bytes, percent) if percent is not None else int(turnover)  # type: ignore[call-overload]
     minimum = minimum_max_bytes(segment_bytes, processes, turnover_bytes if percent is None else None, percent)
     if max_bytes < minimum:
         shown = f"{percent:g}% = {turnover_bytes} bytes" if percent is not None else f"{turnover_bytes} bytes"
+        if turnover is None:
+            shown = f"its default ({DEFAULT_TURNOVER_PERCENT}%, at least {percent:g}% in a small cache)"
         raise ConfigError(
             f"{source}: cache.max_bytes = {max_bytes} bytes is below the minimum of {minimum} bytes for "
             f"cache.segment_bytes = {segment_bytes}, sampler.processes = {processes} and cache.turnover = {shown}: "

@@ -83,7 +83,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
             fields.duration,
             "how long a dead trainer's snapshot is kept so its job can resume the epoch (5m)",
         ),
-        "turnover": ("turnover_bytes", fields.turnover, 'room kept for fresh samples while pinned ("50%")'),
+        "turnover": ("turnover_bytes", fields.turnover, 'room kept for fresh samples while pinned ("67%")'),
         "compression": ("compression", fields.one_of(COMPRESSIONS), 'per-record compression ("none")'),
         "fsync": ("fsync", fields.boolean, "fsync a segment before publishing it (true; free on tmpfs)"),
         "file_mode": ("file_mode", fields.mode, 'mode of files in the cache ("0640")'),

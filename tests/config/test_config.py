@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from cachefeed._cache.settings import default_turnover
 from cachefeed._config import (
     EVICTION_POLICIES,
     SCHEMA,
@@ -217,8 +218,9 @@ CROSS_FIELD = [
     pytest.param(
         {"cache.max_bytes": "100MiB"},
         {},
-        # the default 50% turnover binds before the four segments' floor (269484032): the epoch room holds two
-        ["cache.max_bytes = 104857600 bytes", "below the minimum of 270532607 bytes", "cache.segment_bytes"],
+        # the default turnover (67%, at least 50% in a small cache) binds before the four segments' floor
+        # (269484032): at 50% the epoch room holds two
+        ["cache.max_bytes = 104857600 bytes", "below the minimum of 270532607 bytes", "its default (67%, at least 50%"],
         id="budget-below-an-epoch-room-of-two-segments",
     ),
     pytest.param(
@@ -411,7 +413,7 @@ def test_minimal_config_takes_every_default() -> None:
     assert config.source == "<memory>"
     assert config.remote == RemoteConfig(url="s3://bucket/prefix")
     assert config.cache == CacheConfig(dir=Path("/var/cache/cachefeed/test"), max_bytes=GiB), "one default"
-    assert config.cache.turnover_bytes == GiB // 2
+    assert config.cache.turnover_bytes == GiB * 67 // 100
     assert config.sampler == SamplerConfig()
     assert config.node == NodeConfig(rank=0, count=1)
     assert config.status == StatusConfig()
@@ -634,3 +636,18 @@ def test_a_budget_at_the_readmes_minimum_is_accepted_and_one_byte_less_refused_n
     message = rejected({**overrides, "cache.max_bytes": least - 1})
     assert f"cache.max_bytes = {least - 1} bytes is below the minimum of {least} bytes" in message
     assert BUDGET_FORMULA in message
+
+
+def test_the_default_turnover_is_two_thirds_and_never_below_the_half_a_small_cache_had() -> None:
+    """67% of max_bytes where that leaves the epoch room a quarter of it; lower in a small cache, never below 50%
+    (every budget the earlier 50% default accepted is still accepted, with at least that turnover)."""
+    seg = 256 << 10
+    assert default_turnover(GiB, 64 << 20) == GiB * 67 // 100
+    assert default_turnover(28 << 20, seg) == (28 << 20) * 67 // 100
+    eight = 8 << 20  # 67% would leave the room 1.6 MiB beside the 1 MiB reserve: it keeps a quarter instead
+    assert default_turnover(eight, seg) == eight - (1 << 20) - eight // 4
+    for max_bytes in (2 << 20, 3 << 20, 270532607):
+        for segment_bytes in (8 << 10, seg, 64 << 20):
+            assert max_bytes // 2 <= default_turnover(max_bytes, segment_bytes) <= max_bytes * 67 // 100
+    config = parse_config(document({"cache.max_bytes": 270532607}), env={})  # the least 50% accepted
+    assert config.cache.turnover_bytes == 270532607 // 2

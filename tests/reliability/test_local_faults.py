@@ -157,7 +157,7 @@ def enospc_while_writing(tmp_path: Path, s3: LocalS3, bucket: Any, kind: str) ->
             s3,
             cache_dir,
             "enospc",
-            # 25% turnover: the smallest budget that holds two segments of epoch room (the 50% default needs 2.5 MiB)
+            # 25% turnover: the smallest budget that holds two segments of epoch room (67%, the default, needs 3.8 MiB)
             {"max_bytes": "2MiB", "segment_bytes": "128KiB", "min_free_bytes": 0, "turnover": "25%"},
         )
         try:
