@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
-__all__ = ["Grant", "GrantProvider", "ReservingProvider"]
+__all__ = ["Grant", "GrantProvider"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +36,4 @@ class GrantProvider(Protocol):
 
     def abort(self, grant: Grant) -> None:
         """Give ``grant`` back; its file is deleted."""
-        ...
-
-
-@runtime_checkable
-class ReservingProvider(GrantProvider, Protocol):
-    """A provider for which a call is a round trip (a sampler's ``RpcGrantProvider``): it can publish a segment and
-    reserve the next one's room in one (NOTE [ Grant protocol ] in ``cachefeed/_daemon/grants.py``)."""
-
-    def publish_and_reserve(self, grant: Grant, nbytes: int) -> tuple[object, Grant | None]:
-        """Publish ``grant``'s segment, then reserve room for one of up to ``nbytes``: what ``publish`` returns, and
-        the new grant or None (none now: ``reserve`` says why)."""
         ...

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cachefeed._cache.grant import Grant, GrantProvider, ReservingProvider
+from cachefeed._cache.grant import Grant, GrantProvider
 from cachefeed._cache.records import RecordEncoder, SegmentWriter
 from cachefeed._errors import WriterStopped
 
@@ -53,11 +53,7 @@ class SegmentRamp:
 
     def target(self) -> int:
         """The size to ask for the next segment."""
-        return self.target_after(0)
-
-    def target_after(self, nbytes: int) -> int:
-        """The size to ask for the segment after one of ``nbytes`` is published (``published(nbytes)``)."""
-        return min(self.segment_bytes, max(self.first, self.published_bytes + nbytes * self.writers))
+        return min(self.segment_bytes, max(self.first, self.published_bytes))
 
     def published(self, nbytes: int) -> None:
         """This writer published a segment of ``nbytes``."""
@@ -75,11 +71,6 @@ class CacheWriter:
     ``ramp`` is given (a record larger than that gets a segment of its own size). ``before_publish`` (if set) is
     called just before a segment that holds samples is finished, while ``add_source`` still names sources in it:
     a segment cut inside an object's samples can name that object too.
-
-    Room kept: where a call to the provider is a round trip (``ReservingProvider``), a segment cut because the next
-    record did not fit, or flushed with ``keep_room``, is published with the next segment's room reserved in the
-    same call; the next segment opens in that grant (``holds_room``) if it is large enough, and ``release_room``
-    gives it back when nothing more is coming. The writer holds at most one grant at any time.
     """
 
     def __init__(
@@ -107,8 +98,6 @@ class CacheWriter:
         self._last_growth = 0  # what the last record added to its segment's size
         self._writer: SegmentWriter | None = None
         self._grant: Grant | None = None
-        self._room: Grant | None = None  # reserved with the last publish, for the next segment (never with _grant)
-        self._reserving = provider if isinstance(provider, ReservingProvider) else None
         self._encoder = RecordEncoder(compression=compression)
         self.published: list[object] = []
         self.before_publish: Callable[[], None] | None = None
@@ -128,7 +117,7 @@ class CacheWriter:
         if writer is not None:
             writer.source_room = self.source_room
         if writer is None or not writer.append(record):
-            self.flush(keep_room=writer is not None)  # a cut: the next segment's room comes with the publish
+            self.flush()
             target = self._segment_bytes if self._ramp is None else self._ramp.target()
             writer = self._open(max(target, SegmentWriter.size_for(record.nbytes)))
             before = writer.nbytes
@@ -149,30 +138,16 @@ class CacheWriter:
         """
         return self._writer is not None and self._writer.add_source(path, version, cut)
 
-    @property
-    def holds_room(self) -> bool:
-        """Whether the writer holds room reserved for its next segment (see the class: "Room kept")."""
-        return self._room is not None
-
-    def release_room(self) -> None:
-        """Give back the room kept for the next segment, if any (nothing more is coming for now)."""
-        room, self._room = self._room, None
-        if room is not None:
-            self._provider.abort(room)
-
     def _open(self, nbytes: int) -> SegmentWriter:
         waited_from = time.monotonic()
-        grant, self._room = self._room, None
-        if grant is not None and grant.nbytes < nbytes:
-            self._provider.abort(grant)  # a record larger than the room kept: ask for its size
-            grant = None
-        while grant is None:
+        while True:
             grant = self._provider.reserve(nbytes)
-            if grant is None:
-                if self._stop.wait(self._poll_s):
-                    raise WriterStopped("stopped while waiting for room in the cache")
-                if self._on_wait is not None:
-                    self._on_wait(time.monotonic() - waited_from)
+            if grant is not None:
+                break
+            if self._stop.wait(self._poll_s):
+                raise WriterStopped("stopped while waiting for room in the cache")
+            if self._on_wait is not None:
+                self._on_wait(time.monotonic() - waited_from)
         try:
             writer = SegmentWriter(
                 grant.path,
@@ -188,12 +163,8 @@ class CacheWriter:
         self._writer, self._grant = writer, grant
         return writer
 
-    def flush(self, *, keep_room: bool = False) -> object | None:
-        """Finish and publish the current segment, if it holds any sample. Returns what the provider returned.
-
-        ``keep_room``: more samples are coming; reserve the next segment's room with the publish where that saves
-        a round trip (see the class: "Room kept").
-        """
+    def flush(self) -> object | None:
+        """Finish and publish the current segment, if it holds any sample. Returns what the provider returned."""
         writer, grant = self._writer, self._grant
         self._writer = self._grant = None
         if writer is None or grant is None:
@@ -214,29 +185,23 @@ class CacheWriter:
             writer.abort()
             self._provider.abort(grant)
             raise
-        if keep_room and self._reserving is not None:
-            size = self._segment_bytes if self._ramp is None else self._ramp.target_after(writer.nbytes)
-            result, self._room = self._reserving.publish_and_reserve(grant, size)
-        else:
-            result = self._provider.publish(grant)
+        result = self._provider.publish(grant)
         self.published.append(result)
         if self._ramp is not None:
             self._ramp.published(writer.nbytes)
         return result
 
     def abort(self) -> None:
-        """Drop the current unpublished segment (and give back any room kept)."""
+        """Drop the current unpublished segment."""
         writer, grant = self._writer, self._grant
         self._writer = self._grant = None
         if writer is not None:
             writer.abort()
         if grant is not None:
             self._provider.abort(grant)
-        self.release_room()
 
     def close(self) -> None:
         self.flush()
-        self.release_room()
 
     def __enter__(self) -> CacheWriter:
         return self

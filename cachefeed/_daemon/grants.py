@@ -10,26 +10,18 @@ sampler's channel, and ``GrantServer`` in the supervisor runs them on the store:
 * ``Reserve(req, nbytes)`` -> ``GrantReply``: a grant (``seq``, tmp path, bytes) the writer may fill, or ``wait``
   (the cache is full of data trainers have not read or still pin: ask again later), or an ``error`` (a segment of
   that size can never fit: the object is quarantined as ``too_large``).
-* ``Publish(req, seq, done, spanning, reserve)`` -> ``PublishReply``: the finished file of grant ``seq`` is
-  verified and renamed into ``segments/``; ``done`` lists the objects whose last sample it holds (the supervisor
-  marks them done), ``spanning`` the object (at most one) some of whose samples it holds while the rest are still
-  being written, as ``[oid, cut]``: its first ``cut`` samples are in this segment and earlier ones. The plan counts
-  both as cached in it (``plan.py``, "Cached objects"). An ``error`` means the file did not verify and was
-  deleted; the supervisor re-queued ``done`` and reserved nothing. ``reserve > 0`` asks, once the segment is
-  published, for the next segment's room in the same round trip ("publish this and reserve the next"): the reply
-  carries that grant (``seq``, ``path``, ``nbytes``, as a ``GrantReply``'s) or ``seq = -1`` when the store said
-  wait or never (the writer then asks with ``Reserve`` as usual, which gives it the wait or the error). A writer
-  that knows more samples are coming asks so; the round trips per segment halve (two: one).
+* ``Publish(req, seq, done, spanning)`` -> ``PublishReply``: the finished file of grant ``seq`` is verified and
+  renamed into ``segments/``; ``done`` lists the objects whose last sample it holds (the supervisor marks them
+  done), ``spanning`` the object (at most one) some of whose samples it holds while the rest are still being
+  written, as ``[oid, cut]``: its first ``cut`` samples are in this segment and earlier ones. The plan counts
+  both as cached in it (``plan.py``, "Cached objects"). An ``error`` means the file did
+  not verify and was deleted; the supervisor re-queued ``done``.
 * ``Abort(seq)``: the writer gives the grant back (no reply); its tmp file is deleted.
 
 Invariants:
 
 * Every ``Reserve`` and ``Publish`` gets exactly one reply, in order; the writer thread has at most one request
   outstanding (it blocks on the reply), so replies carry the request id only as a check.
-* A sampler holds at most one grant at a time, so the bound (``max_bytes + samplers x segment_bytes``) is kept: a
-  ``Publish`` with ``reserve`` is served in that order, publish first (the published grant is consumed), then the
-  reservation; a grant reserved that way is held like any other (``abort_all``, ``Abort``) until the writer
-  opens its next segment in it, or gives it back (``Abort``) when no sample came to fill it.
 * The server remembers each sampler's outstanding grants; when the sampler dies they are aborted (``abort_all``),
   so no tmp file outlives its writer and no room stays reserved. A grant is consumed by exactly one ``Publish``
   or abort.
@@ -81,7 +73,6 @@ class Publish(Message):
     seq: int
     done: list[int]
     spanning: list[list[int]]  # [[oid, cut]]
-    reserve: int = 0  # > 0: then reserve the next segment's room of this size (see the NOTE)
 
 
 @message
@@ -112,9 +103,6 @@ class PublishReply(Message):
     TAG: ClassVar[str] = "published"
     req: int
     error: str = ""
-    seq: int = -1  # the next segment's grant, when ``Publish.reserve`` asked for one and the store gave it
-    path: str = ""
-    nbytes: int = 0
 
 
 # -- the client: a GrantProvider in the sampler's writer thread -------------------------------------------------
@@ -176,24 +164,14 @@ class RpcGrantProvider:
         return Grant(reply.seq, Path(reply.path), reply.nbytes)
 
     def publish(self, grant: Grant) -> object:
-        return self.publish_and_reserve(grant, 0)[0]
-
-    def publish_and_reserve(self, grant: Grant, nbytes: int) -> tuple[object, Grant | None]:
-        """Publish ``grant``'s segment, then (``nbytes > 0``) reserve the next one's room, in one round trip.
-
-        Returns the published grant's ``seq`` and the new grant, or None where the store gave none (wait, or too
-        large: ``reserve`` tells which). Raises ``CorruptRecordError`` when the segment did not verify (nothing is
-        reserved then).
-        """
         done, self.completed = self.completed, []
         spanning, self.spanning = self.spanning, []
-        reply = self._call(lambda req: Publish(req, grant.seq, done, spanning, nbytes))
+        reply = self._call(lambda req: Publish(req, grant.seq, done, spanning))
         if not isinstance(reply, PublishReply):
             raise TypeError(f"expected a publish reply, got {reply!r}")
         if reply.error:
             raise CorruptRecordError(reply.error)  # the supervisor re-queued ``done``
-        following = None if reply.seq < 0 else Grant(reply.seq, Path(reply.path), reply.nbytes)
-        return grant.seq, following
+        return grant.seq
 
     def abort(self, grant: Grant) -> None:
         grant.path.unlink(missing_ok=True)
@@ -221,25 +199,18 @@ class GrantServer:
         """Whether ``sampler`` holds a grant now (it is writing a segment)."""
         return bool(self._held.get(sampler))
 
-    def _reserve(self, sampler: int, nbytes: int) -> Grant | None:
-        """A grant of ``nbytes`` held for ``sampler``; None: wait. ValueError: it can never fit."""
-        grant = self._store.reserve(nbytes)
-        if grant is not None:
-            self._held.setdefault(sampler, {})[grant.seq] = grant
-        return grant
-
     def reserve(self, sampler: int, request: Reserve) -> GrantReply:
         try:
-            grant = self._reserve(sampler, request.nbytes)
+            grant = self._store.reserve(request.nbytes)
         except ValueError as exc:
             return GrantReply(request.req, error=str(exc))
         if grant is None:
             return GrantReply(request.req, wait=True)
+        self._held.setdefault(sampler, {})[grant.seq] = grant
         return GrantReply(request.req, grant.seq, str(grant.path), grant.nbytes)
 
     def publish(self, sampler: int, request: Publish) -> tuple[PublishReply, PublishedSegment | None]:
-        """Publish the segment of ``request``, then reserve what it asks (``reserve``); the reply, and the
-        published segment (None: nothing published, nothing reserved)."""
+        """Publish the segment of ``request``; the reply, and the published segment (None: nothing published)."""
         grant = self._held.get(sampler, {}).pop(request.seq, None)
         if grant is None:
             return PublishReply(request.req, error=f"unknown grant {request.seq}"), None
@@ -248,15 +219,7 @@ class GrantServer:
         except (CorruptRecordError, OSError, ValueError) as exc:
             log.error("sampler %d: segment %d not published: %s", sampler, request.seq, exc)
             return PublishReply(request.req, error=str(exc)), None
-        following = None
-        if request.reserve > 0:
-            try:
-                following = self._reserve(sampler, request.reserve)
-            except ValueError:
-                pass  # the writer's own Reserve gets the error, where it can quarantine the object
-        if following is None:
-            return PublishReply(request.req), segment
-        return PublishReply(request.req, "", following.seq, str(following.path), following.nbytes), segment
+        return PublishReply(request.req), segment
 
     def abort(self, sampler: int, request: Abort) -> None:
         grant = self._held.get(sampler, {}).pop(request.seq, None)

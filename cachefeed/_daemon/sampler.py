@@ -5,12 +5,7 @@ cachefeed._daemon.sampler --fd N --parent-pid P --index I``; either way with the
 writer-lock descriptor inherited (so a new daemon cannot take the cache while
 this process could still write into it). See NOTE [ Supervisor-sampler protocol ] in ``protocol.py``.
 
-Threads: the asyncio loop (socket, fetches, credits, stats) and the segment writer thread (``sink.py``). They hand
-work to each other all the time (a body to write, a grant reply the writer waits for), and the receiving thread
-then waits for the GIL the other holds while busy in Python (reading a body in chunks, decoding, encoding): up to
-the switch interval. A sampler sets it to ``SWITCH_INTERVAL_S`` (0.5 ms, the trainer's ``HANDOFF_INTERVAL_S`` for
-the same reason, ``_trainer/gil.py``) instead of the default 5 ms: the same work, handed over sooner. Measured
-on a cold 4 KiB tar-shard job (cold31 notes, load 3-5): its first epoch ended sooner in 13 of 18 paired rounds.
+Threads: the asyncio loop (socket, fetches, credits, stats) and the segment writer thread (``sink.py``).
 
 Exit paths, all without publishing anything partial:
 
@@ -57,7 +52,7 @@ from cachefeed._remote import Remote, RemoteObject, RemoteStats
 from cachefeed._sched import yield_to_training
 from cachefeed._scrub import secrets_from_options
 
-__all__ = ["SWITCH_INTERVAL_S", "Sampler", "main"]
+__all__ = ["Sampler", "main"]
 
 log = get_logger("cachefeed._daemon.sampler")  # not __name__: this module runs as __main__
 
@@ -65,7 +60,6 @@ _PR_SET_PDEATHSIG = 1
 _STATS_INTERVAL_S = 1.0
 _EXIT_GRACE_S = 5.0
 _REASON_CHARS = 500  # a quarantine reason sent to the supervisor (status lists it) is cut to this length
-SWITCH_INTERVAL_S = 0.0005  # the sampler's GIL switch interval (see "Threads" above)
 FIRST_FETCHES = 1  # fetches in flight at a sampler's start; one more per completed fetch (FetchWindow)
 
 
@@ -419,8 +413,6 @@ def serve(fd: int, parent_pid: int, index: int) -> int:
         return 2
     options = [init.remote.get("storage_options") or {}, *(source["storage_options"] for source in init.sources)]
     setup_logging(init.log_level, secrets=secrets_from_options({str(i): o for i, o in enumerate(options)}))
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # its two threads hand work over promptly ("Threads" above)
-    log.debug("sampler %d: GIL switch interval %.2f ms", index, sys.getswitchinterval() * 1000)
     started = time.monotonic()
     code = asyncio.run(Sampler(channel, init).run())
     log.info("sampler %d exits after %.1fs", index, time.monotonic() - started)

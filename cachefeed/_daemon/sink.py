@@ -28,10 +28,7 @@ Flushing: a segment is published when full (once another sample as large as the 
 of the object that filled it, not when the next object arrives), when the sampler has nothing in flight
 (``request_flush``: the tail of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow
 remote still reaches the cache quickly), when it is ``max_age_s`` old, or when it holds the last sample of
-``max_objects`` objects (which bounds the size of the ``Publish`` message). A segment published while more bodies
-are expected (full, old, or a source change) reserves the next one's room with its ``Publish`` (one round trip to
-the supervisor per segment, NOTE [ Grant protocol ]); that room is given back when the writer goes idle or nothing
-is in flight.
+``max_objects`` objects (which bounds the size of the ``Publish`` message).
 """
 
 from __future__ import annotations
@@ -168,34 +165,32 @@ class SegmentSink:
         opened_at = 0.0
         try:
             while True:
-                timeout = settings.idle_flush_s if writer.pending_samples or writer.holds_room else None
+                timeout = settings.idle_flush_s if writer.pending_samples else None
                 try:
                     entry = self._queue.get(timeout=timeout)
                 except queue.Empty:
-                    writer.flush()  # idle: publish what we have, keep no room
-                    writer.release_room()
+                    writer.flush()  # idle: publish what we have
                     continue
                 if entry is None or self._stop.is_set():
                     break
-                if isinstance(entry, str):  # _FLUSH: nothing in flight
+                if isinstance(entry, str):  # _FLUSH
                     writer.flush()
-                    writer.release_room()
                     continue
                 item, body = entry
                 tag = self._tags[item.source]
                 if writer.source != tag:
-                    writer.flush(keep_room=True)  # one source per segment
+                    writer.flush()  # one source per segment
                     writer.source = tag
                 if not writer.pending_samples:
                     opened_at = time.monotonic()
                 self._write_object(writer, item, body)
                 too_old = writer.pending_samples and time.monotonic() - opened_at > settings.max_age_s
                 if too_old or writer.is_full or len(self._provider.completed) >= settings.max_objects:
-                    writer.flush(keep_room=True)  # more is coming: the next segment's room with this publish
+                    writer.flush()
             if self._is_hard_stop:
                 writer.abort()
             else:
-                writer.close()
+                writer.flush()
         except (WriterStopped, ChannelClosed) as exc:
             log.info("segment writer stopping: %s", exc)
             writer.abort()
