@@ -16,11 +16,10 @@ that fit beside it, and each epoch would bring at most that room of new samples:
   At 50% they hold the whole budget, so the samples for epoch ``e + 1`` can only be fetched between the release of
   ``e - 1`` (just after ``e`` began) and the pin of ``e + 1`` (a build lead before ``e`` ends): no slack. Where
   that fill comes late, ``e + 1`` pins the read segments of ``e - 1`` still waiting for eviction, which stops the
-  fill, and it re-reads them. Measured with epochs of about a second (``python -m benchmarks.echo --runs "remote
-  keeps up" --rate 1600 --turnover 50% --no-save``): 74-82% distinct in 2 of 5 runs, 92-94% in the others; at 67%
-  a third of the budget is free beside both snapshots, the fill has a whole epoch, and every run gave the most
-  distinct samples one pass's worth can hold. The cost: an epoch pins a third of the budget, not half (shorter
-  epochs, a smaller shuffle window).
+  fill, and it re-reads them (compare ``python -m benchmarks.echo --runs "remote keeps up" --rate 1600 --turnover
+  50% --no-save`` with ``--turnover 67%``, epochs of about a second, over several runs). At 67% a third of the
+  budget is free beside both snapshots and the fill has a whole epoch. The cost: an epoch pins a third of the
+  budget, not half (shorter epochs, a smaller shuffle window).
 * **Least-read first** (``choose``): a segment's reads (its least-read sample's, from the daemon's ledger and the
   receipts it has not applied yet, NOTE [ Read receipts ] in ``reads.py``), plus one *pending* read if a live
   snapshot holds it (the epoch being read right now, or one being released: their receipts have not arrived).
