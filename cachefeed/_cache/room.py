@@ -32,8 +32,10 @@ that fit beside it, and each epoch would bring at most that room of new samples:
 * **A later epoch of a set size while the cache fills** (NOTE [ Growing snapshots ] in ``_trainer/growing.py``)
   pins only what no epoch has read nor is reading (``unread_first``: segments none of whose samples was read, held
   by no live snapshot), oldest first within the room, and grows by what the daemon publishes; if its growth stops
-  short of its samples, it is topped up with the least-read segments (``top_up``: ``choose``'s order, only as many
-  samples as it lacks, within what is left of the room).
+  short of its samples, it is topped up with the least-read segments (``top_up``: only as many samples as it lacks,
+  within what is left of the room). Ties there go newest first: every candidate has been read (the unread ones are
+  in the snapshot already), so any may be evicted at any moment, and the default policy evicts the oldest first;
+  taking the oldest, the top-up would race the eviction for each segment it links.
 * A cache whose published set fits the room is pinned whole, as before; a static cache (no daemon holding the
   writer lock) has no room: every segment is pinned.
 
@@ -131,11 +133,11 @@ def unread_first(candidates: Sequence[Candidate], room: int | None) -> list[int]
 
 def top_up(candidates: Sequence[Candidate], need: int, room: int | None) -> list[int]:
     """The sequence numbers (ascending) that top a snapshot up by ``need`` samples (module docstring): least-read
-    first (``choose``'s order: reads plus a pending one, then oldest), until their ``samples`` reach ``need``, each
+    first (reads plus a pending one, as ``choose``), then newest, until their ``samples`` reach ``need``, each
     within what is left of ``room`` (None: no limit)."""
     chosen: list[int] = []
     have, left = 0, room
-    for candidate in sorted(candidates, key=lambda c: (c.reads + c.pending, c.seq)):
+    for candidate in sorted(candidates, key=lambda c: (c.reads + c.pending, -c.seq)):
         if have >= need:
             break
         if left is not None and candidate.nbytes > left:

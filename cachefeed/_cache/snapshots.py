@@ -81,6 +81,10 @@ from cachefeed._fsutil import atomic_write, remove_tree
 __all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale"]
 
 MANIFEST = "MANIFEST"
+
+Pick = Callable[[frozenset[int], int, int], list[int]]
+"""A snapshot's choice of segments (sequence numbers), asked with the segments tried so far (not to be picked again)
+and the bytes and samples linked so far (``_link_picks``)."""
 PARTIAL_GRACE_S = 60.0
 
 
@@ -210,12 +214,19 @@ class Snapshot:
             reads = reads_with_receipts(layout.root, layout.snapshots)
             named_sources = read_sources(layout.sources_file)
             listed = layout.list_segments()
+            room = read_room(layout.root) if layout.has_writer() else None
+            pick: Pick
             if wants is None:
-                chosen = _chosen(layout, listed, reads, pending, {e.tag: e.weight for e in named_sources})
+                pick = _chooser(layout, listed, reads, pending, {e.tag: e.weight for e in named_sources}, room=room)
             else:
-                room = read_room(layout.root) if layout.has_writer() else None
-                chosen = [segment_name(seq) for seq in unread_first(_candidates(layout, listed, reads, pending), room)]
-            entries, fresh = _link_entries(layout, directory, chosen, reads, pending)
+                unread = _candidates(layout, listed, reads, pending)
+
+                def pick(tried: frozenset[int], nbytes: int, samples: int) -> list[int]:
+                    left = None if room is None else room - nbytes
+                    return unread_first([c for c in unread if c.seq not in tried], left)
+
+            entries, fresh = _link_picks(layout, directory, pick, reads, pending)
+            chosen = [str(entry[0]) for entry in entries]
             named = [[e.tag, e.name, e.weight] for e in named_sources]
             manifest = {
                 "id": snap_id,
@@ -326,8 +337,13 @@ class Snapshot:
             pending = _pending_reads(self.layout, ())
             taken = have.union(new)
             candidates = _candidates(self.layout, [(n, i) for n, i in listed if n not in taken], reads, pending)
-            extra = top_up(candidates, self.wants - samples, None if room is None else room - pinned)
-            topping, _fresh = _link_entries(self.layout, self.directory, [segment_name(q) for q in extra], reads)
+            need, left = self.wants - samples, None if room is None else room - pinned
+
+            def pick(tried: frozenset[int], nbytes: int, linked: int) -> list[int]:
+                rest = [c for c in candidates if c.seq not in tried]
+                return top_up(rest, need - linked, None if left is None else left - nbytes)
+
+            topping, _fresh = _link_picks(self.layout, self.directory, pick, reads)
             if topping:
                 topup_from = len(generations)
                 segments += topping
@@ -481,25 +497,64 @@ def _pending_reads(layout: CacheLayout, reading: Collection[str]) -> frozenset[s
     return frozenset(reading).union(*(info.names for info in live_snapshots(layout)))
 
 
-def _chosen(
+def _chooser(
     layout: CacheLayout,
     listed: list[tuple[str, os.stat_result]],
     reads: Mapping[str, Counts],
     pending: Collection[str],
     weights: dict[int, float],
-) -> list[str]:
-    """The names of the published segments (``listed``) a new snapshot pins, oldest first (``room.py``'s rule). A
-    static cache (no daemon) has no room: everything."""
-    room = read_room(layout.root) if layout.has_writer() else None
-    if room is None:
-        return [name for name, _info in listed]
+    *,
+    room: int | None,
+) -> Pick:
+    """What a new snapshot pins of the published segments (``listed``), as a ``Pick`` (``room.py``'s rule: least-read
+    first within ``room``). A static cache (no daemon: ``room`` None) has no room: everything."""
     candidates = []
     for name, info in listed:
         counts = reads.get(name)
         level = int(counts.min()) if counts is not None and len(counts) else 0
-        tag = segment_trailer(layout.segments / name)[1] if weights else 0
+        tag = segment_trailer(layout.segments / name)[1] if weights and room is not None else 0
         candidates.append(Candidate(segment_seq(name), allocated_bytes(info), level, tag, name in pending))
-    return [segment_name(seq) for seq in choose(candidates, room, weights)]
+
+    def pick(tried: frozenset[int], nbytes: int, samples: int) -> list[int]:
+        rest = [c for c in candidates if c.seq not in tried]
+        return choose(rest, None if room is None else room - nbytes, weights)
+
+    return pick
+
+
+def _link_picks(
+    layout: CacheLayout,
+    directory: Path,
+    pick: Pick,
+    reads: Mapping[str, Counts],
+    reading: Collection[str] = (),
+) -> tuple[list[list[object]], int]:
+    """Link the segments ``pick`` chooses into ``directory``: their MANIFEST entries, oldest first, and their fresh
+    samples (``_link_entries``).
+
+    A segment may be evicted between the listing and its link: any read segment may go at any moment, and the
+    least-read read ones, which a snapshot short of unread samples takes, are the very ones the daemon evicts next.
+    So ``pick(tried, nbytes, samples)`` is asked again, without every segment tried and knowing the bytes and
+    samples linked so far, until all it picks are linked or it picks nothing. Without this a snapshot took fewer
+    samples than its choice counted on, and an epoch of a set size served some samples twice to make up its size.
+    """
+    entries: list[list[object]] = []
+    fresh, nbytes, samples = 0, 0, 0
+    tried: set[int] = set()
+    while True:
+        picked = [seq for seq in pick(frozenset(tried), nbytes, samples) if seq not in tried]
+        if not picked:
+            break
+        tried.update(picked)
+        linked, linked_fresh = _link_entries(layout, directory, [segment_name(seq) for seq in picked], reads, reading)
+        entries += linked
+        fresh += linked_fresh
+        samples += sum(int(entry[1]) for entry in linked)  # type: ignore[call-overload]
+        nbytes += sum(allocated_bytes(os.lstat(directory / str(entry[0]))) for entry in linked)
+        if len(linked) == len(picked):
+            break
+    entries.sort(key=lambda entry: str(entry[0]))  # names are zero-padded sequence numbers: oldest first
+    return entries, fresh
 
 
 def _candidates(

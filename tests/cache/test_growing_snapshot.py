@@ -7,8 +7,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from cachefeed._cache import room, snapshots
+from cachefeed._cache.layout import segment_name
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.store import CacheStore
 from cachefeed._cache.writer import CacheWriter
@@ -152,3 +155,44 @@ def test_an_unread_first_snapshot_with_enough_unread_samples_is_created_closed(t
     with Snapshot.create(root, "e0", wants=20) as snapshot:
         assert not snapshot.is_open and snapshot.generations == (len(snapshot.names),)
         assert snapshot.samples == 40 and snapshot.topup_from is None
+
+
+def test_a_top_up_whose_chosen_segments_are_evicted_before_their_link_takes_others_to_its_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The top-up takes read segments, which the daemon may evict at any moment, and the ones it prefers go first:
+    here they are gone by the time it links them (evicted between its listing and its links). It must still pin as
+    many samples as the epoch lacks, from the others: an epoch of a set size short of them serves samples twice."""
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, segment_bytes=4096, evict_after_reads=1))  # the daemon: receipts count
+    try:
+        with CacheWriter(store, segment_bytes=4096, fsync=False) as writer:
+            for i in range(80):
+                writer.add(make_sample(f"k{i}", 400))
+            writer.flush()
+            with Snapshot.create(root, "e0", job="j") as previous:
+                previous.record_served(np.arange(previous.samples))  # its receipt: every sample read once
+            store.collect_reads()
+            for i in range(80, 88):
+                writer.add(make_sample(f"k{i}", 400))
+        evicted: list[str] = []
+        real_candidates = snapshots._candidates
+
+        def evicted_after_listing(*args: Any, **kwargs: Any) -> list[Any]:
+            candidates = real_candidates(*args, **kwargs)
+            for seq in room.top_up(candidates, 40, None):  # the daemon evicts the top-up's first choices meanwhile
+                name = segment_name(seq)
+                os.unlink(root / "segments" / name)
+                evicted.append(name)
+            return candidates
+
+        with Snapshot.create(root, "e1", job="j", wants=48) as later:
+            assert later.is_open and later.samples == 8, "the unread segment only"
+            monkeypatch.setattr(snapshots, "_candidates", evicted_after_listing)
+            later.grow(close=True)
+            assert evicted, "the test evicted nothing"
+            assert not set(evicted) & set(later.names), "an evicted segment in the MANIFEST"
+            assert later.samples >= 48, f"topped up to {later.samples} samples of 48"
+            assert len(set(later.names)) == len(later.names)
+    finally:
+        store.close()
