@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -282,3 +284,19 @@ def test_an_object_cut_by_a_dead_sampler_is_drawn_again_at_once_to_skip_what_is_
     assert drawn_paths(plan, clock, 300) == []  # its first samples are still cached
     plan.evicted([5])
     assert drawn_paths(plan, clock, 301) == ["b/k0000", "b/k0001"]  # whole again, as is b
+
+
+def test_a_first_listing_joins_its_objects_without_loading_numpy_ma() -> None:
+    """A cold daemon's first listing is on the way to its first batch: folding it in loads nothing more (numpy
+    loads ``numpy.ma``, 23 ms of CPU, the first time ``np.isin`` is given an empty list)."""
+    code = (
+        "import sys\n"
+        "from cachefeed._daemon.plan import SamplingPlan\n"
+        "from cachefeed._remote import RemoteObject\n"
+        "plan = SamplingPlan(seed=1)\n"
+        "plan.update_catalog([RemoteObject(f'b/k{i:04d}', 100, f'e{i}') for i in range(50)])\n"
+        "assert len(plan.next(100)) == 50\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", "folding a first listing in loaded numpy.ma"
