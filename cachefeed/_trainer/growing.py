@@ -42,7 +42,9 @@ earlier epochs had served while the remote was delivering fresh ones. Instead:
   when the creator's loop caught up with ingest (``GrowingEpoch.pause``: it would wait for the remote; another
   local rank that caught up waits for the creator's, a step away at most in lockstep training). Closed
   short of ``wants``, the snapshot gets a last generation of the least-read other segments (``room.top_up``, as
-  many samples as it lacks; MANIFEST ``topup_from``). The ranks draw what they lack from it and the carry as a
+  many samples as it lacks; MANIFEST ``topup_from``). Those are read segments the daemon may evict at any moment:
+  one evicted before its link is replaced by the next choice (``snapshots._link_picks``), so the top-up holds what
+  the epoch lacks whenever the cache does. The ranks draw what they lack from it and the carry as a
   set-size epoch draws (``partition.fixed_size_order``: least-read first; seeded by ``(seed, epoch)``, so every
   rank and a resumed run draw the same) and each takes its slice: exactly ``samples_per_epoch`` samples, each once,
   ranks disjoint (reused in seeded passes only if the whole cache holds fewer).
