@@ -80,7 +80,7 @@ from cachefeed._cache.snapshots import Snapshot
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._trainer.dataset import SnapshotDataset
-from cachefeed._trainer.partition import fixed_size_order
+from cachefeed._trainer.partition import fixed_size_order, warn_reuse
 
 __all__ = ["GROW_EVERY_S", "Grower", "GrowingEpoch", "GrowingShare"]
 
@@ -190,6 +190,8 @@ class GrowingShare:
         """``mine`` followed by seeded passes over it up to ``quota`` (nothing to reuse: ``mine`` as it is)."""
         if not len(mine):
             return mine
+        if len(mine) < quota:
+            warn_reuse(self.epoch, len(mine) * self.local_world_size, quota * self.local_world_size)
         parts, have, turn = [mine], len(mine), 0
         while have < quota:
             turn += 1

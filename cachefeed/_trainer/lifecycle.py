@@ -69,7 +69,7 @@ from cachefeed._trainer.dataset import SnapshotDataset, Transform
 from cachefeed._trainer.epoch import EpochState, EpochStats, GrowingBatchSampler, SkipEmptyCollate, shutdown_iterator
 from cachefeed._trainer.gil import prompt_handoffs
 from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
-from cachefeed._trainer.partition import EpochBatchSampler, RankInfo, rank_share, snapshot_name
+from cachefeed._trainer.partition import EpochBatchSampler, RankInfo, rank_share, snapshot_name, warn_reuse
 from cachefeed._trainer.pool import WorkerPool
 from cachefeed._trainer.resume import ResumePoint, resumed_snapshot
 from cachefeed._trainer.wait import fill_reached, wait_for_fill, wait_for_samples, wait_for_segments
@@ -399,6 +399,8 @@ class Epochs:
                 self._growing(snapshot, dataset, epoch, skip_batches) if snapshot.generations is not None else None
             )
             share = self._share(snapshot, epoch) if growing is None else growing.share.indices
+            if growing is None and plan.samples_per_epoch is not None and snapshot.samples < plan.samples_per_epoch:
+                warn_reuse(epoch, snapshot.samples, plan.samples_per_epoch)
             indices = share[skip_batches * plan.batch_size :]
             # An exact resume: the skipped batches were served by the interrupted run (its checkpoint says so).
             credited = share[: skip_batches * plan.batch_size] if is_exact_resume else share[:0]

@@ -32,6 +32,7 @@ share; the others split its weight. The shares are then shuffled together and sp
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -42,6 +43,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from torch.utils.data import Sampler
+
+from cachefeed._logs import get_logger
 
 __all__ = [
     "EpochBatchSampler",
@@ -57,6 +60,7 @@ __all__ = [
     "sanitize_run_id",
     "snapshot_name",
     "source_shares",
+    "warn_reuse",
     "weighted_order",
 ]
 
@@ -347,3 +351,25 @@ class EpochBatchSampler(Sampler[npt.NDArray[np.int64]]):
         size = self.batch_size
         for start in range(0, len(self) * size, size):
             yield self.indices[start : start + size]
+
+
+log = get_logger(__name__)
+_reuse_warned = False
+
+
+def warn_reuse(epoch: int, have: int, want: int) -> None:
+    """Say that an epoch of a set size serves some samples twice: it has ``have`` samples for ``want`` (the node's,
+    or a rank's share). A warning the first time in a process, then at debug level (every epoch of a small cache
+    would repeat it)."""
+    global _reuse_warned  # once per process, whatever the factory
+    level = logging.DEBUG if _reuse_warned else logging.WARNING
+    _reuse_warned = True
+    log.log(
+        level,
+        "epoch %d has %d samples for its %d (samples_per_epoch): it serves some of them twice. A snapshot pins at "
+        "most the epoch room (cache.max_bytes less cache.turnover and a 1 MiB reserve): lower samples_per_epoch, or "
+        "give the cache more room",
+        epoch,
+        have,
+        want,
+    )

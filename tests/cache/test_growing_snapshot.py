@@ -196,3 +196,42 @@ def test_a_top_up_whose_chosen_segments_are_evicted_before_their_link_takes_othe
             assert len(set(later.names)) == len(later.names)
     finally:
         store.close()
+
+
+def test_a_snapshot_whose_chosen_segments_are_evicted_before_their_link_fills_its_room_with_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race at a snapshot's creation, once the cache is at its fill level: the least-read segments it
+    chooses may be evicted before it links them. It pins others in their place, up to its room, not less."""
+    root = tmp_path / "c"
+    config = cache_config(root, max_bytes=3 << 20, turnover_bytes=1 << 20, segment_bytes=16 << 10, evict_after_reads=1)
+    store = CacheStore(config)  # the daemon: its room (1 MiB) is less than what is cached
+    try:
+        with CacheWriter(store, segment_bytes=16 << 10, fsync=False) as writer:
+            for i in range(700):
+                writer.add(make_sample(f"k{i}", 2000))
+        for earlier in ("e0", "e1"):  # two epochs of a room each: every sample read once, so evictable
+            with Snapshot.create(root, earlier, job="j") as previous:
+                previous.record_served(np.arange(previous.samples))
+            store.collect_reads()
+        assert store.usage().unread_samples == 0, "every sample read once"
+        evicted: list[str] = []
+        real_choose = snapshots.choose
+
+        def evicted_after_listing(*args: Any, **kwargs: Any) -> list[int]:
+            chosen = real_choose(*args, **kwargs)
+            if not evicted:  # the daemon evicts half of the first choice meanwhile
+                for seq in chosen[::2]:
+                    os.unlink(root / "segments" / segment_name(seq))
+                    evicted.append(segment_name(seq))
+            return chosen
+
+        monkeypatch.setattr(snapshots, "choose", evicted_after_listing)
+        room_bytes = store.epoch_room
+        with Snapshot.create(root, "e2", job="j") as later:
+            pinned = sum(os.lstat(path).st_blocks * 512 for path in later.paths)
+            assert evicted and not set(evicted) & set(later.names)
+            assert pinned > room_bytes - 2 * (16 << 10), f"pinned {pinned} bytes of a room of {room_bytes}"
+            assert list(later.names) == sorted(later.names) and len(set(later.names)) == len(later.names)
+    finally:
+        store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import multiprocessing
 import os
 import threading
@@ -20,7 +21,7 @@ from cachefeed._cache.store import CacheStore
 from cachefeed._cache.writer import CacheWriter
 from cachefeed._errors import NoSuchCacheError, SnapshotError
 from cachefeed._testing.samples import check_sample, make_sample
-from cachefeed._trainer import EpochLoaderFactory
+from cachefeed._trainer import EpochLoaderFactory, partition
 from cachefeed._trainer.partition import RankInfo, job_id, snapshot_name
 from cachefeed._trainer.wait import wait_for_samples
 from tests.support.cache_helpers import cache_config
@@ -294,14 +295,22 @@ def test_epochs_of_a_set_size_are_known_before_training_and_never_repeat_a_sampl
             assert len(keys) == 200 and len(set(keys)) == 200, "no sample twice while the snapshot holds enough"
 
 
-def test_a_small_cache_is_reused_to_fill_an_epoch_of_a_set_size(tmp_path: Path) -> None:
+def test_a_small_cache_is_reused_to_fill_an_epoch_of_a_set_size_and_the_user_is_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(partition, "_reuse_warned", False)  # once per process: another test may have said it
     root = build_cache(tmp_path / "c", 50)
-    with EpochLoaderFactory(
-        root, batch_size=10, run_id="t", samples_per_epoch=120, min_samples=50, progress=None
-    ) as factory:
+    with (
+        caplog.at_level(logging.WARNING),
+        EpochLoaderFactory(
+            root, batch_size=10, run_id="t", samples_per_epoch=120, min_samples=50, progress=None
+        ) as factory,
+    ):
         keys = [key for batch in factory.loader(0) for key in check_batch(batch)]
     assert len(keys) == 120
     assert set(keys) == {f"k{i}" for i in range(50)}, "every cached sample is used before any is reused"
+    (warning,) = [r.getMessage() for r in caplog.records if "serves some of them twice" in r.getMessage()]
+    assert "epoch 0 has 50 samples for its 120 (samples_per_epoch)" in warning and "cache.max_bytes" in warning
 
 
 def test_an_epoch_of_a_set_size_reads_the_least_read_samples_first(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -106,3 +108,17 @@ def test_a_topped_up_growing_share_gives_every_local_rank_its_quota_disjoint_the
     assert len(set(both.tolist())) == 24, "disjoint, each sample once"
     assert set(range(18)) <= set(both.tolist()), "every unread sample first (the carry included)"
     assert set(both.tolist()) - set(range(18)) <= set(range(18, 26)), "then the least-read"
+
+
+def test_a_growing_share_that_closes_short_of_its_quota_reuses_samples_and_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cachefeed._trainer import partition
+    from cachefeed._trainer.growing import GrowingShare
+
+    monkeypatch.setattr(partition, "_reuse_warned", False)  # once per process: another test may have said it
+    share = GrowingShare(seed=1, epoch=4, shuffle=True, local_rank=0, local_world_size=1, quota=20)
+    with caplog.at_level(logging.WARNING):
+        share.update((8,), (1,), False)  # closed with 8 samples, no top-up: the whole cache held fewer
+    assert share.is_complete and len(share.indices) == 20 and set(share.indices.tolist()) == set(range(8))
+    assert any("epoch 4 has 8 samples for its 20" in r.getMessage() for r in caplog.records)
