@@ -82,9 +82,9 @@ __all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep
 
 MANIFEST = "MANIFEST"
 
-Pick = Callable[[frozenset[int], int, int], list[int]]
-"""A snapshot's choice of segments (sequence numbers), asked with the segments tried so far (not to be picked again)
-and the bytes and samples linked so far (``_link_picks``)."""
+Pick = Callable[[list[Candidate], int | None, int], list[int]]
+"""A snapshot's choice of segments: ``pick(candidates, room, linked)`` gives the sequence numbers it takes of
+``candidates`` within ``room`` bytes (None: no limit), ``linked`` samples being linked already (``_link_picks``)."""
 PARTIAL_GRACE_S = 60.0
 
 
@@ -215,17 +215,14 @@ class Snapshot:
             named_sources = read_sources(layout.sources_file)
             listed = layout.list_segments()
             room = read_room(layout.root) if layout.has_writer() else None
-            pick: Pick
             if wants is None:
-                pick = _chooser(layout, listed, reads, pending, {e.tag: e.weight for e in named_sources}, room=room)
+                weights = {e.tag: e.weight for e in named_sources}
+                candidates = _room_candidates(layout, listed, reads, pending, weights if room is not None else {})
+                pick: Pick = lambda rest, left, _linked: choose(rest, left, weights)  # noqa: E731
             else:
-                unread = _candidates(layout, listed, reads, pending)
-
-                def pick(tried: frozenset[int], nbytes: int, samples: int) -> list[int]:
-                    left = None if room is None else room - nbytes
-                    return unread_first([c for c in unread if c.seq not in tried], left)
-
-            entries, fresh = _link_picks(layout, directory, pick, reads, pending)
+                candidates = _candidates(layout, listed, reads, pending)
+                pick = lambda rest, left, _linked: unread_first(rest, left)  # noqa: E731
+            entries, fresh = _link_picks(layout, directory, candidates, pick, room=room, reads=reads, reading=pending)
             chosen = [str(entry[0]) for entry in entries]
             named = [[e.tag, e.name, e.weight] for e in named_sources]
             manifest = {
@@ -338,12 +335,8 @@ class Snapshot:
             taken = have.union(new)
             candidates = _candidates(self.layout, [(n, i) for n, i in listed if n not in taken], reads, pending)
             need, left = self.wants - samples, None if room is None else room - pinned
-
-            def pick(tried: frozenset[int], nbytes: int, linked: int) -> list[int]:
-                rest = [c for c in candidates if c.seq not in tried]
-                return top_up(rest, need - linked, None if left is None else left - nbytes)
-
-            topping, _fresh = _link_picks(self.layout, self.directory, pick, reads)
+            pick = lambda rest, room_left, linked: top_up(rest, need - linked, room_left)  # noqa: E731
+            topping, _fresh = _link_picks(self.layout, self.directory, candidates, pick, room=left, reads=reads)
             if topping:
                 topup_from = len(generations)
                 segments += topping
@@ -497,60 +490,58 @@ def _pending_reads(layout: CacheLayout, reading: Collection[str]) -> frozenset[s
     return frozenset(reading).union(*(info.names for info in live_snapshots(layout)))
 
 
-def _chooser(
+def _room_candidates(
     layout: CacheLayout,
     listed: list[tuple[str, os.stat_result]],
     reads: Mapping[str, Counts],
     pending: Collection[str],
-    weights: dict[int, float],
-    *,
-    room: int | None,
-) -> Pick:
-    """What a new snapshot pins of the published segments (``listed``), as a ``Pick`` (``room.py``'s rule: least-read
-    first within ``room``). A static cache (no daemon: ``room`` None) has no room: everything."""
+    weights: Mapping[int, float],
+) -> list[Candidate]:
+    """The published segments (``listed``) as candidates of ``room.choose``: reads level, pending read and, where
+    sources are weighed, source tag (read from the segment's trailer only then)."""
     candidates = []
     for name, info in listed:
         counts = reads.get(name)
         level = int(counts.min()) if counts is not None and len(counts) else 0
-        tag = segment_trailer(layout.segments / name)[1] if weights and room is not None else 0
+        tag = segment_trailer(layout.segments / name)[1] if weights else 0
         candidates.append(Candidate(segment_seq(name), allocated_bytes(info), level, tag, name in pending))
-
-    def pick(tried: frozenset[int], nbytes: int, samples: int) -> list[int]:
-        rest = [c for c in candidates if c.seq not in tried]
-        return choose(rest, None if room is None else room - nbytes, weights)
-
-    return pick
+    return candidates
 
 
 def _link_picks(
     layout: CacheLayout,
     directory: Path,
+    candidates: list[Candidate],
     pick: Pick,
+    *,
+    room: int | None,
     reads: Mapping[str, Counts],
     reading: Collection[str] = (),
 ) -> tuple[list[list[object]], int]:
-    """Link the segments ``pick`` chooses into ``directory``: their MANIFEST entries, oldest first, and their fresh
-    samples (``_link_entries``).
+    """Link the segments ``pick`` chooses of ``candidates`` within ``room`` into ``directory``: their MANIFEST
+    entries, oldest first, and their fresh samples (``_link_entries``).
 
     A segment may be evicted between the listing and its link: any read segment may go at any moment, and the
     least-read read ones, which a snapshot short of unread samples takes, are the very ones the daemon evicts next.
-    So ``pick(tried, nbytes, samples)`` is asked again, without every segment tried and knowing the bytes and
-    samples linked so far, until all it picks are linked or it picks nothing. Without this a snapshot took fewer
-    samples than its choice counted on, and an epoch of a set size served some samples twice to make up its size.
+    So ``pick`` is asked again with the candidates not tried yet, the room left and the samples linked so far,
+    until all it picks are linked or it picks nothing. Without this a snapshot took fewer samples than its choice
+    counted on, and an epoch of a set size served some samples twice to make up its size.
     """
+    nbytes = {c.seq: c.nbytes for c in candidates}
     entries: list[list[object]] = []
-    fresh, nbytes, samples = 0, 0, 0
-    tried: set[int] = set()
-    while True:
-        picked = [seq for seq in pick(frozenset(tried), nbytes, samples) if seq not in tried]
+    fresh, samples = 0, 0
+    while candidates:
+        picked = pick(candidates, room, samples)
         if not picked:
             break
-        tried.update(picked)
+        taken = set(picked)
+        candidates = [c for c in candidates if c.seq not in taken]
         linked, linked_fresh = _link_entries(layout, directory, [segment_name(seq) for seq in picked], reads, reading)
         entries += linked
         fresh += linked_fresh
         samples += sum(int(entry[1]) for entry in linked)  # type: ignore[call-overload]
-        nbytes += sum(allocated_bytes(os.lstat(directory / str(entry[0]))) for entry in linked)
+        if room is not None:
+            room -= sum(nbytes[segment_seq(str(entry[0]))] for entry in linked)
         if len(linked) == len(picked):
             break
     entries.sort(key=lambda entry: str(entry[0]))  # names are zero-padded sequence numbers: oldest first

@@ -64,6 +64,9 @@ __all__ = [
     "weighted_order",
 ]
 
+log = get_logger(__name__)
+_reuse_warned = False  # ``warn_reuse`` has warned in this process
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -351,10 +354,6 @@ class EpochBatchSampler(Sampler[npt.NDArray[np.int64]]):
         size = self.batch_size
         for start in range(0, len(self) * size, size):
             yield self.indices[start : start + size]
-
-
-log = get_logger(__name__)
-_reuse_warned = False
 
 
 def warn_reuse(epoch: int, have: int, want: int) -> None:

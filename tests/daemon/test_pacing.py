@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from cachefeed._cache.room import epoch_room
 from cachefeed._cache.settings import default_turnover
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._status.report import read_report
@@ -170,7 +171,7 @@ def test_the_first_epoch_waits_for_a_fill_level_when_asked(bucket: Any, daemon: 
     ) as factory:
         loader = factory.loader(0)
         doc = proc.status()
-        room = MAX_BYTES - default_turnover(MAX_BYTES, 256 << 10) - (1 << 20)  # the epoch room
+        room = epoch_room(MAX_BYTES, default_turnover(MAX_BYTES, 256 << 10))
         assert factory.stats(0).samples * OBJECT_BYTES >= 0.85 * room, factory.stats(0)
         assert doc is not None and doc["cache"]["fill"] >= 0.75
         assert factory.stats(0).wait_for_samples_s > 1.0, "it did wait for the slow remote"
