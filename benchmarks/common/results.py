@@ -18,6 +18,7 @@ themselves): such a result was not measured on the commit it names, and the READ
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -39,11 +40,18 @@ def _git(*args: str) -> str | None:
 
 
 def provenance(work_dir: Path) -> dict[str, Any]:
-    """The commit (and whether tracked files differ from it), the date, the machine and the package versions."""
+    """The commit (and whether tracked files differ from it), the date, the machine and the package versions.
+
+    A tree without its git repository (a copy sent to a GPU machine: ``scripts/gpu_checks.sh``) is recorded as the
+    commit named in ``CACHEFEED_COMMIT`` and clean: whoever sends the copy sets it, from a clean checkout of that
+    commit."""
     # Results already written by an earlier benchmark of the same run do not make the code dirty.
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+    commit = _git("rev-parse", "HEAD")
+    if commit is None and os.environ.get("CACHEFEED_COMMIT"):
+        commit, status = os.environ["CACHEFEED_COMMIT"], ""
     return {
-        "commit": _git("rev-parse", "HEAD"),
+        "commit": commit,
         "dirty": bool(status) if status is not None else None,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(work_dir),
