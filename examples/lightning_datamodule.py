@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--width", type=int, default=256, help="length of each sample's data vector")
     parser.add_argument("--run-id", default="lightning")
-    parser.add_argument("--devices", type=int, default=1, help="processes (DDP when > 1; on the CPU over gloo)")
+    parser.add_argument("--devices", type=int, default=1, help="processes (DDP when > 1)")
+    parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (Lightning's choice: a GPU if any)")
     args = parser.parse_args()
     data = CacheDataModule(
         args.cache_dir, batch_size=args.batch, num_workers=args.workers, epochs=args.epochs, run_id=args.run_id
@@ -102,7 +103,7 @@ def main() -> None:
     trainer = L.Trainer(
         max_epochs=args.epochs,
         reload_dataloaders_every_n_epochs=1,  # a new loader, over a new snapshot, every epoch
-        accelerator="auto",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         logger=False,

@@ -4,20 +4,23 @@
 #
 #   CACHEFEED_COMMIT=$(git rev-parse HEAD) scripts/gpu_checks.sh OUT_DIR [feed_gpu arguments...]
 #
-# Run it from the repository root of a clean checkout, or of a copy of one (a copy without .git names its commit
-# in CACHEFEED_COMMIT: benchmarks/common/results.py records it with the result). The project's dependencies must
-# be importable (PYTHONPATH=. with them installed beside torch; not `pip install -e .`, whose constraints pin a
-# CPU torch). OUT_DIR gets gpu_tests.log, feed_gpu.log and feed_gpu.json. Exits non-zero if either step failed.
+# Run it from the repository root of a clean checkout, or of a copy of one: CACHEFEED_COMMIT names the commit,
+# which benchmarks/common/results.py records with the result (a copy's own .git may name another). The project's
+# dependencies must be importable (PYTHONPATH=. with them installed beside torch; not `pip install -e .`, whose
+# constraints pin a CPU torch). OUT_DIR gets gpu_tests.log, feed_gpu.log and feed_gpu.json. Exits non-zero if
+# either step failed. The tests run with -s: test_device_overlap prints its timings.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [feed_gpu arguments...]}
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), "device(s)")' || exit 2
-# addopts cleared: its "-m 'not slow'" would hide nothing here, and its -n 3 suits a 2-core CI machine.
-python3 -m pytest -p no:cacheprovider -o addopts="" --strict-markers -ra --timeout=300 -n 4 -v \
+# addopts cleared (its -n 3 suits a 2-core CI machine); pytest-benchmark, where installed, warns under xdist, and
+# the project's filterwarnings turns that warning into an error.
+python3 -m pytest -p no:cacheprovider -p no:benchmark -o addopts="" --strict-markers -ra --timeout=300 -n 4 -v -s \
     tests/trainer/test_device.py tests/trainer/test_device_overlap.py tests/trainer/test_pinning.py \
     tests/trainer/test_frameworks.py tests/test_benchmarks_smoke.py::test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model \
+    tests/witness/test_resume_promises.py \
     2>&1 | tee "$out/gpu_tests.log"
 tests=$?
 python3 -m benchmarks.feed_gpu --daemon "$@" 2>&1 | tee "$out/feed_gpu.log"

@@ -24,8 +24,7 @@ from cachefeed._logs import (
 )
 from cachefeed._scrub import secrets_from_env, secrets_from_options
 from cachefeed._testing.local_s3 import LocalS3
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.child_env import REPO, child_env
 
 
 def sentinel(tag: str) -> str:
@@ -194,13 +193,7 @@ def test_real_botocore_debug_run_leaks_nothing(s3: LocalS3) -> None:
     The control run (plain ``basicConfig``) shows that the same run does print them, so the test can fail.
     """
     key_id, secret, token = sentinel("AKID"), sentinel("SECRET"), sentinel("TOKEN")
-    env = {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": key_id,
-        "AWS_SECRET_ACCESS_KEY": secret,
-        "AWS_SESSION_TOKEN": token,
-        "PYTHONPATH": str(REPO),
-    }
+    env = child_env(AWS_ACCESS_KEY_ID=key_id, AWS_SECRET_ACCESS_KEY=secret, AWS_SESSION_TOKEN=token)
     runs = {}
     for mode in ("plain", "cachefeed"):
         result = subprocess.run(

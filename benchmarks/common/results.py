@@ -42,14 +42,15 @@ def _git(*args: str) -> str | None:
 def provenance(work_dir: Path) -> dict[str, Any]:
     """The commit (and whether tracked files differ from it), the date, the machine and the package versions.
 
-    A tree without its git repository (a copy sent to a GPU machine: ``scripts/gpu_checks.sh``) is recorded as the
-    commit named in ``CACHEFEED_COMMIT`` and clean: whoever sends the copy sets it, from a clean checkout of that
-    commit."""
+    A copy of the tree sent to another machine (a GPU machine: ``scripts/gpu_checks.sh``) is recorded as the commit
+    named in ``CACHEFEED_COMMIT``, clean: whoever sends the copy sets it, from a clean checkout of that commit. The
+    copy's own ``.git``, if it has one, is not asked: the GPU machine's names the commit its session started from,
+    with every later change as uncommitted."""
     # Results already written by an earlier benchmark of the same run do not make the code dirty.
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
-    commit = _git("rev-parse", "HEAD")
-    if commit is None and os.environ.get("CACHEFEED_COMMIT"):
-        commit, status = os.environ["CACHEFEED_COMMIT"], ""
+    commit = os.environ.get("CACHEFEED_COMMIT") or _git("rev-parse", "HEAD")
+    if os.environ.get("CACHEFEED_COMMIT"):
+        status = ""
     return {
         "commit": commit,
         "dirty": bool(status) if status is not None else None,

@@ -8,7 +8,6 @@ The ranks and the writer are real processes started from here; they run function
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from cachefeed._testing.local_s3 import free_port
+from tests.support.child_env import REPO, child_env
 
-REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 2
 BATCH = 32
 
@@ -179,7 +178,7 @@ def run_ranks(tmp_path: Path, roots: list[Path], world: int, local_world: int, s
 
 
 def python(code: str, extra_env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     for name in (
         "TORCHELASTIC_RUN_ID",
         "MASTER_ADDR",

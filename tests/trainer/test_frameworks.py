@@ -95,7 +95,8 @@ def test_the_lightning_example_trains_each_epoch_on_its_own_snapshot(tmp_path: P
 def test_the_lightning_example_under_ddp_splits_each_epoch_once_between_the_ranks(tmp_path: Path) -> None:
     pytest.importorskip("lightning", reason="pip install -c constraints.txt -e '.[examples]'")
     root = build_cache(tmp_path / "c", 300)
-    argv = ["--epochs", "2", "--batch", "64", "--workers", "0", "--devices", "2"]
+    # two processes on the CPU over gloo, also where one GPU is present (Lightning would ask for two)
+    argv = ["--epochs", "2", "--batch", "64", "--workers", "0", "--devices", "2", "--accelerator", "cpu"]
     done = run_example("lightning_datamodule.py", str(root), *argv)
     assert done.returncode == 0, done.stderr[-3000:]
     epochs = sorted(epoch_lines(done.stdout))  # the ranks share stdout: their lines may interleave

@@ -29,6 +29,7 @@ from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.device import InFlightCopies
 from cachefeed._trainer.pinning import PinnedArenas
 from cachefeed._trainer.pool import WorkerPool
+from tests.support.child_env import REPO, child_env
 from tests.support.fake_cuda import FakeCuda, FakeStream
 from tests.trainer.test_loader import build_cache, check_batch
 from tests.trainer.test_pool import EIGHTS, pool_over
@@ -217,12 +218,10 @@ def test_a_grown_arena_registers_its_new_span_before_any_batch_lands_there(tmp_p
 
 def pinned_run(root: Path, device: int) -> dict[str, Any]:
     """``tests/support/pinned_contexts.py`` in a fresh process (contexts are per process), its report."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
     done = subprocess.run(
         [sys.executable, "-m", "tests.support.pinned_contexts", str(root), str(device)],
-        cwd=repo,
-        env=env,
+        cwd=REPO,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=240,

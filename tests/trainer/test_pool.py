@@ -29,6 +29,7 @@ from cachefeed._trainer.arena import Allocator, aligned, grown_end
 from cachefeed._trainer.collate import Nest, RowCollator, Slot, collate_into, place
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.pool import WorkerPool
+from tests.support.child_env import REPO, child_env
 from tests.trainer.test_loader import build_cache, check_batch, wait_until
 
 Pair = namedtuple("Pair", ["image", "label"])
@@ -542,11 +543,10 @@ def test_forkserver_workers_outlive_a_pause_and_exit_when_the_trainer_dies(tmp_p
     """Under forkserver a worker's parent is the fork server: an idle worker once took that for its trainer's death
     after 0.5 s, and the next batch failed. It must wait through a pause and still exit once the trainer is gone."""
     root = build_cache(tmp_path / "c", 64)
-    repo = Path(__file__).resolve().parents[2]
     trainer = subprocess.Popen(
         [sys.executable, "-c", _TRAINER, str(root)],
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo)},
+        cwd=REPO,
+        env=child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

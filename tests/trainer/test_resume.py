@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -18,9 +17,9 @@ import pytest
 from cachefeed._cache.store import CacheStore
 from cachefeed._trainer import EpochLoaderFactory
 from tests.support.cache_helpers import cache_config
+from tests.support.child_env import REPO, child_env
 from tests.trainer.test_loader import build_cache, check_batch
 
-REPO = Path(__file__).resolve().parents[2]
 SAMPLES = 300
 BATCH = 10
 
@@ -43,7 +42,7 @@ def start_trainer(root: Path, progress: Path, workers: int = 0) -> subprocess.Po
     code = (
         f"from tests.trainer.test_resume import trainer_main; trainer_main({str(root)!r}, {str(progress)!r}, {workers})"
     )
-    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env())
 
 
 def kill_mid_epoch(root: Path, tmp_path: Path, workers: int = 0) -> dict:

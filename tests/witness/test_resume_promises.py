@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -27,9 +26,9 @@ from cachefeed._testing.daemon import DaemonProcess, wait_for
 from cachefeed._testing.witness import SegmentWitness, Served, check_promises, final_status, sample_keys
 from cachefeed._trainer import DevicePrefetcher, EpochLoaderFactory
 from tests.support import fake_prefetch
+from tests.support.child_env import REPO, child_env
 from tests.witness.test_promises import make_remote, start
 
-REPO = Path(__file__).resolve().parents[2]
 BATCH = 32
 EPOCHS = 4
 
@@ -57,7 +56,7 @@ def trainer_main(root: str, progress: str, prefetch: bool) -> None:
 
 
 def python(code: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    environment = child_env(**(env or {}))
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=environment)
 
 
