@@ -49,6 +49,7 @@ SOURCES: dict[str, tuple[str, str]] = {
             "echo",
             "egress",
             "feed",
+            "feed_gpu",
             "first_batch",
             "handover",
             "ingest",
