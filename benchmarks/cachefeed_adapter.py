@@ -102,6 +102,25 @@ class CachefeedAdapter:
         return {}
 
     def open(self, workload: Workload, data: DataLocation, settings: LoaderSettings) -> CachefeedSource:
+        config_path, cache_dir, work_dir, scratch = self.daemon_config(workload, data, settings)
+        daemon = launch_daemon(config_path, cache_dir)
+        source = CachefeedSource(daemon, scratch or work_dir, workload, settings)
+        try:
+            daemon.wait_status(lambda d: d["state"] in ("running", "degraded"), timeout_s=120.0, what="running")
+            if settings.cache_dir is None:
+                # Local figure: the whole dataset cached before the first epoch (warm reads only).
+                count = workload.count
+                daemon.wait_status(lambda d: d["cache"]["samples"] >= count, timeout_s=600.0, what=f"{count} samples")
+        except BaseException:
+            source.close()
+            raise
+        return source
+
+    def daemon_config(
+        self, workload: Workload, data: DataLocation, settings: LoaderSettings
+    ) -> tuple[Path, Path, Path, Path | None]:
+        """The daemon's config file for this workload and these settings: ``(config file, cache dir, work dir,
+        scratch dir or None)``; the work dir (and the scratch dir, where there is one) is the caller's to remove."""
         scratch: Path | None = None
         if settings.cache_dir is None:
             # The local figure: no cache dir from the harness; the cache lives next to the local files, removed on
@@ -153,31 +172,57 @@ class CachefeedAdapter:
         }
         config_path = work_dir / "daemon.toml"
         config_path.write_text(toml_text(config))
-        stderr_path = work_dir / "daemon.stderr"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-        # Not start_daemon: that one gives the daemon a session of its own, and here it stays in the measuring
-        # process's group (module docstring).
-        with stderr_path.open("wb") as stderr:
-            process = subprocess.Popen(
-                daemon_argv(config_path),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                env=env,
-                cwd=REPO_ROOT,
-            )
-        daemon = DaemonProcess(process, config_path, cache_dir, stderr_path)
-        source = CachefeedSource(daemon, scratch or work_dir, workload, settings)
-        try:
-            daemon.wait_status(lambda d: d["state"] in ("running", "degraded"), timeout_s=120.0, what="running")
-            if settings.cache_dir is None:
-                # Local figure: the whole dataset cached before the first epoch (warm reads only).
-                count = workload.count
-                daemon.wait_status(lambda d: d["cache"]["samples"] >= count, timeout_s=600.0, what=f"{count} samples")
-        except BaseException:
-            source.close()
-            raise
-        return source
+        return config_path, cache_dir, work_dir, scratch
+
+
+def launch_daemon(config_path: Path, cache_dir: Path) -> DaemonProcess:
+    """``python -m cachefeed daemon`` with ``config_path``, its stderr beside the config; returns at once.
+
+    Not ``start_daemon``: that one gives the daemon a session of its own, and here it stays in the measuring
+    process's group (module docstring)."""
+    stderr_path = config_path.parent / "daemon.stderr"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    with stderr_path.open("wb") as stderr:
+        process = subprocess.Popen(
+            daemon_argv(config_path),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+            cwd=REPO_ROOT,
+        )
+    return DaemonProcess(process, config_path, cache_dir, stderr_path)
+
+
+def make_factory(cache_dir: Path, settings: LoaderSettings) -> Any:
+    """The trainer side: ``EpochLoaderFactory`` over ``cache_dir`` with the harness's settings, transform and
+    collate."""
+    from cachefeed._trainer import EpochLoaderFactory
+
+    options: dict[str, Any] = {}
+    if settings.num_workers > 0:
+        options = {
+            "multiprocessing_context": settings.start_method,
+            "persistent_workers": settings.persistent_workers,
+            "prefetch_factor": settings.prefetch_factor,
+        }
+    epochs = settings.extra.get("epochs")
+    return EpochLoaderFactory(
+        cache_dir,
+        batch_size=settings.batch_size,
+        num_workers=settings.num_workers,
+        shuffle=settings.shuffle,
+        seed=settings.seed,
+        transform=sample_payload,
+        collate_fn=collate,
+        wait_timeout_s=600.0,
+        epochs=None if epochs is None else int(epochs),
+        run_id=f"bench{os.getpid()}",
+        rank=0,
+        world_size=1,
+        progress=None,
+        **options,
+    )
 
 
 class CachefeedSource:
@@ -200,33 +245,7 @@ class CachefeedSource:
 
     def _factory(self) -> Any:
         if self.factory is None:
-            from cachefeed._trainer import EpochLoaderFactory
-
-            s = self.settings
-            options: dict[str, Any] = {}
-            if s.num_workers > 0:
-                options = {
-                    "multiprocessing_context": s.start_method,
-                    "persistent_workers": s.persistent_workers,
-                    "prefetch_factor": s.prefetch_factor,
-                }
-            epochs = s.extra.get("epochs")
-            self.factory = EpochLoaderFactory(
-                self.cache_dir,
-                batch_size=s.batch_size,
-                num_workers=s.num_workers,
-                shuffle=s.shuffle,
-                seed=s.seed,
-                transform=sample_payload,
-                collate_fn=collate,
-                wait_timeout_s=600.0,
-                epochs=None if epochs is None else int(epochs),
-                run_id=f"bench{os.getpid()}",
-                rank=0,
-                world_size=1,
-                progress=None,
-                **options,
-            )
+            self.factory = make_factory(self.cache_dir, self.settings)
         return self.factory
 
     def epoch(self, epoch: int) -> Iterable[Any]:

@@ -45,6 +45,7 @@ SOURCES: dict[str, tuple[str, str]] = {
         name: (name, f"benchmarks.{name}")
         for name in (
             "catalog",
+            "cold_launch",
             "decode",
             "echo",
             "egress",

@@ -5,8 +5,10 @@
   same measurement in this process;
 * the trainer benchmarks' own functions at tiny sizes: ``read_throughput``, ``handover``, and ``ingest`` (its CLI
   with its smallest counts);
-* ``feed_gpu``'s whole path on the CPU (a tiny model, the daemon ingesting from a ``file://`` remote): no GPU has
-  run it yet, so this is what keeps it working until one does.
+* ``feed_gpu``'s whole path on the CPU (a tiny model, the daemon ingesting from a ``file://`` remote): CI has no
+  GPU, so this is what keeps it working between GPU runs (``scripts/gpu_checks.sh``);
+* ``cold_launch``'s cachefeed rows (a fresh training process per run, the daemon launched by the loader and beside
+  the trainer; litdata lives in .bench-venv only).
 """
 
 from __future__ import annotations
@@ -367,3 +369,18 @@ def test_outcome_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     assert outcome.main(["--samples", "800", "--steps", "12", "--rate", "4000", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "full data:" in out and "reads each" in out
+
+
+def test_cold_launch_times_cachefeed_from_a_fresh_training_process_and_renders_its_table() -> None:
+    from benchmarks import cold_launch
+
+    systems = "cachefeed-tar,cachefeed-tar@job"  # the daemon launched by the loader, and at t0 beside the trainer
+    figures = cold_launch.main(["--systems", systems, "--workloads", "small", "--rounds", "1", "--no-save"])
+    assert [row["system"] for row in figures["rows"]] == systems.split(",")
+    for row in figures["rows"]:
+        assert row["distinct"] == row["samples"] == 8192  # every sample of the epoch, each verified
+        assert 0 < row["torch_imported"] <= row["imported"] < row["opened"] < row["first_batch"] < row["epoch_end"]
+    provenance = {"machine": {}, "date_utc": "2026-11-26T00:00:00Z", "commit": "0" * 40}
+    doc = {"command": "python -m benchmarks.cold_launch", "figures": figures, "provenance": provenance}
+    table = cold_launch.readme_table(doc)
+    assert "| 8,192 x 4 KiB | cachefeed (tar shards), the daemon launched with the job |" in table
