@@ -6,8 +6,10 @@
 
 ``python -m benchmarks.feed`` runs it after the GIL-bound proxy whenever CUDA is present. The model is torchvision's
 ResNet-18 (``--model tiny``: a small convnet, for machines without torchvision), trained with SGD under bf16
-autocast in ``channels_last``, on batches of ``--batch`` (256) samples of a 3 x 224 x 224 uint8 image (150,528
-bytes) and an int label, converted to float on the device. Each system is timed over ``--steps`` steps after
+autocast in ``channels_last``, on batches of ``--batch`` (256; several sizes, comma-separated, are measured in
+turn, each with loaders of its own) samples of a 3 x 224 x 224 uint8 image (150,528 bytes) and an int label,
+converted to float on the device. A smaller batch makes the step shorter and the training thread busier launching
+kernels: the per-batch cost of the data path shows more. Each system is timed over ``--steps`` steps after
 ``--warmup`` steps, the device synchronised at both ends; the figure is images/s and its ratio to the ceiling's
 (the median of ``--repeats`` runs, the systems measured in turn within each run):
 
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or tiny")
     parser.add_argument("--samples", default="8192,16384", help="static cache sizes (samples), comma-separated")
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", default="256", help="batch sizes, comma-separated: each is measured in turn")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
@@ -249,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
     pinned = device.type == "cuda"  # pinned host memory: the DataLoader's pin thread, cachefeed's registered arenas
     sizes = [int(x) for x in args.samples.split(",")]
+    batches = [int(x) for x in args.batch.split(",")]
     disk, arenas = footprint(sizes, args.workers, args.daemon)
     print(
         f"needs about {disk / 1e9:.1f} GB under {args.dir} and {arenas / 2**30:.1f} GiB of worker arenas"
@@ -258,53 +261,62 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check_machine(args.dir, disk, arenas, pinned=pinned)
     work = Path(tempfile.mkdtemp(prefix="cachefeed-feed-gpu-", dir=args.dir))
     trainer = Trainer(args.model, device)
-    runs: dict[str, list[float]] = {}
+    runs: dict[tuple[int, str], list[float]] = {}
     extra: dict[str, Any] = {}
     try:
         with ExitStack() as stack:
-
-            def fed_by_cachefeed(root: Path) -> Iterator[Any]:
-                factory = EpochLoaderFactory(
-                    root,
-                    batch_size=args.batch,
-                    drop_last=True,
-                    num_workers=args.workers,
-                    pin_memory=pinned,
-                    progress=None,
-                )
-                return forever(stack.enter_context(factory).loader, device)
-
-            systems: dict[str, Iterator[Any]] = {}
-            ceiling = next(iter(DataLoader(InMemoryImages(args.batch), batch_size=args.batch)))
-            ceiling = {key: value.to(device) for key, value in ceiling.items()}
-            systems["ceiling"] = iter(lambda: ceiling, None)
-            plain = DataLoader(
-                InMemoryImages(max(sizes)),
-                batch_size=args.batch,
-                shuffle=True,
-                drop_last=True,
-                num_workers=args.workers,
-                persistent_workers=True,
-                pin_memory=pinned,
-            )
-            systems["plain DataLoader"] = forever(lambda _epoch: plain, device)
             for samples in sizes:
-                root = work / f"cache-{samples}"
-                write_static_cache(root, image_samples(samples), segment_bytes=SEGMENT_BYTES, max_bytes=samples << 20)
-                systems[f"cachefeed, {samples} samples"] = fed_by_cachefeed(root)
-            daemon, before = None, None
+                write_static_cache(
+                    work / f"cache-{samples}",
+                    image_samples(samples),
+                    segment_bytes=SEGMENT_BYTES,
+                    max_bytes=samples << 20,
+                )
+            daemon, before, cache_dir = None, None, None
             if args.daemon:
                 daemon, cache_dir = start_ingesting(work, 2 * max(sizes), max(sizes), wait_s=600)
                 stack.callback(daemon.stop)
-                systems["cachefeed + daemon"] = fed_by_cachefeed(cache_dir)
                 before = settled(daemon)
-            for repeat in range(args.repeats):
-                for name, batches in systems.items():
-                    if daemon is not None and name != "cachefeed + daemon":
-                        settled(daemon)
-                    rate = trainer.run(batches, args.steps, args.warmup)
-                    runs.setdefault(name, []).append(rate)
-                    print(f"  run {repeat + 1}: {name:<28} {rate:9.0f} images/s", flush=True)
+            for batch in batches:
+                with ExitStack() as loaders:  # one batch size's loaders (and their workers' pinned arenas) at a time
+
+                    def fed_by_cachefeed(root: Path, batch: int = batch, loaders: ExitStack = loaders) -> Iterator[Any]:
+                        factory = EpochLoaderFactory(
+                            root,
+                            batch_size=batch,
+                            drop_last=True,
+                            num_workers=args.workers,
+                            pin_memory=pinned,
+                            progress=None,
+                        )
+                        return forever(loaders.enter_context(factory).loader, device)
+
+                    systems: dict[str, Iterator[Any]] = {}
+                    ceiling = next(iter(DataLoader(InMemoryImages(batch), batch_size=batch)))
+                    ceiling = {key: value.to(device) for key, value in ceiling.items()}
+                    systems["ceiling"] = iter(lambda ceiling=ceiling: ceiling, None)
+                    plain = DataLoader(
+                        InMemoryImages(max(sizes)),
+                        batch_size=batch,
+                        shuffle=True,
+                        drop_last=True,
+                        num_workers=args.workers,
+                        persistent_workers=True,
+                        pin_memory=pinned,
+                    )
+                    systems["plain DataLoader"] = forever(lambda _epoch, plain=plain: plain, device)
+                    for samples in sizes:
+                        systems[f"cachefeed, {samples} samples"] = fed_by_cachefeed(work / f"cache-{samples}")
+                    if cache_dir is not None:
+                        systems["cachefeed + daemon"] = fed_by_cachefeed(cache_dir)
+                    for repeat in range(args.repeats):
+                        for name, batches_of in systems.items():
+                            if daemon is not None and name != "cachefeed + daemon":
+                                settled(daemon)
+                            rate = trainer.run(batches_of, args.steps, args.warmup)
+                            runs.setdefault((batch, name), []).append(rate)
+                            print(f"  batch {batch}, run {repeat + 1}: {name:<28} {rate:9.0f} images/s", flush=True)
+                    del systems, plain
             if daemon is not None and before is not None:
                 after = settled(daemon)
                 extra["daemon"] = {
@@ -315,18 +327,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    top = statistics.median(runs["ceiling"])
     rows = []
-    for name, rates in runs.items():
-        rate = statistics.median(rates)
-        rows.append({"system": name, "images_per_s": round(rate), "of_ceiling": round(rate / top, 3), "runs": rates})
-        print(f"{name:<28} {rate:9.0f} images/s  {rate / top:5.2f} of the ceiling")
+    for (batch, name), rates in runs.items():
+        rate, top = statistics.median(rates), statistics.median(runs[batch, "ceiling"])
+        rows.append(
+            {
+                "batch": batch,
+                "system": name,
+                "images_per_s": round(rate),
+                "of_ceiling": round(rate / top, 3),
+                "runs": rates,
+            }
+        )
+        print(f"batch {batch:<4} {name:<28} {rate:9.0f} images/s  {rate / top:5.2f} of the ceiling")
     if extra:
         print(f"while the daemon ran: {extra['daemon']}")
     figures = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": args.model,
-        "batch": args.batch,
+        "batches": batches,
         "workers": args.workers,
         "steps": args.steps,
         "repeats": args.repeats,
@@ -341,28 +360,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def readme_table(doc: dict[str, Any]) -> str:
     """The README's GPU feed table, from a committed result document."""
     figures = doc["figures"]
+    batches = figures.get("batches", [figures.get("batch")])
     lines = [
-        f"ResNet-18 trained on {figures['device']} (bf16 autocast, `channels_last`, batches of {figures['batch']} "
-        f"3 x 224 x 224 uint8 images), {figures['workers']} workers, pinned memory; images/s, the median of "
-        f"{figures['repeats']} runs of {figures['steps']} steps:",
+        f"ResNet-18 trained on {figures['device']} (bf16 autocast, `channels_last`, 3 x 224 x 224 uint8 images), "
+        f"{figures['workers']} workers, pinned memory; images/s and the fraction of the ceiling at the same batch "
+        f"size, the median of {figures['repeats']} runs of {figures['steps']} steps:",
         "",
-        "| fed by | images/s | of the ceiling |",
-        "|---|---|---|",
+        "| fed by | " + " | ".join(f"batch {b}" for b in batches) + " |",
+        "|---|" + "---|" * len(batches),
     ]
     shown = {
         "ceiling": "ceiling: one batch already on the GPU, every step",
         "plain DataLoader": "plain DataLoader over a tensor in RAM (`pin_memory=True`)",
         "cachefeed + daemon": "cachefeed while the daemon ingests (`evict_after_reads = 1`)",
     }
+    cells: dict[str, dict[int, str]] = {}
     for r in figures["rows"]:
-        name = shown.get(r["system"], r["system"].replace(" samples", " samples (a static cache)"))
-        lines.append(f"| {name} | {r['images_per_s']:,} | {r['of_ceiling']:.2f} |")
+        batch = r.get("batch", figures.get("batch"))
+        cells.setdefault(r["system"], {})[batch] = f"{r['images_per_s']:,} ({r['of_ceiling']:.2f})"
+    for system, by_batch in cells.items():
+        name = shown.get(system, system.replace(" samples", " samples (a static cache)"))
+        lines.append(f"| {name} | " + " | ".join(by_batch.get(b, "-") for b in batches) + " |")
     daemon = figures.get("daemon")
     if daemon:
         lines += [
             "",
-            f"While the daemon row ran, the daemon ingested {daemon['ingested_samples']:,} samples from its `file://` "
-            f"remote (its status's counters; {daemon['cached_samples']:,} cached at the end).",
+            f"While the daemon rows ran, the daemon ingested {daemon['ingested_samples']:,} samples from its "
+            f"`file://` remote (its status's counters; {daemon['cached_samples']:,} cached at the end).",
         ]
     lines += ["", "Measured with " + provenance_line(doc) + f", on {figures['device']}."]
     return "\n".join(lines)
