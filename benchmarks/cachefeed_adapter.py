@@ -31,7 +31,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from benchmarks.common.samples import Workload, collate
 from cachefeed._cache.settings import DEFAULT_TURNOVER_PERCENT, METADATA_RESERVE_BYTES
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, daemon_argv
+from cachefeed._testing.env import checkout_env
 
 # Per-sample overhead of a segment record, only used to size an unbounded cache (``_cache/records.py``, format 4):
 # 64 bytes of header, meta and padding before these payloads of 4 KiB or more (128 where a key of more than about
@@ -175,13 +176,14 @@ class CachefeedAdapter:
         return config_path, cache_dir, work_dir, scratch
 
 
-def launch_daemon(config_path: Path, cache_dir: Path) -> DaemonProcess:
-    """``python -m cachefeed daemon`` with ``config_path``, its stderr beside the config; returns at once.
+def launch_daemon(config_path: Path, cache_dir: Path, env: Mapping[str, str] | None = None) -> DaemonProcess:
+    """``python -m cachefeed daemon`` with ``config_path``, its stderr beside the config, in ``env`` (this process's
+    by default) with the checkout on ``PYTHONPATH``; returns at once (``stop_launched`` stops it).
 
     Not ``start_daemon``: that one gives the daemon a session of its own, and here it stays in the measuring
     process's group (module docstring)."""
     stderr_path = config_path.parent / "daemon.stderr"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = checkout_env(REPO_ROOT, env)
     with stderr_path.open("wb") as stderr:
         process = subprocess.Popen(
             daemon_argv(config_path),
@@ -192,6 +194,18 @@ def launch_daemon(config_path: Path, cache_dir: Path) -> DaemonProcess:
             cwd=REPO_ROOT,
         )
     return DaemonProcess(process, config_path, cache_dir, stderr_path)
+
+
+def stop_launched(process: subprocess.Popen[bytes]) -> None:
+    """Stop a daemon from ``launch_daemon``: SIGTERM, then SIGKILL after 30 s (the process alone: it shares the
+    measuring process's group)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
 
 
 def make_factory(cache_dir: Path, settings: LoaderSettings) -> Any:
@@ -261,14 +275,7 @@ class CachefeedSource:
             if self.factory is not None:
                 self.factory.close()
         finally:
-            process = self.daemon.process
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()  # not the group: the daemon shares the measuring process's
-                    process.wait(10)
+            stop_launched(self.daemon.process)
             if self.settings.cache_dir is None:  # the local figure: its cache is removed here, read it first
                 from benchmarks.common.measures import sequential_read
 

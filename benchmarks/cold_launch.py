@@ -6,11 +6,12 @@ Runs under ``.bench-venv`` (litdata lives there: ``benchmarks/peers/setup_env.sh
 
 Why: run_all's cold-start table starts its clock when its measuring process opens a loader. That process has
 imported torch and the peer's library already; cachefeed's daemon is launched on that clock, as a fresh process
-whose imports (about 0.9 s of CPU here) are on it. A job starts neither way: its training process starts fresh,
+whose imports are on it. A job starts neither way: its training process starts fresh,
 imports torch and its loader's library, then opens the loader. So here, for each round, workload and system (the
 systems alternate their order from round to round), a fresh training process is started at t0
-(``python -m benchmarks.cold_launch --trainer SPEC``). It imports torch, then the system's adapter module
-(``benchmarks.peers.lit`` imports litdata; ``benchmarks.cachefeed_tar_adapter`` imports cachefeed's tar decoder).
+(``benchmarks/cold_launch_trainer.py``: nothing but the standard library before its clock starts). It imports
+torch, then the system's adapter module (``benchmarks.peers.lit`` imports litdata;
+``benchmarks.cachefeed_tar_adapter`` imports cachefeed's tar decoder).
 It opens the adapter as run_all's cold measurement does: the same adapter class, 2 fork workers, the workload's
 batch, a fresh cache dir, no budget, one epoch. Then it reads epoch 0, verifying every sample, and prints its
 marks. cachefeed's adapter launches the daemon when it is opened, after the trainer's own imports: the daemon's
@@ -20,7 +21,8 @@ process, as systemd would start it with the job, and the trainer, once its impor
 factory over the daemon's cache dir (``EpochLoaderFactory`` waits for the daemon to create it).
 
 Figures per workload and system, the median of ``--rounds``: seconds from t0 to the end of the trainer's imports
-(torch, then the adapter), to the first batch, and to the end of epoch 0, with the samples it served. The data
+(torch, then the adapter), to the first batch, and to the end of epoch 0; a run whose epoch 0 missed a sample
+fails the benchmark. The data
 is run_all's: its ``full`` workloads (``benchmarks/peers/plan.py``), each system's converted files uploaded to one
 local moto server. Writes ``benchmarks/results/cold_launch.json`` (``--no-save`` to skip).
 """
@@ -33,7 +35,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,13 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cachefeed_adapter import launch_daemon
+from benchmarks.cachefeed_adapter import launch_daemon, stop_launched
 from benchmarks.cachefeed_tar_adapter import CachefeedTarAdapter
 from benchmarks.common.adapter import DataLocation, LoaderSettings
 from benchmarks.common.results import REPO_ROOT, provenance_line, save
 from benchmarks.common.s3server import S3Server, upload_dir
-from benchmarks.common.samples import Workload, verify_batch, write_samples
+from benchmarks.common.samples import write_samples
 from benchmarks.peers.plan import SYSTEMS, WORKLOADS
+from cachefeed._testing.env import checkout_env
 from cachefeed._testing.local_s3 import DUMMY_ENV
 
 BUCKET = "bench"
@@ -61,77 +63,40 @@ LABELS = {
 DEFAULT_WORKLOADS = ("small", "medium")  # the tar-shard workloads of issue 27's cold-start line
 
 
-def trainer(spec: dict[str, Any]) -> dict[str, Any]:
-    """A fresh training process's run (``--trainer``): import, open, read epoch 0; wall-clock marks (``time.time``,
-    the parent's clock too)."""
-    import torch  # noqa: F401  (what a training script imports first)
-
-    torch_done = time.time()
-    module, _, name = spec["adapter"].partition(":")
-    adapter = getattr(importlib.import_module(module), name)()
-    imported = time.time()
-    workload = Workload(**spec["workload"])
-    settings = LoaderSettings(
-        batch_size=workload.batch_size, num_workers=2, cache_dir=Path(spec["cache_dir"]), extra={"epochs": 1}
-    )
-    if spec.get("daemon_cache_dir"):  # the daemon was launched at t0: the loader alone
-        from benchmarks.cachefeed_adapter import make_factory
-
-        source = make_factory(Path(spec["daemon_cache_dir"]), settings)
-        epoch = source.loader
-    else:
-        source = adapter.open(workload, DataLocation(None, spec["url"], spec["endpoint"]), settings)
-        epoch = source.epoch
-    opened = time.time()
-    first, served, distinct = None, 0, set()
-    try:
-        for batch in epoch(0):
-            if first is None:
-                first = time.time()
-            indices = verify_batch(batch)
-            served += len(indices)
-            distinct.update(indices)
-        end = time.time()
-    finally:
-        source.close()
-    return {
-        "torch_imported": torch_done,
-        "imported": imported,
-        "opened": opened,
-        "first_batch": first,
-        "epoch_end": end,
-        "samples": served,
-        "distinct": len(distinct),
-    }
-
-
 def launch(spec: dict[str, Any], daemon_config: Path | None = None, timeout_s: float = 600.0) -> dict[str, Any]:
     """Start one training process at t0 (and the daemon with ``daemon_config`` at t0 too); its marks as seconds
-    from t0."""
-    env = {
-        **os.environ,
-        **DUMMY_ENV,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    started = time.time()
-    daemon = None if daemon_config is None else launch_daemon(daemon_config, Path(spec["daemon_cache_dir"]))
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.cold_launch", "--trainer", json.dumps(spec)],
-            cwd=REPO_ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
+    from t0. Raises with the trainer's (or the daemon's) stderr if either fails."""
+    env = checkout_env(REPO_ROOT, {**os.environ, **DUMMY_ENV})
+    argv = [sys.executable, "-m", "benchmarks.cold_launch_trainer", json.dumps(spec)]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        started = time.time()
+        daemon = None if daemon_config is None else launch_daemon(daemon_config, Path(spec["daemon_cache_dir"]), env)
+        trainer = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
+        try:
+            while trainer.poll() is None:
+                if daemon is not None and daemon.process.poll() is not None:
+                    raise RuntimeError(
+                        f"the daemon exited with {daemon.process.returncode}:\n{daemon.stderr()[-3000:]}"
+                    )
+                if time.time() - started > timeout_s:
+                    raise RuntimeError(f"{spec['system']}: no epoch 0 after {timeout_s:g} s")
+                time.sleep(0.05)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
+            if daemon is not None:
+                stop_launched(daemon.process)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode(errors="replace")
+    if trainer.returncode != 0:
+        raise RuntimeError(f"{spec['system']} trainer exited with {trainer.returncode}:\n{stderr[-3000:]}")
+    marks = json.loads(stdout.strip().splitlines()[-1])
+    if marks["distinct"] != spec["workload"]["count"]:
+        raise RuntimeError(
+            f"{spec['system']}: epoch 0 served {marks['distinct']} of {spec['workload']['count']} samples"
         )
-    finally:
-        if daemon is not None:
-            daemon.process.send_signal(signal.SIGTERM)
-            daemon.process.wait(60)
-    if done.returncode != 0:
-        raise RuntimeError(f"{spec['system']} trainer exited with {done.returncode}:\n{done.stderr[-3000:]}")
-    marks = json.loads(done.stdout.strip().splitlines()[-1])
     rel = {
         key: round(marks[key] - started, 3)
         for key in ("torch_imported", "imported", "opened", "first_batch", "epoch_end")
@@ -142,24 +107,21 @@ def launch(spec: dict[str, Any], daemon_config: Path | None = None, timeout_s: f
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the comparison; returns the figures (also written to ``cold_launch.json`` unless ``--no-save``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainer", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
-    if args.trainer:
-        print(json.dumps(trainer(json.loads(args.trainer))), flush=True)
-        return {}
     adapters = {system.key: system.adapter for system in SYSTEMS}
     systems = args.systems.split(",")
     unknown = [s for s in systems if s not in adapters and s != WITH_JOB]
     if unknown:
-        raise SystemExit(f"--systems: {', '.join(unknown)} not among {', '.join(adapters)}")
+        raise SystemExit(f"--systems: {', '.join(unknown)} not among {', '.join([*adapters, WITH_JOB])}")
     workloads = {w.name: w for w in WORKLOADS["full"]}
-    chosen = [workloads[n] for n in args.workloads.split(",") if n in workloads]
-    if len(chosen) != len(args.workloads.split(",")):
-        raise SystemExit(f"--workloads: each of {args.workloads!r} must be one of {', '.join(workloads)}")
+    bad = [n for n in args.workloads.split(",") if n not in workloads]
+    if bad:
+        raise SystemExit(f"--workloads: {', '.join(bad)} not among {', '.join(workloads)}")
+    chosen = [workloads[n] for n in args.workloads.split(",")]
     if "litdata" in systems and importlib.util.find_spec("litdata") is None:
         raise SystemExit("litdata is not installed here: run under .bench-venv (benchmarks/peers/setup_env.sh)")
     root = Path(tempfile.mkdtemp(prefix="cold-launch-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -192,16 +154,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "endpoint": server.endpoint,
                         "cache_dir": str(cache),
                     }
-                    config = None
+                    config, work = None, None
                     if system == WITH_JOB:
                         settings = LoaderSettings(workload.batch_size, cache_dir=cache, extra={"epochs": 1})
                         location = DataLocation(None, spec["url"], server.endpoint)
-                        config, daemon_cache, _work, _scratch = CachefeedTarAdapter().daemon_config(
+                        config, daemon_cache, work, _ = CachefeedTarAdapter().daemon_config(
                             workload, location, settings
                         )
                         spec["daemon_cache_dir"] = str(daemon_cache)
-                    row = {"round": round_, "workload": workload.name, "system": system, **launch(spec, config)}
-                    shutil.rmtree(cache, ignore_errors=True)
+                    try:
+                        row = {"round": round_, "workload": workload.name, "system": system, **launch(spec, config)}
+                    finally:
+                        shutil.rmtree(cache, ignore_errors=True)
+                        if work is not None:
+                            shutil.rmtree(work, ignore_errors=True)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     finally:

@@ -29,9 +29,9 @@ to change rather than fail half-way): under ``--dir`` (``/dev/shm`` by default) 
 ``--daemon`` its ``file://`` remote of twice the largest cache plus the daemon's cache (about 11 GB with the
 defaults; a container's ``/dev/shm`` is 64 MB unless the runtime is told otherwise: pass ``--dir`` on a disk or a
 larger tmpfs, or fewer ``--samples``); and the workers' shared memory: every cachefeed row keeps its factory, so
-its ``--workers`` workers, alive for the whole run (the rows are measured in turn within each repeat), each with a
-256 MiB arena that CUDA page-locks whole (3 factories x 8 workers x 256 MiB = 6 GiB pinned with the defaults;
-more than half of ``MemAvailable`` is refused).
+its ``--workers`` workers, alive while its batch size is measured (the rows are measured in turn within each
+repeat), each with a 256 MiB arena that CUDA page-locks whole (3 factories x 8 workers x 256 MiB = 6 GiB pinned
+with the defaults; more than half of ``MemAvailable`` is refused).
 
 Every loader drops its last partial batch: the daemon's snapshots change size every epoch, and under
 ``cudnn.benchmark`` each new batch shape would be tuned anew inside the timed window.
@@ -263,6 +263,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = Trainer(args.model, device)
     runs: dict[tuple[int, str], list[float]] = {}
     extra: dict[str, Any] = {}
+
+    def measure_batch_size(batch: int, daemon: DaemonProcess | None, cache_dir: Path | None) -> None:
+        """Every row at one batch size, ``--repeats`` times, into ``runs``: its loaders (and their workers' pinned
+        arenas) live only while it runs."""
+        with ExitStack() as loaders:
+
+            def fed_by_cachefeed(root: Path) -> Iterator[Any]:
+                factory = EpochLoaderFactory(
+                    root, batch_size=batch, drop_last=True, num_workers=args.workers, pin_memory=pinned, progress=None
+                )
+                return forever(loaders.enter_context(factory).loader, device)
+
+            systems: dict[str, Iterator[Any]] = {}
+            first = next(iter(DataLoader(InMemoryImages(batch), batch_size=batch)))
+            ceiling = {key: value.to(device) for key, value in first.items()}
+            systems["ceiling"] = iter(lambda: ceiling, None)
+            plain = DataLoader(
+                InMemoryImages(max(sizes)),
+                batch_size=batch,
+                shuffle=True,
+                drop_last=True,
+                num_workers=args.workers,
+                persistent_workers=True,
+                pin_memory=pinned,
+            )
+            systems["plain DataLoader"] = forever(lambda _epoch: plain, device)
+            for samples in sizes:
+                systems[f"cachefeed, {samples} samples"] = fed_by_cachefeed(work / f"cache-{samples}")
+            if cache_dir is not None:
+                systems["cachefeed + daemon"] = fed_by_cachefeed(cache_dir)
+            for repeat in range(args.repeats):
+                for name, batches_of in systems.items():
+                    if daemon is not None and name != "cachefeed + daemon":
+                        settled(daemon)
+                    rate = trainer.run(batches_of, args.steps, args.warmup)
+                    runs.setdefault((batch, name), []).append(rate)
+                    print(f"  batch {batch}, run {repeat + 1}: {name:<28} {rate:9.0f} images/s", flush=True)
+
     try:
         with ExitStack() as stack:
             for samples in sizes:
@@ -278,45 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 stack.callback(daemon.stop)
                 before = settled(daemon)
             for batch in batches:
-                with ExitStack() as loaders:  # one batch size's loaders (and their workers' pinned arenas) at a time
-
-                    def fed_by_cachefeed(root: Path, batch: int = batch, loaders: ExitStack = loaders) -> Iterator[Any]:
-                        factory = EpochLoaderFactory(
-                            root,
-                            batch_size=batch,
-                            drop_last=True,
-                            num_workers=args.workers,
-                            pin_memory=pinned,
-                            progress=None,
-                        )
-                        return forever(loaders.enter_context(factory).loader, device)
-
-                    systems: dict[str, Iterator[Any]] = {}
-                    ceiling = next(iter(DataLoader(InMemoryImages(batch), batch_size=batch)))
-                    ceiling = {key: value.to(device) for key, value in ceiling.items()}
-                    systems["ceiling"] = iter(lambda ceiling=ceiling: ceiling, None)
-                    plain = DataLoader(
-                        InMemoryImages(max(sizes)),
-                        batch_size=batch,
-                        shuffle=True,
-                        drop_last=True,
-                        num_workers=args.workers,
-                        persistent_workers=True,
-                        pin_memory=pinned,
-                    )
-                    systems["plain DataLoader"] = forever(lambda _epoch, plain=plain: plain, device)
-                    for samples in sizes:
-                        systems[f"cachefeed, {samples} samples"] = fed_by_cachefeed(work / f"cache-{samples}")
-                    if cache_dir is not None:
-                        systems["cachefeed + daemon"] = fed_by_cachefeed(cache_dir)
-                    for repeat in range(args.repeats):
-                        for name, batches_of in systems.items():
-                            if daemon is not None and name != "cachefeed + daemon":
-                                settled(daemon)
-                            rate = trainer.run(batches_of, args.steps, args.warmup)
-                            runs.setdefault((batch, name), []).append(rate)
-                            print(f"  batch {batch}, run {repeat + 1}: {name:<28} {rate:9.0f} images/s", flush=True)
-                    del systems, plain
+                measure_batch_size(batch, daemon, cache_dir)
             if daemon is not None and before is not None:
                 after = settled(daemon)
                 extra["daemon"] = {

@@ -284,19 +284,18 @@ def test_ingest_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
 def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -> None:
     from benchmarks import feed_gpu
 
-    argv = ["--device", "cpu", "--model", "tiny", "--samples", "128,256", "--batch", "16", "--workers", "2"]
+    argv = ["--device", "cpu", "--model", "tiny", "--samples", "128,256", "--batch", "16,8", "--workers", "2"]
     # 60 steps: some nine epochs of the daemon row, so that receipts come back and the daemon fetches while it runs
     argv += ["--steps", "60", "--warmup", "2", "--repeats", "1", "--daemon", "--dir", str(tmp_path), "--no-save"]
     figures = feed_gpu.main(argv)
-    systems = [row["system"] for row in figures["rows"]]
-    assert systems == [
-        "ceiling",
-        "plain DataLoader",
-        "cachefeed, 128 samples",
-        "cachefeed, 256 samples",
-        "cachefeed + daemon",
-    ]
+    rows = ["ceiling", "plain DataLoader", "cachefeed, 128 samples", "cachefeed, 256 samples", "cachefeed + daemon"]
+    assert [(row["batch"], row["system"]) for row in figures["rows"]] == [(b, s) for b in (16, 8) for s in rows]
     assert all(row["images_per_s"] > 0 for row in figures["rows"])
+    provenance = {"machine": {}, "date_utc": "2026-11-26T00:00:00Z", "commit": "0" * 40}
+    table = feed_gpu.readme_table(
+        {"command": "python -m benchmarks.feed_gpu", "figures": figures, "provenance": provenance}
+    )
+    assert "| fed by | batch 16 | batch 8 |\n|---|---|---|\n" in table
     assert figures["daemon"]["cached_samples"] > 0
     assert figures["daemon"]["ingested_samples"] > 0  # the daemon row's reads made it fetch, as in training
     # Nothing evicted unread is the witness suite's to show (tests/witness/), not status's own counter here.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,8 +49,11 @@ def provenance(work_dir: Path) -> dict[str, Any]:
     with every later change as uncommitted."""
     # Results already written by an earlier benchmark of the same run do not make the code dirty.
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
-    commit = os.environ.get("CACHEFEED_COMMIT") or _git("rev-parse", "HEAD")
-    if os.environ.get("CACHEFEED_COMMIT"):
+    named = os.environ.get("CACHEFEED_COMMIT")
+    if named and not re.fullmatch(r"[0-9a-f]{40}", named):
+        raise ValueError(f"CACHEFEED_COMMIT={named!r}: expected a full commit hash (git rev-parse HEAD)")
+    commit = named or _git("rev-parse", "HEAD")
+    if named:
         status = ""
     return {
         "commit": commit,

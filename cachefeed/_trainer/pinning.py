@@ -43,9 +43,9 @@ what the fake models needs a GPU (the ``gpu`` tests): that ``cudaHostRegister`` 
 tensors ``is_pinned()`` and their copies asynchronous, that ``_cuda_hasPrimaryContext`` and event records create no
 context, and that a copy queued on ``cuda:1`` is really overwritten without the fence on ``cuda:1`` (two GPUs).
 On one H200 (torch 2.11, 2026-11-26, ``scripts/gpu_checks.sh``) the one-GPU ``gpu`` tests passed: arenas pinned
-in place, no context before the loop used its GPU, copies dropped at once intact. With ``fence`` made to return no
-event (a run not committed), the dropped-copies test failed 3 times in 3 (a sample overwritten under its queued
-copy), so on a real GPU the fence is what keeps it intact. The two-GPU test has not run: no machine with two.
+in place, no context before the loop used its GPU, copies dropped at once intact. Run by hand there with ``fence``
+made to return no event, the dropped-copies test failed (a sample overwritten under its queued copy): on a real GPU
+the fence is what keeps it intact, and the test can tell. The two-GPU test has not run: no machine with two.
 """
 
 from __future__ import annotations
