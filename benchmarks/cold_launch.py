@@ -30,6 +30,7 @@ local moto server. Writes ``benchmarks/results/cold_launch.json`` (``--no-save``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
+    parser.add_argument("--count", type=int, help="samples per workload (default: run_all's); fewer for a smoke run")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
     adapters = {system.key: system.adapter for system in SYSTEMS}
@@ -122,6 +124,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if bad:
         raise SystemExit(f"--workloads: {', '.join(bad)} not among {', '.join(workloads)}")
     chosen = [workloads[n] for n in args.workloads.split(",")]
+    if args.count is not None:
+        if args.count < 1:
+            raise SystemExit(f"--count {args.count}: expected at least 1 sample per workload")
+        chosen = [dataclasses.replace(w, count=args.count) for w in chosen]
     if "litdata" in systems and importlib.util.find_spec("litdata") is None:
         raise SystemExit("litdata is not installed here: run under .bench-venv (benchmarks/peers/setup_env.sh)")
     root = Path(tempfile.mkdtemp(prefix="cold-launch-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))

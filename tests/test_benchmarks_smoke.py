@@ -285,8 +285,9 @@ def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -
     from benchmarks import feed_gpu
 
     argv = ["--device", "cpu", "--model", "tiny", "--samples", "128,256", "--batch", "16,8", "--workers", "2"]
-    # 60 steps: some nine epochs of the daemon row, so that receipts come back and the daemon fetches while it runs
-    argv += ["--steps", "60", "--warmup", "2", "--repeats", "1", "--daemon", "--dir", str(tmp_path), "--no-save"]
+    # 30 steps at each batch size: some seven epochs of the daemon rows together, so that receipts come back and the
+    # daemon fetches while they run
+    argv += ["--steps", "30", "--warmup", "2", "--repeats", "1", "--daemon", "--dir", str(tmp_path), "--no-save"]
     figures = feed_gpu.main(argv)
     rows = ["ceiling", "plain DataLoader", "cachefeed, 128 samples", "cachefeed, 256 samples", "cachefeed + daemon"]
     assert [(row["batch"], row["system"]) for row in figures["rows"]] == [(b, s) for b in (16, 8) for s in rows]
@@ -374,12 +375,13 @@ def test_cold_launch_times_cachefeed_from_a_fresh_training_process_and_renders_i
     from benchmarks import cold_launch
 
     systems = "cachefeed-tar,cachefeed-tar@job"  # the daemon launched by the loader, and at t0 beside the trainer
-    figures = cold_launch.main(["--systems", systems, "--workloads", "small", "--rounds", "1", "--no-save"])
+    argv = ["--systems", systems, "--workloads", "small", "--count", "1024", "--rounds", "1", "--no-save"]
+    figures = cold_launch.main(argv)
     assert [row["system"] for row in figures["rows"]] == systems.split(",")
     for row in figures["rows"]:
-        assert row["distinct"] == row["samples"] == 8192  # every sample of the epoch, each verified
+        assert row["distinct"] == row["samples"] == 1024  # every sample of the epoch, each verified
         assert 0 < row["torch_imported"] <= row["imported"] < row["opened"] < row["first_batch"] < row["epoch_end"]
     provenance = {"machine": {}, "date_utc": "2026-11-26T00:00:00Z", "commit": "0" * 40}
     doc = {"command": "python -m benchmarks.cold_launch", "figures": figures, "provenance": provenance}
     table = cold_launch.readme_table(doc)
-    assert "| 8,192 x 4 KiB | cachefeed (tar shards), the daemon launched with the job |" in table
+    assert "| 1,024 x 4 KiB | cachefeed (tar shards), the daemon launched with the job |" in table
