@@ -32,7 +32,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     imported = time.time()
     workload = Workload(**spec["workload"])
     settings = LoaderSettings(
-        batch_size=workload.batch_size, num_workers=2, cache_dir=Path(spec["cache_dir"]), extra={"epochs": 1}
+        batch_size=workload.batch_size,
+        num_workers=spec["workers"],
+        cache_dir=Path(spec["cache_dir"]),
+        extra={"epochs": 1},
     )
     if spec.get("daemon_cache_dir"):  # the daemon was launched at t0 beside this process: the loader alone
         from benchmarks.cachefeed_adapter import make_factory

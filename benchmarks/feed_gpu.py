@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def readme_table(doc: dict[str, Any]) -> str:
     """The README's GPU feed table, from a committed result document."""
     figures = doc["figures"]
-    batches = figures.get("batches", [figures.get("batch")])
+    batches = figures["batches"]
     lines = [
         f"ResNet-18 trained on {figures['device']} (bf16 autocast, `channels_last`, 3 x 224 x 224 uint8 images), "
         f"{figures['workers']} workers, pinned memory; images/s and the fraction of the ceiling at the same batch "
@@ -376,8 +376,7 @@ def readme_table(doc: dict[str, Any]) -> str:
     }
     cells: dict[str, dict[int, str]] = {}
     for r in figures["rows"]:
-        batch = r.get("batch", figures.get("batch"))
-        cells.setdefault(r["system"], {})[batch] = f"{r['images_per_s']:,} ({r['of_ceiling']:.2f})"
+        cells.setdefault(r["system"], {})[r["batch"]] = f"{r['images_per_s']:,} ({r['of_ceiling']:.2f})"
     for system, by_batch in cells.items():
         name = shown.get(system, system.replace(" samples", " samples (a static cache)"))
         lines.append(f"| {name} | " + " | ".join(by_batch.get(b, "-") for b in batches) + " |")

@@ -47,14 +47,15 @@ def provenance(work_dir: Path) -> dict[str, Any]:
     named in ``CACHEFEED_COMMIT``, clean: whoever sends the copy sets it, from a clean checkout of that commit. The
     copy's own ``.git``, if it has one, is not asked: the GPU machine's names the commit its session started from,
     with every later change as uncommitted."""
-    # Results already written by an earlier benchmark of the same run do not make the code dirty.
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     named = os.environ.get("CACHEFEED_COMMIT")
-    if named and not re.fullmatch(r"[0-9a-f]{40}", named):
-        raise ValueError(f"CACHEFEED_COMMIT={named!r}: expected a full commit hash (git rev-parse HEAD)")
-    commit = named or _git("rev-parse", "HEAD")
     if named:
-        status = ""
+        if not re.fullmatch(r"[0-9a-f]{40}", named):
+            raise ValueError(f"CACHEFEED_COMMIT={named!r}: expected a full commit hash (git rev-parse HEAD)")
+        commit, status = named, ""
+    else:
+        commit = _git("rev-parse", "HEAD")
+        # Results already written by an earlier benchmark of the same run do not make the code dirty.
+        status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     return {
         "commit": commit,
         "dirty": bool(status) if status is not None else None,
