@@ -12,8 +12,8 @@ What it does, per measurement (``open``):
   ``collate_fn=samples.collate``; every sample is verified by the harness.
 
 No conversion: the daemon reads the reference per-sample objects as they are (``uses_sample_objects``), so the
-conversion time is 0 (the harness reports ``n/a``). Samples are decoded by :func:`decode_sample` (the object's
-bytes as one ``uint8`` array, stored raw and aligned in the segment: read back zero-copy).
+conversion time is 0 (the harness reports ``n/a``). Samples are decoded by ``benchmarks.decoders.decode_sample``
+(the object's bytes as one ``uint8`` array, stored raw and aligned in the segment: read back zero-copy).
 
 Epoch 0 is the factory's default (inside the epoch's timing, so the cold figure includes it): it starts as soon as
 each worker has a segment and grows as the daemon publishes (``cachefeed/_trainer/growing.py``), until the daemon
@@ -35,8 +35,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks.common.adapter import DataLocation, LoaderSettings
 from benchmarks.common.results import REPO_ROOT
 from benchmarks.common.samples import Workload, collate
@@ -50,11 +48,6 @@ from cachefeed._testing.env import checkout_env
 # 40 characters shares no prefix with the previous one), and 4 bytes of index.
 _RECORD_OVERHEAD = 132
 _UNBOUNDED_FLOOR = 64 << 20
-
-
-def decode_sample(key: str, body: bytes) -> list[dict[str, Any]]:
-    """Daemon decoder (``sampler.decode``): a reference sample file -> one sample ``{"x": uint8 array}``."""
-    return [{"x": np.frombuffer(body, dtype=np.uint8)}]
 
 
 def sample_payload(sample: dict[str, Any]) -> Any:
@@ -83,7 +76,7 @@ class CachefeedAdapter:
     supports_remote = True
     uses_sample_objects = True
     rolling = True  # under a budget, an epoch covers what is cached (coverage reported, not a failure)
-    decoder = f"{__name__}:decode_sample"  # the daemon's ``sampler.decode``
+    decoder = "benchmarks.decoders:decode_sample"  # the daemon's ``sampler.decode`` (a module of its own: see there)
 
     def describe(self) -> dict[str, Any]:
         import cachefeed

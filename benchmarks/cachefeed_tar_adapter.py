@@ -5,9 +5,10 @@ sharded remote instead of one object per sample.
 (``shard_bytes_for``: what litdata's chunks and mosaicml-streaming's shards get), members named as webdataset names
 them (``00000042.bin``: one sample per basename, field ``bin``); the harness times it and uploads the shards to the
 same counting moto server as the peers' converted files. The daemon reads them with its built-in ``tar`` decoder
-(``cachefeed/_codecs.py``: webdataset's grouping), through :func:`decode_tar_sample`, which hands on the ``bin``
-member as the sample's ``x`` array, as ``cachefeed`` stores a per-sample object. Every sample is verified by the
-harness as for every system. Everything else (budget, segment size, workers, epochs) is ``CachefeedAdapter``'s.
+(``cachefeed/_codecs.py``: webdataset's grouping), through ``benchmarks.decoders.decode_tar_sample``, which hands
+on the ``bin`` member as the sample's ``x`` array, as ``cachefeed`` stores a per-sample object. Every sample is
+verified by the harness as for every system. Everything else (budget, segment size, workers, epochs) is
+``CachefeedAdapter``'s.
 
 Why both systems: reading the objects as they are ("no conversion") is a feature of its own, and a sharded remote
 is what the peers read and what most large datasets already are; a GET per sample is paced by the object store's
@@ -21,24 +22,11 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks.cachefeed_adapter import CachefeedAdapter
 from benchmarks.common.adapter import shard_bytes_for
 from benchmarks.common.samples import Workload, sample_name, sample_path
-from cachefeed._codecs import Decoded, decode_tar
 
-_FIELD = "bin"  # the member's extension: sample_name(i) is "<8 digits>.bin"
 _TAR_MEMBER_OVERHEAD = tarfile.BLOCKSIZE  # a member's header; its data is padded to the block size
-
-
-def decode_tar_sample(key: str, body: bytes) -> Decoded:
-    """Daemon decoder (``sampler.decode``): a webdataset shard -> one sample ``{"x": uint8 array}`` per member."""
-    decoded = decode_tar(key, body)
-    return Decoded(
-        ({"x": np.frombuffer(sample[_FIELD], dtype=np.uint8), "__key__": sample["__key__"]} for sample in decoded),
-        decoded.skipped,
-    )
 
 
 def write_shards(workload: Workload, samples_dir: Path, out_dir: Path) -> list[Path]:
@@ -65,7 +53,7 @@ class CachefeedTarAdapter(CachefeedAdapter):
 
     name = "cachefeed-tar"
     uses_sample_objects = False  # the harness points it at its converted files: the shards
-    decoder = f"{__name__}:decode_tar_sample"
+    decoder = "benchmarks.decoders:decode_tar_sample"
 
     def describe(self) -> dict[str, Any]:
         return {
