@@ -24,7 +24,13 @@ workers, its pool's workers read the segments).
   carried to the next generation, and dropped when the snapshot closes. So every rank computes the same split from
   the same MANIFEST: disjoint, equal in size, each sample once, and a resumed epoch recomputes the same order.
 * A rank needing more batches re-reads the MANIFEST (``Snapshot.refresh``) and waits for growth; batches are cut
-  only when full, the last partial one only once the snapshot is closed.
+  only when full, the last partial one only once the snapshot is closed. The creator's own rank waits on its
+  grower (``Grower.want``): from then on the grower looks at each segment the daemon publishes and at each status
+  document it writes (inotify, ``wait.watch_publishes``), not only every ``GROW_EVERY_S``, and the rank wakes at
+  the grower's next change. So a rank that waits for the daemon sees a segment within milliseconds of its publish
+  (a cold job's first batch, and the end of its first epoch); a rank with batches left to read leaves the grower
+  to its tick, which costs the training process less. Other local ranks re-read the MANIFEST every
+  ``GROW_EVERY_S / 2`` while they wait.
 * ``len(loader)`` of a growing epoch is an estimate until the snapshot closes (``samples_per_epoch``: exact from
   the start); the factory prepares the next epoch only once the growing one is closed.
 
@@ -52,8 +58,9 @@ earlier epochs had served while the remote was delivering fresh ones. Instead:
   snapshot and its creator grows it on (``Snapshot.grow`` looks again at what it has not linked).
 
 The trade: the first epoch is ordered by arrival within a generation (a window of about ``GROW_EVERY_S`` of
-ingest), not shuffled over the whole cache. ``min_samples`` (a count or a fill level) keeps the former behaviour:
-wait, then shuffle over everything cached (and later epochs then read snapshots of what is cached, as before). A
+ingest, or one segment while a rank waits for the daemon), not shuffled over the whole cache. ``min_samples`` (a
+count or a fill level) keeps the former behaviour: wait, then shuffle over everything cached (and later epochs
+then read snapshots of what is cached, as before). A
 later epoch reads fresh samples as fast as the remote delivers them and never waits for the remote: where training
 is faster, the rest of the epoch is re-read samples (the remote sets the echo), at the cost of one short stall
 (the top-up, tens of milliseconds) where its loop caught up; it is likewise ordered by arrival, its top-up last.
@@ -81,12 +88,13 @@ from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.partition import fixed_size_order, warn_reuse
+from cachefeed._trainer.wait import stop_watch, watch_publishes
 
 __all__ = ["GROW_EVERY_S", "Grower", "GrowingEpoch", "GrowingShare"]
 
 log = get_logger(__name__)
 
-GROW_EVERY_S = 0.05  # how often the creator looks for new segments, and a waiting rank for growth
+GROW_EVERY_S = 0.05  # how often the creator looks for new segments at least (more often while a rank waits)
 _GROWTH_SEED = 0x6772_6F77  # "grow": keeps a generation's permutation apart from the epoch order's
 _TOPUP = 0x746F_7075  # "topu": the top-up's draws, apart from a set-size epoch's (``fixed_size_order``'s stream)
 
@@ -209,7 +217,13 @@ class Grower:
     samples, or the daemon can fill no further). ``finish`` ends the growth at once (a later epoch whose loop caught
     up with ingest). ``on_closed`` is called (on this thread) once the growth ended by that rule, by ``finish`` or by
     a full room (``Snapshot.grow``), not after ``stop``. The thread never raises: a failure closes
-    the snapshot as it is and is logged (the epoch then ends with what it has)."""
+    the snapshot as it is and is logged (the epoch then ends with what it has).
+
+    Looks happen every ``every_s``, and, once a rank ``want``s growth, also at each publish and status document of
+    the daemon until the next look that changes the snapshot (NOTE above). ``changes`` counts the looks that
+    changed it (segments added, or the snapshot closed), under ``lock``; ``wait_for_change`` waits for the next.
+    The observer of the cache is started at the first ``want`` (an epoch whose rank never waits never starts one)
+    and stopped with the growth; where it cannot start, the looks keep to the tick."""
 
     def __init__(
         self,
@@ -225,21 +239,55 @@ class Grower:
         self._every_s = every_s
         self._stop = threading.Event()
         self._finish = threading.Event()
-        self._wake = threading.Event()  # set by ``stop`` and ``finish``: the thread looks now
+        self._wake = threading.Event()  # set by ``stop``, ``finish`` and, while wanted, a publish: look now
         self.closed = threading.Event()  # set once the thread closed the snapshot (its last generation is there)
         self.lock = threading.Lock()  # held while the snapshot changes: readers take it to see one generation whole
+        self._changed = threading.Condition(self.lock)
+        self.changes = 0
+        # Flags written by several threads (single assignments; a lost race costs one tick of ``every_s``):
+        self._wanted = False  # a rank waits: a publish wakes the thread
+        self._missed = False  # a publish came while not wanted (since the last look)
+        self._watching = False  # the observer was asked for (by the first ``want``)
         self._thread = threading.Thread(target=self._run, name="cachefeed-grow", daemon=True)
         self._thread.start()
 
+    def want(self) -> None:
+        """A rank read every batch cut so far and waits for growth: look at each publish until the next change,
+        and now if one came unseen since the last look (or the observer is not started yet)."""
+        self._wanted = True
+        if self._missed or not self._watching:
+            self._wake.set()
+
+    def wait_for_change(self, seen: int, timeout_s: float) -> None:
+        """Return once ``changes`` differs from ``seen`` (what the caller saw under ``lock``), or after
+        ``timeout_s``."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.changes != seen, timeout_s)
+
+    def _published(self) -> None:  # the observer's thread: a segment or a status document was published
+        if self._wanted:
+            self._wake.set()
+        else:
+            self._missed = True
+
     def _run(self) -> None:
+        observer = None
         try:
             while not self._stop.is_set() and not self._finish.is_set():  # closing looks once more
                 with self.lock:
-                    self.snapshot.grow()  # closes the snapshot itself once the epoch's room is full
+                    self._missed = False
+                    added = self.snapshot.grow()  # closes the snapshot itself once the epoch's room is full
                     samples, is_open = self.snapshot.samples, self.snapshot.is_open
+                    if added or not is_open:
+                        self._note_change()
                 if not is_open or self._finish.is_set() or self._is_done(samples):
                     break
-                self._wake.wait(self._every_s)
+                if self._wanted and not self._watching:  # after the look: starting takes milliseconds
+                    self._watching = True
+                    observer = watch_publishes(self.snapshot.layout, self._published, status=True)
+                    continue  # look again: what was published while it started was not seen
+                if self._wake.wait(self._every_s):
+                    self._wake.clear()  # after ``stop`` or ``finish``: their flags end the loop above
         except Exception:
             log.warning("growing snapshot %s failed: closing it as it is", self.snapshot.snap_id, exc_info=True)
         self._close()
@@ -249,10 +297,18 @@ class Grower:
                 self._on_closed()
             except Exception:
                 log.warning("after closing growing snapshot %s", self.snapshot.snap_id, exc_info=True)
+        stop_watch(observer)  # last: its threads take milliseconds to end, and nothing waits for them
+
+    def _note_change(self) -> None:
+        """Under ``lock``: the snapshot changed; wake the waiting rank, and wait for a want before reacting again."""
+        self.changes += 1
+        self._wanted = False
+        self._changed.notify_all()
 
     def _close(self) -> None:
         with self.lock:
             if self.snapshot.is_held and self.snapshot.is_open:
+                self._note_change()  # the rank's next poll finds the snapshot closed (or sealed) whatever happens
                 try:
                     added = self.snapshot.grow(close=True)
                 except (OSError, SnapshotError):
@@ -324,6 +380,7 @@ class GrowingEpoch:
         self._to_skip = skip_batches  # an exact resume: batches the interrupted run served (never in ``batches``)
         self.skipped_samples = 0
         self._grown_at = time.monotonic()
+        self._changes_seen = 0  # the grower's ``changes`` at the last poll
         self.waited_s = 0.0  # time spent in ``pause`` (waiting for the daemon)
         self.poll()
 
@@ -348,6 +405,7 @@ class GrowingEpoch:
         if not self.share.is_complete:
             if self.grower is not None:
                 with self.grower.lock:
+                    self._changes_seen = self.grower.changes
                     self._absorb()
             else:
                 self.snapshot.refresh()
@@ -360,6 +418,8 @@ class GrowingEpoch:
 
         An unread-first snapshot's creator (a later epoch: ``Snapshot.wants``) does not wait for the remote: its
         growth ends now and the snapshot is topped up with the least-read samples (NOTE above, "later epochs")."""
+        if self.is_complete:  # the last poll closed the share without a batch to add: nothing to wait for
+            return
         started = time.perf_counter()
         if self.grower is not None and self.snapshot.wants is not None:
             self.grower.finish()
@@ -371,7 +431,11 @@ class GrowingEpoch:
                 f"snapshot {self.snapshot.snap_id} did not grow for {self._timeout_s:g}s while its epoch waited for "
                 "samples: check that the daemon runs and fetches (cachefeed status), or raise wait_timeout_s"
             )
-        time.sleep(GROW_EVERY_S / 2)
+        if self.grower is not None:  # the creator's rank: woken by the grower's next change (NOTE above)
+            self.grower.want()
+            self.grower.wait_for_change(self._changes_seen, GROW_EVERY_S)
+        else:
+            time.sleep(GROW_EVERY_S / 2)
         self.waited_s += time.perf_counter() - started
 
     def take_deltas(self) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:

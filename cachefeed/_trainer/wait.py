@@ -2,17 +2,20 @@
 the cache is filled to a level (``min_samples="75%"``, see ``wait_for_fill``).
 
 New segments appear in ``segments/`` by an atomic rename. ``watchdog`` (inotify on Linux) wakes the wait on
-every change there, so the first epoch starts within milliseconds of the segment that completes ``min_samples``;
-if an observer cannot be started (inotify instances exhausted, an unsupported filesystem), the wait falls back to
-polling every ``poll_s``. Counting reads each new segment's trailer once (one small ``pread``).
+every change there (``watch_publishes``), so the first epoch starts within milliseconds of the segment that
+completes ``min_samples``; if an observer cannot be started (inotify instances exhausted, an unsupported
+filesystem), the wait falls back to polling every ``poll_s``. Counting reads each new segment's trailer once (one
+small ``pread``). A growing epoch's grower (``growing.py``) is woken the same way while a rank waits for it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -32,6 +35,7 @@ __all__ = [
     "wait_for_fill",
     "wait_for_samples",
     "wait_for_segments",
+    "watch_publishes",
 ]
 
 log = get_logger(__name__)
@@ -56,11 +60,18 @@ class SampleCounter:
 
 
 class _Wake(FileSystemEventHandler):
-    def __init__(self, event: threading.Event) -> None:
-        self._event = event
+    """Calls ``wake`` on an event; with ``names``, only on one whose file (a rename's target) is one of them."""
+
+    def __init__(self, wake: Callable[[], None], names: frozenset[str] | None = None) -> None:
+        self._wake = wake
+        self._names = names
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        self._event.set()
+        if self._names is not None:
+            path = getattr(event, "dest_path", "") or event.src_path
+            if os.path.basename(os.fsdecode(path)) not in self._names:
+                return
+        self._wake()
 
 
 class _Progress:
@@ -157,7 +168,7 @@ def wait_for_samples(
         return have
     started = time.monotonic()
     woken = threading.Event()
-    observer = _start_observer(layout, woken)
+    observer = watch_publishes(layout, woken.set)
     bar = _Progress(progress, str(layout.root), min_samples)
     try:
         bar.show(have, 0.0, force=True)
@@ -179,9 +190,7 @@ def wait_for_samples(
         bar.show(have, time.monotonic() - started, force=True)
     finally:
         bar.done()
-        if observer is not None:
-            observer.stop()
-            observer.join()
+        stop_watch(observer)
     log.info("%d samples cached in %s after %.1fs", have, layout.root, time.monotonic() - started)
     return have
 
@@ -196,7 +205,8 @@ def wait_for_segments(
 ) -> int:
     """Block until ``segments`` segments are published, or fewer once the daemon can publish no more
     (``fill_reached``: a small dataset, a paced daemon, no daemon); returns the segments published. What a growing
-    first epoch waits for (``growing.py``): a segment for each worker to read.
+    first epoch waits for (``growing.py``): a segment for each worker to read. It polls (a look is a directory
+    listing of a few files): an observer would cost more to start and stop on the training thread than it saves.
 
     Raises:
         NoSuchCacheError: the cache directory is missing.
@@ -329,15 +339,26 @@ class _DropStopRace(logging.Filter):
 _STOP_RACE_FILTER = _DropStopRace()
 
 
-def _start_observer(layout: CacheLayout, woken: threading.Event) -> BaseObserver | None:
-    """An inotify observer of ``segments/`` that sets ``woken``; None (poll instead) if it cannot start."""
+def watch_publishes(layout: CacheLayout, wake: Callable[[], None], *, status: bool = False) -> BaseObserver | None:
+    """An inotify observer that calls ``wake`` (on its own thread: keep it to setting a flag or an event) when a
+    segment is published in ``layout`` and, with ``status``, when the daemon replaces its status document (where
+    it says it can fill no further); None where none can start: the caller polls instead. ``stop_watch`` ends it."""
     logging.getLogger("watchdog.observers.inotify").addFilter(_STOP_RACE_FILTER)  # idempotent: same object
     observer = Observer()
     observer.daemon = True
     try:
-        observer.schedule(_Wake(woken), str(layout.segments), recursive=False)
+        observer.schedule(_Wake(wake), str(layout.segments), recursive=False)
+        if status:
+            observer.schedule(_Wake(wake, frozenset({layout.status_file.name})), str(layout.root), recursive=False)
         observer.start()
     except OSError as exc:
         log.warning("cannot watch %s (%s): polling for new segments instead", layout.segments, exc)
         return None
     return observer
+
+
+def stop_watch(observer: BaseObserver | None) -> None:
+    """Stop an observer from ``watch_publishes`` (None: nothing to stop) and wait for its threads."""
+    if observer is not None:
+        observer.stop()
+        observer.join()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +12,15 @@ import numpy as np
 import pytest
 
 from cachefeed._cache import room, snapshots
-from cachefeed._cache.layout import segment_name
+from cachefeed._cache.layout import CacheLayout, segment_name
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.store import CacheStore
 from cachefeed._cache.writer import CacheWriter
+from cachefeed._daemon.status_doc import write_status
 from cachefeed._testing.samples import check_sample, make_sample
+from cachefeed._trainer import growing
 from cachefeed._trainer.dataset import SnapshotDataset
-from cachefeed._trainer.growing import Grower
+from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
 from tests.support.cache_helpers import cache_config
 
 
@@ -238,3 +241,103 @@ def test_a_snapshot_whose_chosen_segments_are_evicted_before_their_link_fills_it
             assert list(later.names) == sorted(later.names) and len(set(later.names)) == len(later.names)
     finally:
         store.close()
+
+
+class _WatchedEpoch(GrowingEpoch):
+    """A growing epoch that says when its rank first waits for growth."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.waiting = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def pause(self) -> None:
+        self.waiting.set()
+        super().pause()
+
+
+def read_growing_epoch(
+    root: Path, is_done: Any, *, every_s: float, publish: Any, deadline_s: float = 15.0
+) -> tuple[list[str], float]:
+    """The keys the creator's rank reads from a growing epoch over ``root``, and the seconds from its first wait
+    for growth to its end; ``publish()`` runs on another thread 0.3 s after the rank began to wait (it read every
+    batch cut). Use with ``slow_ticks``: then only a wake by the publish itself ends the epoch in seconds."""
+    snapshot = Snapshot.create(root, "e0", growing=True)
+    grower = Grower(snapshot, is_done, every_s=every_s)
+    dataset = SnapshotDataset.from_snapshot(snapshot)
+    share = GrowingShare(seed=0, epoch=0, shuffle=False, local_rank=0, local_world_size=1, quota=None)
+    epoch = _WatchedEpoch(
+        snapshot, dataset, share, batch_size=8, drop_last=False, estimate=8, timeout_s=60, grower=grower
+    )
+    waited_at: list[float] = []
+
+    def publish_once_waiting() -> None:
+        if epoch.waiting.wait(deadline_s):
+            waited_at.append(time.monotonic())
+            time.sleep(0.3)  # the grower has looked since the rank began to wait: it is back to its tick
+            publish()
+
+    publisher = threading.Thread(target=publish_once_waiting)
+    publisher.start()
+    keys: list[str] = []
+    try:
+        for batch in epoch.iter_batches():
+            keys.extend(str(dataset[int(i)]["__key__"]) for i in batch)
+        assert waited_at, "the rank never waited for growth"
+        return keys, time.monotonic() - waited_at[0]
+    finally:
+        grower.stop()
+        epoch.waiting.set()
+        publisher.join()
+        dataset.close()
+        snapshot.release()
+
+
+@pytest.fixture
+def slow_ticks(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Ticks of a minute: the grower's (passed as ``every_s``) and a waiting rank's (``GROW_EVERY_S``)."""
+    monkeypatch.setattr(growing, "GROW_EVERY_S", 60.0)
+    return 60.0
+
+
+def test_a_rank_waiting_for_growth_sees_each_publish_without_waiting_for_the_growers_tick(
+    tmp_path: Path, slow_ticks: float
+) -> None:
+    """A cold job's first batch and a growing epoch's end come within milliseconds of the publish they wait for:
+    the grower of a rank that waits looks at each segment published (inotify), not only every ``every_s``."""
+    root = tmp_path / "c"
+    add_segments(root, 0, 16)
+    keys, took = read_growing_epoch(
+        root, lambda samples: samples >= 48, every_s=slow_ticks, publish=lambda: add_segments(root, 16, 32)
+    )
+    assert sorted(keys) == sorted(f"k{i}" for i in range(48)), "every sample once"
+    assert took < 15.0, "the rank waited for a tick of a minute"
+
+
+def test_a_growth_that_ends_by_the_daemons_status_document_ends_at_its_write_not_at_the_tick(
+    tmp_path: Path, slow_ticks: float
+) -> None:
+    """The first epoch ends once the daemon says it can fill no further (its status document): the grower of a
+    waiting rank looks when the document is written."""
+    root = tmp_path / "c"
+    add_segments(root, 0, 16)
+    layout = CacheLayout(root)
+    keys, took = read_growing_epoch(
+        root,
+        lambda samples: layout.status_file.exists(),
+        every_s=slow_ticks,
+        publish=lambda: write_status(layout.status_file, {"state": "the fill level is reached"}),
+    )
+    assert sorted(keys) == sorted(f"k{i}" for i in range(16))
+    assert took < 15.0, "the rank waited for a tick of a minute"
+
+
+def test_where_no_observer_starts_a_waiting_rank_is_served_by_the_tick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(growing, "watch_publishes", lambda *args, **kwargs: None)  # inotify instances exhausted
+    root = tmp_path / "c"
+    add_segments(root, 0, 16)
+    keys, _took = read_growing_epoch(
+        root, lambda samples: samples >= 48, every_s=0.02, publish=lambda: add_segments(root, 16, 32)
+    )
+    assert sorted(keys) == sorted(f"k{i}" for i in range(48))
