@@ -129,6 +129,7 @@ _SEGMENT_HEADER = struct.Struct("<8sHH4xQ40x")  # magic, version, flags, created
 _TRAILER = struct.Struct("<8sHHIQQQQQ")
 _RECORD_HEADER = struct.Struct("<QII")  # checksum, length, meta length | flags << 24
 _RECORD_TAIL = struct.Struct("<II")  # the header after the checksum: the first bytes the checksum covers
+_CHECKSUM = struct.Struct("<Q")
 _FLAG_ZLIB = 1
 _FLAG_ALIGN64 = 2  # the payload area starts 64-aligned (a payload of LARGE_PAYLOAD or more); else 16
 _META_MASK = (1 << 24) - 1
@@ -171,10 +172,11 @@ def _array_header(count: int) -> int:
     return 1 if count < 16 else 3 if count < 1 << 16 else 5
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EncodedRecord:
     """A sample encoded for any segment: its descriptor and key are bound to a segment's tables when a writer
-    appends it (``SegmentWriter``).
+    appends it (``SegmentWriter``). Read-only by contract: not ``frozen`` only because one is made per sample
+    written, and a frozen dataclass's ``__init__`` (``object.__setattr__`` per field) costs about 1.5 us more.
 
     ``payloads`` are the payload area as written (compressed: one zlib stream), ``area_len`` bytes. ``nbytes``
     bounds what the record takes in any segment: its size with its descriptor and its whole key in its meta (a
@@ -226,8 +228,10 @@ class RecordEncoder:
         return EncodedRecord(key, fields, descriptor, payloads, area_len, flags, align, nbytes)
 
 
-class _Binding(NamedTuple):
-    """An encoded record bound to a segment's tables (``SegmentWriter._bind``), with the entries it would add."""
+@dataclass(slots=True)
+class _Binding:
+    """An encoded record bound to a segment's tables (``SegmentWriter._bind``), with the entries it would add.
+    A slots dataclass: made once per record appended, and cheaper to make than a NamedTuple."""
 
     meta: bytes
     length: int
@@ -285,6 +289,7 @@ class SegmentWriter:
         self.capacity = capacity
         self.source = source
         self._encoder = RecordEncoder(compression=compression)
+        self._pack = msgpack.Packer(use_bin_type=True).pack  # ``msgpack.packb`` makes a Packer per call
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, file_mode)
         os.fchmod(fd, file_mode)  # umask must not weaken or strengthen the configured mode
         # Buffered: a small record's header and payload cost one copy, not two system calls; an unfinished file
@@ -304,6 +309,7 @@ class SegmentWriter:
         self.source_room = 0  # bytes a record must leave free for a source its caller will name (``source_bytes``)
         self._position = 0
         self._write([_SEGMENT_HEADER.pack(_SEGMENT_MAGIC, FORMAT_VERSION, 0, 0)])
+        self._file_write = self._file.write  # ``append``'s writes (``_write``, which see, for the rest)
 
     @property
     def count(self) -> int:
@@ -347,12 +353,15 @@ class SegmentWriter:
         return self._fits(record, self._bind(record))
 
     def _fits(self, record: EncodedRecord, binding: _Binding) -> bool:
+        """Whether the segment, finished with this record, its table entries and ``source_room``, would fit its
+        capacity (``_finished_size``, inlined: this runs once per record)."""
         start = self._position + _pad(self._position, record.align)
         if start > _MAX_START:
             return False
-        tables = self._tables_bytes + binding.table_growth
-        sources = self._sources_bytes + self.source_room
-        return self._finished_size(self.count + 1, tables, sources, start + binding.length) <= self.capacity
+        end = start + binding.length
+        index = 4 * (len(self._starts) + 1) + self._tables_bytes + binding.table_growth
+        index += self._sources_bytes + self.source_room
+        return end + _pad(end) + index + _pad(index) + TRAILER_BYTES <= self.capacity
 
     def _bind(self, record: EncodedRecord) -> _Binding:
         """The record's meta and length in this segment, and the table entries it would add (not added yet)."""
@@ -371,7 +380,7 @@ class SegmentWriter:
             else:
                 descriptor, new_descriptor = len(self._descriptor_seeds), record.descriptor
         prefix, suffix, new_prefix = self._prefix_of(record.key)
-        meta = msgpack.packb([descriptor, prefix, suffix, *values], use_bin_type=True)
+        meta = self._pack([descriptor, prefix, suffix, *values])
         head = _RECORD_HEADER.size + len(meta)
         length = head + _pad(head, record.align) + record.area_len
         growth = 0
@@ -406,9 +415,15 @@ class SegmentWriter:
         return True
 
     def append(self, record: EncodedRecord) -> bool:
-        """Write one encoded record if it fits (see the class contract). Returns whether it was written."""
+        """Write one encoded record if it fits (see the class contract). Returns whether it was written.
+
+        Runs once per sample the daemon writes: the bytes are assembled with two small concatenations, the
+        checksum is one xxh3 over the header and the payloads (in place, no copy of them), and the payloads go to
+        the buffered file as they are (a small one is copied into its buffer, a large one bypasses it).
+        """
         binding = self._bind(record)
-        if self.count and not self._fits(record, binding):
+        count = len(self._starts)
+        if count and not self._fits(record, binding):
             return False
         if binding.new_descriptor is not None:
             self._descriptors[binding.new_descriptor] = len(self._descriptor_seeds)
@@ -424,15 +439,22 @@ class SegmentWriter:
         descriptor_seed = (
             self._descriptor_seeds[descriptor] if isinstance(descriptor, int) else xxhash.xxh3_64_intdigest(descriptor)
         )
-        pad = bytes(_pad(self._position, record.align))
-        meta = binding.meta
+        align, meta, payloads = record.align, binding.meta, record.payloads
+        position = self._position
+        pad = _pad(position, align)
+        # the header after the checksum, the meta and the padding to the payload area
         head = _RECORD_TAIL.pack(binding.length, len(meta) | record.flags << 24) + meta
-        head += bytes(_pad(8 + len(head), record.align))
-        hasher = xxhash.xxh3_64(seed=_seed(descriptor_seed, self._prefix_seeds[binding.prefix], self.count))
-        for part in (head, *record.payloads):
+        head += bytes(_pad(8 + len(head), align))
+        hasher = xxhash.xxh3_64(head, seed=_seed(descriptor_seed, self._prefix_seeds[binding.prefix], count))
+        for part in payloads:
             hasher.update(part)
-        self._starts.append((self._position + len(pad)) >> 4)
-        self._write([pad + struct.pack("<Q", hasher.intdigest()) + head, *record.payloads])  # few system calls
+        self._starts.append((position + pad) >> 4)
+        # a BufferedWriter on a blocking file writes all it is given or raises (``_write`` for the general case)
+        write = self._file_write
+        write(bytes(pad) + _CHECKSUM.pack(hasher.intdigest()) + head)
+        for part in payloads:
+            write(part)
+        self._position = position + pad + binding.length
         return True
 
     def finish(self, *, fsync: bool = True) -> int:
