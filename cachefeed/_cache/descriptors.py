@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -69,8 +69,10 @@ def payload_align(nbytes: int) -> int:
     return ALIGN if nbytes >= LARGE_PAYLOAD else SMALL_ALIGN
 
 
-class Fields(NamedTuple):
-    """One sample's fields, split as the module docstring says (a tuple: one is made per sample written).
+@dataclass(slots=True)
+class Fields:
+    """One sample's fields, split as the module docstring says. Read-only by contract; a slots dataclass, not a
+    frozen one nor a NamedTuple, because one is made per sample written and this is the cheapest to make.
 
     ``exact`` is the descriptor that fixes every array's shape (hashable: tuples) and ``values`` go with it
     (``loosen`` gives the loose descriptor and its values). ``payloads`` are the payload area's parts, padding
@@ -112,7 +114,7 @@ def classify(sample: Mapping[str, Any]) -> tuple[str, Fields]:
             values_bytes += len(value.encode("utf-8")) + 3
             continue
         if type(value) is np.ndarray and value.size and value.flags.c_contiguous and not value.dtype.hasobject:
-            kind, view, extra = "nd", _bytes_of(value), (value.dtype.str, value.shape)
+            kind, view, extra = "nd", _bytes_of(value), (_dtype_name(value.dtype), value.shape)
         else:
             kind, view, extra, packed_len = _to_payload(value)
             values_bytes += packed_len
@@ -160,7 +162,7 @@ def _to_payload(value: Any) -> tuple[str, memoryview, Any, int]:
         if value.dtype.hasobject:
             raise TypeError("object arrays cannot be cached; convert them to a numeric dtype")
         if value.flags.c_contiguous and value.size:  # most arrays: their bytes as they are, fewer numpy calls
-            return "nd", _bytes_of(value), (value.dtype.str, value.shape), 0
+            return "nd", _bytes_of(value), (_dtype_name(value.dtype), value.shape), 0
         array = np.ascontiguousarray(value).reshape(value.shape)  # ascontiguousarray makes a 0-d array 1-d
         view = memoryview(array.reshape(-1).view(np.uint8).data) if array.size else memoryview(b"")
         return "nd", view, (array.dtype.str, tuple(array.shape)), 0
@@ -190,6 +192,21 @@ def _to_payload(value: Any) -> tuple[str, memoryview, Any, int]:
     raise TypeError(
         f"cannot cache a field of type {type(value).__name__}: use numpy arrays, tensors, bytes, str or scalars"
     )
+
+
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+
+
+def _dtype_name(dtype: np.dtype[Any]) -> str:
+    """``dtype.str`` (what a descriptor names an array's dtype by), remembered: numpy builds the string anew on
+    every access, several times the cost of this lookup. Equal dtypes have equal ``str`` (byte order, kind and
+    item size are all part of a dtype's equality), so an equal dtype's entry is this one's."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        if len(_DTYPE_NAMES) >= 256:  # samples of ever new dtypes (structured ones): keep the table small
+            _DTYPE_NAMES.clear()
+        name = _DTYPE_NAMES[dtype] = dtype.str
+    return name
 
 
 def _bytes_of(array: np.ndarray[Any, Any]) -> memoryview:

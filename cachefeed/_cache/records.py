@@ -159,6 +159,12 @@ def _text_seed(text: str) -> int:
     return int(xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass")))
 
 
+def _finished_size(end: int, index: int) -> int:
+    """The size of a segment finished with its records ending at ``end`` and an index of ``index`` bytes (starts,
+    tables, sources), padding and trailer included."""
+    return end + _pad(end) + index + _pad(index) + TRAILER_BYTES
+
+
 def _seed(descriptor_seed: int, prefix_seed: int, position: int) -> int:
     """The seed of record ``position``'s checksum (its binding, module docstring)."""
     return descriptor_seed ^ prefix_seed ^ ((position + 1) * _GOLDEN & _MASK)
@@ -318,14 +324,7 @@ class SegmentWriter:
     @property
     def nbytes(self) -> int:
         """Size the file would have if finished now (exact, or a few bytes over with sources)."""
-        return self._finished_size(self.count, self._tables_bytes, self._sources_bytes)
-
-    def _finished_size(self, count: int, tables_bytes: int, sources_bytes: int, position: int | None = None) -> int:
-        """The file's size if finished with ``count`` records and these tables and sources, records ending at
-        ``position``."""
-        end = self._position if position is None else position
-        index = 4 * count + tables_bytes + sources_bytes
-        return end + _pad(end) + index + _pad(index) + TRAILER_BYTES
+        return _finished_size(self._position, 4 * len(self._starts) + self._tables_bytes + self._sources_bytes)
 
     @staticmethod
     def size_for(record_nbytes: int) -> int:
@@ -354,14 +353,13 @@ class SegmentWriter:
 
     def _fits(self, record: EncodedRecord, binding: _Binding) -> bool:
         """Whether the segment, finished with this record, its table entries and ``source_room``, would fit its
-        capacity (``_finished_size``, inlined: this runs once per record)."""
+        capacity."""
         start = self._position + _pad(self._position, record.align)
         if start > _MAX_START:
             return False
-        end = start + binding.length
-        index = 4 * (len(self._starts) + 1) + self._tables_bytes + binding.table_growth
-        index += self._sources_bytes + self.source_room
-        return end + _pad(end) + index + _pad(index) + TRAILER_BYTES <= self.capacity
+        tables = self._tables_bytes + binding.table_growth
+        index = 4 * (len(self._starts) + 1) + tables + self._sources_bytes + self.source_room
+        return _finished_size(start + binding.length, index) <= self.capacity
 
     def _bind(self, record: EncodedRecord) -> _Binding:
         """The record's meta and length in this segment, and the table entries it would add (not added yet)."""
@@ -408,7 +406,7 @@ class SegmentWriter:
         """Name a remote object this segment holds samples of (``Source``); False (left out) if it does not fit."""
         entry: tuple[object, ...] = (path, version) if cut is None else (path, version, cut)
         grown = self._sources_bytes + len(msgpack.packb(entry)) + (5 if not self._sources else 0)  # + array header
-        if self._finished_size(self.count, self._tables_bytes, grown) > self.capacity:
+        if _finished_size(self._position, 4 * len(self._starts) + self._tables_bytes + grown) > self.capacity:
             return False
         self._sources.append(entry)
         self._sources_bytes = grown
