@@ -2,17 +2,21 @@
 
     python -m benchmarks.record_cost [--dir /dev/shm] [--mib 64] [--repeats 20]
 
-Prints three figures (``cachefeed/_cache/records.py`` and ``cachefeed/_trainer/dataset.py`` quote them):
+Prints four figures (``cachefeed/_cache/records.py`` and ``cachefeed/_trainer/dataset.py`` quote them):
 
 * ``bytes/record``: a 1 KiB float32 vector, an int label and an int id under a 30-character key (index, padding
   and trailer included), and its overhead over the 1,024-byte vector;
 * ``SegmentReader.read``: microseconds per record, ``verify=False``, for records of one 128 KiB uint8 array (a
   cache of ``--mib`` MiB built by ``benchmarks.read_throughput.build_cache``, warm: one pass first);
-* ``SnapshotDataset.__getitems__``: milliseconds per shuffled batch of 32 of those records, ``verify=False``.
+* ``SnapshotDataset.__getitems__``: milliseconds per shuffled batch of 32 of those records, ``verify=False``;
+* ``encode+append``: microseconds of ``RecordEncoder.encode`` and ``SegmentWriter.append`` per tar-like sample (a
+  4 KiB uint8 array, an 8-digit key and the shard's ``__url__``, as ``decode_tar`` and the daemon's sink make them),
+  what the daemon pays per sample it writes (the checksum included: xxh3 of 4 KiB is well under a microsecond).
 
-Both times are the median, and the best, of ``--repeats`` passes over every record, after one pass that is not
-counted (on a shared machine the best is the steadier figure). No checksum is computed: what is measured is the
-Python per record, which a DataLoader worker (or, without workers, the training thread) pays on every sample.
+The times are the median, and the best, of ``--repeats`` passes over every record, after one pass that is not
+counted (on a shared machine the best is the steadier figure). The reads compute no checksum: what is measured is
+the Python per record, which a DataLoader worker (or, without workers, the training thread) pays on every sample.
+The writes go to a segment in ``--dir`` (tmpfs by default: the kernel's share is a page copy, not a disk).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 
 from benchmarks.read_throughput import build_cache
 from cachefeed._cache.layout import CacheLayout
-from cachefeed._cache.records import SegmentReader, SegmentWriter
+from cachefeed._cache.records import RecordEncoder, SegmentReader, SegmentWriter
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._trainer import SnapshotDataset
 
@@ -76,6 +80,24 @@ def getitems_ms(root: Path, repeats: int) -> tuple[float, float]:
     return statistics.median(runs[1:]) * 1e3, min(runs[1:]) * 1e3
 
 
+def write_us(directory: Path, repeats: int, count: int = 4000) -> tuple[float, float]:
+    """Median and best microseconds per ``encode`` + ``append`` of a tar-like sample, ``count`` to a segment."""
+    url = "s3://bench/tar/shard-00003.tar"
+    payloads = np.arange(count * 4096, dtype=np.uint64).astype(np.uint8).reshape(count, 4096)
+    samples = [{"x": payloads[i], "__key__": f"{i:08d}", "__url__": url} for i in range(count)]
+    encoder = RecordEncoder()
+    runs = []
+    for _ in range(repeats + 1):  # the first pass is not counted (file pages, caches)
+        writer = SegmentWriter(directory / "write.seg", capacity=1 << 30)
+        encode, append = encoder.encode, writer.append
+        started = time.perf_counter()
+        for sample in samples:
+            append(encode(sample))
+        runs.append((time.perf_counter() - started) / count)
+        writer.abort()
+    return statistics.median(runs[1:]) * 1e6, min(runs[1:]) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -91,6 +113,8 @@ def main() -> None:
         print(f"SegmentReader.read(verify=False), 128 KiB record: {median:.1f} us (best {best:.1f})")
         median, best = getitems_ms(root / "cache", args.repeats)
         print(f"SnapshotDataset.__getitems__ of {BATCH} x 128 KiB, verify=False: {median:.3f} ms (best {best:.3f})")
+        median, best = write_us(root, args.repeats)
+        print(f"RecordEncoder.encode + SegmentWriter.append, 4 KiB tar-like sample: {median:.1f} us (best {best:.1f})")
 
 
 if __name__ == "__main__":

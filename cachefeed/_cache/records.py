@@ -152,6 +152,9 @@ if _SEGMENT_HEADER.size != HEADER_BYTES or _TRAILER.size > TRAILER_BYTES or _REC
 
 
 def _pad(n: int, align: int = ALIGN) -> int:
+    """The padding after ``n`` bytes to the next multiple of ``align``. The per-record paths (``encode``,
+    ``SegmentWriter._bind``, ``_fits``, ``append``, ``_finished_size``) write it as ``-n % align`` in place: about a
+    dozen calls a record otherwise."""
     return -n % align
 
 
@@ -162,7 +165,7 @@ def _text_seed(text: str) -> int:
 def _finished_size(end: int, index: int) -> int:
     """The size of a segment finished with its records ending at ``end`` and an index of ``index`` bytes (starts,
     tables, sources), padding and trailer included."""
-    return end + _pad(end) + index + _pad(index) + TRAILER_BYTES
+    return end + (-end % ALIGN) + index + (-index % ALIGN) + TRAILER_BYTES
 
 
 def _seed(descriptor_seed: int, prefix_seed: int, position: int) -> int:
@@ -225,7 +228,7 @@ class RecordEncoder:
             self._packed[fields.exact] = descriptor
         # the meta with the descriptor and the whole key in it, at most (ValueError for a key that is no UTF-8)
         meta_len = 5 + len(descriptor) + 5 + 9 + len(key.encode("utf-8")) + 5 + fields.values_bytes
-        nbytes = _RECORD_HEADER.size + meta_len + _pad(_RECORD_HEADER.size + meta_len, align) + area_len
+        nbytes = _RECORD_HEADER.size + meta_len + (-(_RECORD_HEADER.size + meta_len) % align) + area_len
         if meta_len > _META_MASK or nbytes > _MAX_RECORD:
             raise ValueError(
                 f"sample {key!r} takes {nbytes} bytes ({meta_len} of them inline values): a record holds at most "
@@ -354,7 +357,7 @@ class SegmentWriter:
     def _fits(self, record: EncodedRecord, binding: _Binding) -> bool:
         """Whether the segment, finished with this record, its table entries and ``source_room``, would fit its
         capacity."""
-        start = self._position + _pad(self._position, record.align)
+        start = self._position + (-self._position % record.align)
         if start > _MAX_START:
             return False
         tables = self._tables_bytes + binding.table_growth
@@ -380,7 +383,7 @@ class SegmentWriter:
         prefix, suffix, new_prefix = self._prefix_of(record.key)
         meta = self._pack([descriptor, prefix, suffix, *values])
         head = _RECORD_HEADER.size + len(meta)
-        length = head + _pad(head, record.align) + record.area_len
+        length = head + (-head % record.align) + record.area_len
         growth = 0
         if new_descriptor is not None:
             count = len(self._descriptor_seeds)
@@ -439,10 +442,10 @@ class SegmentWriter:
         )
         align, meta, payloads = record.align, binding.meta, record.payloads
         position = self._position
-        pad = _pad(position, align)
+        pad = -position % align
         # the header after the checksum, the meta and the padding to the payload area
         head = _RECORD_TAIL.pack(binding.length, len(meta) | record.flags << 24) + meta
-        head += bytes(_pad(8 + len(head), align))
+        head += bytes(-(8 + len(head)) % align)
         hasher = xxhash.xxh3_64(head, seed=_seed(descriptor_seed, self._prefix_seeds[binding.prefix], count))
         for part in payloads:
             hasher.update(part)
