@@ -282,12 +282,9 @@ class SegmentWriter:
     record once the table holds ``MAX_DESCRIPTORS``), its key a prefix number and a suffix. The checksum is
     computed then, seeded with the binding.
 
-    What an append costs in Python (a one-off measurement, 2026-11-26, 2 shared CPUs, Python 3.11.7, numpy 2.4.6,
-    msgpack 1.2.4: the loop of ``python -m benchmarks.record_cost``'s last figure, run in one process alternately
-    with the writer at 296dd76, CPU time, 25 rounds of 4,000 samples on tmpfs): ``RecordEncoder.encode`` and
-    ``append`` of a 4 KiB uint8 array with an 8-digit key and its shard's ``__url__`` took 39.9 us (median; best
-    23.6) before and 22.1 us (best 14.1) after; per round, 0.55 of the time (0.54 to 0.57 over three such runs).
-    The bytes written are the same (``tests/cache/test_record_bytes.py``).
+    An append runs once per sample the daemon writes, so its Python is kept short (``append``'s docstring);
+    ``python -m benchmarks.record_cost`` prints what an encode and append of a 4 KiB sample cost. Whatever the
+    code, the bytes written are the format's, byte for byte (``tests/cache/test_record_bytes.py``).
     """
 
     def __init__(
