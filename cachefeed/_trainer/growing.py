@@ -82,6 +82,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import numpy.typing as npt
+from watchdog.observers.api import BaseObserver
 
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._errors import SnapshotError
@@ -284,7 +285,7 @@ class Grower:
                     break
                 if self._wanted and not self._watching:  # after the look: starting takes milliseconds
                     self._watching = True
-                    observer = watch_publishes(self.snapshot.layout, self._published, status=True)
+                    observer = self._watch()
                     continue  # look again: what was published while it started was not seen
                 if self._wake.wait(self._every_s):
                     self._wake.clear()  # after ``stop`` or ``finish``: their flags end the loop above
@@ -298,6 +299,15 @@ class Grower:
             except Exception:
                 log.warning("after closing growing snapshot %s", self.snapshot.snap_id, exc_info=True)
         stop_watch(observer)  # last: its threads take milliseconds to end, and nothing waits for them
+
+    def _watch(self) -> BaseObserver | None:
+        """The observer of the daemon's publishes; None (the tick serves) where it cannot start, whatever the
+        reason: a faster wake is never worth ending the growth for."""
+        try:
+            return watch_publishes(self.snapshot.layout, self._published, status=True)
+        except Exception:
+            log.warning("cannot watch %s: growing by the tick alone", self.snapshot.layout.segments, exc_info=True)
+            return None
 
     def _note_change(self) -> None:
         """Under ``lock``: the snapshot changed; wake the waiting rank, and wait for a want before reacting again."""

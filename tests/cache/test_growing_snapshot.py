@@ -331,10 +331,20 @@ def test_a_growth_that_ends_by_the_daemons_status_document_ends_at_its_write_not
     assert took < 15.0, "the rank waited for a tick of a minute"
 
 
+def _no_observer(*args: Any, **kwargs: Any) -> None:
+    return None  # inotify instances exhausted: watch_publishes says so and returns None
+
+
+def _failing_observer(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("an observer that fails in a way nobody foresaw")
+
+
+@pytest.mark.parametrize("watch", [_no_observer, _failing_observer])
 def test_where_no_observer_starts_a_waiting_rank_is_served_by_the_tick(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watch: Any
 ) -> None:
-    monkeypatch.setattr(growing, "watch_publishes", lambda *args, **kwargs: None)  # inotify instances exhausted
+    """A faster wake is never worth the epoch: without an observer the growth goes on by the tick, to its end."""
+    monkeypatch.setattr(growing, "watch_publishes", watch)
     root = tmp_path / "c"
     add_segments(root, 0, 16)
     keys, _took = read_growing_epoch(
