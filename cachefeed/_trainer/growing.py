@@ -60,10 +60,10 @@ earlier epochs had served while the remote was delivering fresh ones. Instead:
 The trade: the first epoch is ordered by arrival within a generation (a window of about ``GROW_EVERY_S`` of
 ingest, or one segment while a rank waits for the daemon), not shuffled over the whole cache. ``min_samples`` (a
 count or a fill level) keeps the former behaviour: wait, then shuffle over everything cached (and later epochs
-then read snapshots of what is cached, as before). A
-later epoch reads fresh samples as fast as the remote delivers them and never waits for the remote: where training
-is faster, the rest of the epoch is re-read samples (the remote sets the echo), at the cost of one short stall
-(the top-up, tens of milliseconds) where its loop caught up; it is likewise ordered by arrival, its top-up last.
+then read snapshots of what is cached, as before). A later epoch reads fresh samples as fast as the remote
+delivers them and never waits for the remote: where training is faster, the rest of the epoch is re-read
+samples (the remote sets the echo), at the cost of one short stall (the top-up, tens of milliseconds) where its
+loop caught up; it is likewise ordered by arrival, its top-up last.
 The rule looks at the moment, not at rates: an epoch that starts at the ingest frontier (its predecessor read
 every sample as it arrived) and finds less than a batch unread is topped up at once, even if the remote is faster
 on average; behind a loop slower than the remote, unread samples pile up and the epoch is topped up only if the
@@ -298,7 +298,7 @@ class Grower:
                 self._on_closed()
             except Exception:
                 log.warning("after closing growing snapshot %s", self.snapshot.snap_id, exc_info=True)
-        stop_watch(observer)  # last: its threads take milliseconds to end, and nothing waits for them
+        stop_watch(observer)  # last: its threads take milliseconds to end; ``closed`` and ``on_closed`` need not wait
 
     def _watch(self) -> BaseObserver | None:
         """The observer of the daemon's publishes; None (the tick serves) where it cannot start, whatever the
