@@ -194,8 +194,11 @@ def write_remote(root: Path, count: int) -> None:
         np.savez(directory / f"{sample['__key__']}.npz", image=sample["image"])
 
 
-def start_ingesting(work: Path, remote_count: int, cache_samples: int, wait_s: float) -> tuple[DaemonProcess, Path]:
-    """The daemon over a file:// remote, budgeted for about ``cache_samples``; returns once its cache is full."""
+def start_ingesting(
+    work: Path, remote_count: int, cache_samples: int, samplers: int, wait_s: float
+) -> tuple[DaemonProcess, Path]:
+    """The daemon over a file:// remote, budgeted for about ``cache_samples``, with ``samplers`` sampler processes;
+    returns once its cache is full."""
     remote, cache_dir = work / "remote", work / "daemon-cache"
     write_remote(remote, remote_count)
     budget = cache_samples * (int(np.prod(IMAGE_SHAPE)) + 1024)
@@ -208,7 +211,7 @@ def start_ingesting(work: Path, remote_count: int, cache_samples: int, wait_s: f
         sections={
             "remote": {"url": f"file://{remote}", "storage_options": {}, "pattern": "**/*.npz"},
             "cache": {"max_bytes": budget, "segment_bytes": segment_bytes, "snapshot_grace": "10s"},
-            "sampler": {"processes": 4, "decode": "npz", "label": "parent"},
+            "sampler": {"processes": samplers, "decode": "npz", "label": "parent"},
         },
     )
     daemon = start_daemon(config, cache_dir, work / "daemon.stderr")
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--daemon", action="store_true", help="also measure while the daemon ingests (file://)")
+    parser.add_argument("--daemon-samplers", type=int, default=4, help="the daemon's sampler processes")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
@@ -312,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
             daemon, before, cache_dir = None, None, None
             if args.daemon:
-                daemon, cache_dir = start_ingesting(work, 2 * max(sizes), max(sizes), wait_s=600)
+                daemon, cache_dir = start_ingesting(work, 2 * max(sizes), max(sizes), args.daemon_samplers, wait_s=600)
                 stack.callback(daemon.stop)
                 before = settled(daemon)
             for batch in batches:
@@ -320,6 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if daemon is not None and before is not None:
                 after = settled(daemon)
                 extra["daemon"] = {
+                    "samplers": args.daemon_samplers,
                     "ingested_samples": after["ingest"]["samples_total"] - before["ingest"]["samples_total"],
                     "evicted_unread_samples": after["evicted"]["unread_samples_total"]
                     - before["evicted"]["unread_samples_total"],
@@ -384,8 +389,9 @@ def readme_table(doc: dict[str, Any]) -> str:
     if daemon:
         lines += [
             "",
-            f"While the daemon rows ran, the daemon ingested {daemon['ingested_samples']:,} samples from its "
-            f"`file://` remote (its status's counters; {daemon['cached_samples']:,} cached at the end).",
+            f"While the daemon rows ran, the daemon ({daemon.get('samplers', 4)} sampler processes) ingested "
+            f"{daemon['ingested_samples']:,} samples from its `file://` remote (its status's counters; "
+            f"{daemon['cached_samples']:,} cached at the end).",
         ]
     lines += ["", "Measured with " + provenance_line(doc) + f", on {figures['device']}."]
     return "\n".join(lines)
