@@ -292,11 +292,15 @@ def test_feed_gpu_runs_every_system_on_a_cpu_with_a_tiny_model(tmp_path: Path) -
     rows = ["ceiling", "plain DataLoader", "cachefeed, 128 samples", "cachefeed, 256 samples", "cachefeed + daemon"]
     assert [(row["batch"], row["system"]) for row in figures["rows"]] == [(b, s) for b in (16, 8) for s in rows]
     assert all(row["images_per_s"] > 0 for row in figures["rows"])
+    ceiling = {row["batch"]: row["runs"] for row in figures["rows"] if row["system"] == "ceiling"}
+    for row in figures["rows"]:  # one repeat: the paired ratio is the run over the ceiling's run of that repeat
+        assert row["of_ceiling_paired"] == round(row["runs"][0] / ceiling[row["batch"]][0], 3)
     provenance = {"machine": {}, "date_utc": "2026-11-26T00:00:00Z", "commit": "0" * 40}
     table = feed_gpu.readme_table(
         {"command": "python -m benchmarks.feed_gpu", "figures": figures, "provenance": provenance}
     )
     assert "| fed by | batch 16 | batch 8 |\n|---|---|---|\n" in table
+    assert "the ceiling's run of the same repeat" in table
     assert figures["daemon"]["cached_samples"] > 0
     assert figures["daemon"]["ingested_samples"] > 0  # the daemon row's reads made it fetch, as in training
     # Nothing evicted unread is the witness suite's to show (tests/witness/), not status's own counter here.
