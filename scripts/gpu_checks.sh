@@ -4,8 +4,10 @@
 #
 #   CACHEFEED_COMMIT=$(git rev-parse HEAD) scripts/gpu_checks.sh OUT_DIR [feed_gpu arguments...]
 #
-# The committed feed_gpu result was run with `--batch 256,64 --steps 150 --warmup 20 --repeats 3` (about 2.5 min on
-# one H200, the daemon's 11 GB on /dev/shm included); the tests take about 1 min with -n 4.
+# The committed feed_gpu result was run with `--batch 256,64 --samples 16384 --steps 40 --warmup 5 --repeats 10`
+# (about 2 min on one H100, the daemon's files on /dev/shm included): at batch 64 the loop drifts by 20-30% within a
+# minute, and many short repeats, paired with the ceiling's, say more than a few long runs. The tests take about
+# 1 min with -n 4.
 #
 # Run it from the repository root of a clean checkout, or of a copy of one: CACHEFEED_COMMIT names the commit,
 # which benchmarks/common/results.py records with the result (a copy's own .git may name another). The project's
