@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cachefeed._cli.daemon import ONE_THREAD_POOLS
 from cachefeed._status.document import load_document
 from cachefeed._status.schema import undeclared_keys
 from cachefeed._testing.daemon import BUCKET, StartDaemon, wait_while_running
@@ -119,6 +122,46 @@ def test_preprocess_runs_once_per_sample_in_the_daemon(bucket: Any, daemon: Star
     for key, sample in found.items():
         assert sample["preprocessed"] is True
         np.testing.assert_array_equal(sample["data"], uploaded[key] + np.uint8(1))
+
+
+def note_thread_pools(sample: dict[str, Any]) -> dict[str, Any]:
+    """A preprocess that records, in the sample, what the sampler's environment says of the math thread pools."""
+    for name in ONE_THREAD_POOLS:
+        sample[name] = os.environ.get(name, "unset")
+    return sample
+
+
+def test_the_daemons_processes_run_one_math_thread_unless_the_environment_names_a_number(
+    bucket: Any, daemon: StartDaemon
+) -> None:
+    """NOTE [ One math thread per daemon process ]: what a user's preprocess sees in a sampler (a forked one, as
+    by default): 1 for every pool, except the one the daemon's environment sets."""
+    upload_arrays(bucket, BUCKET, 4, 1024)
+    env = {k: v for k, v in os.environ.items() if k not in ONE_THREAD_POOLS}
+    proc = daemon(
+        sections={"sampler": {"preprocess": "tests.daemon.test_daemon:note_thread_pools"}},
+        env={**env, "OMP_NUM_THREADS": "3"},
+    )
+    proc.wait_status(lambda d: d["ingest"]["objects_total"] >= 4, timeout_s=30, what="4 objects")
+    assert proc.stop() == 0
+    seen = {tuple(sample[name] for name in ONE_THREAD_POOLS) for _, sample in cache_samples(proc.cache_dir)}
+    assert seen == {("1", "3", "1")}, dict(zip(ONE_THREAD_POOLS, seen.pop(), strict=True))
+
+
+def test_numpy_imported_after_one_math_thread_starts_no_pool() -> None:
+    """The mechanism the NOTE relies on: numpy's OpenBLAS reads the variable when numpy is imported. A fresh
+    interpreter counts its threads after ``import numpy``, with and without the call before it."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("OpenBLAS starts no pool on one CPU")
+    env = {k: v for k, v in os.environ.items() if k not in ONE_THREAD_POOLS}
+    count = "import numpy, os; print(len(os.listdir('/proc/self/task')))"
+    call = "from cachefeed._cli.daemon import one_math_thread; one_math_thread(); "
+
+    def threads(code: str) -> int:
+        return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout)
+
+    assert threads(call + count) == 1
+    assert threads(count) > 1, "without the call numpy starts a pool here (else this test shows nothing)"
 
 
 def test_sigterm_to_the_whole_group_is_a_clean_stop_not_a_death(bucket: Any, daemon: StartDaemon) -> None:
