@@ -2,7 +2,8 @@
 
     python -m benchmarks.record_cost [--dir /dev/shm] [--mib 64] [--repeats 20]
 
-Prints four figures (``cachefeed/_cache/records.py`` and ``cachefeed/_trainer/dataset.py`` quote them):
+Prints four figures (``cachefeed/_cache/records.py`` and ``cachefeed/_trainer/dataset.py`` quote the first three
+from one-off runs; ``records.py``'s ``RecordEncoder`` points here for the fourth):
 
 * ``bytes/record``: a 1 KiB float32 vector, an int label and an int id under a 30-character key (index, padding
   and trailer included), and its overhead over the 1,024-byte vector;
