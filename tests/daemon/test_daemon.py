@@ -149,13 +149,18 @@ def test_the_daemons_processes_run_one_math_thread_unless_the_environment_names_
 
 
 def test_numpy_imported_after_one_math_thread_starts_no_pool() -> None:
-    """The mechanism the NOTE relies on: numpy's OpenBLAS reads the variable when numpy is imported. A fresh
-    interpreter counts its threads after ``import numpy``, with and without the call before it."""
+    """The mechanism the NOTE relies on: numpy's OpenBLAS reads the variable when numpy is imported, and nothing on
+    the way from ``python -m cachefeed daemon`` to ``run`` imports numpy first. A fresh interpreter builds the
+    daemon's command line (the CLI and the daemon module imported), calls it, imports numpy and counts its threads;
+    without the call, the same count shows that this numpy starts a pool at all."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("OpenBLAS starts no pool on one CPU")
     env = {k: v for k, v in os.environ.items() if k not in ONE_THREAD_POOLS}
     count = "import numpy, os; print(len(os.listdir('/proc/self/task')))"
-    call = "from cachefeed._cli.daemon import one_math_thread; one_math_thread(); "
+    call = (
+        "from cachefeed._cli import build_parser; build_parser(['daemon']); "
+        "from cachefeed._cli.daemon import one_math_thread; one_math_thread(); "
+    )
 
     def threads(code: str) -> int:
         return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout)

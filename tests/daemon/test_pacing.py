@@ -108,16 +108,16 @@ def test_a_trainer_faster_than_the_remote_rereads_and_never_waits_while_ingest_r
     (reads per sample > 1), every handover finds its epoch ready, and the daemon downloads at its cap the whole
     time (reading faster than ingest never paces it).
 
-    The step is a sleep, not a loop that spins: three copies of a spinning loop on this 2-core machine (or the
-    suite's other tests beside one) starved each other's S3 servers, whose answers then took seconds (a LIST took
-    4 s), and the first epoch waited 5-8 s for a growth the remote could not deliver; with the sleep 6 of 6 such
-    runs passed (4 of 18 spinning)."""
+    The step is a sleep, not a loop that spins: in one-off runs here (2026-11-26), copies of a spinning loop side
+    by side on this 2-core machine (as the suite's other tests can be beside one) starved each other's S3 servers,
+    whose answers then took seconds (a LIST took 4 s), and the first epoch waited 5-8 s for a growth the remote
+    could not deliver; with the sleep 6 of 6 such runs passed (4 of 18 spinning)."""
     upload_arrays(bucket, BUCKET, OBJECTS, OBJECT_BYTES)
     cap = 1 << 20
     proc = daemon(sections={"cache": {"max_bytes": MAX_BYTES}, "remote": {"max_bytes_per_s": cap}})
     started = proc.wait_status(lambda d: d["ingest"]["samples_total"] >= 16, timeout_s=60, what="a first batch")
     bytes_at_start, t0 = started["remote"]["bytes_total"], time.monotonic()
-    handover_waits, stats = [], []
+    stats = []
     with EpochLoaderFactory(
         proc.cache_dir, batch_size=16, samples_per_epoch=64, run_id="fast", progress=None, num_workers=1
     ) as factory:
@@ -129,14 +129,13 @@ def test_a_trainer_faster_than_the_remote_rereads_and_never_waits_while_ingest_r
                 time.sleep(0.01)  # the training step
             if epoch:
                 stats.append(factory.stats(epoch))
-                handover_waits.append(stats[-1].handover_wait_s)
             epoch += 1
     doc = proc.wait_status(lambda d: d["cache"]["epochs_total"] >= epoch, timeout_s=30, what="every receipt")
     elapsed = time.monotonic() - t0
     rate = (doc["remote"]["bytes_total"] - bytes_at_start) / elapsed
     assert epoch >= 12, "the trainer ran many epochs in the time the remote delivered a few hundred samples"
     worst = max(stats, key=lambda st: st.handover_wait_s or 0.0)
-    assert (worst.handover_wait_s or 0.0) < 0.5, (handover_waits, worst)
+    assert (worst.handover_wait_s or 0.0) < 0.5, ([st.handover_wait_s for st in stats], worst)
     assert doc["cache"]["max_reads"] > 1 or doc["evicted"]["max_reads"] > 1, "samples were read more than once"
     assert doc["cache"]["sample_reads_total"] > doc["ingest"]["samples_total"], "reads per sample above 1"
     assert rate >= 0.6 * cap, f"ingest ran at {rate / cap:.2f} of its cap while the trainer was ahead of it"
