@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -156,8 +157,29 @@ class DaemonProcess:
             pass
         self.process.wait(timeout=10)
 
+    def stall(self, seconds: float) -> threading.Thread:
+        """Stop the daemon and its samplers (SIGSTOP to its process group) and let them go on after ``seconds``, on
+        a thread (returned; join it): what a machine that gives them no CPU for a while does. The daemon keeps its
+        locks and its heartbeat ages meanwhile."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+        def resume() -> None:
+            time.sleep(seconds)
+            self._continue()
+
+        thread = threading.Thread(target=resume, name="daemon-stall", daemon=True)
+        thread.start()
+        return thread
+
+    def _continue(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
     def stop(self, timeout_s: float = 15.0) -> int:
         if self.process.poll() is None:
+            self._continue()  # a stalled daemon handles SIGTERM only once it runs
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout_s)

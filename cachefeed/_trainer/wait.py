@@ -263,12 +263,26 @@ def fill_reached(layout: CacheLayout, fraction: float, have: int) -> tuple[bool,
     it waits for trainers to read (paced) or for pins to go (back-pressure), or it has fetched everything the
     remote lists (a dataset smaller than the cache). Without a running daemon (a static cache) what is cached is
     all there will be.
+
+    Whether a daemon runs is the kernel's word, not the heartbeat's: a daemon holds the cache's writer lock until
+    it exits (``CacheLayout.has_writer``). A heartbeat older than the status verdict's limit while the lock is held
+    is a daemon that did not get the CPU for some seconds (a stalled machine: every process stops, and the trainer,
+    woken first, finds the document older than the limit), or one that hangs. Neither is a reason to end a growing
+    epoch on what is cached: an epoch of 330 samples ended that way at 84 and served each about four times. So the
+    fill is not judged then; the waits have their own timeouts, whose messages point to ``cachefeed status``.
     """
     from cachefeed._status.report import read_report  # the reader of the daemon's document
     from cachefeed._status.verdict import Health
 
     report = read_report(layout.root)
     document = report.document
+    if (
+        report.health is Health.NOT_RUNNING
+        and document is not None
+        and document["state"] != "stopped"
+        and layout.has_writer()
+    ):
+        return False, float(document["cache"].get("fill", 0.0)), ""  # its heartbeat is late (see above)
     if report.health in (Health.NOT_RUNNING, Health.UNREADABLE) or document is None:
         return have > 0, 0.0, "no daemon is running: starting on what is cached"
     cache = document["cache"]

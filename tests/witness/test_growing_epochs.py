@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import msgpack
 from cachefeed._codecs import msgpack_default
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon, wait_for
+from cachefeed._testing.ranks import run_local_ranks
 from cachefeed._testing.samples import payload
 from cachefeed._testing.witness import sample_keys
 from cachefeed._trainer import EpochLoaderFactory
@@ -94,6 +95,36 @@ def test_a_cold_first_epoch_starts_on_the_first_segments_and_serves_every_sample
     assert len(second) == len(set(second)) == len(every), "the next epoch reads the whole cache once"
 
 
+def test_a_daemon_stalled_past_its_heartbeat_limit_does_not_end_a_growing_epoch_on_what_is_cached(
+    tmp_path: Path,
+) -> None:
+    """A machine that gives the daemon no CPU for seconds (2-core VMs under load stalled every process for 5 s)
+    leaves its heartbeat stale while it still holds the cache's lock. The growing epoch waits for it: it used to
+    take the stale heartbeat for "no daemon runs" and end on what was cached, serving those samples over again."""
+    every = make_remote(tmp_path / "data")  # 1,200 samples: some 8 s at 150 KB/s
+    daemon = start_slow_daemon(tmp_path, tmp_path / "data")
+    spe = 400
+    keys: list[str] = []
+    cached_at_stall, stalled_s = -1, 0.0
+    with EpochLoaderFactory(
+        daemon.cache_dir, batch_size=16, samples_per_epoch=spe, epochs=1, run_id="stall", progress=None
+    ) as factory:
+        for batch in factory.loader(0):
+            if not keys:
+                cached_at_stall = cached_samples(daemon)
+                started = time.monotonic()
+                resumed = daemon.stall(7.0)  # the status verdict's limit is 5 s at this daemon's 100 ms interval
+            keys += sample_keys(batch)
+        resumed.join()
+        stalled_s = time.monotonic() - started
+    daemon.stop()
+    assert cached_at_stall < spe, f"the stall began with {cached_at_stall} samples cached: the epoch had to wait"
+    assert stalled_s >= 7.0
+    assert len(keys) == spe, f"the epoch served {len(keys)} samples, not samples_per_epoch"
+    assert len(set(keys)) == spe, f"the epoch served {spe - len(set(keys))} samples twice: it ended on what was cached"
+    assert {key.rsplit("::", 1)[-1] for key in keys} <= every  # as the remote names them
+
+
 def test_a_growing_epoch_ends_when_the_daemon_has_fetched_everything_not_at_its_next_status_interval(
     tmp_path: Path,
 ) -> None:
@@ -122,25 +153,21 @@ def test_a_growing_epoch_ends_when_the_daemon_has_fetched_everything_not_at_its_
 def test_local_ranks_get_disjoint_equal_shares_of_a_growing_epoch(tmp_path: Path) -> None:
     every = make_remote(tmp_path / "data")
     daemon = start_slow_daemon(tmp_path, tmp_path / "data")
-    received: dict[int, list[str]] = {}
-    errors: list[BaseException] = []
 
-    def rank(number: int) -> None:
-        try:
-            with EpochLoaderFactory(
-                daemon.cache_dir, batch_size=16, rank=number, world_size=2, run_id="pair", epochs=1, progress=None
-            ) as factory:
-                received[number] = [key for batch in factory.loader(0) for key in sample_keys(batch)]
-        except BaseException as exc:
-            errors.append(exc)
+    def rank(number: int, step: Callable[[], None]) -> list[str]:
+        keys: list[str] = []
+        with EpochLoaderFactory(
+            daemon.cache_dir, batch_size=16, rank=number, world_size=2, run_id="pair", epochs=1, progress=None
+        ) as factory:
+            for batch in factory.loader(0):
+                keys += sample_keys(batch)
+                step()
+        return keys
 
-    threads = [threading.Thread(target=rank, args=(number,)) for number in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    daemon.stop()
-    assert not errors, errors
+    try:
+        received = run_local_ranks(rank)
+    finally:
+        daemon.stop()
     zero, one = received[0], received[1]
     assert len(zero) == len(one), "equal shares: the same number of steps on every rank"
     assert not set(zero) & set(one), "disjoint shares"

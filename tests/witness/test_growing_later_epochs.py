@@ -18,14 +18,15 @@ several epochs of ``samples_per_epoch`` are read. The promises:
 from __future__ import annotations
 
 import json
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
 import pytest
 
 from cachefeed._codecs import msgpack_default
+from cachefeed._testing.ranks import run_local_ranks
 from cachefeed._testing.samples import payload
 from cachefeed._testing.witness import sample_keys
 from cachefeed._trainer import EpochLoaderFactory
@@ -126,40 +127,34 @@ def test_a_growing_later_epoch_is_topped_up_with_read_samples_to_its_size_disjoi
     every = make_small_remote(tmp_path / "data", 30)  # 600 samples: some 4.5 s at 150 KB/s
     daemon = start_slow_daemon(tmp_path, tmp_path / "data")
     spe = 330  # epoch 0 takes 330 of the first arrivals; epoch 1 finds only 270 fresh, then the remote is done
-    received: dict[int, list[list[str]]] = {}
-    errors: list[BaseException] = []
 
-    def rank(number: int) -> None:
-        try:
-            with EpochLoaderFactory(
-                daemon.cache_dir,
-                batch_size=25,
-                rank=number,
-                world_size=2,
-                samples_per_epoch=spe,
-                epochs=2,
-                run_id="top",
-                progress=None,
-            ) as factory:
-                received[number] = []
-                for epoch in range(2):
-                    keys: list[str] = []
-                    for batch in factory.loader(epoch):
-                        keys += sample_keys(batch)
-                        time.sleep(step_s)
-                    received[number].append([key.rsplit("::", 1)[-1] for key in keys])  # as the remote names them
-        except BaseException as exc:
-            errors.append(exc)
+    def rank(number: int, step: Callable[[], None]) -> list[list[str]]:
+        with EpochLoaderFactory(
+            daemon.cache_dir,
+            batch_size=25,
+            rank=number,
+            world_size=2,
+            samples_per_epoch=spe,
+            epochs=2,
+            run_id="top",
+            progress=None,
+        ) as factory:
+            epochs = []
+            for epoch in range(2):
+                keys: list[str] = []
+                for batch in factory.loader(epoch):
+                    keys += sample_keys(batch)
+                    time.sleep(step_s)
+                    step()
+                epochs.append([key.rsplit("::", 1)[-1] for key in keys])  # as the remote names them
+            return epochs
 
-    threads = [threading.Thread(target=rank, args=(number,)) for number in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not errors, errors
-    # Both receipts applied: every sample's reads are the epochs that served it.
-    document = daemon.wait_status(lambda d: d["cache"]["epochs_total"] >= 2, timeout_s=60, what="2 receipts")
-    daemon.stop()
+    try:
+        received = run_local_ranks(rank)
+        # Both receipts applied: every sample's reads are the epochs that served it.
+        document = daemon.wait_status(lambda d: d["cache"]["epochs_total"] >= 2, timeout_s=60, what="2 receipts")
+    finally:
+        daemon.stop()
     for epoch in range(2):
         mine, theirs = received[0][epoch], received[1][epoch]
         assert len(mine) == len(theirs) == spe // 2, f"epoch {epoch}: {len(mine)} and {len(theirs)} samples"
