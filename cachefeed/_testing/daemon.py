@@ -53,6 +53,23 @@ def wait_for(predicate: Callable[[], Any], *, timeout_s: float, interval_s: floa
         time.sleep(interval_s)
 
 
+def stay_behind_ingest(cache_dir: Path, samples: int, *, timeout_s: float = 60.0) -> None:
+    """Wait until the daemon's status document says it caches ``samples`` or has fetched everything the remote
+    lists, then a tick of a growing epoch's grower (50 ms) more: a training loop that calls this before each step,
+    with what it has read and a margin, stays slower than the remote whatever the machine's load. A fixed step at
+    half the remote's rate did not: with other daemons beside it on 2 cores, the remote fell behind it."""
+
+    def ahead() -> bool:
+        try:
+            document = json.loads((cache_dir / "status.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return False
+        return bool(document["cache"]["samples"] >= samples or document["remote"]["passes_completed"] >= 1)
+
+    wait_for(ahead, timeout_s=timeout_s, what=f"the daemon to cache {samples} samples")
+    time.sleep(0.1)
+
+
 def wait_while_running(
     daemons: DaemonProcess | Iterable[DaemonProcess],
     predicate: Callable[[], Any],

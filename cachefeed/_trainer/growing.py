@@ -3,7 +3,8 @@
 A cold job used to wait until the cache held ``min_samples`` (75% of what the daemon keeps) before its first batch.
 Now, by default, its first epoch starts as soon as every worker has a segment to read and keeps taking segments
 as the daemon publishes them, until the epoch has its samples (``samples_per_epoch``) or the daemon can fill no
-further (its fill level reached, it waits for trainers, it holds everything the remote lists, or no daemon runs).
+further (its fill level reached, it waits for trainers, it holds everything the remote lists, or no daemon runs:
+none has held the cache's lock for ``lifecycle.RESTART_GRACE_S``, so a restarted daemon fills on).
 A later epoch of a set size grows too while the cache fills ("Later epochs" in the NOTE).
 
 NOTE [ Growing snapshots ]

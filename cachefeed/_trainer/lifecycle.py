@@ -84,6 +84,7 @@ _PACE_WEIGHT = 0.2
 _RECENT_BUILDS = 4  # background builds the lead's estimate is the longest of
 _TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
 _TEARDOWN_HOLD_S = 1.0  # how long teardown steps wait for the handover to end (the new epoch's first batch)
+RESTART_GRACE_S = 15.0  # a growing epoch's wait for a daemon that went away: systemd's RestartSec (5 s), a start
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,7 @@ class Epochs:
         self._waited_s = 0.0
         self._pace_s: float | None = None
         self._last_batch_at = 0.0
+        self._daemon_gone_at: float | None = None  # since when the grower has found no daemon (``_growth_done``)
         self._closed = False
         # Set while no handover is under way: teardown steps wait for it (``_after_handover``).
         self._handover_over = threading.Event()
@@ -288,7 +290,7 @@ class Epochs:
         cached, least-read first). ``samples_per_epoch + local_world_size - 1``: the carry of a split is less than
         the local ranks, so every rank gets its quota from that many."""
         spe = self.plan.samples_per_epoch
-        if spe is None or not self._can_grow() or fill_reached(self.plan.layout, 1.0, 1)[0]:
+        if spe is None or not self._can_grow() or fill_reached(self.plan.layout, 1.0, 1).ready:
             return None
         return spe + self.plan.ranks.local_world_size - 1
 
@@ -324,11 +326,28 @@ class Epochs:
         )
 
     def _growth_done(self, samples: int) -> bool:
-        """The grower's rule: the epoch has its samples, or the daemon can fill no further (``fill_reached``)."""
+        """The grower's rule (grower thread): the epoch has its samples, or the daemon can fill no further
+        (``fill_reached``). A daemon gone counts only after ``RESTART_GRACE_S`` without one: a daemon restarted
+        (``systemctl restart``, or ``Restart=on-failure`` after a crash) comes back on the same cache and fills on,
+        and an epoch that ended on what was cached at that moment served those samples over again to its size."""
         spe = self.plan.samples_per_epoch
         if spe is not None and samples >= spe + self.plan.ranks.local_world_size - 1:  # the carry is < local ranks
             return True
-        return fill_reached(self.plan.layout, 1.0, samples)[0]
+        reached = fill_reached(self.plan.layout, 1.0, samples)
+        if not reached.daemon_gone:
+            self._daemon_gone_at = None
+            return reached.ready
+        now = time.monotonic()
+        if self._daemon_gone_at is None:
+            self._daemon_gone_at = now
+            log.warning(
+                "the daemon of %s is gone: the growing epoch waits up to %.0fs for it to come back (a restart) before "
+                "it ends on the %d samples it has",
+                self.plan.layout.root,
+                RESTART_GRACE_S,
+                samples,
+            )
+        return now - self._daemon_gone_at >= RESTART_GRACE_S
 
     def _estimated_share(self, snapshot: Snapshot) -> int:
         """This rank's samples if the first epoch grows until it fills the epoch's room (``room.py``) or, without a

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
@@ -28,6 +28,7 @@ from cachefeed._errors import NoSuchCacheError, SnapshotError
 from cachefeed._logs import get_logger
 
 __all__ = [
+    "Fill",
     "SampleCounter",
     "fill_reached",
     "parse_fill",
@@ -224,7 +225,7 @@ def wait_for_segments(
                 break
             if have and waited - checked_at >= 10 * poll_s:  # the daemon's document: now and then, not every poll
                 checked_at = waited
-                if fill_reached(layout, 1.0, have)[0]:
+                if fill_reached(layout, 1.0, have).ready:
                     break
             if waited > timeout_s:
                 raise SnapshotError(
@@ -256,8 +257,17 @@ def parse_fill(value: str) -> float:
     return fraction
 
 
-def fill_reached(layout: CacheLayout, fraction: float, have: int) -> tuple[bool, float, str]:
-    """(start now?, the fill level, why) from the daemon's status document.
+class Fill(NamedTuple):
+    """``fill_reached``'s answer."""
+
+    ready: bool  # start (or stop growing) now
+    fill: float  # the fill level the daemon reports (0 without one)
+    why: str  # for the log: why ready
+    daemon_gone: bool = False  # ready because no daemon runs (a restart looks the same for a while)
+
+
+def fill_reached(layout: CacheLayout, fraction: float, have: int) -> Fill:
+    """Whether to start now (and the fill level, and why) from the daemon's status document.
 
     The cache is full enough when the daemon reports ``cache.fill >= fraction``, or when it cannot fill further:
     it waits for trainers to read (paced) or for pins to go (back-pressure), or it has fetched everything the
@@ -282,20 +292,20 @@ def fill_reached(layout: CacheLayout, fraction: float, have: int) -> tuple[bool,
         and document["state"] != "stopped"
         and layout.has_writer()
     ):
-        return False, float(document["cache"].get("fill", 0.0)), ""  # its heartbeat is late (see above)
+        return Fill(False, float(document["cache"].get("fill", 0.0)), "")  # its heartbeat is late (see above)
     if report.health in (Health.NOT_RUNNING, Health.UNREADABLE) or document is None:
-        return have > 0, 0.0, "no daemon is running: starting on what is cached"
+        return Fill(have > 0, 0.0, "no daemon is running: starting on what is cached", daemon_gone=True)
     cache = document["cache"]
     fill = float(cache.get("fill", 0.0))
     if report.health is Health.NOT_READY or have == 0:
-        return False, fill, ""
+        return Fill(False, fill, "")
     if fill >= fraction:
-        return True, fill, f"cache {fill:.0%} full"
+        return Fill(True, fill, f"cache {fill:.0%} full")
     if cache["is_paced"] or cache["is_backpressured"]:
-        return True, fill, f"cache {fill:.0%} full and waiting for trainers: starting"
+        return Fill(True, fill, f"cache {fill:.0%} full and waiting for trainers: starting")
     if document["remote"]["passes_completed"] >= 1:
-        return True, fill, f"cache {fill:.0%} full with everything the remote lists: starting"
-    return False, fill, ""
+        return Fill(True, fill, f"cache {fill:.0%} full with everything the remote lists: starting")
+    return Fill(False, fill, "")
 
 
 def wait_for_fill(
@@ -320,7 +330,7 @@ def wait_for_fill(
     try:
         while True:
             have = counter.count()
-            ready, fill, why = fill_reached(layout, fraction, have)
+            ready, fill, why, _gone = fill_reached(layout, fraction, have)
             waited = time.monotonic() - started
             if ready:
                 if waited > 0.1:

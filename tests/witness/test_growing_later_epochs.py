@@ -26,6 +26,7 @@ import msgpack
 import pytest
 
 from cachefeed._codecs import msgpack_default
+from cachefeed._testing.daemon import stay_behind_ingest
 from cachefeed._testing.ranks import run_local_ranks
 from cachefeed._testing.samples import payload
 from cachefeed._testing.witness import sample_keys
@@ -112,17 +113,18 @@ def make_small_remote(root: Path, objects: int) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "step_s",
+    "behind",
     [
-        # A training step of 110 samples/s for both ranks, 3/4 of what the remote delivers (~148/s): epoch 0 ends
-        # before the remote is done (above 0.55 of it: 330 of 600 samples), and epoch 1 never catches up with ingest
-        # and takes every sample the daemon fetches.
-        pytest.param(0.45, id="the daemon can fill no further"),
-        pytest.param(0.0, id="the loop caught up with ingest"),  # epoch 1 is topped up as soon as it has read all
+        # Every training step waits until the daemon has cached two steps more than both ranks have read, or fetched
+        # everything: training slower than the remote, whatever the machine's load (a fixed step of 3/4 of the
+        # remote's rate was not, with other daemons beside it on 2 cores). Epoch 0 then ends before the remote is
+        # done, and epoch 1 never catches up with ingest and takes every sample the daemon fetches.
+        pytest.param(True, id="the daemon can fill no further"),
+        pytest.param(False, id="the loop caught up with ingest"),  # epoch 1 is topped up as soon as it has read all
     ],
 )
 def test_a_growing_later_epoch_is_topped_up_with_read_samples_to_its_size_disjoint_across_local_ranks(
-    tmp_path: Path, step_s: float
+    tmp_path: Path, behind: bool
 ) -> None:
     every = make_small_remote(tmp_path / "data", 30)  # 600 samples: some 4.5 s at 150 KB/s
     daemon = start_slow_daemon(tmp_path, tmp_path / "data")
@@ -144,7 +146,9 @@ def test_a_growing_later_epoch_is_topped_up_with_read_samples_to_its_size_disjoi
                 keys: list[str] = []
                 for batch in factory.loader(epoch):
                     keys += sample_keys(batch)
-                    time.sleep(step_s)
+                    if behind and number == 0:
+                        # 100: the next step's 50, and the rest of epoch 0's last segment (~30 samples epoch 1 skips)
+                        stay_behind_ingest(daemon.cache_dir, spe * epoch + 2 * len(keys) + 100)  # rank 1 steps along
                     step()
                 epochs.append([key.rsplit("::", 1)[-1] for key in keys])  # as the remote names them
             return epochs
@@ -163,7 +167,7 @@ def test_a_growing_later_epoch_is_topped_up_with_read_samples_to_its_size_disjoi
         assert not overlap, f"epoch {epoch}: the ranks' shares overlap in {len(overlap)} samples"
     zero, one = (set(received[0][epoch] + received[1][epoch]) for epoch in range(2))
     unread = every - zero
-    if step_s:
+    if behind:
         assert unread <= one, f"epoch 1 left {len(unread - one)} samples no epoch had read"
         assert len(one & zero) == spe - len(unread), "the rest of epoch 1 is samples epoch 0 read"
     else:
@@ -181,13 +185,13 @@ def trainer_main(root: str, progress: str, ready: str) -> None:
         first = []
         for batch in factory.loader(0):
             first += sample_keys(batch)
-            time.sleep(0.6)  # a training step: 27 samples/s, half what the remote delivers
+            stay_behind_ingest(Path(root), len(first) + 50)  # a training step slower than the remote
         received: list[str] = []
         for batch in factory.loader(1):
             received += sample_keys(batch)
             state = factory.state_dict()
             atomic_write(progress, json.dumps({"first": first, "keys": received, "state": state}).encode())
-            time.sleep(0.6)
+            stay_behind_ingest(Path(root), 160 + len(received) + 50)  # 50: a batch, and epoch 0's last segment's rest
 
 
 def test_a_trainer_killed_in_a_growing_later_epoch_resumes_exactly_the_rest_of_it(tmp_path: Path) -> None:
@@ -206,7 +210,7 @@ def test_a_trainer_killed_in_a_growing_later_epoch_resumes_exactly_the_rest_of_i
             rest: list[str] = []
             for batch in loader:
                 rest += sample_keys(batch)
-                time.sleep(0.6)
+                stay_behind_ingest(daemon.cache_dir, 160 + len(interrupted) + len(rest) + 50)
     finally:
         daemon.stop()
     assert not set(rest) & set(interrupted), "no sample twice in the epoch"
