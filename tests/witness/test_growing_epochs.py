@@ -96,6 +96,14 @@ def test_a_cold_first_epoch_starts_on_the_first_segments_and_serves_every_sample
     assert len(second) == len(set(second)) == len(every), "the next epoch reads the whole cache once"
 
 
+def assert_served_once(keys: list[str], spe: int, every: set[str]) -> None:
+    """The epoch served ``spe`` samples of the remote, each once: it did not end on what was cached to serve that
+    over again."""
+    assert len(keys) == spe, f"the epoch served {len(keys)} samples, not samples_per_epoch"
+    assert len(set(keys)) == spe, f"the epoch served {spe - len(set(keys))} samples twice: it ended on what was cached"
+    assert {key.rsplit("::", 1)[-1] for key in keys} <= every  # as the remote names them
+
+
 def test_a_daemon_stalled_past_its_heartbeat_limit_does_not_end_a_growing_epoch_on_what_is_cached(
     tmp_path: Path,
 ) -> None:
@@ -121,9 +129,7 @@ def test_a_daemon_stalled_past_its_heartbeat_limit_does_not_end_a_growing_epoch_
     daemon.stop()
     assert cached_at_stall < spe, f"the stall began with {cached_at_stall} samples cached: the epoch had to wait"
     assert stalled_s >= 7.0
-    assert len(keys) == spe, f"the epoch served {len(keys)} samples, not samples_per_epoch"
-    assert len(set(keys)) == spe, f"the epoch served {spe - len(set(keys))} samples twice: it ended on what was cached"
-    assert {key.rsplit("::", 1)[-1] for key in keys} <= every  # as the remote names them
+    assert_served_once(keys, spe, every)
 
 
 def test_a_daemon_restarted_mid_epoch_is_waited_for_and_the_growing_epoch_fills_on(
@@ -152,9 +158,7 @@ def test_a_daemon_restarted_mid_epoch_is_waited_for_and_the_growing_epoch_fills_
             keys += sample_keys(batch)
     daemon.stop()
     assert cached_at_stop < spe, f"the restart began with {cached_at_stop} samples cached: the epoch had to wait"
-    assert len(keys) == spe, f"the epoch served {len(keys)} samples, not samples_per_epoch"
-    assert len(set(keys)) == spe, f"the epoch served {spe - len(set(keys))} samples twice: it ended on what was cached"
-    assert {key.rsplit("::", 1)[-1] for key in keys} <= every
+    assert_served_once(keys, spe, every)
 
 
 def test_a_growing_epoch_ends_on_what_is_cached_once_its_daemon_stayed_away_for_the_restart_grace(
