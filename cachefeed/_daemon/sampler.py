@@ -328,6 +328,12 @@ class Sampler:
         if self._finished is None or self._finished.done():
             return
         log.info("exiting: %s", reason)
+        # A later SIGTERM (the group's, then the supervisor's) has nothing to add, and asyncio's handler writes to the
+        # loop's wakeup pipe while the loop shuts down: "Exception ignored when trying to write to the signal wakeup
+        # fd" once reached a crash-loop test's stderr (the cause not established). Ignored from here on.
+        if self._loop is not None:
+            self._loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self._is_draining = True
         self._provider.close(ChannelClosed(reason))
         self._sink.kill()

@@ -347,7 +347,7 @@ class Epochs:
                 RESTART_GRACE_S,
                 samples,
             )
-        return now - self._daemon_gone_at >= RESTART_GRACE_S
+        return reached.ready and now - self._daemon_gone_at >= RESTART_GRACE_S  # ready: something is cached
 
     def _estimated_share(self, snapshot: Snapshot) -> int:
         """This rank's samples if the first epoch grows until it fills the epoch's room (``room.py``) or, without a
