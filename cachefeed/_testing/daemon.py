@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachefeed._cache.layout import CacheLayout
 from cachefeed._config import toml_text
+from cachefeed._status.document import load_document
 from cachefeed._testing.local_s3 import storage_options
 
 __all__ = [
@@ -60,11 +62,10 @@ def stay_behind_ingest(cache_dir: Path, samples: int, *, timeout_s: float = 60.0
     half the remote's rate did not: with other daemons beside it on 2 cores, the remote fell behind it."""
 
     def ahead() -> bool:
-        try:
-            document = json.loads((cache_dir / "status.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return False
-        return bool(document["cache"]["samples"] >= samples or document["remote"]["passes_completed"] >= 1)
+        document = load_document(CacheLayout(cache_dir).status_file)  # the one reader of the daemon's document
+        return document is not None and (
+            document["cache"]["samples"] >= samples or document["remote"]["passes_completed"] >= 1
+        )
 
     wait_for(ahead, timeout_s=timeout_s, what=f"the daemon to cache {samples} samples")
     time.sleep(0.1)

@@ -278,7 +278,8 @@ def fill_reached(layout: CacheLayout, fraction: float, have: int) -> Fill:
     it exits (``CacheLayout.has_writer``). A heartbeat older than the status verdict's limit while the lock is held
     is a daemon that did not get the CPU for some seconds (a stalled machine: every process stops, and the trainer,
     woken first, finds the document older than the limit), or one that hangs. Neither is a reason to end a growing
-    epoch on what is cached: an epoch of 330 samples ended that way at 84 and served each about four times. So the
+    epoch on what is cached: in a one-off run an epoch of 330 samples ended that way at 84, each served about four
+    times (``test_a_daemon_stalled_past_its_heartbeat_limit...`` witnesses the promise). So the
     fill is not judged then; the waits have their own timeouts, whose messages point to ``cachefeed status``.
     """
     from cachefeed._status.report import read_report  # the reader of the daemon's document

@@ -107,9 +107,10 @@ def assert_served_once(keys: list[str], spe: int, every: set[str]) -> None:
 def test_a_daemon_stalled_past_its_heartbeat_limit_does_not_end_a_growing_epoch_on_what_is_cached(
     tmp_path: Path,
 ) -> None:
-    """A machine that gives the daemon no CPU for seconds (2-core VMs under load stalled every process for 5 s)
-    leaves its heartbeat stale while it still holds the cache's lock. The growing epoch waits for it: it used to
-    take the stale heartbeat for "no daemon runs" and end on what was cached, serving those samples over again."""
+    """A machine that gives the daemon no CPU for seconds (in one-off runs this 2-core VM stalled every process for
+    5-12 s under load) leaves its heartbeat stale while it still holds the cache's lock. The growing epoch waits for
+    it: it used to take the stale heartbeat for "no daemon runs" and end on what was cached, serving those samples
+    over again."""
     every = make_remote(tmp_path / "data")  # 1,200 samples: some 8 s at 150 KB/s
     daemon = start_slow_daemon(tmp_path, tmp_path / "data")
     spe = 400
@@ -138,7 +139,7 @@ def test_a_daemon_restarted_mid_epoch_is_waited_for_and_the_growing_epoch_fills_
     """``systemctl restart`` (or ``Restart=on-failure`` after a crash) in a cold job's first epoch: the new daemon
     recovers the cache and fetches on, and the epoch takes its samples from it. It used to end on what was cached
     when the old daemon stopped and serve those samples over again to its size."""
-    # A daemon's start takes about a second, but one run in nine under the suite's load ended the epoch at the default
+    # A daemon's start takes about a second, but one run in nine (one-off, under load) ended the epoch at the default
     # 15 s, the new daemon not having logged a line (this 2-core VM stalls every process for up to 12 s at times).
     # The grace's length is not what is tested here.
     monkeypatch.setattr(lifecycle, "RESTART_GRACE_S", 120.0)
