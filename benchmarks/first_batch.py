@@ -49,7 +49,7 @@ def make_remote(root: Path, args: argparse.Namespace) -> int:
 
 
 def run(work: Path, remote: Path, mode: str, rate: int, args: argparse.Namespace) -> dict[str, Any]:
-    cache_dir = Path("/dev/shm") / f"{work.name}-{mode.replace(' ', '').replace('%', '')}"
+    cache_dir = work / f"cache-{mode.replace(' ', '').replace('%', '')}"  # removed with ``work`` (RAM on tmpfs)
     document = {
         "remote": {"url": f"file://{remote}", "refresh_interval": "60s", "max_bytes_per_s": rate},
         "cache": {"dir": str(cache_dir), "max_bytes": "1GiB", "min_free_bytes": 0, "fsync": False},

@@ -18,6 +18,8 @@ A snapshot ``<id>`` is two entries in ``snapshots/``:
 
 Joining (another rank, same epoch): wait for ``MANIFEST``, open ``<id>.lock``, take ``LOCK_SH``, then check
 that the path still names the inode we locked (a remover may have unlinked it between our open and our lock).
+A lock held exclusively is not a missing snapshot: the holder is a remover or the daemon's sweep probing a kept
+one, so a joiner waits until it lets go (``BUSY_WAIT_S`` at most), then joins or finds the snapshot gone.
 
 Removal: whoever gets ``flock(LOCK_EX | LOCK_NB)`` on ``<id>.lock`` knows nobody else holds the snapshot: it
 hands the epoch's read receipt to the daemon if a rank recorded what it served (NOTE [ Read receipts ] in
@@ -86,6 +88,14 @@ Pick = Callable[[list[Candidate], int | None, int], list[int]]
 """A snapshot's choice of segments: ``pick(candidates, room, linked)`` gives the sequence numbers it takes of
 ``candidates`` within ``room`` bytes (None: no limit), ``linked`` samples being linked already (``_link_picks``)."""
 PARTIAL_GRACE_S = 60.0
+BUSY_WAIT_S = 30.0  # how long ``Snapshot.join`` waits on a snapshot whose lock another process holds exclusively
+
+
+class _Busy:
+    """``_try_pin``'s answer for a snapshot that is there but locked exclusively by another process."""
+
+
+_BUSY = _Busy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,15 +272,22 @@ class Snapshot:
     ) -> Snapshot:
         """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``.
 
+        A snapshot that is there but whose lock another process holds exclusively is waited for up to
+        ``BUSY_WAIT_S`` whatever ``timeout_s`` says: the daemon's sweep takes that lock for a moment to learn that
+        nobody holds a dead trainer's snapshot it keeps for a resume (``sweep_stale``), and a remover holds it while
+        it removes. The snapshot is then joined, or found gone, once the other process lets go; a resume that gave
+        up at such a moment would run on a fresh snapshot and serve part of its epoch twice.
+
         ``job``/``nonce``, when given, must match the MANIFEST's: a snapshot of another job, or another snapshot
         of the same name, is never joined (``SnapshotError``; the pin taken to check is dropped)."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         manifest_path = layout.snapshots / snap_id / MANIFEST
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, busy_deadline = started + timeout_s, started + max(timeout_s, BUSY_WAIT_S)
         while True:
             pinned = _try_pin(lock_path, manifest_path)
-            if pinned is not None:
+            if isinstance(pinned, tuple):
                 fd, manifest = pinned
                 snapshot = cls(layout, snap_id, fd, manifest)
                 for what, mine, theirs in (("job", job, snapshot.job), ("nonce", nonce, snapshot.nonce)):
@@ -281,9 +298,15 @@ class Snapshot:
                             "it is not this job's snapshot, so it is not joined"
                         )
                 return snapshot
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if pinned is _BUSY and now > busy_deadline:
                 raise SnapshotError(
-                    f"snapshot {snap_id!r} did not appear in {layout.snapshots} within {timeout_s:.0f}s: "
+                    f"snapshot {snap_id!r} in {layout.snapshots} stayed locked by another process for "
+                    f"{now - started:.0f}s: is a process that removes snapshots stopped or hung?"
+                )
+            if pinned is None and now > deadline:
+                raise SnapshotError(
+                    f"snapshot {snap_id!r} did not appear in {layout.snapshots} within {timeout_s:g}s: "
                     "is the rank that creates it (local rank 0) running?"
                 )
             time.sleep(0.02)
@@ -643,8 +666,10 @@ def _checked_layout(root: str | os.PathLike[str], snap_id: str) -> CacheLayout:
     return layout
 
 
-def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, object]] | None:
-    """One attempt to join: a held lock on the inode the path still names, and a complete manifest."""
+def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, object]] | _Busy | None:
+    """One attempt to join: a held lock on the inode the path still names, and a complete manifest; ``_BUSY`` if the
+    snapshot is there but another process holds its lock exclusively (a sweep's probe, a removal); None if it is
+    not there (yet, or any more)."""
     if not manifest_path.exists():
         return None
     try:
@@ -655,7 +680,7 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return None  # being removed right now
+        return _BUSY
     try:
         if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
             raise FileNotFoundError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -12,11 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cachefeed._cache import snapshots
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.records import SegmentReader
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.store import METADATA_RESERVE_BYTES, CacheStore
 from cachefeed._cache.writer import CacheWriter
+from cachefeed._errors import SnapshotError
 from cachefeed._testing.samples import check_sample, make_sample
 from cachefeed._testing.witness import SegmentWitness
 from tests.support.cache_helpers import FORMAT_3_SEGMENT, cache_config, write_until_full
@@ -262,6 +265,29 @@ def test_a_leftover_snapshot_of_the_same_id_is_replaced_not_joined(tmp_path: Pat
     assert fresh.samples == 200, "the new snapshot pins what is cached now, not the leftover"
     fresh.release()
     old._lock_fd = None  # its lock file is gone; nothing to release
+
+
+def test_a_join_waits_on_a_snapshot_another_process_holds_exclusively_then_gives_up_saying_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    dead = Snapshot.create(root, "run-e000001")
+    os.close(dead._lock_fd)  # its trainer died: the kernel dropped the pin, the snapshot stays (kept for a resume)
+    dead._lock_fd = None
+    probe = os.open(root / "snapshots" / "run-e000001.lock", os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a sweep's probe that does not let go
+    monkeypatch.setattr(snapshots, "BUSY_WAIT_S", 0.5)
+    started = time.monotonic()
+    with pytest.raises(SnapshotError, match="stayed locked by another process"):
+        Snapshot.join(root, "run-e000001", timeout_s=0.1)
+    assert time.monotonic() - started >= 0.5, "waited past its own timeout, for the lock"
+    os.close(probe)
+    joined = Snapshot.join(root, "run-e000001", timeout_s=0.1)
+    assert joined.samples == 100
+    joined.release()
+    store.close()
 
 
 def test_release_in_a_forked_child_leaves_the_parents_pin(tmp_path: Path) -> None:

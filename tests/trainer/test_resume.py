@@ -4,11 +4,14 @@ trainer's snapshot (``cache.snapshot_grace``); after the grace, the documented f
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,6 +84,25 @@ def test_a_killed_trainer_resumes_exactly_the_rest_of_its_epoch_within_the_grace
     assert (root / "snapshots" / f"{snap_id}.lock").exists(), "the dead trainer's snapshot is kept"
     rest = resume(root, saved, workers)
     daemon.close()
+    assert not set(rest) & set(saved["keys"]), "no sample twice"
+    assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES)), "the whole epoch, exactly"
+
+
+def test_a_resume_waits_out_a_sweep_probing_the_kept_snapshot_and_resumes_exactly_the_rest(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", SAMPLES)
+    saved = kill_mid_epoch(root, tmp_path)
+    evicted = sorted((root / "segments").iterdir())[-1]
+    evicted.unlink()  # the cache moved on since the kill: only the kept snapshot still links this segment
+    # The daemon's sweep learns that nobody holds a kept snapshot by taking its lock exclusively, for a moment. Here
+    # the moment lasts 2 s, as when the machine stops the daemon between that probe and its release.
+    probe = os.open(root / "snapshots" / f"{saved['state']['snapshot_id']}.lock", os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    release = threading.Timer(2.0, os.close, (probe,))
+    release.start()
+    try:
+        rest = resume(root, saved)
+    finally:
+        release.join()
     assert not set(rest) & set(saved["keys"]), "no sample twice"
     assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES)), "the whole epoch, exactly"
 
