@@ -111,6 +111,7 @@ ECHO_WINDOW = 64  # evicted segments the echo factor is measured over
 TOPPED_UP_SHARE = 0.25  # ingest is remote-bound when more than this share of the newest snapshot was read already
 _HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
 _ORPHAN_WAIT_S = 5.0  # how long a daemon waits for the children of a gone holder to let go of the lock
+_READER_WAIT_S = 5.0  # how long a daemon waits for processes that hold the lock shared to let go (_wait_out_readers)
 
 
 def _lock_holder(fd: int) -> str:
@@ -152,6 +153,29 @@ def _wait_for_orphaned_lock(fd: int) -> bool:
             continue
         return True
     return False
+
+
+def _wait_out_readers(fd: int) -> bool:
+    """Take the lock held shared by processes that only ask whether a daemon runs: True once taken.
+
+    ``CacheLayout.has_writer`` (a trainer whose daemon's status is late, a trainer removing a snapshot) takes the
+    lock shared for a moment to learn whether a daemon holds it. A daemon starting in that moment found the lock
+    held and refused to start, naming "another process". A lock held shared is held by such readers, never by a
+    daemon (it holds it exclusively, and so do its samplers): wait up to ``_READER_WAIT_S`` for them to let go."""
+    deadline = time.monotonic() + _READER_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # held exclusively: a daemon (or its samplers)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # converts our shared lock, once no other reader has one
+            return True
+        except BlockingIOError:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 def _is_alive(pid: int) -> bool:
@@ -289,7 +313,7 @@ class CacheStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if _wait_for_orphaned_lock(fd):
+            if _wait_for_orphaned_lock(fd) or _wait_out_readers(fd):
                 return self._write_holder(fd)
             name = _lock_holder(fd)
             os.close(fd)

@@ -83,6 +83,31 @@ def test_a_daemon_that_loses_the_race_by_microseconds_still_names_the_winner(tmp
         os.close(fd)
 
 
+def test_a_daemon_starting_while_a_trainer_asks_whether_one_runs_takes_the_lock(tmp_path: Path) -> None:
+    """``has_writer`` takes the lock shared for a moment: a daemon starting in that moment used to refuse, naming
+    "another process". Here the moment lasts 0.3 s (the asking process stopped by the machine between its lock and
+    its unlock); a second reader comes and goes meanwhile."""
+    import threading
+
+    config = cache_config(tmp_path / "c")
+    CacheStore(config).close()
+    lock = CacheLayout(config.dir).lock_file
+    lock.write_bytes(b"")  # a cache whose daemon never ran to the end of its start: no holder written
+    readers = [os.open(lock, os.O_RDONLY) for _ in range(2)]
+    for fd in readers:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    timers = [threading.Timer(delay, os.close, (fd,)) for delay, fd in zip((0.1, 0.3), readers, strict=True)]
+    for timer in timers:
+        timer.start()
+    try:
+        store = CacheStore(config)
+        assert CacheLayout(config.dir).has_writer()
+        store.close()
+    finally:
+        for timer in timers:
+            timer.join()
+
+
 def test_a_daemon_restarted_at_once_waits_for_the_samplers_of_a_killed_one_to_let_go(tmp_path: Path) -> None:
     """A killed daemon's samplers keep its lock until they follow it out (PR_SET_PDEATHSIG): a daemon started in
     between (systemd's restart, the crash-loop test) used to refuse, naming a process that no longer existed."""
