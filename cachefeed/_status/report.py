@@ -1,9 +1,11 @@
 """Reading a cache's status: ``read_report`` turns a cache directory into a ``StatusReport`` (verdict and figures).
 
 The report is judged from the daemon's status document (``_status/document.py``, verdict in ``_status/verdict.py``),
-with one more check on the daemon's host: a daemon whose pid is gone is not running, even with a fresh heartbeat.
-Without a usable document, the report carries what the directory shows (``_status/directory.py``). A bad status
-file is a verdict (``Health.UNREADABLE``), never an exception. Nothing here writes into the cache or takes a lock.
+with more checks on the daemon's host: a daemon whose pid is gone is not running, even with a fresh heartbeat; and a
+stale heartbeat says whether the daemon is gone, or still holds the cache's lock (hung, or stopped). Without a
+usable document, the report carries what the directory shows (``_status/directory.py``). A bad status file is a
+verdict (``Health.UNREADABLE``), never an exception. Nothing here writes into the cache; the one lock taken is
+``has_writer``'s moment of a shared lock, for a stale heartbeat only (a daemon starting then waits it out).
 Its readers: ``cachefeed status`` (``_cli/status.py``), the trainer's wait for a full cache (``_trainer/wait.py``),
 the demo and the tests.
 """
@@ -21,7 +23,7 @@ from cachefeed._cache.layout import CacheLayout
 from cachefeed._errors import StatusUnreadable
 from cachefeed._status.directory import DirectorySummary
 from cachefeed._status.document import load_document
-from cachefeed._status.verdict import DEFAULT_INTERVAL_S, Health, judge
+from cachefeed._status.verdict import DEFAULT_INTERVAL_S, Health, judge, stale_reason
 
 __all__ = ["StatusReport", "read_report"]
 
@@ -44,18 +46,35 @@ class StatusReport:
     read_at: float = 0.0
 
 
-def _pid_is_gone(pid: int) -> bool:
-    """True if ``pid`` does not exist here or is a zombie (a killed daemon its parent has not reaped yet)."""
+def _process_state(pid: int) -> str | None:
+    """``pid``'s state letter from ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie...); None if it does not
+    exist here, "" if it cannot be told."""
     if pid <= 0:
-        return False
+        return ""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
-        return True
+        return None
     except OSError:
-        return False  # cannot tell: trust the heartbeat
+        return ""  # cannot tell: trust the heartbeat
     fields = stat[stat.rfind(")") + 2 :].split()
-    return bool(fields) and fields[0] in ("Z", "X")
+    return fields[0] if fields else ""
+
+
+def _pid_is_gone(pid: int) -> bool:
+    """True if ``pid`` does not exist here or is a zombie (a killed daemon its parent has not reaped yet)."""
+    return _process_state(pid) in (None, "Z", "X")
+
+
+def _why_stale(layout: CacheLayout, pid: int) -> str:
+    """Why the heartbeat of the daemon ``pid`` of this host is stale, as far as this host shows."""
+    state = _process_state(pid)
+    if state in (None, "Z", "X"):
+        return f"the daemon (pid {pid}) is gone: killed or crashed"
+    if layout.has_writer():
+        what = "stopped by a signal or a debugger" if state in ("T", "t") else "hung"
+        return f"the daemon (pid {pid}) still holds the cache's lock but writes no status: it is {what}"
+    return "the daemon is dead or hung"
 
 
 def read_report(
@@ -99,6 +118,8 @@ def read_report(
     age = max(0.0, now - float(document["updated_at"]))
     health, reasons = judge(document, age, interval_s)
     is_here = document["host"] == socket.gethostname()
+    if is_here and health == Health.NOT_RUNNING and document["state"] != "stopped":  # a stale heartbeat
+        reasons = (stale_reason(age, interval_s, _why_stale(layout, int(document["pid"]))),)
     if check_pid and health != Health.NOT_RUNNING and is_here and _pid_is_gone(document["pid"]):
         if _advances(layout.status_file, document["updated_at"], interval_s):
             # someone keeps writing: a daemon in another pid namespace, or one that just restarted

@@ -22,7 +22,8 @@ is read from ``--config`` when given, else from the document's optional ``interv
 host (``host`` equals this host name) a pid that is gone or a zombie also means "not running", unless the document
 keeps advancing (a daemon in another pid namespace under the same host name): that case costs one status interval
 of waiting, only when the pid looks gone while the heartbeat is fresh. ``judge`` gives the verdict on the document
-alone; ``_status/report.py`` adds the pid check.
+alone; ``_status/report.py`` adds the pid check, and says why a heartbeat is stale where it can see the daemon: its
+pid gone, or alive and still holding the cache's lock (hung, or stopped by a signal or a debugger).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEFAULT_INTERVAL_S", "Health", "judge", "stale_after_s"]
+__all__ = ["DEFAULT_INTERVAL_S", "Health", "judge", "stale_after_s", "stale_reason"]
 
 DEFAULT_INTERVAL_S = 1.0
 
@@ -51,6 +52,11 @@ def stale_after_s(interval_s: float) -> float:
     return max(5.0, 5.0 * interval_s)
 
 
+def stale_reason(age_s: float, interval_s: float, why: str = "the daemon is dead or hung") -> str:
+    """What a stale heartbeat says; ``why``: what is known of the daemon (``_status/report.py`` looks on its host)."""
+    return f"stale heartbeat: last status {age_s:.1f}s ago (limit {stale_after_s(interval_s):.0f}s): {why}"
+
+
 def judge(document: Mapping[str, Any], age_s: float, interval_s: float) -> tuple[Health, tuple[str, ...]]:
     """The verdict on a validated document whose heartbeat is ``age_s`` old (pid check not included)."""
     state = document["state"]
@@ -58,9 +64,7 @@ def judge(document: Mapping[str, Any], age_s: float, interval_s: float) -> tuple
     if state == "stopped":
         return Health.NOT_RUNNING, ("the daemon stopped",)
     if age_s > limit:
-        return Health.NOT_RUNNING, (
-            f"stale heartbeat: last status {age_s:.1f}s ago (limit {limit:.0f}s): the daemon is dead or hung",
-        )
+        return Health.NOT_RUNNING, (stale_reason(age_s, interval_s),)
     reasons = tuple(str(reason) for reason in document["degraded_reasons"])
     if state in ("starting", "stopping"):
         return Health.NOT_READY, (f"the daemon is {state}", *reasons)

@@ -250,6 +250,47 @@ def test_stale_heartbeat_is_not_running(tmp_path: Path, capsys: pytest.CaptureFi
     assert "1,234,567 samples" in out  # the last known status is still shown
 
 
+def test_a_stale_heartbeat_says_whether_the_daemon_is_gone_stopped_or_hung(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the daemon's host, status looks at the process and the cache's lock: a stopped daemon (SIGSTOP, a
+    debugger, a machine that stopped it) is not a dead one."""
+    layout = make_cache(tmp_path / "cache")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(layout.lock_file)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        write_status(layout, make_document(layout.root, pid=holder.pid, updated_at=time.time() - 9.0))
+        code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+        assert code == Health.NOT_RUNNING
+        assert f"the daemon (pid {holder.pid}) still holds the cache's lock but writes no status: it is hung" in flat(
+            out
+        )
+        holder.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{holder.pid}/stat").read_text().split(") ")[1][0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+        assert code == Health.NOT_RUNNING and "it is stopped by a signal or a debugger" in flat(out)
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        holder.kill()
+        holder.communicate()
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert code == Health.NOT_RUNNING and f"(pid {holder.pid}) is gone: killed or crashed" in flat(out)
+    assert "stale heartbeat: last status 9." in flat(out)
+
+
 def test_stale_limit_follows_the_configured_interval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     layout = make_cache(tmp_path / "cache")
     write_status(layout, make_document(layout.root, updated_at=time.time() - 8.0))
