@@ -11,6 +11,7 @@ fixtures built on them live here.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from hypothesis import settings
 from cachefeed._testing.daemon import BUCKET, DaemonProcess, StartDaemon, start_daemon, write_config
 from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
 from cachefeed._testing.proxy import FaultProxy
+from tests.support.stalls import StallWatch, StallWindow
 
 settings.register_profile("cachefeed", deadline=None)
 settings.load_profile("cachefeed")
@@ -36,6 +38,19 @@ def _dummy_aws_credentials() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def _stall_watch() -> Iterator[StallWatch]:
+    watch = StallWatch()
+    yield watch
+    watch.close()
+
+
+@pytest.fixture
+def stalls(_stall_watch: StallWatch) -> StallWindow:
+    """Machine stalls since the test began, for its timing assertions (``tests/support/stalls.py``)."""
+    return StallWindow(_stall_watch, time.monotonic())
 
 
 @pytest.fixture(scope="session")

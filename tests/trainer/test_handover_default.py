@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachefeed._trainer import EpochLoaderFactory
+from tests.support.stalls import StallWindow
 from tests.trainer.test_loader import build_cache, check_batch
 
 EPOCHS = 4
@@ -29,7 +30,7 @@ def busy_core() -> Iterator[None]:
 
 
 def test_the_default_schedule_prepares_each_epoch_before_the_boundary_under_load(
-    tmp_path: Path, busy_core: None
+    tmp_path: Path, busy_core: None, stalls: StallWindow
 ) -> None:
     root = build_cache(tmp_path / "c", 1200)
     with EpochLoaderFactory(
@@ -49,7 +50,7 @@ def test_the_default_schedule_prepares_each_epoch_before_the_boundary_under_load
             assert stats.prepared_in_background, f"epoch {epoch} was built only when asked for"
             assert stats.handover_wait_s is not None
             # Ready at the boundary: the workers were already reading its first batches (a 20 ms step is the scale).
-            assert stats.handover_wait_s < 0.05, stats
+            stalls.assert_handover(stats.handover_wait_s, 0.05, f"epoch {epoch}: ")
 
 
 def pin_points(root: Path, factory: EpochLoaderFactory, *, step_s: float) -> list[float]:

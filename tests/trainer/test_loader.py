@@ -25,6 +25,7 @@ from cachefeed._trainer import EpochLoaderFactory, partition
 from cachefeed._trainer.partition import RankInfo, job_id, snapshot_name
 from cachefeed._trainer.wait import wait_for_samples
 from tests.support.cache_helpers import cache_config
+from tests.support.stalls import StallWindow
 
 # Ranks given explicitly (no torch.distributed) name their job from the launcher's environment: the same for both.
 RANKS_JOB = job_id(RankInfo(1, 2, 1, 2), broadcast=None)
@@ -64,7 +65,9 @@ def wait_until(predicate, timeout_s: float = 20.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(tmp_path: Path) -> None:
+def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(
+    tmp_path: Path, stalls: StallWindow
+) -> None:
     root = build_cache(tmp_path / "c", 600)
     with EpochLoaderFactory(
         root, batch_size=20, num_workers=2, multiprocessing_context="fork", prepare_at=0.0, run_id="t", epochs=3
@@ -86,7 +89,8 @@ def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(tm
         for epoch in (1, 2):
             stats = factory.stats(epoch)
             assert stats.prepared_in_background
-            assert stats.handover_wait_s is not None and stats.handover_wait_s < 0.5, stats
+            assert stats.handover_wait_s is not None, stats
+            stalls.assert_handover(stats.handover_wait_s, 0.5, f"epoch {epoch}: ")
             assert stats.new_samples == 0 and stats.new_segments == 0
         assert factory.stats(0).handover_wait_s is None and factory.stats(0).new_samples == 600
         assert factory._epochs._prepared is None, "epochs=3: no fourth epoch is prepared"

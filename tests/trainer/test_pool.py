@@ -30,6 +30,7 @@ from cachefeed._trainer.collate import Nest, RowCollator, Slot, collate_into, pl
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.pool import WorkerPool
 from tests.support.child_env import REPO, child_env
+from tests.support.stalls import StallWindow
 from tests.trainer.test_loader import build_cache, check_batch, wait_until
 
 Pair = namedtuple("Pair", ["image", "label"])
@@ -70,7 +71,7 @@ def fail_on_k7(sample: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
-def test_workers_live_across_epochs_and_serve_every_sample_once(tmp_path: Path) -> None:
+def test_workers_live_across_epochs_and_serve_every_sample_once(tmp_path: Path, stalls: StallWindow) -> None:
     root = build_cache(tmp_path / "c", 300)
     with EpochLoaderFactory(root, batch_size=16, num_workers=2, transform=with_pid, run_id="t", progress=None) as f:
         pids: set[int] = set()
@@ -80,7 +81,7 @@ def test_workers_live_across_epochs_and_serve_every_sample_once(tmp_path: Path) 
                 keys += check_batch(batch)
                 pids.update(batch["pid"].tolist())
             assert sorted(keys) == sorted(f"k{i}" for i in range(300)), f"epoch {epoch}: every sample once"
-            assert f.stats(epoch).handover_wait_s is None or f.stats(epoch).handover_wait_s < 0.5
+            stalls.assert_handover(f.stats(epoch).handover_wait_s, 0.5, f"epoch {epoch}: ")
         assert len(pids) == 2, f"two workers served all four epochs, not new ones per epoch: {pids}"
         assert os.getpid() not in pids
 
