@@ -96,11 +96,7 @@ log = get_logger(__name__)
 
 _RESERVED_OPTIONS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "num_workers")
 DEFAULT_MIN_FILL = "75%"  # what the first epoch waits for by default (see min_samples)
-_LEAD_FACTOR = 2.0
-_LEAD_MARGIN_S = 0.1
-_PACE_WEIGHT = 0.2
 _MIN_ARENA_BYTES = 1 << 20
-_TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
 
 
 class EpochLoaderFactory:
