@@ -11,7 +11,6 @@ fixtures built on them live here.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,8 +48,8 @@ def _stall_watch() -> Iterator[StallWatch]:
 
 @pytest.fixture
 def stalls(_stall_watch: StallWatch) -> StallWindow:
-    """Machine stalls since the test began, for its timing assertions (``tests/support/stalls.py``)."""
-    return StallWindow(_stall_watch, time.monotonic())
+    """Machine stalls during a test's handovers, for its timing assertions (``tests/support/stalls.py``)."""
+    return StallWindow(_stall_watch)
 
 
 @pytest.fixture(scope="session")

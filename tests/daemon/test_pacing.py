@@ -125,7 +125,7 @@ def test_a_trainer_faster_than_the_remote_rereads_and_never_waits_while_ingest_r
         epoch = 0
         while time.monotonic() - t0 < 5.0:
             assert len(factory.loader(epoch)) == 4, "the epoch's size is set, however little is cached"
-            for batch in factory.loader(epoch):
+            for batch in stalls.batches(factory.loader(epoch)):
                 assert batch["data"].shape == (16, OBJECT_BYTES)
                 time.sleep(0.01)  # the training step
             if epoch:
@@ -135,8 +135,8 @@ def test_a_trainer_faster_than_the_remote_rereads_and_never_waits_while_ingest_r
     elapsed = time.monotonic() - t0
     rate = (doc["remote"]["bytes_total"] - bytes_at_start) / elapsed
     assert epoch >= 12, "the trainer ran many epochs in the time the remote delivered a few hundred samples"
-    worst = max(stats, key=lambda st: st.handover_wait_s or 0.0)
-    stalls.assert_handover(worst.handover_wait_s, 0.5, f"{[st.handover_wait_s for st in stats]}, worst {worst}: ")
+    for st in stats:
+        stalls.assert_handover(st.handover_wait_s, 0.5, epoch=st.epoch)
     assert doc["cache"]["max_reads"] > 1 or doc["evicted"]["max_reads"] > 1, "samples were read more than once"
     assert doc["cache"]["sample_reads_total"] > doc["ingest"]["samples_total"], "reads per sample above 1"
     assert rate >= 0.6 * cap, f"ingest ran at {rate / cap:.2f} of its cap while the trainer was ahead of it"

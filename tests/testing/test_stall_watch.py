@@ -1,7 +1,9 @@
-"""The stall witness the timing tests lean on (``tests/support/stalls.py``): it sees a process that was not run."""
+"""The stall witness the handover tests lean on (``tests/support/stalls.py``): it sees a process that was not run,
+and excuses a handover only by a stall during it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -10,22 +12,25 @@ import pytest
 from tests.support.stalls import StallWatch, StallWindow
 
 
-def test_a_watcher_not_run_for_a_while_reports_it_and_excuses_only_that_much() -> None:
-    watch = StallWatch()
+def test_a_watcher_not_run_for_a_while_excuses_only_the_handover_it_overlapped_and_only_that_much() -> None:
+    watch = StallWatch()  # returns once the watcher ticks
     try:
-        window = StallWindow(watch, time.monotonic())
-        time.sleep(0.2)  # the watcher's interpreter is up and ticking
-        assert watch.longest_since(window.since) == 0.0
-        window.assert_handover(0.4, 0.5)  # under the limit: nothing to excuse
-        with pytest.raises(AssertionError, match=r"stalled at most 0\.00s"):
-            window.assert_handover(0.9, 0.5)
-        watch._process.send_signal(signal.SIGSTOP)  # as the machine does to every process, here to the watcher only
-        time.sleep(0.6)
-        watch._process.send_signal(signal.SIGCONT)
-        assert watch.longest_since(window.since) >= 0.5
-        window.assert_handover(0.9, 0.5)  # 0.4 s over the limit, across a 0.6 s stall
+        window = StallWindow(watch)
+        before = time.monotonic()
+        window.assert_handover(0.4, 0.5, ended_at=before)  # under the limit: nothing to excuse
+        with pytest.raises(AssertionError, match=r"stalled at most 0\.00s during it"):
+            window.assert_handover(0.9, 0.5, ended_at=before)
+        os.kill(watch.pid, signal.SIGSTOP)  # as the machine does to every process, here to the watcher only
+        time.sleep(0.8)
+        os.kill(watch.pid, signal.SIGCONT)
+        during = time.monotonic()
+        assert watch.longest_within(during - 1.0, during) >= 0.7
+        window.assert_handover(0.9, 0.5, ended_at=during)  # 0.4 s over the limit, across a 0.8 s stall
         with pytest.raises(AssertionError, match=r"handover waited 2\.000s"):
-            window.assert_handover(2.0, 0.5)  # more than the stall explains
-        assert watch.longest_since(time.monotonic()) == 0.0, "a stall before the window does not count"
+            window.assert_handover(2.0, 0.5, ended_at=during)  # more than the stall explains
+        with pytest.raises(AssertionError, match=r"stalled at most 0\.00s"):
+            window.assert_handover(0.9, 0.5, ended_at=before)  # a handover before the stall is not excused by it
+        with pytest.raises(ValueError, match="needs the epoch"):
+            window.assert_handover(0.9, 0.5)
     finally:
         watch.close()

@@ -38,7 +38,7 @@ def test_the_default_schedule_prepares_each_epoch_before_the_boundary_under_load
     ) as factory:
         for epoch in range(EPOCHS):
             keys = []
-            for batch in factory.loader(epoch):
+            for batch in stalls.batches(factory.loader(epoch)):
                 keys += check_batch(batch)
                 time.sleep(0.02)  # a training step
             assert sorted(keys) == sorted(f"k{i}" for i in range(1200)), f"epoch {epoch}: exactly once"
@@ -50,7 +50,7 @@ def test_the_default_schedule_prepares_each_epoch_before_the_boundary_under_load
             assert stats.prepared_in_background, f"epoch {epoch} was built only when asked for"
             assert stats.handover_wait_s is not None
             # Ready at the boundary: the workers were already reading its first batches (a 20 ms step is the scale).
-            stalls.assert_handover(stats.handover_wait_s, 0.05, f"epoch {epoch}: ")
+            stalls.assert_handover(stats.handover_wait_s, 0.05, epoch=epoch)
 
 
 def pin_points(root: Path, factory: EpochLoaderFactory, *, step_s: float) -> list[float]:

@@ -77,7 +77,7 @@ def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(
             loader = factory.loader(epoch)
             assert len(loader) == 30
             keys: list[str] = []
-            for batch in loader:
+            for batch in stalls.batches(loader):
                 keys += check_batch(batch)
                 time.sleep(0.02)  # a training step: gives the background build time to finish
             assert sorted(keys) == sorted(f"k{i}" for i in range(600)), f"epoch {epoch}: exactly once"
@@ -90,7 +90,7 @@ def test_epochs_serve_every_sample_once_and_the_next_is_ready_at_the_boundary(
             stats = factory.stats(epoch)
             assert stats.prepared_in_background
             assert stats.handover_wait_s is not None, stats
-            stalls.assert_handover(stats.handover_wait_s, 0.5, f"epoch {epoch}: ")
+            stalls.assert_handover(stats.handover_wait_s, 0.5, epoch=epoch)
             assert stats.new_samples == 0 and stats.new_segments == 0
         assert factory.stats(0).handover_wait_s is None and factory.stats(0).new_samples == 600
         assert factory._epochs._prepared is None, "epochs=3: no fourth epoch is prepared"

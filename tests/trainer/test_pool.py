@@ -77,11 +77,11 @@ def test_workers_live_across_epochs_and_serve_every_sample_once(tmp_path: Path, 
         pids: set[int] = set()
         for epoch in range(4):
             keys: list[str] = []
-            for batch in f.loader(epoch):
+            for batch in stalls.batches(f.loader(epoch)):
                 keys += check_batch(batch)
                 pids.update(batch["pid"].tolist())
             assert sorted(keys) == sorted(f"k{i}" for i in range(300)), f"epoch {epoch}: every sample once"
-            stalls.assert_handover(f.stats(epoch).handover_wait_s, 0.5, f"epoch {epoch}: ")
+            stalls.assert_handover(f.stats(epoch).handover_wait_s, 0.5, epoch=epoch)
         assert len(pids) == 2, f"two workers served all four epochs, not new ones per epoch: {pids}"
         assert os.getpid() not in pids
 

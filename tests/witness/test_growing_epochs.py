@@ -204,13 +204,14 @@ def test_a_growing_epoch_ends_when_the_daemon_has_fetched_everything_not_at_its_
             last_batch_at = time.monotonic()
         epoch_s = last_batch_at - started
         second = next(iter(factory.loader(1)))
-        handover_s = time.monotonic() - last_batch_at
+        second_at = time.monotonic()
+        handover_s = second_at - last_batch_at
     daemon.stop()
     # 1.2 MB at 4 MB/s: fetched in well under a second. Closing at the next status document took 60 s.
     assert epoch_s < 20.0, f"the growing epoch took {epoch_s:.1f}s to end"
     assert len(first) == len(set(first)) == len(every), "the growing epoch served every sample once"
     assert len(sample_keys(second)) == 32
-    stalls.assert_handover(handover_s, 5.0, "the growing epoch's last batch to the next epoch's first: ")
+    stalls.assert_handover(handover_s, 5.0, ended_at=second_at)  # the growing epoch's last batch to the next's first
 
 
 def test_local_ranks_get_disjoint_equal_shares_of_a_growing_epoch(tmp_path: Path) -> None:
