@@ -23,6 +23,7 @@ files are never followed or served.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import stat
@@ -98,19 +99,33 @@ class CacheLayout:
         """Whether a daemon (or any ``CacheStore``) holds the cache's writer lock now. Read-only: a shared,
         non-blocking ``flock`` that fails while the writer holds its exclusive one; a cache that cannot be
         checked counts as having one (the caller then behaves as with a daemon)."""
+        return self.writer_state() is not False
+
+    def writer_state(self) -> bool | None:
+        """``has_writer``, with None where it cannot be told (the lock file exists but cannot be opened)."""
         try:
             fd = os.open(self.lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return False
         except OSError:
-            return True
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             return True
+        except OSError:
+            return None
         finally:
             os.close(fd)
         return False
+
+    def lock_holder_pid(self) -> int | None:
+        """The pid the lock file names: the daemon that took the lock last writes itself there (``CacheStore``);
+        None where the file is missing, unreadable or names nobody."""
+        try:
+            return int(json.loads(self.lock_file.read_bytes())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     @property
     def tag_file(self) -> Path:

@@ -2,12 +2,12 @@
 
 The report is judged from the daemon's status document (``_status/document.py``, verdict in ``_status/verdict.py``),
 with more checks on the daemon's host: a daemon whose pid is gone is not running, even with a fresh heartbeat; and a
-stale heartbeat says whether the daemon is gone, or still holds the cache's lock (hung, or stopped). Without a
-usable document, the report carries what the directory shows (``_status/directory.py``). A bad status file is a
-verdict (``Health.UNREADABLE``), never an exception. Nothing here writes into the cache; the one lock taken is
-``has_writer``'s moment of a shared lock, for a stale heartbeat only (a daemon starting then waits it out).
-Its readers: ``cachefeed status`` (``_cli/status.py``), the trainer's wait for a full cache (``_trainer/wait.py``),
-the demo and the tests.
+stale heartbeat says what the cache's lock and the process show: the daemon gone, or still holding the lock (hung,
+or stopped), or another daemon holding it. Without a usable document, the report carries what the directory shows
+(``_status/directory.py``). A bad status file is a verdict (``Health.UNREADABLE``), never an exception. Nothing here
+writes into the cache; the one lock taken is ``CacheLayout.writer_state``'s moment of a shared lock, for a stale
+heartbeat only (a daemon starting then waits it out). Its readers: ``cachefeed status`` (``_cli/status.py``), the
+trainer's wait for a full cache (``_trainer/wait.py``), the demo and the tests.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cachefeed._cache.layout import CacheLayout
 from cachefeed._errors import StatusUnreadable
 from cachefeed._status.directory import DirectorySummary
 from cachefeed._status.document import load_document
-from cachefeed._status.verdict import DEFAULT_INTERVAL_S, Health, judge, stale_reason
+from cachefeed._status.verdict import DEFAULT_INTERVAL_S, Health, judge, stale_after_s, stale_reason
 
 __all__ = ["StatusReport", "read_report"]
 
@@ -66,15 +66,22 @@ def _pid_is_gone(pid: int) -> bool:
     return _process_state(pid) in (None, "Z", "X")
 
 
-def _why_stale(layout: CacheLayout, pid: int) -> str:
-    """Why the heartbeat of the daemon ``pid`` of this host is stale, as far as this host shows."""
-    state = _process_state(pid)
-    if state in (None, "Z", "X"):
-        return f"the daemon (pid {pid}) is gone: killed or crashed"
-    if layout.has_writer():
+def _why_stale(layout: CacheLayout, pid: int, *, check_pid: bool) -> str | None:
+    """Why the heartbeat of daemon ``pid``, of this host, is stale, as the cache's lock and the process show (the
+    lock first: whether a daemon runs is its lock); None where they cannot tell."""
+    held = layout.writer_state()
+    if held is None:
+        return None
+    state = _process_state(pid) if check_pid else ""
+    if held:
+        holder = layout.lock_holder_pid()
+        if holder is not None and holder != pid:
+            return f"another daemon (pid {holder}) holds the cache's lock and has not written its status yet"
         what = "stopped by a signal or a debugger" if state in ("T", "t") else "hung"
         return f"the daemon (pid {pid}) still holds the cache's lock but writes no status: it is {what}"
-    return "the daemon is dead or hung"
+    if state in (None, "Z", "X"):
+        return f"the daemon (pid {pid}) is gone: killed or crashed"
+    return f"the daemon (pid {pid}) no longer holds the cache's lock: it exited or is exiting"
 
 
 def read_report(
@@ -118,8 +125,10 @@ def read_report(
     age = max(0.0, now - float(document["updated_at"]))
     health, reasons = judge(document, age, interval_s)
     is_here = document["host"] == socket.gethostname()
-    if is_here and health == Health.NOT_RUNNING and document["state"] != "stopped":  # a stale heartbeat
-        reasons = (stale_reason(age, interval_s, _why_stale(layout, int(document["pid"]))),)
+    if is_here and document["state"] != "stopped" and age > stale_after_s(interval_s):
+        why = _why_stale(layout, int(document["pid"]), check_pid=check_pid)
+        if why is not None:
+            reasons = (stale_reason(age, interval_s, why),)
     if check_pid and health != Health.NOT_RUNNING and is_here and _pid_is_gone(document["pid"]):
         if _advances(layout.status_file, document["updated_at"], interval_s):
             # someone keeps writing: a daemon in another pid namespace, or one that just restarted

@@ -250,7 +250,7 @@ def test_stale_heartbeat_is_not_running(tmp_path: Path, capsys: pytest.CaptureFi
     assert "1,234,567 samples" in out  # the last known status is still shown
 
 
-def test_a_stale_heartbeat_says_whether_the_daemon_is_gone_stopped_or_hung(
+def test_a_stale_heartbeat_says_what_the_lock_and_the_process_show(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """On the daemon's host, status looks at the process and the cache's lock: a stopped daemon (SIGSTOP, a
@@ -282,6 +282,9 @@ def test_a_stale_heartbeat_says_whether_the_daemon_is_gone_stopped_or_hung(
             time.sleep(0.01)
         code, out, _ = status(capsys, "--cache-dir", str(layout.root))
         assert code == Health.NOT_RUNNING and "it is stopped by a signal or a debugger" in flat(out)
+        layout.lock_file.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": "now"}))
+        code, out, _ = status(capsys, "--cache-dir", str(layout.root))  # the lock names another daemon
+        assert f"another daemon (pid {os.getpid()}) holds the cache's lock and has not written its status" in flat(out)
     finally:
         holder.send_signal(signal.SIGCONT)
         holder.kill()
@@ -289,6 +292,9 @@ def test_a_stale_heartbeat_says_whether_the_daemon_is_gone_stopped_or_hung(
     code, out, _ = status(capsys, "--cache-dir", str(layout.root))
     assert code == Health.NOT_RUNNING and f"(pid {holder.pid}) is gone: killed or crashed" in flat(out)
     assert "stale heartbeat: last status 9." in flat(out)
+    write_status(layout, make_document(layout.root, updated_at=time.time() - 9.0))  # this process: alive, no lock
+    code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+    assert f"the daemon (pid {os.getpid()}) no longer holds the cache's lock: it exited or is exiting" in flat(out)
 
 
 def test_stale_limit_follows_the_configured_interval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
