@@ -19,7 +19,8 @@ A snapshot ``<id>`` is two entries in ``snapshots/``:
 Joining (another rank, same epoch): wait for ``MANIFEST``, open ``<id>.lock``, take ``LOCK_SH``, then check
 that the path still names the inode we locked (a remover may have unlinked it between our open and our lock).
 A lock held exclusively is not a missing snapshot: the holder is a remover or the daemon's sweep probing a kept
-one, so a joiner waits until it lets go (``BUSY_WAIT_S`` at most), then joins or finds the snapshot gone.
+one, so a joiner waits until it lets go (``BUSY_WAIT_S``, or its own timeout if longer), then joins or finds the
+snapshot gone.
 
 Removal: whoever gets ``flock(LOCK_EX | LOCK_NB)`` on ``<id>.lock`` knows nobody else holds the snapshot: it
 hands the epoch's read receipt to the daemon if a rank recorded what it served (NOTE [ Read receipts ] in
@@ -273,7 +274,7 @@ class Snapshot:
         """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``.
 
         A snapshot that is there but whose lock another process holds exclusively is waited for up to
-        ``BUSY_WAIT_S`` whatever ``timeout_s`` says: the daemon's sweep takes that lock for a moment to learn that
+        ``BUSY_WAIT_S``, or ``timeout_s`` if longer: the daemon's sweep takes that lock for a moment to learn that
         nobody holds a dead trainer's snapshot it keeps for a resume (``sweep_stale``), and a remover holds it while
         it removes. The snapshot is then joined, or found gone, once the other process lets go; a resume that gave
         up at such a moment would run on a fresh snapshot and serve part of its epoch twice.
@@ -285,8 +286,10 @@ class Snapshot:
         manifest_path = layout.snapshots / snap_id / MANIFEST
         started = time.monotonic()
         deadline, busy_deadline = started + timeout_s, started + max(timeout_s, BUSY_WAIT_S)
+        was_busy = False
         while True:
             pinned = _try_pin(lock_path, manifest_path)
+            was_busy = was_busy or pinned is _BUSY
             if isinstance(pinned, tuple):
                 fd, manifest = pinned
                 snapshot = cls(layout, snap_id, fd, manifest)
@@ -303,6 +306,10 @@ class Snapshot:
                 raise SnapshotError(
                     f"snapshot {snap_id!r} in {layout.snapshots} stayed locked by another process for "
                     f"{now - started:.0f}s: is a process that removes snapshots stopped or hung?"
+                )
+            if pinned is None and was_busy and now > deadline:
+                raise SnapshotError(
+                    f"snapshot {snap_id!r} was removed from {layout.snapshots} while another process held its lock"
                 )
             if pinned is None and now > deadline:
                 raise SnapshotError(

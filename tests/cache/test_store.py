@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -311,7 +312,38 @@ def test_a_join_waits_on_a_snapshot_another_process_holds_exclusively_then_gives
     os.close(probe)
     joined = Snapshot.join(root, "run-e000001", timeout_s=0.1)
     assert joined.samples == 100
-    joined.release()
+    joined.release()  # the last holder: it removes the snapshot
+    store.close()
+
+
+def test_a_join_that_waited_on_a_snapshot_being_removed_says_it_was_removed_at_once(tmp_path: Path) -> None:
+    import threading
+
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    dead = Snapshot.create(root, "run-e000001")
+    os.close(dead._lock_fd)  # its trainer died
+    dead._lock_fd = None
+    lock = root / "snapshots" / "run-e000001.lock"
+    remover = os.open(lock, os.O_RDONLY)
+    fcntl.flock(remover, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the sweep, its grace over, removes it: slowly
+
+    def remove() -> None:
+        time.sleep(0.3)
+        shutil.rmtree(root / "snapshots" / "run-e000001")
+        lock.unlink()
+        os.close(remover)
+
+    removal = threading.Thread(target=remove)
+    removal.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(SnapshotError, match=r"was removed .* while another process held its lock"):
+            Snapshot.join(root, "run-e000001", timeout_s=0.1)
+    finally:
+        removal.join()
+    assert time.monotonic() - started < snapshots.BUSY_WAIT_S / 2, "ended when the snapshot went, not at the limit"
     store.close()
 
 
