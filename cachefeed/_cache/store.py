@@ -110,8 +110,7 @@ _SWEEP_INTERVAL_S = 1.0
 ECHO_WINDOW = 64  # evicted segments the echo factor is measured over
 TOPPED_UP_SHARE = 0.25  # ingest is remote-bound when more than this share of the newest snapshot was read already
 _HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
-_ORPHAN_WAIT_S = 5.0  # how long a daemon waits for the children of a gone holder to let go of the lock
-_READER_WAIT_S = 5.0  # how long a daemon waits for processes that hold the lock shared to let go (_wait_out_readers)
+_LOCK_WAIT_S = 5.0  # how long a starting daemon waits for readers, or a gone daemon's samplers, to let go of the lock
 
 
 def _lock_holder(fd: int) -> str:
@@ -128,54 +127,59 @@ def _lock_holder(fd: int) -> str:
             time.sleep(0.01)
 
 
-def _wait_for_orphaned_lock(fd: int) -> bool:
-    """Take the lock held for a daemon that is gone: True once taken.
+def _wait_for_lock(fd: int) -> str | None:
+    """Take the cache's lock where nothing that keeps it holds it: None once taken, else who holds it (for the
+    refusal; ``_lock_holder``).
 
-    A daemon's samplers inherit its lock and keep it until they exit (``CacheStore.lock_fd``). When the daemon is
-    killed, they follow it (PR_SET_PDEATHSIG), but a sampler forked a moment before may take a little longer; a
-    daemon restarted at once (systemd's ``Restart=``) then found the lock held for a process that no longer
-    exists and refused to start. Where the lock file names a process of this host that is gone, wait up to
-    ``_ORPHAN_WAIT_S`` for its children to let go; a live holder, or one on another host, is not waited for."""
+    Two holders let go soon, and a starting daemon waits up to ``_LOCK_WAIT_S`` for them:
+
+    * Readers, which hold the lock *shared*: ``CacheLayout.has_writer`` takes it so for a moment to learn whether a
+      daemon runs (trainers' growers every few tens of milliseconds, snapshot removals, status). A daemon starting
+      in that moment found the lock held and refused to start. A daemon and its samplers hold it exclusively, so a
+      shared lock is only ever readers' (or another daemon's, during this same probe).
+    * The samplers of a daemon that is gone: they inherit its lock (``CacheStore.lock_fd``) and follow it out
+      (PR_SET_PDEATHSIG), but one forked a moment before may take a little longer; a daemon restarted at once
+      (systemd's ``Restart=``) found the lock held for a process that no longer exists. Waited for where the lock
+      file names a process of this host that has exited.
+
+    A lock held exclusively for a live process, or for one of another host, is not waited for: that daemon runs.
+    A failed conversion of our shared lock to an exclusive one drops it (Linux's ``flock`` converts by unlocking
+    first), so each pass starts unlocked."""
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    said = ""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            pass
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # granted: nobody holds it exclusively, only readers
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            why = "processes asking whether a daemon runs (a shared lock)"
+        except BlockingIOError:
+            gone = _gone_holder(fd)
+            if gone is None:
+                return _lock_holder(fd)
+            why = f"the samplers of pid {gone}, which has exited"
+        if why != said:
+            log.info("the cache's lock is held by %s: waiting up to %gs for them to let go", why, _LOCK_WAIT_S)
+            said = why
+        if time.monotonic() > deadline:
+            return f"{why}, for over {_LOCK_WAIT_S:g}s"
+        time.sleep(0.01)
+
+
+def _gone_holder(fd: int) -> int | None:
+    """The pid the lock file names if it is a process of this host that has exited; else None."""
     try:
         who = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
         pid, host = int(who["pid"]), str(who["host"])
     except (ValueError, KeyError, TypeError):
-        return False
+        return None
     if host != socket.gethostname() or pid <= 0 or _is_alive(pid):
-        return False
-    log.info("the cache's lock is held for pid %d, which has exited: waiting for its samplers to exit", pid)
-    deadline = time.monotonic() + _ORPHAN_WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue
-        return True
-    return False
-
-
-def _wait_out_readers(fd: int) -> bool:
-    """Take the lock held shared by processes that only ask whether a daemon runs: True once taken.
-
-    ``CacheLayout.has_writer`` (a trainer whose daemon's status is late, a trainer removing a snapshot) takes the
-    lock shared for a moment to learn whether a daemon holds it. A daemon starting in that moment found the lock
-    held and refused to start, naming "another process". A lock held shared is held by such readers, never by a
-    daemon (it holds it exclusively, and so do its samplers): wait up to ``_READER_WAIT_S`` for them to let go."""
-    deadline = time.monotonic() + _READER_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # held exclusively: a daemon (or its samplers)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # converts our shared lock, once no other reader has one
-            return True
-        except BlockingIOError:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
+        return None
+    return pid
 
 
 def _is_alive(pid: int) -> bool:
@@ -310,17 +314,13 @@ class CacheStore:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise NoSuchCacheError(f"{path} is not a regular file (a FIFO or device was planted there): remove it")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if _wait_for_orphaned_lock(fd) or _wait_out_readers(fd):
-                return self._write_holder(fd)
-            name = _lock_holder(fd)
+        holder = _wait_for_lock(fd)
+        if holder is not None:
             os.close(fd)
             raise CacheLockedError(
-                f"cache dir {self.layout.root} is in use by {name}: stop that daemon first, "
+                f"cache dir {self.layout.root} is in use by {holder}: stop that daemon first, "
                 "or give this one another cache.dir"
-            ) from None
+            )
         return self._write_holder(fd)
 
     @staticmethod

@@ -84,16 +84,28 @@ def test_a_daemon_that_loses_the_race_by_microseconds_still_names_the_winner(tmp
         os.close(fd)
 
 
-def test_a_daemon_starting_while_a_trainer_asks_whether_one_runs_takes_the_lock(tmp_path: Path) -> None:
-    """``has_writer`` takes the lock shared for a moment: a daemon starting in that moment used to refuse, naming
-    "another process". Here the moment lasts 0.3 s (the asking process stopped by the machine between its lock and
-    its unlock); a second reader comes and goes meanwhile."""
+def exited_pid() -> int:
+    """A pid of this host whose process has exited (a daemon stopped or killed earlier)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+@pytest.mark.parametrize("holder", ["never written", "a daemon that has exited"])
+def test_a_daemon_starting_while_trainers_ask_whether_one_runs_takes_the_lock(tmp_path: Path, holder: str) -> None:
+    """``has_writer`` takes the lock shared for a moment: a daemon starting in that moment used to refuse. Here the
+    moment lasts 0.3 s (the asking process stopped by the machine between its lock and its unlock); a second
+    reader comes and goes meanwhile. The lock file names nobody (no daemon got that far), or, as on every cache a
+    daemon ran on before, a daemon that has exited."""
+    import json
+    import socket
     import threading
 
     config = cache_config(tmp_path / "c")
     CacheStore(config).close()
     lock = CacheLayout(config.dir).lock_file
-    lock.write_bytes(b"")  # a cache whose daemon never ran to the end of its start: no holder written
+    previous = {"pid": exited_pid(), "host": socket.gethostname(), "since": "then"}
+    lock.write_text("" if holder == "never written" else json.dumps(previous))
     readers = [os.open(lock, os.O_RDONLY) for _ in range(2)]
     for fd in readers:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -107,6 +119,26 @@ def test_a_daemon_starting_while_a_trainer_asks_whether_one_runs_takes_the_lock(
     finally:
         for timer in timers:
             timer.join()
+
+
+def test_a_reader_that_never_lets_go_is_named_when_the_daemon_gives_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cachefeed._cache import store as store_module
+    from cachefeed._errors import CacheLockedError
+
+    config = cache_config(tmp_path / "c")
+    CacheStore(config).close()
+    reader = os.open(CacheLayout(config.dir).lock_file, os.O_RDONLY)
+    fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a trainer stopped in the middle of asking
+    monkeypatch.setattr(store_module, "_LOCK_WAIT_S", 0.3)
+    started = time.monotonic()
+    try:
+        with pytest.raises(CacheLockedError, match=r"processes asking whether a daemon runs .*, for over 0\.3s"):
+            CacheStore(config)
+    finally:
+        os.close(reader)
+    assert time.monotonic() - started >= 0.3
 
 
 def test_a_daemon_restarted_at_once_waits_for_the_samplers_of_a_killed_one_to_let_go(tmp_path: Path) -> None:
