@@ -123,9 +123,15 @@ class CacheLayout:
         """The pid the lock file names: the daemon that took the lock last writes itself there (``CacheStore``);
         None where the file is missing, unreadable or names nobody."""
         try:
-            return int(json.loads(self.lock_file.read_bytes())["pid"])
+            fd = os.open(self.lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            return int(json.loads(os.pread(fd, 4096, 0))["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        finally:
+            os.close(fd)
 
     @property
     def tag_file(self) -> Path:

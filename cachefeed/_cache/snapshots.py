@@ -277,7 +277,8 @@ class Snapshot:
         ``BUSY_WAIT_S``, or ``timeout_s`` if longer: the daemon's sweep takes that lock for a moment to learn that
         nobody holds a dead trainer's snapshot it keeps for a resume (``sweep_stale``), and a remover holds it while
         it removes. The snapshot is then joined, or found gone, once the other process lets go; a resume that gave
-        up at such a moment would run on a fresh snapshot and serve part of its epoch twice.
+        up at such a moment would run on a fresh snapshot and serve part of its epoch twice. One found gone is
+        looked for again until ``timeout_s`` (a creator may make it anew), then reported as removed.
 
         ``job``/``nonce``, when given, must match the MANIFEST's: a snapshot of another job, or another snapshot
         of the same name, is never joined (``SnapshotError``; the pin taken to check is dropped)."""

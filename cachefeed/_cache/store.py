@@ -99,6 +99,7 @@ from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stal
 from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
 from cachefeed._fsutil import fsync_dir, remove_tree
 from cachefeed._logs import get_logger
+from cachefeed._procs import GONE, process_state
 
 __all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "PublishedSegment", "Usage"]
 
@@ -127,9 +128,9 @@ def _lock_holder(fd: int) -> str:
             time.sleep(0.01)
 
 
-def _wait_for_lock(fd: int) -> str | None:
-    """Take the cache's lock where nothing that keeps it holds it: None once taken, else who holds it (for the
-    refusal; ``_lock_holder``).
+def _wait_for_lock(fd: int, path: Path) -> str | None:
+    """Take the cache's lock (``fd``, open on ``path``) where nothing that keeps it holds it: None once taken, else
+    why not and what to do (the refusal's words, after "cache dir X ").
 
     Two holders let go soon, and a starting daemon waits up to ``_LOCK_WAIT_S`` for them:
 
@@ -143,8 +144,7 @@ def _wait_for_lock(fd: int) -> str | None:
       file names a process of this host that has exited.
 
     A lock held exclusively for a live process, or for one of another host, is not waited for: that daemon runs.
-    A failed conversion of our shared lock to an exclusive one drops it (Linux's ``flock`` converts by unlocking
-    first), so each pass starts unlocked."""
+    Each pass starts unlocked: the shared probe is let go at once."""
     deadline = time.monotonic() + _LOCK_WAIT_S
     said = ""
     while True:
@@ -160,36 +160,29 @@ def _wait_for_lock(fd: int) -> str | None:
         except BlockingIOError:
             gone = _gone_holder(fd)
             if gone is None:
-                return _lock_holder(fd)
+                return f"is in use by {_lock_holder(fd)}: stop that daemon first, or give this one another cache.dir"
             why = f"the samplers of pid {gone}, which has exited"
         if why != said:
             log.info("the cache's lock is held by %s: waiting up to %gs for them to let go", why, _LOCK_WAIT_S)
             said = why
         if time.monotonic() > deadline:
-            return f"{why}, for over {_LOCK_WAIT_S:g}s"
+            return (
+                f"is locked by {why}, for over {_LOCK_WAIT_S:g}s: `fuser -v {path}` names them (a stopped process holds"
+                " it until it runs on or is killed); then start again"
+            )
         time.sleep(0.01)
 
 
 def _gone_holder(fd: int) -> int | None:
-    """The pid the lock file names if it is a process of this host that has exited; else None."""
+    """The pid the lock file names if it is a process of this host that has exited (or a zombie); else None."""
     try:
         who = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
         pid, host = int(who["pid"]), str(who["host"])
     except (ValueError, KeyError, TypeError):
         return None
-    if host != socket.gethostname() or pid <= 0 or _is_alive(pid):
+    if host != socket.gethostname() or pid <= 0 or process_state(pid) not in GONE:
         return None
     return pid
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    return True
 
 
 def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
@@ -314,13 +307,10 @@ class CacheStore:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise NoSuchCacheError(f"{path} is not a regular file (a FIFO or device was planted there): remove it")
-        holder = _wait_for_lock(fd)
-        if holder is not None:
+        refused = _wait_for_lock(fd, path)
+        if refused is not None:
             os.close(fd)
-            raise CacheLockedError(
-                f"cache dir {self.layout.root} is in use by {holder}: stop that daemon first, "
-                "or give this one another cache.dir"
-            )
+            raise CacheLockedError(f"cache dir {self.layout.root} {refused}")
         return self._write_holder(fd)
 
     @staticmethod

@@ -21,6 +21,7 @@ from typing import Any
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._errors import StatusUnreadable
+from cachefeed._procs import GONE, process_state
 from cachefeed._status.directory import DirectorySummary
 from cachefeed._status.document import load_document
 from cachefeed._status.verdict import DEFAULT_INTERVAL_S, Health, judge, stale_after_s, stale_reason
@@ -46,40 +47,29 @@ class StatusReport:
     read_at: float = 0.0
 
 
-def _process_state(pid: int) -> str | None:
-    """``pid``'s state letter from ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie...); None if it does not
-    exist here, "" if it cannot be told."""
-    if pid <= 0:
-        return ""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return ""  # cannot tell: trust the heartbeat
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[0] if fields else ""
-
-
 def _pid_is_gone(pid: int) -> bool:
     """True if ``pid`` does not exist here or is a zombie (a killed daemon its parent has not reaped yet)."""
-    return _process_state(pid) in (None, "Z", "X")
+    return process_state(pid) in GONE
 
 
 def _why_stale(layout: CacheLayout, pid: int, *, check_pid: bool) -> str | None:
     """Why the heartbeat of daemon ``pid``, of this host, is stale, as the cache's lock and the process show (the
     lock first: whether a daemon runs is its lock); None where they cannot tell."""
     held = layout.writer_state()
-    if held is None:
-        return None
-    state = _process_state(pid) if check_pid else ""
+    state = process_state(pid) if check_pid else ""
+    if held is None:  # the lock file cannot be opened here: what the process shows
+        if state in GONE:
+            return f"the daemon (pid {pid}) is gone: killed or crashed"
+        return f"the daemon (pid {pid}) is stopped by a signal or a debugger" if state in ("T", "t") else None
     if held:
         holder = layout.lock_holder_pid()
         if holder is not None and holder != pid:
             return f"another daemon (pid {holder}) holds the cache's lock and has not written its status yet"
+        if state in GONE:
+            return f"the daemon (pid {pid}) is gone, but its samplers still hold the cache's lock: exiting, or stuck"
         what = "stopped by a signal or a debugger" if state in ("T", "t") else "hung"
         return f"the daemon (pid {pid}) still holds the cache's lock but writes no status: it is {what}"
-    if state in (None, "Z", "X"):
+    if state in GONE:
         return f"the daemon (pid {pid}) is gone: killed or crashed"
     return f"the daemon (pid {pid}) no longer holds the cache's lock: it exited or is exiting"
 

@@ -17,6 +17,7 @@ import pytest
 from cachefeed._cache import snapshots
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.records import SegmentReader
+from cachefeed._cache.settings import CacheConfig
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.store import METADATA_RESERVE_BYTES, CacheStore
 from cachefeed._cache.writer import CacheWriter
@@ -134,29 +135,64 @@ def test_a_reader_that_never_lets_go_is_named_when_the_daemon_gives_up(
     monkeypatch.setattr(store_module, "_LOCK_WAIT_S", 0.3)
     started = time.monotonic()
     try:
-        with pytest.raises(CacheLockedError, match=r"processes asking whether a daemon runs .*, for over 0\.3s"):
+        with pytest.raises(
+            CacheLockedError, match=r"processes asking whether a daemon runs .*, for over 0\.3s: `fuser"
+        ):
             CacheStore(config)
     finally:
         os.close(reader)
     assert time.monotonic() - started >= 0.3
 
 
+def holding_the_lock(config: CacheConfig, pid: int) -> int:
+    """Take the cache's lock exclusively on a descriptor of its own, naming ``pid`` in the lock file, as a daemon
+    does; returns the descriptor (closing it lets go)."""
+    import json
+    import socket
+
+    fd = os.open(CacheLayout(config.dir).lock_file, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": pid, "host": socket.gethostname(), "since": "then"}).encode(), 0)
+    return fd
+
+
+def test_a_live_daemons_lock_is_refused_at_once_and_a_gone_ones_samplers_are_named_after_the_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cachefeed._cache import store as store_module
+    from cachefeed._errors import CacheLockedError
+
+    config = cache_config(tmp_path / "c")
+    CacheStore(config).close()
+    live = holding_the_lock(config, os.getpid())
+    started = time.monotonic()
+    try:
+        with pytest.raises(CacheLockedError, match=f"in use by pid {os.getpid()} .*: stop that daemon first"):
+            CacheStore(config)
+    finally:
+        os.close(live)
+    assert time.monotonic() - started < 1.0, "a live daemon is not waited for"
+    gone = exited_pid()
+    samplers = holding_the_lock(config, gone)  # samplers of a daemon that has exited, stuck
+    monkeypatch.setattr(store_module, "_LOCK_WAIT_S", 0.3)
+    try:
+        with pytest.raises(
+            CacheLockedError, match=rf"locked by the samplers of pid {gone}, which has exited, for over"
+        ):
+            CacheStore(config)
+    finally:
+        os.close(samplers)
+
+
 def test_a_daemon_restarted_at_once_waits_for_the_samplers_of_a_killed_one_to_let_go(tmp_path: Path) -> None:
     """A killed daemon's samplers keep its lock until they follow it out (PR_SET_PDEATHSIG): a daemon started in
     between (systemd's restart, the crash-loop test) used to refuse, naming a process that no longer existed."""
-    import fcntl
-    import json
-    import socket
     import threading
 
     config = cache_config(tmp_path / "c")
     CacheStore(config).close()
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # the killed daemon: a pid of this host that has exited
-    fd = os.open(CacheLayout(config.dir).lock_file, os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # its sampler, which inherited the lock
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": gone.pid, "host": socket.gethostname(), "since": "then"}).encode(), 0)
+    fd = holding_the_lock(config, exited_pid())  # the killed daemon's sampler, which inherited the lock
     exits = threading.Timer(0.5, os.close, (fd,))  # the sampler follows its daemon out
     exits.start()
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import json
 import os
 import pty
@@ -292,6 +293,17 @@ def test_a_stale_heartbeat_says_what_the_lock_and_the_process_show(
     code, out, _ = status(capsys, "--cache-dir", str(layout.root))
     assert code == Health.NOT_RUNNING and f"(pid {holder.pid}) is gone: killed or crashed" in flat(out)
     assert "stale heartbeat: last status 9." in flat(out)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    samplers = os.open(layout.lock_file, os.O_RDWR)  # a killed daemon's samplers, still on their way out
+    fcntl.flock(samplers, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        write_status(layout, make_document(layout.root, pid=gone.pid, updated_at=time.time() - 9.0))
+        layout.lock_file.write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "since": "then"}))
+        code, out, _ = status(capsys, "--cache-dir", str(layout.root))
+        assert f"the daemon (pid {gone.pid}) is gone, but its samplers still hold the cache's lock" in flat(out)
+    finally:
+        os.close(samplers)
     write_status(layout, make_document(layout.root, updated_at=time.time() - 9.0))  # this process: alive, no lock
     code, out, _ = status(capsys, "--cache-dir", str(layout.root))
     assert f"the daemon (pid {os.getpid()}) no longer holds the cache's lock: it exited or is exiting" in flat(out)

@@ -28,7 +28,7 @@ from typing import Any
 __all__ = ["StallWatch", "StallWindow"]
 
 _TICK_S = 0.01
-_STEP_SLACK_S = 0.5  # a handover's window reaches this far before its wait: the training step between, the gaps
+_STEP_SLACK_S = 0.5  # a handover's window reaches this far before its wait: the test's own code between two epochs
 _WATCHER = """
 import os, sys, time
 parent, tick, threshold = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
@@ -116,11 +116,16 @@ class StallWindow:
         """Assert a handover's ``wait_s`` (None: there was none) is under ``limit_s``, unless a machine stall that
         overlapped it was at least the excess. The handover ended at ``ended_at`` (monotonic), or at epoch
         ``epoch``'s first batch as ``batches`` noted it."""
+        if ended_at is not None:
+            end = ended_at
+        elif epoch is None:
+            raise ValueError("assert_handover needs the epoch whose first batch ended the handover, or ended_at")
+        elif epoch in self.first_batch_at:
+            end = self.first_batch_at[epoch]
+        else:
+            raise ValueError(f"epoch {epoch}'s first batch was not noted: read its loader through stalls.batches")
         if wait_s is None or wait_s < limit_s:
             return
-        end = ended_at if ended_at is not None else self.first_batch_at[epoch] if epoch is not None else None
-        if end is None:
-            raise ValueError("assert_handover needs the epoch whose first batch ended the handover, or ended_at")
         longest = self.watch.longest_within(end - wait_s - _STEP_SLACK_S, end)
         what = f"epoch {epoch}: " if epoch is not None else ""
         assert longest >= wait_s - limit_s, (

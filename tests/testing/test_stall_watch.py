@@ -30,7 +30,11 @@ def test_a_watcher_not_run_for_a_while_excuses_only_the_handover_it_overlapped_a
             window.assert_handover(2.0, 0.5, ended_at=during)  # more than the stall explains
         with pytest.raises(AssertionError, match=r"stalled at most 0\.00s"):
             window.assert_handover(0.9, 0.5, ended_at=before)  # a handover before the stall is not excused by it
+        with pytest.raises(AssertionError, match=r"stalled at most 0\.00s"):
+            window.assert_handover(0.9, 0.5, ended_at=during + 1.5)  # nor one that began after it
         with pytest.raises(ValueError, match="needs the epoch"):
-            window.assert_handover(0.9, 0.5)
+            window.assert_handover(0.1, 0.5)
+        with pytest.raises(ValueError, match=r"read its loader through stalls\.batches"):
+            window.assert_handover(0.1, 0.5, epoch=3)  # even a wait under the limit: the test is wrong either way
     finally:
         watch.close()

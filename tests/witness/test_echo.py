@@ -90,7 +90,8 @@ def train(
     while sum(len(keys) for keys in served.epochs) < samples:
         keys: list[str] = []
         loader = factory.loader(epoch)
-        for batch in loader if stalls is None else stalls.batches(loader):
+        batches = loader if stalls is None else stalls.batches(loader)
+        for batch in batches:
             started = time.perf_counter()
             keys += sample_keys(batch)
             time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
