@@ -361,15 +361,22 @@ def test_a_leftover_snapshot_of_the_same_id_is_replaced_not_joined(tmp_path: Pat
     old._lock_fd = None  # its lock file is gone; nothing to release
 
 
+def with_a_dead_trainers_snapshot(root: Path) -> CacheStore:
+    """A cache of 100 samples with snapshot ``run-e000001``, whose trainer died: the kernel dropped its pin, the
+    snapshot stays (kept for a resume); the store is open."""
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    dead = Snapshot.create(root, "run-e000001")
+    os.close(dead._lock_fd)
+    dead._lock_fd = None
+    return store
+
+
 def test_a_join_waits_on_a_snapshot_another_process_holds_exclusively_then_gives_up_saying_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "c"
-    store = CacheStore(cache_config(root))
-    fill(store, range(100))
-    dead = Snapshot.create(root, "run-e000001")
-    os.close(dead._lock_fd)  # its trainer died: the kernel dropped the pin, the snapshot stays (kept for a resume)
-    dead._lock_fd = None
+    store = with_a_dead_trainers_snapshot(root)
     probe = os.open(root / "snapshots" / "run-e000001.lock", os.O_RDONLY)
     fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a sweep's probe that does not let go
     monkeypatch.setattr(snapshots, "BUSY_WAIT_S", 0.5)
@@ -388,11 +395,7 @@ def test_a_join_that_waited_on_a_snapshot_being_removed_says_it_was_removed_at_o
     import threading
 
     root = tmp_path / "c"
-    store = CacheStore(cache_config(root))
-    fill(store, range(100))
-    dead = Snapshot.create(root, "run-e000001")
-    os.close(dead._lock_fd)  # its trainer died
-    dead._lock_fd = None
+    store = with_a_dead_trainers_snapshot(root)
     lock = root / "snapshots" / "run-e000001.lock"
     remover = os.open(lock, os.O_RDONLY)
     fcntl.flock(remover, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the sweep, its grace over, removes it: slowly
