@@ -116,7 +116,7 @@ def full_data(points: npt.NDArray[np.float32], labels: npt.NDArray[np.int64], st
 
 
 def through_cachefeed(work: Path, remote: Path, nbytes: int, args: argparse.Namespace) -> dict[str, Any]:
-    cache_dir = Path("/dev/shm") / f"{work.name}-cache"
+    cache_dir = work / "cache"  # removed with ``work`` (RAM on tmpfs)
     rate = int(args.rate * (nbytes / args.samples) * args.remote_share)
     document = {
         "remote": {"url": f"file://{remote}", "refresh_interval": "60s", "max_bytes_per_s": rate},
