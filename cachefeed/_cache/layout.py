@@ -26,7 +26,9 @@ import fcntl
 import json
 import os
 import re
+import socket
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +40,12 @@ __all__ = [
     "SNAPSHOT_FIXED_BYTES",
     "SNAPSHOT_ID",
     "CacheLayout",
+    "LockHolder",
     "metadata_bytes",
+    "read_holder",
     "segment_name",
     "segment_seq",
+    "write_holder",
 ]
 
 SEGMENT_NAME = re.compile(r"^[0-9a-f]{16}\.seg$")
@@ -67,6 +72,34 @@ def segment_name(seq: int) -> str:
 
 def segment_seq(name: str) -> int:
     return int(name[:16], 16)
+
+
+@dataclass(frozen=True, slots=True)
+class LockHolder:
+    """Who took the cache's lock last, as the lock file says: the daemon writes itself there once it holds the lock
+    (``write_holder``), and a daemon refused, ``cachefeed status`` and a daemon's start read it (``read_holder``)."""
+
+    pid: int
+    host: str
+    since: str
+
+
+def write_holder(fd: int) -> None:
+    """Write this process into the lock file open on ``fd`` (its lock held)."""
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    text = json.dumps(me).encode()
+    os.pwrite(fd, text, 0)
+    os.ftruncate(fd, len(text))
+
+
+def read_holder(fd: int) -> LockHolder | None:
+    """The holder the lock file open on ``fd`` names; None where it names nobody (empty, or half written by a
+    daemon that took the lock a moment ago). Raises OSError where the file cannot be read."""
+    try:
+        who = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+        return LockHolder(int(who["pid"]), str(who["host"]), str(who["since"]))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +160,12 @@ class CacheLayout:
         except OSError:
             return None
         try:
-            return int(json.loads(os.pread(fd, 4096, 0))["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+            holder = read_holder(fd)
+        except OSError:
             return None
         finally:
             os.close(fd)
+        return None if holder is None else holder.pid
 
     @property
     def tag_file(self) -> Path:

@@ -71,7 +71,6 @@ part would need the others' internals.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import socket
 import stat
@@ -88,8 +87,10 @@ from cachefeed._cache.layout import (
     CacheLayout,
     allocated_bytes,
     metadata_bytes,
+    read_holder,
     segment_name,
     segment_seq,
+    write_holder,
 )
 from cachefeed._cache.reads import ReadLedger, SampleReads
 from cachefeed._cache.records import SegmentReader, Source
@@ -119,13 +120,12 @@ def _lock_holder(fd: int) -> str:
     so a daemon that lost a race by microseconds may read it half written; it reads again for up to a second."""
     deadline = time.monotonic() + _HOLDER_WAIT_S
     while True:
-        try:
-            who = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
-            return f"pid {who['pid']} on host {who['host']} (since {who['since']})"
-        except (ValueError, KeyError, TypeError):
-            if time.monotonic() > deadline:
-                return "another process"
-            time.sleep(0.01)
+        who = read_holder(fd)
+        if who is not None:
+            return f"pid {who.pid} on host {who.host} (since {who.since})"
+        if time.monotonic() > deadline:
+            return "another process"
+        time.sleep(0.01)
 
 
 def _wait_for_lock(fd: int, path: Path) -> str | None:
@@ -175,14 +175,10 @@ def _wait_for_lock(fd: int, path: Path) -> str | None:
 
 def _gone_holder(fd: int) -> int | None:
     """The pid the lock file names if it is a process of this host that has exited (or a zombie); else None."""
-    try:
-        who = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
-        pid, host = int(who["pid"]), str(who["host"])
-    except (ValueError, KeyError, TypeError):
+    who = read_holder(fd)
+    if who is None or who.host != socket.gethostname() or who.pid <= 0 or process_state(who.pid) not in GONE:
         return None
-    if host != socket.gethostname() or pid <= 0 or process_state(pid) not in GONE:
-        return None
-    return pid
+    return who.pid
 
 
 def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
@@ -311,15 +307,7 @@ class CacheStore:
         if refused is not None:
             os.close(fd)
             raise CacheLockedError(f"cache dir {self.layout.root} {refused}")
-        return self._write_holder(fd)
-
-    @staticmethod
-    def _write_holder(fd: int) -> int:
-        """Write this process into the lock file it holds (``_lock_holder`` reads it)."""
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        text = json.dumps(me).encode()
-        os.pwrite(fd, text, 0)
-        os.ftruncate(fd, len(text))
+        write_holder(fd)
         return fd
 
     @property
