@@ -62,7 +62,8 @@ _S3_NO_RETRIES = {"total_max_attempts": 1, "mode": "standard"}  # NOTE [ One ret
 # 0.015 s for a further client of a session that has done it once. The supervisor warms one session per set of
 # options (``Remote.warm_session``, in ``preflight``, before it forks the samplers and starts any thread), so its
 # listing client and every forked sampler's fetching client (each its own client, HTTP pool and event loop) reuse
-# the loaded models instead of loading them three times on the cores the first listing needs. A session holds no
+# the loaded models instead of loading them three times on the cores the first listing needs. It builds the TLS
+# context of its clients' first request then too (NOTE [ One TLS context ] in ``tls.py``). A session holds no
 # connection and no event loop; clients are never shared between processes. A sampler started as a fresh
 # interpreter has no warmed session and builds its own, as before. A user's own ``storage_options["session"]``
 # is always used as given.
@@ -134,6 +135,11 @@ class Remote:
             # Verify the body against the checksum S3 stored at upload, where there is one (a mismatch is
             # FlexibleChecksumError: transient, retried). Pinned here so an environment variable cannot drop it.
             config_kwargs.setdefault("response_checksum_validation", "when_supported")
+            from cachefeed._remote.tls import session_class  # imports aiobotocore: S3 only
+
+            shared_tls = session_class()  # NOTE [ One TLS context ] (tls.py)
+            if shared_tls is not None:
+                config_kwargs.setdefault("http_session_cls", shared_tls)
             options["config_kwargs"] = config_kwargs
             options["use_listings_cache"] = False
         return options
@@ -322,9 +328,12 @@ class Remote:
         if key in _WARM_SESSIONS:
             return True
 
+        from cachefeed._remote.tls import prepare_tls
+
         async def build() -> Any:
             fs = self._fs_class(**self._options, asynchronous=True, loop=asyncio.get_running_loop())
             await fs.set_session()
+            await prepare_tls(fs.s3)  # NOTE [ One TLS context ]: the samplers forked next inherit it
             creator = getattr(fs, "_s3creator", None)
             if creator is not None:
                 await creator.__aexit__(None, None, None)

@@ -17,6 +17,7 @@ chained, so tracebacks cannot leak what its text held.
 from __future__ import annotations
 
 import functools
+import ssl
 from collections.abc import Iterable, Mapping
 
 from cachefeed._errors import (
@@ -140,9 +141,20 @@ def translate_error(exc: BaseException, path: str) -> RemoteError:
         for exc_type, kind in _type_table():
             if isinstance(link, exc_type):
                 reason = getattr(link, "strerror", None) if isinstance(link, OSError) else None
-                detail = type(link).__name__ + (f" ({reason})" if reason else "")
+                detail = type(link).__name__ + (f" ({reason})" if reason else "") + _untrusted(exc)
                 return kind(f"{_describe(kind)} for {path}: {detail}")
     return RemoteError(f"unexpected {type(exc).__module__}.{type(exc).__name__} for {path}")
+
+
+def _untrusted(exc: BaseException) -> str:
+    """What to say where the server's TLS certificate was not trusted (OpenSSL's reason; no secret in it)."""
+    for link in _chain(exc):
+        if isinstance(link, ssl.SSLCertVerificationError) and getattr(link, "verify_message", None):
+            return (
+                f": the endpoint's TLS certificate is not trusted ({link.verify_message}); name the CA bundle "
+                "that signed it in remote.storage_options.client_kwargs.verify, or in AWS_CA_BUNDLE"
+            )
+    return ""
 
 
 def _describe(kind: type[RemoteError]) -> str:

@@ -1,0 +1,72 @@
+"""One TLS context per set of verify settings and process tree, for every S3 client of the daemon.
+
+NOTE [ One TLS context ]
+    aiobotocore builds a fresh ``ssl.SSLContext`` for each client's first request and loads the CA bundle into
+    it (``load_verify_locations``): about 0.045 s of CPU per client here, for an http endpoint too, because the
+    context is made before anyone knows it will go unused. A daemon makes one client to list and one per sampler,
+    all at its cold start, when the cores are busiest, and the samplers pay it again after every restart.
+
+    ``SharedTLSSession`` is aiobotocore's aiohttp session with that one step cached: the first client of a
+    process builds the context exactly as aiobotocore does, and every later client with the same ``verify`` and
+    client certificate reuses it (contexts are made to be shared by connections; aiohttp never changes one it is
+    given). ``Remote.warm_session`` builds it in the supervisor before the samplers are forked, so they inherit it
+    instead of loading the bundle three times. A proxy's context is not cached (it is per proxy URL, and rare).
+
+    The trade: a CA bundle changed on disk reaches the daemon at its next start, not at a sampler's restart.
+
+    The class is used only where the installed aiobotocore builds its contexts in ``_build_ssl_contexts`` (3.x,
+    the version ``constraints.txt`` pins); with any other, ``session_class()`` is None and aiobotocore's own
+    session is used, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import threading
+from typing import Any
+
+from aiobotocore.httpsession import AIOHTTPSession
+
+__all__ = ["SharedTLSSession", "cached_contexts", "prepare_tls", "session_class"]
+
+_lock = threading.Lock()  # aiobotocore builds contexts on a worker thread (``asyncio.to_thread``)
+_contexts: dict[tuple[Any, ...], ssl.SSLContext] = {}
+
+
+class SharedTLSSession(AIOHTTPSession):  # type: ignore[misc]  # aiobotocore ships no annotations
+    """aiobotocore's ``AIOHTTPSession`` whose endpoint TLS context is built once per verify settings (NOTE)."""
+
+    def _build_ssl_contexts(self, proxy_url: str | None) -> tuple[ssl.SSLContext, ssl.SSLContext | None]:
+        if proxy_url:
+            built: tuple[ssl.SSLContext, ssl.SSLContext | None] = super()._build_ssl_contexts(proxy_url)
+            return built
+        key = (self._verify, self._cert_file, self._key_file)
+        with _lock:
+            context = _contexts.get(key)
+            if context is None:
+                context, _ = super()._build_ssl_contexts(None)
+                _contexts[key] = context
+        return context, None
+
+
+def session_class() -> type[SharedTLSSession] | None:
+    """The class to give ``AioConfig(http_session_cls=...)``, or None where this aiobotocore builds its TLS
+    contexts some other way (then its own session is used)."""
+    if not callable(getattr(AIOHTTPSession, "_build_ssl_contexts", None)):
+        return None
+    return SharedTLSSession
+
+
+async def prepare_tls(client: Any) -> None:
+    """Build the TLS context of an aiobotocore ``client``'s first request now, off the event loop as aiobotocore
+    does, without connecting. Does nothing for a client on any other HTTP session (``session_class``)."""
+    http = getattr(getattr(client, "_endpoint", None), "http_session", None)  # botocore's endpoint: no public name
+    if isinstance(http, SharedTLSSession):
+        await asyncio.to_thread(http._build_ssl_contexts, None)
+
+
+def cached_contexts() -> int:
+    """How many endpoint contexts this process holds (for tests and debug logs)."""
+    with _lock:
+        return len(_contexts)
