@@ -12,6 +12,12 @@ NOTE [ One TLS context ]
     given). ``Remote.warm_session`` builds it in the supervisor before the samplers are forked, so they inherit it
     instead of loading the bundle three times. A proxy's context is not cached (it is per proxy URL, and rare).
 
+    Forks: a child keeps the contexts it inherits only where no connection of the parent could have been using
+    them (``_in_use``: no client of the parent connected yet), so that no lock OpenSSL held inside one in another
+    thread at the fork is inherited held. That is the daemon's start: the supervisor warms, forks its samplers,
+    and only then starts its listing. A sampler restarted later, after the listing connected, builds its own (off
+    the cold path). The child's lock is always a fresh one.
+
     The trade: a CA bundle changed on disk reaches the daemon at its next start, not at a sampler's restart.
 
     The class is used only where the installed aiobotocore builds its contexts in ``_build_ssl_contexts`` (3.x,
@@ -22,6 +28,7 @@ NOTE [ One TLS context ]
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 import threading
 from typing import Any
@@ -32,6 +39,18 @@ __all__ = ["SharedTLSSession", "cached_contexts", "prepare_tls", "session_class"
 
 _lock = threading.Lock()  # aiobotocore builds contexts on a worker thread (``asyncio.to_thread``)
 _contexts: dict[tuple[Any, ...], ssl.SSLContext] = {}
+_in_use = False  # a client of this process was given a cached context (it may be mid-handshake in some thread)
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _in_use
+    _lock = threading.Lock()
+    if _in_use:  # NOTE: "Forks"
+        _contexts.clear()
+        _in_use = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class SharedTLSSession(AIOHTTPSession):  # type: ignore[misc]  # aiobotocore ships no annotations
@@ -41,13 +60,19 @@ class SharedTLSSession(AIOHTTPSession):  # type: ignore[misc]  # aiobotocore shi
         if proxy_url:
             built: tuple[ssl.SSLContext, ssl.SSLContext | None] = super()._build_ssl_contexts(proxy_url)
             return built
+        global _in_use
+        context = self._cached_context()
+        _in_use = True
+        return context, None
+
+    def _cached_context(self) -> ssl.SSLContext:
         key = (self._verify, self._cert_file, self._key_file)
         with _lock:
             context = _contexts.get(key)
             if context is None:
                 context, _ = super()._build_ssl_contexts(None)
                 _contexts[key] = context
-        return context, None
+        return context
 
 
 def session_class() -> type[SharedTLSSession] | None:
@@ -63,7 +88,7 @@ async def prepare_tls(client: Any) -> None:
     does, without connecting. Does nothing for a client on any other HTTP session (``session_class``)."""
     http = getattr(getattr(client, "_endpoint", None), "http_session", None)  # botocore's endpoint: no public name
     if isinstance(http, SharedTLSSession):
-        await asyncio.to_thread(http._build_ssl_contexts, None)
+        await asyncio.to_thread(http._cached_context)  # built, not in use: forks keep it (NOTE: "Forks")
 
 
 def cached_contexts() -> int:

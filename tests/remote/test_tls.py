@@ -86,44 +86,70 @@ def fetch_all(remote: Remote, objects: list[RemoteObject]) -> list[bytes]:
     return asyncio.run(main())
 
 
-def test_a_daemons_s3_clients_build_one_tls_context_and_a_forked_sampler_fetches_over_it(
-    s3: LocalS3, fault_proxy: FaultProxy, https_endpoint: tuple[str, Path], contexts_built: list[int]
-) -> None:
-    endpoint, cert = https_endpoint
-    bodies = {f"{PREFIX}/o{i}.bin": os.urandom(1000 + i) for i in range(3)}
-    for key, body in bodies.items():
-        s3.client().put_object(Bucket=BUCKET, Key=key, Body=body)
-
-    supervisor = remote_of(endpoint, cert)
-    assert supervisor.warm_session()  # in preflight, before the samplers are forked
-    assert contexts_built == [os.getpid()]
-    objects = supervisor.list_objects()  # the listing client, over TLS
-    assert len(objects) == 3
-    supervisor.close()
-
+def in_a_forked_sampler(endpoint: str, cert: Path, contexts_built: list[int]) -> dict[str, Any]:
+    """Fork a "sampler" that lists and fetches every object through a client of its own; what it fetched (the
+    objects' paths and the bodies' SHA-256) and how many TLS contexts it built itself."""
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # a sampler: its own client, event loop and connections
+    if pid == 0:
         code = 1
         try:
+            os.close(read_end)
             sampler = remote_of(endpoint, cert)
+            objects = sampler.list_objects()
             got = fetch_all(sampler, objects)
-            shas = [hashlib.sha256(body).hexdigest() for body in got]
-            report = {"built_here": contexts_built.count(os.getpid()), "sha": shas}
+            report = {
+                "built_here": contexts_built.count(os.getpid()),
+                "fetched": {obj.path: hashlib.sha256(body).hexdigest() for obj, body in zip(objects, got, strict=True)},
+            }
             os.write(write_end, json.dumps(report).encode())
             code = 0
         finally:
             os._exit(code)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as pipe:
-        report = json.loads(pipe.read() or b"{}")
+        found: dict[str, Any] = json.loads(pipe.read() or b"{}")
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, report
+    assert os.waitstatus_to_exitcode(status) == 0, found
+    return found
 
-    assert report["sha"] == [hashlib.sha256(bodies[obj.path.split("/", 1)[1]]).hexdigest() for obj in objects]
-    assert fault_proxy.counts().ops.get("GetObject", 0) == 3  # fetched through the relay, one GET each
-    assert report["built_here"] == 0, "the forked sampler loaded the CA bundle again"
+
+def test_a_daemons_s3_clients_build_one_tls_context_and_samplers_forked_at_its_start_fetch_over_it(
+    s3: LocalS3, fault_proxy: FaultProxy, https_endpoint: tuple[str, Path], contexts_built: list[int]
+) -> None:
+    """The daemon's order: the supervisor warms its session, forks its samplers, then lists."""
+    endpoint, cert = https_endpoint
+    bodies = {f"{BUCKET}/{PREFIX}/o{i}.bin": os.urandom(1000 + i) for i in range(3)}
+    for path, body in bodies.items():
+        s3.client().put_object(Bucket=BUCKET, Key=path.split("/", 1)[1], Body=body)
+    expected = {path: hashlib.sha256(body).hexdigest() for path, body in bodies.items()}
+
+    supervisor = remote_of(endpoint, cert)
+    assert supervisor.warm_session()
+    assert contexts_built == [os.getpid()]
+    sampler = in_a_forked_sampler(endpoint, cert, contexts_built)
+    assert sampler["fetched"] == expected, "the sampler fetched every object, verifying the server"
+    assert sampler["built_here"] == 0, "the sampler loaded the CA bundle again"
+    assert fault_proxy.counts().ops.get("GetObject", 0) == 3  # through the relay, one GET each
+    assert len(supervisor.list_objects()) == 3  # the supervisor's listing client, over TLS
+    supervisor.close()
     assert contexts_built == [os.getpid()], "the listing client loaded the CA bundle again"
+
+
+def test_a_sampler_forked_after_the_supervisors_clients_connected_builds_a_context_of_its_own(
+    s3: LocalS3, https_endpoint: tuple[str, Path], contexts_built: list[int]
+) -> None:
+    """A restarted sampler: a context the parent's connections use may hold OpenSSL's locks in another thread at the
+    fork, so the child does not inherit it (NOTE [ One TLS context ], "Forks"), and still verifies the server."""
+    endpoint, cert = https_endpoint
+    s3.client().put_object(Bucket=BUCKET, Key=f"{PREFIX}/o.bin", Body=b"y" * 300)
+    supervisor = remote_of(endpoint, cert)
+    supervisor.warm_session()
+    (obj,) = supervisor.list_objects()
+    sampler = in_a_forked_sampler(endpoint, cert, contexts_built)
+    assert sampler["fetched"] == {obj.path: hashlib.sha256(b"y" * 300).hexdigest()}
+    assert sampler["built_here"] == 1
+    supervisor.close()
 
 
 def test_a_client_verifying_against_other_certificates_gets_its_own_context_and_refuses_the_server(
