@@ -84,7 +84,9 @@ _PACE_WEIGHT = 0.2
 _RECENT_BUILDS = 4  # background builds the lead's estimate is the longest of
 _TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
 _TEARDOWN_HOLD_S = 1.0  # how long teardown steps wait for the handover to end (the new epoch's first batch)
-RESTART_GRACE_S = 15.0  # a growing epoch's wait for a daemon that went away: systemd's RestartSec (5 s), a start
+# A growing epoch's (and a fill wait's) wait for a daemon that went away: systemd's RestartSec (5 s), the new
+# daemon's start (about a second) and a margin for a machine that stalls
+RESTART_GRACE_S = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,7 +387,13 @@ class Epochs:
             wait_for_segments(plan.layout, need, timeout_s=plan.wait_timeout_s, progress=plan.progress)
             waited = time.perf_counter() - started
         elif is_first and plan.ranks.is_creator and plan.min_fill is not None:
-            wait_for_fill(plan.layout, plan.min_fill, timeout_s=plan.wait_timeout_s, progress=plan.progress)
+            wait_for_fill(
+                plan.layout,
+                plan.min_fill,
+                timeout_s=plan.wait_timeout_s,
+                progress=plan.progress,
+                restart_grace_s=RESTART_GRACE_S,
+            )
             waited = time.perf_counter() - started
         elif is_first and plan.ranks.is_creator:
             wait_for_samples(plan.layout, int(plan.min_samples), timeout_s=plan.wait_timeout_s, progress=plan.progress)

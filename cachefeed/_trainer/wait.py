@@ -316,9 +316,15 @@ def wait_for_fill(
     timeout_s: float,
     progress: TextIO | None = sys.stderr,
     poll_s: float = 0.5,
+    restart_grace_s: float = 0.0,
 ) -> int:
     """Block until the daemon has filled the cache to ``fraction`` of what it keeps (see ``fill_reached``);
     return the samples cached. The user states a level; segment sizes and metadata are the daemon's business.
+
+    A daemon seen running during this wait that goes away is waited for up to ``restart_grace_s`` (a restart:
+    ``systemctl restart``, or ``Restart=on-failure`` after a crash, comes back on the same cache and fills on)
+    before the wait ends on what is cached; a cache no daemon ran on during the wait is what there will be, and
+    the wait ends at once, as ``fill_reached`` says.
 
     Raises:
         NoSuchCacheError: the cache directory is missing.
@@ -328,11 +334,27 @@ def wait_for_fill(
     counter = SampleCounter(layout)
     started = time.monotonic()
     bar = _Progress(progress, str(layout.root), round(fraction * 100), is_fill=True)
+    seen_daemon, gone_since = False, None
     try:
         while True:
             have = counter.count()
-            ready, fill, why, _gone = fill_reached(layout, fraction, have)
-            waited = time.monotonic() - started
+            ready, fill, why, gone = fill_reached(layout, fraction, have)
+            now = time.monotonic()
+            waited = now - started
+            if not gone:
+                seen_daemon, gone_since = True, None
+            elif seen_daemon and ready:
+                if gone_since is None:
+                    gone_since = now
+                    log.warning(
+                        "the daemon of %s is gone: waiting up to %.0fs for it to come back (a restart) before "
+                        "starting on the %d samples cached",
+                        layout.root,
+                        restart_grace_s,
+                        have,
+                    )
+                ready = now - gone_since >= restart_grace_s
+                why = f"no daemon came back within {restart_grace_s:g}s: starting on what is cached"
             if ready:
                 if waited > 0.1:
                     bar.show(round(fill * 100), waited, force=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -295,3 +296,40 @@ def test_a_trainer_killed_in_a_growing_epoch_resumes_exactly_the_rest_of_it(tmp_
         daemon.stop()
     assert not set(rest) & set(interrupted), "no sample twice in the epoch"
     assert len(interrupted) + len(rest) == len(set(interrupted + rest)) == len(every), "exactly the rest of it"
+
+
+def test_a_first_epoch_waiting_for_a_fill_level_waits_out_a_daemon_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``min_samples="75%"`` (the former behaviour, kept as a setting): a daemon restarted while the trainer waits
+    for the fill is waited for, and the first epoch starts on the fill the new daemon reaches (here the whole
+    dataset, which fits the cache). It used to start on what was cached the moment the old daemon stopped."""
+    monkeypatch.setattr(lifecycle, "RESTART_GRACE_S", 120.0)  # the grace's length is not what is tested here
+    every = make_remote(tmp_path / "data")
+    daemons = [start_slow_daemon(tmp_path, tmp_path / "data")]
+    cached_at_stop = -1
+
+    def restart_once_some_are_cached() -> None:
+        nonlocal cached_at_stop
+        wait_for(lambda: cached_samples(daemons[0]) >= 100, timeout_s=30, what="100 samples cached")
+        cached_at_stop = cached_samples(daemons[0])
+        assert daemons[0].stop() == 0  # drains, says "stopped", lets go of the cache
+        time.sleep(1.0)  # systemd's RestartSec, shortened
+        daemons.append(start_slow_daemon(tmp_path, tmp_path / "data"))
+
+    restarter = threading.Thread(target=restart_once_some_are_cached)
+    restarter.start()
+    keys: list[str] = []
+    try:
+        with EpochLoaderFactory(
+            daemons[0].cache_dir, batch_size=16, epochs=1, min_samples="75%", run_id="fill", progress=None
+        ) as factory:
+            for batch in factory.loader(0):
+                keys += sample_keys(batch)
+    finally:
+        restarter.join()
+        daemons[-1].stop()
+    assert 0 < cached_at_stop < len(every), "the restart came while the cache filled"
+    names = sorted(key.rsplit("::", 1)[-1] for key in keys)  # as the remote names them
+    assert names == sorted(every), "the first epoch started on the new daemon's fill: every sample, once"
+    assert "is gone: waiting up to 120s for it to come back" in caplog.text
