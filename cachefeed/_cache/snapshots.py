@@ -27,7 +27,9 @@ hands the epoch's read receipt to the daemon if a rank recorded what it served (
 ``reads.py``), then removes ``<id>/``, then ``<id>.lock``, while holding the lock. The last releaser does this;
 the daemon's ``sweep_stale`` does it for holders that died. Removing the directory before the lock means a
 directory without a lock is always garbage; a ``.partial`` lock older than ``PARTIAL_GRACE_S`` whose lock is free
-is garbage too.
+is garbage too. A releaser's conversion from shared to exclusive is not atomic (the kernel drops the shared lock
+first): a sweep probing in that instant makes it fail, so a releaser that failed looks once more a few
+milliseconds later (``release``), or the sweep would keep the snapshot for a resume and its receipt would wait.
 
 Ownership: the MANIFEST names the *job* that created the snapshot (``job``, a nonce the job's ranks agree on,
 ``_trainer/partition.py``) and carries a nonce of the snapshot's own (``nonce``). ``join`` refuses a snapshot of
@@ -489,7 +491,14 @@ class Snapshot:
             os.close(fd)
             return
         try:
-            _remove_if_unheld(fd, self.layout.snapshots / f"{self.snap_id}.lock", self.directory)
+            lock_path = self.layout.snapshots / f"{self.snap_id}.lock"
+            if not _remove_if_unheld(fd, lock_path, self.directory):
+                # Converting our shared lock to exclusive drops it first (flock(2)): the daemon's sweep, probing
+                # once a second, may hold it for that instant, find it unheld and keep it for a resume, so that
+                # the epoch's receipt and pin would wait out the sweep's grace. One look more once the probe is
+                # over; a rank still reading holds it shared and makes this one fail too.
+                time.sleep(_RELEASE_RETRY_S)
+                _remove_if_unheld(fd, lock_path, self.directory)
         finally:
             os.close(fd)
 
@@ -697,6 +706,9 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
         os.close(fd)
         return None
     return fd, manifest
+
+
+_RELEASE_RETRY_S = 0.005  # a sweep's probe holds a snapshot's lock for microseconds
 
 
 def _remove_if_unheld(

@@ -526,3 +526,41 @@ def test_a_writer_is_full_once_a_sample_like_the_last_would_not_fit_and_a_ramp_g
     assert sizes == sorted(sizes), f"the ramp only grows: {sizes}"
     assert segment_bytes - (72 << 10) <= max(sizes) <= segment_bytes
     assert len(cached_keys(tmp_path / "c")) == 120
+
+
+def test_the_last_release_removes_the_snapshot_and_leaves_its_receipt_though_a_sweep_probed_mid_conversion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flock(2) converts a shared lock to exclusive by dropping it first. The daemon's sweep, probing in that
+    instant, holds the lock exclusively for a moment: the release's conversion fails. The kernel's two steps are
+    played here one by one, the probe between them; the witness is the files: the snapshot directory gone and the
+    epoch's receipt handed over, not left to the sweep's grace for a resume."""
+    import threading
+
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    snapshot = Snapshot.create(root, "run-e000001")
+    snapshot.record_served(np.arange(snapshot.samples))
+    lock = root / "snapshots" / "run-e000001.lock"
+    real_flock, held = fcntl.flock, snapshot._lock_fd
+    probes: list[threading.Timer] = []
+
+    def flock_with_a_probe_mid_conversion(fd: int, operation: int) -> None:
+        if operation == fcntl.LOCK_EX | fcntl.LOCK_NB and fd == held and not probes:
+            real_flock(fd, fcntl.LOCK_UN)  # the kernel's first step: the shared lock is dropped
+            probe = os.open(lock, os.O_RDONLY)
+            real_flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the sweep's probe, in between
+            probes.append(threading.Timer(0.001, os.close, (probe,)))  # it lets go a moment later
+            probes[0].start()
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(snapshots.fcntl, "flock", flock_with_a_probe_mid_conversion)
+    snapshot.release()
+    monkeypatch.undo()
+    assert probes, "the probe came between the two steps"
+    probes[0].join()
+    assert not (root / "snapshots" / "run-e000001").exists() and not lock.exists(), "the last releaser removed it"
+    receipts = [p.name for p in (root / "snapshots").iterdir() if p.name.endswith(snapshots.RECEIPT_SUFFIX)]
+    assert len(receipts) == 1, "and handed the epoch's reads to the daemon"
+    store.close()
