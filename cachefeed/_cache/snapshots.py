@@ -28,8 +28,9 @@ hands the epoch's read receipt to the daemon if a rank recorded what it served (
 the daemon's ``sweep_stale`` does it for holders that died. Removing the directory before the lock means a
 directory without a lock is always garbage; a ``.partial`` lock older than ``PARTIAL_GRACE_S`` whose lock is free
 is garbage too. A releaser's conversion from shared to exclusive is not atomic (the kernel drops the shared lock
-first): a sweep probing in that instant makes it fail, so a releaser that failed looks once more a few
-milliseconds later (``release``), or the sweep would keep the snapshot for a resume and its receipt would wait.
+first): a sweep probing in that instant makes it fail, so a releaser that finds the lock held exclusively looks
+again a few milliseconds later (``Snapshot._remove_if_last``), or the sweep would keep the snapshot for a resume
+and its receipt would wait.
 
 Ownership: the MANIFEST names the *job* that created the snapshot (``job``, a nonce the job's ranks agree on,
 ``_trainer/partition.py``) and carries a nonce of the snapshot's own (``nonce``). ``join`` refuses a snapshot of
@@ -491,16 +492,30 @@ class Snapshot:
             os.close(fd)
             return
         try:
-            lock_path = self.layout.snapshots / f"{self.snap_id}.lock"
-            if not _remove_if_unheld(fd, lock_path, self.directory):
-                # Converting our shared lock to exclusive drops it first (flock(2)): the daemon's sweep, probing
-                # once a second, may hold it for that instant, find it unheld and keep it for a resume, so that
-                # the epoch's receipt and pin would wait out the sweep's grace. One look more once the probe is
-                # over; a rank still reading holds it shared and makes this one fail too.
-                time.sleep(_RELEASE_RETRY_S)
-                _remove_if_unheld(fd, lock_path, self.directory)
+            self._remove_if_last(fd)
         finally:
             os.close(fd)
+
+    def _remove_if_last(self, fd: int) -> None:
+        """Remove the snapshot if this holder is the last (module docstring, "Removal").
+
+        Converting our shared lock to exclusive drops it first (flock(2)). Where that fails, the lock is held by
+        other ranks still reading (shared: the last of them removes it) or, for an instant, exclusively by the
+        daemon's sweep probing it, which would find it unheld and keep it for a resume, so that the epoch's
+        receipt and pin would wait out ``snapshot_grace``. Taking it shared tells the two apart: where that fails
+        too, the holder is exclusive, and this releaser looks again a few milliseconds later.
+        """
+        lock_path = self.layout.snapshots / f"{self.snap_id}.lock"
+        for delay in _RELEASE_RETRIES_S:
+            if _remove_if_unheld(fd, lock_path, self.directory) is not None:
+                return  # removed, or not ours to remove any more
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                time.sleep(delay)  # held exclusively: a sweep's probe, or a remover
+                continue
+            _remove_if_unheld(fd, lock_path, self.directory)  # shared by other ranks, or by nobody any more
+            return
 
     @property
     def is_held(self) -> bool:
@@ -708,18 +723,21 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
     return fd, manifest
 
 
-_RELEASE_RETRY_S = 0.005  # a sweep's probe holds a snapshot's lock for microseconds
+# A releaser's looks again while the lock is held exclusively: a sweep's probe holds it for microseconds, longer
+# where the supervisor's thread loses the GIL or the core in between (the switch interval is 5 ms).
+_RELEASE_RETRIES_S = (0.005, 0.02, 0.08, 0.0)
 
 
 def _remove_if_unheld(
     fd: int, lock_path: Path, directory: Path, *, keep: Callable[[str], bool] | None = None, snap_id: str = ""
-) -> bool:
+) -> bool | None:
     """If nobody else holds the lock on ``fd`` (and ``keep`` does not keep it), remove the snapshot (directory
-    first, then lock)."""
+    first, then lock). True: removed; None: someone else holds the lock; False: not removed for another reason
+    (kept, already removed by another, or not ours to remove)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False
+        return None
     if keep is not None and keep(snap_id):
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False

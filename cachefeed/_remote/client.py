@@ -333,7 +333,10 @@ class Remote:
         async def build() -> Any:
             fs = self._fs_class(**self._options, asynchronous=True, loop=asyncio.get_running_loop())
             await fs.set_session()
-            await prepare_tls(fs.s3)  # NOTE [ One TLS context ]: the samplers forked next inherit it
+            try:
+                await prepare_tls(fs.s3)  # NOTE [ One TLS context ]: the samplers forked next inherit it
+            except Exception as exc:  # a bad verify path: the first request meets and reports it
+                logger.debug("building the TLS context failed: %s", type(exc).__name__)
             creator = getattr(fs, "_s3creator", None)
             if creator is not None:
                 await creator.__aexit__(None, None, None)

@@ -149,12 +149,21 @@ def translate_error(exc: BaseException, path: str) -> RemoteError:
 def _untrusted(exc: BaseException) -> str:
     """What to say where the server's TLS certificate was not trusted (OpenSSL's reason; no secret in it)."""
     for link in _chain(exc):
-        if isinstance(link, ssl.SSLCertVerificationError) and getattr(link, "verify_message", None):
-            return (
-                f": the endpoint's TLS certificate is not trusted ({link.verify_message}); name the CA bundle "
-                "that signed it in remote.storage_options.client_kwargs.verify, or in AWS_CA_BUNDLE"
-            )
+        message = getattr(link, "verify_message", None)
+        if isinstance(link, ssl.SSLCertVerificationError) and message:
+            if getattr(link, "verify_code", None) in _UNKNOWN_ISSUER:
+                return (
+                    f": the endpoint's TLS certificate is not trusted ({message}); name the CA bundle that signed "
+                    "it in remote.storage_options.client_kwargs.verify, or in AWS_CA_BUNDLE"
+                )
+            return f": the endpoint's TLS certificate was refused ({message})"
     return ""
+
+
+# OpenSSL's verify codes for a certificate signed by a CA the bundle does not hold (X509_V_ERR_UNABLE_TO_GET_ISSUER_
+# CERT, _DEPTH_ZERO_SELF_SIGNED_CERT, _SELF_SIGNED_CERT_IN_CHAIN, _UNABLE_TO_GET_ISSUER_CERT_LOCALLY,
+# _UNABLE_TO_VERIFY_LEAF_SIGNATURE): naming the CA bundle is the fix; for others (expired, wrong host) it is not.
+_UNKNOWN_ISSUER = frozenset({2, 18, 19, 20, 21})
 
 
 def _describe(kind: type[RemoteError]) -> str:

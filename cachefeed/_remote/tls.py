@@ -10,18 +10,21 @@ NOTE [ One TLS context ]
     process builds the context exactly as aiobotocore does, and every later client with the same ``verify`` and
     client certificate reuses it (contexts are made to be shared by connections; aiohttp never changes one it is
     given). ``Remote.warm_session`` builds it in the supervisor before the samplers are forked, so they inherit it
-    instead of loading the bundle three times. A proxy's context is not cached (it is per proxy URL, and rare).
+    instead of loading the bundle three times. Behind a proxy nothing is cached (aiobotocore builds the endpoint's
+    and the proxy's contexts together, per proxy URL): every client builds its own, as before.
 
-    Forks: a child keeps the contexts it inherits only where no connection of the parent could have been using
-    them (``_in_use``: no client of the parent connected yet), so that no lock OpenSSL held inside one in another
-    thread at the fork is inherited held. That is the daemon's start: the supervisor warms, forks its samplers,
-    and only then starts its listing. A sampler restarted later, after the listing connected, builds its own (off
-    the cold path). The child's lock is always a fresh one.
+    Forks: the daemon forks a sampler only while the supervisor runs one thread (``_daemon/spawn.py``); a sampler
+    started later, while the listing thread runs, is a fresh interpreter and builds its own context. So no
+    context is inherited while another thread of the parent could be inside OpenSSL with it. For any other fork
+    (a user's, a test's), a child whose parent had a client connected does not use the contexts it inherited:
+    they are set aside, never freed (freeing one takes the lock that might be the one inherited held), and the
+    child builds its own. The child's lock is always a fresh one.
 
-    The trade: a CA bundle changed on disk reaches the daemon at its next start, not at a sampler's restart.
+    The trade: a CA bundle changed on disk reaches the supervisor and the samplers forked at its start when the
+    daemon restarts; a sampler started later reads it then.
 
-    The class is used only where the installed aiobotocore builds its contexts in ``_build_ssl_contexts`` (3.x,
-    the version ``constraints.txt`` pins); with any other, ``session_class()`` is None and aiobotocore's own
+    The class is used only where the installed aiobotocore builds its contexts in ``_build_ssl_contexts`` (3.9 and
+    later; ``constraints.txt`` pins 3.10); with any other, ``session_class()`` is None and aiobotocore's own
     session is used, as before.
 """
 
@@ -35,17 +38,19 @@ from typing import Any
 
 from aiobotocore.httpsession import AIOHTTPSession
 
-__all__ = ["SharedTLSSession", "cached_contexts", "prepare_tls", "session_class"]
+__all__ = ["SharedTLSSession", "prepare_tls", "session_class"]
 
 _lock = threading.Lock()  # aiobotocore builds contexts on a worker thread (``asyncio.to_thread``)
 _contexts: dict[tuple[Any, ...], ssl.SSLContext] = {}
 _in_use = False  # a client of this process was given a cached context (it may be mid-handshake in some thread)
+_set_aside: list[ssl.SSLContext] = []  # a forked child's inherited contexts it must not use nor free (NOTE: "Forks")
 
 
 def _after_fork_in_child() -> None:
     global _lock, _in_use
     _lock = threading.Lock()
     if _in_use:  # NOTE: "Forks"
+        _set_aside.extend(_contexts.values())
         _contexts.clear()
         _in_use = False
 
@@ -69,9 +74,10 @@ class SharedTLSSession(AIOHTTPSession):  # type: ignore[misc]  # aiobotocore shi
         key = (self._verify, self._cert_file, self._key_file)
         with _lock:
             context = _contexts.get(key)
-            if context is None:
-                context, _ = super()._build_ssl_contexts(None)
-                _contexts[key] = context
+        if context is None:  # built outside the lock (45 ms): other keys, and other loops, do not wait on it
+            built, _ = super()._build_ssl_contexts(None)
+            with _lock:
+                context = _contexts.setdefault(key, built)
         return context
 
 
@@ -89,9 +95,3 @@ async def prepare_tls(client: Any) -> None:
     http = getattr(getattr(client, "_endpoint", None), "http_session", None)  # botocore's endpoint: no public name
     if isinstance(http, SharedTLSSession):
         await asyncio.to_thread(http._cached_context)  # built, not in use: forks keep it (NOTE: "Forks")
-
-
-def cached_contexts() -> int:
-    """How many endpoint contexts this process holds (for tests and debug logs)."""
-    with _lock:
-        return len(_contexts)

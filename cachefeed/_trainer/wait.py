@@ -334,7 +334,7 @@ def wait_for_fill(
     counter = SampleCounter(layout)
     started = time.monotonic()
     bar = _Progress(progress, str(layout.root), round(fraction * 100), is_fill=True)
-    seen_daemon, gone_since = False, None
+    seen_daemon, gone_since, last_fill = False, None, 0.0
     try:
         while True:
             have = counter.count()
@@ -342,8 +342,8 @@ def wait_for_fill(
             now = time.monotonic()
             waited = now - started
             if not gone:
-                seen_daemon, gone_since = True, None
-            elif seen_daemon and ready:
+                seen_daemon, gone_since, last_fill = True, None, fill
+            elif seen_daemon and ready and restart_grace_s > 0:
                 if gone_since is None:
                     gone_since = now
                     log.warning(
@@ -353,8 +353,10 @@ def wait_for_fill(
                         restart_grace_s,
                         have,
                     )
-                ready = now - gone_since >= restart_grace_s
-                why = f"no daemon came back within {restart_grace_s:g}s: starting on what is cached"
+                # the grace ends at the wait's own timeout too: then it starts on what is cached, as without one
+                ready = now - gone_since >= restart_grace_s or waited > timeout_s
+                why = f"no daemon came back within {min(restart_grace_s, timeout_s):g}s: starting on what is cached"
+                fill = last_fill
             if ready:
                 if waited > 0.1:
                     bar.show(round(fill * 100), waited, force=True)

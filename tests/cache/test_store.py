@@ -533,10 +533,9 @@ def test_the_last_release_removes_the_snapshot_and_leaves_its_receipt_though_a_s
 ) -> None:
     """flock(2) converts a shared lock to exclusive by dropping it first. The daemon's sweep, probing in that
     instant, holds the lock exclusively for a moment: the release's conversion fails. The kernel's two steps are
-    played here one by one, the probe between them; the witness is the files: the snapshot directory gone and the
-    epoch's receipt handed over, not left to the sweep's grace for a resume."""
-    import threading
-
+    played here one by one, the probe between them, and the probe lets go before the releaser's next look; the
+    witness is the files: the snapshot directory gone and the epoch's receipt handed over, not left to the
+    sweep's grace for a resume."""
     root = tmp_path / "c"
     store = CacheStore(cache_config(root))
     fill(store, range(100))
@@ -544,23 +543,42 @@ def test_the_last_release_removes_the_snapshot_and_leaves_its_receipt_though_a_s
     snapshot.record_served(np.arange(snapshot.samples))
     lock = root / "snapshots" / "run-e000001.lock"
     real_flock, held = fcntl.flock, snapshot._lock_fd
-    probes: list[threading.Timer] = []
+    probes: list[int] = []
+    calls: list[int] = []
 
     def flock_with_a_probe_mid_conversion(fd: int, operation: int) -> None:
-        if operation == fcntl.LOCK_EX | fcntl.LOCK_NB and fd == held and not probes:
-            real_flock(fd, fcntl.LOCK_UN)  # the kernel's first step: the shared lock is dropped
-            probe = os.open(lock, os.O_RDONLY)
-            real_flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the sweep's probe, in between
-            probes.append(threading.Timer(0.001, os.close, (probe,)))  # it lets go a moment later
-            probes[0].start()
+        if fd == held:
+            calls.append(operation)
+            if operation == fcntl.LOCK_EX | fcntl.LOCK_NB and not probes:
+                real_flock(fd, fcntl.LOCK_UN)  # the kernel's first step: the shared lock is dropped
+                probes.append(os.open(lock, os.O_RDONLY))
+                real_flock(probes[0], fcntl.LOCK_EX | fcntl.LOCK_NB)  # the sweep's probe, in between
+            elif operation == fcntl.LOCK_EX | fcntl.LOCK_NB and probes[0] >= 0:
+                os.close(probes[0])  # the probe let go before the releaser's next look
+                probes[0] = -1
         real_flock(fd, operation)
 
     monkeypatch.setattr(snapshots.fcntl, "flock", flock_with_a_probe_mid_conversion)
     snapshot.release()
     monkeypatch.undo()
-    assert probes, "the probe came between the two steps"
-    probes[0].join()
+    assert probes == [-1], "the probe came between the two steps, and let go"
+    assert fcntl.LOCK_SH | fcntl.LOCK_NB in calls, "the releaser told an exclusive holder from sharing ranks"
     assert not (root / "snapshots" / "run-e000001").exists() and not lock.exists(), "the last releaser removed it"
     receipts = [p.name for p in (root / "snapshots").iterdir() if p.name.endswith(snapshots.RECEIPT_SUFFIX)]
     assert len(receipts) == 1, "and handed the epoch's reads to the daemon"
+    store.close()
+
+
+def test_a_release_that_is_not_the_last_leaves_the_snapshot_to_the_other_rank_without_waiting(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    creator = Snapshot.create(root, "run-e000001")
+    other = Snapshot.join(root, "run-e000001", timeout_s=1.0)  # another local rank of the epoch
+    started = time.monotonic()
+    creator.release()
+    assert time.monotonic() - started < snapshots._RELEASE_RETRIES_S[0], "shared: no look again"
+    assert (root / "snapshots" / "run-e000001").exists(), "the other rank still reads it"
+    other.release()
+    assert not (root / "snapshots" / "run-e000001").exists(), "the last of them removed it"
     store.close()

@@ -23,7 +23,7 @@ import pytest
 
 from cachefeed._config import RemoteConfig
 from cachefeed._errors import RemoteError
-from cachefeed._remote import Remote, RemoteObject
+from cachefeed._remote import Remote, RemoteObject, tls
 from cachefeed._testing.local_s3 import LocalS3
 from cachefeed._testing.proxy import FaultProxy
 from tests.support.tls_relay import make_certificate
@@ -51,6 +51,14 @@ def https_endpoint(s3: LocalS3, fault_proxy: FaultProxy, tmp_path: Path) -> Iter
         relay.wait()
         if relay.stdout is not None:
             relay.stdout.close()
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts as a fresh daemon process would: no context cached, no client connected (other tests in
+    this worker process may have fetched over S3 before)."""
+    monkeypatch.setattr(tls, "_contexts", {})
+    monkeypatch.setattr(tls, "_in_use", False)
 
 
 @pytest.fixture
@@ -136,11 +144,13 @@ def test_a_daemons_s3_clients_build_one_tls_context_and_samplers_forked_at_its_s
     assert contexts_built == [os.getpid()], "the listing client loaded the CA bundle again"
 
 
-def test_a_sampler_forked_after_the_supervisors_clients_connected_builds_a_context_of_its_own(
+def test_a_child_forked_after_its_parents_clients_connected_builds_a_context_of_its_own(
     s3: LocalS3, https_endpoint: tuple[str, Path], contexts_built: list[int]
 ) -> None:
-    """A restarted sampler: a context the parent's connections use may hold OpenSSL's locks in another thread at the
-    fork, so the child does not inherit it (NOTE [ One TLS context ], "Forks"), and still verifies the server."""
+    """Not a fork the daemon makes (it forks samplers only while the supervisor runs one thread; later samplers are
+    fresh interpreters), but one a user's code may: a context the parent's connections use may hold OpenSSL's
+    locks in another thread at the fork, so the child does not use it (NOTE [ One TLS context ], "Forks"), and
+    still verifies the server."""
     endpoint, cert = https_endpoint
     s3.client().put_object(Bucket=BUCKET, Key=f"{PREFIX}/o.bin", Body=b"y" * 300)
     supervisor = remote_of(endpoint, cert)
