@@ -506,13 +506,14 @@ class Snapshot:
         too, the holder is exclusive, and this releaser looks again a few milliseconds later.
         """
         lock_path = self.layout.snapshots / f"{self.snap_id}.lock"
-        for delay in _RELEASE_RETRIES_S:
+        for delay in (*_RELEASE_RETRIES_S, None):
             if _remove_if_unheld(fd, lock_path, self.directory) is not None:
                 return  # removed, or not ours to remove any more
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                time.sleep(delay)  # held exclusively: a sweep's probe, or a remover
+            except BlockingIOError:  # held exclusively: a sweep's probe, or a remover
+                if delay is not None:
+                    time.sleep(delay)
                 continue
             _remove_if_unheld(fd, lock_path, self.directory)  # shared by other ranks, or by nobody any more
             return
@@ -723,9 +724,10 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
     return fd, manifest
 
 
-# A releaser's looks again while the lock is held exclusively: a sweep's probe holds it for microseconds, longer
-# where the supervisor's thread loses the GIL or the core in between (the switch interval is 5 ms).
-_RELEASE_RETRIES_S = (0.005, 0.02, 0.08, 0.0)
+# How long a releaser waits before each look again while the lock is held exclusively: a sweep's probe holds it
+# for microseconds, longer where the supervisor's thread loses the GIL or the core in between (the switch interval
+# is 5 ms).
+_RELEASE_RETRIES_S = (0.005, 0.02, 0.08)
 
 
 def _remove_if_unheld(

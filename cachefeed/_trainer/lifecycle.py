@@ -72,7 +72,7 @@ from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
 from cachefeed._trainer.partition import EpochBatchSampler, RankInfo, rank_share, snapshot_name, warn_reuse
 from cachefeed._trainer.pool import WorkerPool
 from cachefeed._trainer.resume import ResumePoint, resumed_snapshot
-from cachefeed._trainer.wait import fill_reached, wait_for_fill, wait_for_samples, wait_for_segments
+from cachefeed._trainer.wait import DaemonAbsence, fill_reached, wait_for_fill, wait_for_samples, wait_for_segments
 
 __all__ = ["EpochPlan", "Epochs"]
 
@@ -141,7 +141,9 @@ class Epochs:
         self._waited_s = 0.0
         self._pace_s: float | None = None
         self._last_batch_at = 0.0
-        self._daemon_gone_at: float | None = None  # since when the grower has found no daemon (``_growth_done``)
+        self._absence = DaemonAbsence(  # the grower's look at a daemon gone (``_growth_done``)
+            plan.layout, RESTART_GRACE_S, waiter="the growing epoch waits", then="it ends on the %d samples it has"
+        )
         self._closed = False
         # Set while no handover is under way: teardown steps wait for it (``_after_handover``).
         self._handover_over = threading.Event()
@@ -337,19 +339,9 @@ class Epochs:
             return True
         reached = fill_reached(self.plan.layout, 1.0, samples)
         if not reached.daemon_gone:
-            self._daemon_gone_at = None
+            self._absence.back()
             return reached.ready
-        now = time.monotonic()
-        if self._daemon_gone_at is None:
-            self._daemon_gone_at = now
-            log.warning(
-                "the daemon of %s is gone: the growing epoch waits up to %.0fs for it to come back (a restart) before "
-                "it ends on the %d samples it has",
-                self.plan.layout.root,
-                RESTART_GRACE_S,
-                samples,
-            )
-        return reached.ready and now - self._daemon_gone_at >= RESTART_GRACE_S  # ready: something is cached
+        return self._absence.waited_out(samples) and reached.ready  # ready: something is cached
 
     def _estimated_share(self, snapshot: Snapshot) -> int:
         """This rank's samples if the first epoch grows until it fills the epoch's room (``room.py``) or, without a

@@ -266,6 +266,41 @@ class Fill(NamedTuple):
     daemon_gone: bool = False  # ready because no daemon runs (a restart looks the same for a while)
 
 
+class DaemonAbsence:
+    """The one rule for a wait that finds no daemon (``Fill.daemon_gone``): a daemon restarted (``systemctl
+    restart``, or ``Restart=on-failure`` after a crash) comes back on the same cache and fills on, so the wait
+    holds on for ``grace_s`` from when it first found the daemon gone before it ends on what is cached. Used by a
+    growing epoch's grower (``lifecycle.Epochs._growth_done``) and by ``wait_for_fill``; ``waiter`` and ``then``
+    word its one warning (``then`` formats the samples cached)."""
+
+    def __init__(self, layout: CacheLayout, grace_s: float, *, waiter: str, then: str) -> None:
+        self.layout, self.grace_s, self.waiter, self.then = layout, grace_s, waiter, then
+        self._since: float | None = None
+
+    def back(self) -> None:
+        """A daemon runs (again)."""
+        self._since = None
+
+    def waited_out(self, have: int) -> bool:
+        """No daemon now: whether it has stayed away ``grace_s`` (the first call of an absence warns)."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+            log.warning(
+                "the daemon of %s is gone: %s up to %.0fs for it to come back (a restart) before %s",
+                self.layout.root,
+                self.waiter,
+                self.grace_s,
+                self.then % have,
+            )
+        return now - self._since >= self.grace_s
+
+    @property
+    def away_s(self) -> float:
+        """Seconds since this absence began (0 while a daemon runs)."""
+        return 0.0 if self._since is None else time.monotonic() - self._since
+
+
 def fill_reached(layout: CacheLayout, fraction: float, have: int) -> Fill:
     """Whether to start now (and the fill level, and why) from the daemon's status document.
 
@@ -334,28 +369,20 @@ def wait_for_fill(
     counter = SampleCounter(layout)
     started = time.monotonic()
     bar = _Progress(progress, str(layout.root), round(fraction * 100), is_fill=True)
-    seen_daemon, gone_since, last_fill = False, None, 0.0
+    absence = DaemonAbsence(layout, restart_grace_s, waiter="waiting", then="starting on the %d samples cached")
+    seen_daemon, last_fill = False, 0.0
     try:
         while True:
             have = counter.count()
             ready, fill, why, gone = fill_reached(layout, fraction, have)
-            now = time.monotonic()
-            waited = now - started
+            waited = time.monotonic() - started
             if not gone:
-                seen_daemon, gone_since, last_fill = True, None, fill
+                seen_daemon, last_fill = True, fill
+                absence.back()
             elif seen_daemon and ready and restart_grace_s > 0:
-                if gone_since is None:
-                    gone_since = now
-                    log.warning(
-                        "the daemon of %s is gone: waiting up to %.0fs for it to come back (a restart) before "
-                        "starting on the %d samples cached",
-                        layout.root,
-                        restart_grace_s,
-                        have,
-                    )
                 # the grace ends at the wait's own timeout too: then it starts on what is cached, as without one
-                ready = now - gone_since >= restart_grace_s or waited > timeout_s
-                why = f"no daemon came back within {min(restart_grace_s, timeout_s):g}s: starting on what is cached"
+                ready = absence.waited_out(have) or waited > timeout_s
+                why = f"no daemon came back within {absence.away_s:.0f}s: starting on what is cached"
                 fill = last_fill
             if ready:
                 if waited > 0.1:
