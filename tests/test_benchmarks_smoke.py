@@ -367,6 +367,14 @@ def test_first_batch_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     assert "growing: first batch" in out and "75% fill: first batch" in out
 
 
+def test_first_request_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import first_request
+
+    assert first_request.main(["--rounds", "1", "--object-kib", "64", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "shared" in out and "per client" in out and "first GET" in out
+
+
 def test_outcome_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import outcome
 

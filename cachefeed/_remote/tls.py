@@ -2,8 +2,9 @@
 
 NOTE [ One TLS context ]
     aiobotocore builds a fresh ``ssl.SSLContext`` for each client's first request and loads the CA bundle into
-    it (``load_verify_locations``): about 0.045 s of CPU per client here, for an http endpoint too, because the
-    context is made before anyone knows it will go unused. A daemon makes one client to list and one per sampler,
+    it (``load_verify_locations``), for an http endpoint too, because the context is made before anyone knows it
+    will go unused: ``python -m benchmarks.first_request`` prints what a forked sampler's first GET costs with and
+    without this module (``benchmarks/results/first_request.json``). A daemon makes one client to list and one per sampler,
     all at its cold start, when the cores are busiest, and the samplers pay it again after every restart.
 
     ``SharedTLSSession`` is aiobotocore's aiohttp session with that one step cached: the first client of a
