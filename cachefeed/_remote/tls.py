@@ -75,7 +75,7 @@ class SharedTLSSession(AIOHTTPSession):  # type: ignore[misc]  # aiobotocore shi
         key = (self._verify, self._cert_file, self._key_file)
         with _lock:
             context = _contexts.get(key)
-        if context is None:  # built outside the lock (45 ms): other keys, and other loops, do not wait on it
+        if context is None:  # built outside the lock (tens of ms): other keys, and other loops, do not wait on it
             built, _ = super()._build_ssl_contexts(None)
             with _lock:
                 context = _contexts.setdefault(key, built)
