@@ -349,8 +349,7 @@ def test_cache_files_have_explicit_modes(tmp_path: Path) -> None:
 
 def test_a_leftover_snapshot_of_the_same_id_is_replaced_not_joined(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    store = CacheStore(cache_config(root))
-    fill(store, range(100))
+    store = a_store_of_100_samples(root)
     old = Snapshot.create(root, "run-e000001")
     (root / "snapshots" / "run-e000001.lock").unlink()  # simulate a crash that left an unheld lock behind:
     os.close(os.open(root / "snapshots" / "run-e000001.lock", os.O_CREAT | os.O_WRONLY))  # a fresh, unlocked one
@@ -361,11 +360,17 @@ def test_a_leftover_snapshot_of_the_same_id_is_replaced_not_joined(tmp_path: Pat
     old._lock_fd = None  # its lock file is gone; nothing to release
 
 
+def a_store_of_100_samples(root: Path) -> CacheStore:
+    """An open store at ``root`` holding samples 0-99."""
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    return store
+
+
 def with_a_dead_trainers_snapshot(root: Path) -> CacheStore:
     """A cache of 100 samples with snapshot ``run-e000001``, whose trainer died: the kernel dropped its pin, the
     snapshot stays (kept for a resume); the store is open."""
-    store = CacheStore(cache_config(root))
-    fill(store, range(100))
+    store = a_store_of_100_samples(root)
     dead = Snapshot.create(root, "run-e000001")
     os.close(dead._lock_fd)
     dead._lock_fd = None
@@ -420,8 +425,7 @@ def test_a_join_that_waited_on_a_snapshot_being_removed_says_it_was_removed_at_o
 
 def test_release_in_a_forked_child_leaves_the_parents_pin(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    store = CacheStore(cache_config(root))
-    fill(store, range(100))
+    store = a_store_of_100_samples(root)
     snapshot = Snapshot.create(root, "forked")
     pid = os.fork()
     if pid == 0:
@@ -537,8 +541,7 @@ def test_the_last_release_removes_the_snapshot_and_leaves_its_receipt_though_a_s
     witness is the files: the snapshot directory gone and the epoch's receipt handed over, not left to the
     sweep's grace for a resume."""
     root = tmp_path / "c"
-    store = CacheStore(cache_config(root))
-    fill(store, range(100))
+    store = a_store_of_100_samples(root)
     snapshot = Snapshot.create(root, "run-e000001")
     snapshot.record_served(np.arange(snapshot.samples))
     lock = root / "snapshots" / "run-e000001.lock"
@@ -571,8 +574,7 @@ def test_the_last_release_removes_the_snapshot_and_leaves_its_receipt_though_a_s
 
 def test_a_release_that_is_not_the_last_leaves_the_snapshot_to_the_other_rank_without_waiting(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    store = CacheStore(cache_config(root))
-    fill(store, range(100))
+    store = a_store_of_100_samples(root)
     creator = Snapshot.create(root, "run-e000001")
     other = Snapshot.join(root, "run-e000001", timeout_s=1.0)  # another local rank of the epoch
     started = time.monotonic()
