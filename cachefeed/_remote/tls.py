@@ -4,8 +4,8 @@ NOTE [ One TLS context ]
     aiobotocore builds a fresh ``ssl.SSLContext`` for each client's first request and loads the CA bundle into
     it (``load_verify_locations``), for an http endpoint too, because the context is made before anyone knows it
     will go unused: ``python -m benchmarks.first_request`` prints what a forked sampler's first GET costs with and
-    without this module (``benchmarks/results/first_request.json``). A daemon makes one client to list and one per sampler,
-    all at its cold start, when the cores are busiest, and the samplers pay it again after every restart.
+    without this module (``benchmarks/results/first_request.json``). A daemon makes one client to list and one per
+    sampler, all at its cold start, when the cores are busiest, and a restarted sampler pays it again.
 
     ``SharedTLSSession`` is aiobotocore's aiohttp session with that one step cached: the first client of a
     process builds the context exactly as aiobotocore does, and every later client with the same ``verify`` and
