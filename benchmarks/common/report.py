@@ -4,7 +4,8 @@ side-by-side table is made of). ``results_md.py``, ``plots.py`` and ``run_all.re
 
 Labels the plans use, and the figure each one gives: ``convert`` (7), ``local`` (1; the ``memory-batched``
 system's row is the DataLoader's ceiling for batched reads from RAM, ``memory``'s the per-sample path over RAM),
-``inprocess`` (1, read with ``num_workers=0``), ``cold`` (2), ``budget30`` (3),
+``inprocess`` (1, read with ``num_workers=0``), ``cold`` (2; with ``cold-2`` .. ``cold-N``, the cold-start
+table), ``budget30`` (3),
 ``handover-<start method>[-persistent]`` (4). The S3 ceiling is per workload, per prefix.
 """
 
@@ -102,7 +103,7 @@ def _row(measures: dict[str, Any], workload: dict[str, Any]) -> dict[str, Any]:
     cold = measures.get("cold", {})
     if cold.get("epochs"):
         row["cold_epoch_s"] = cold["epochs"][0]["wall_s"]
-        row.update(cold_start(cold))
+    row.update(cold_starts(measures))
     budget = measures.get("budget30", {})
     if budget.get("epochs"):
         row["budget_remote_mb_per_epoch"] = [_mb(e.get("remote_bytes")) for e in budget["epochs"]]
@@ -120,6 +121,23 @@ def _row(measures: dict[str, Any], workload: dict[str, Any]) -> dict[str, Any]:
             waits = [e["handover_wait_s"] for e in measure.get("epochs", []) if e.get("handover_wait_s") is not None]
             row[label] = round(statistics.mean(waits), 3) if waits else measure.get("status")
     return row
+
+
+def cold_starts(measures: dict[str, Any]) -> dict[str, float]:
+    """The median of a system's cold starts on a workload (``cold``, ``cold-2``, ... : ``peers/plan.py``), each
+    as ``cold_start`` gives it: ``cold_first_batch_s`` and ``cold_first_epoch_s`` (each the median of the starts
+    that have it) and ``cold_starts`` (how many gave a first batch). Empty where none did."""
+    labels = [label for label in measures if label == "cold" or (label[:5] == "cold-" and label[5:].isdigit())]
+    found = [cold_start(measures[label]) for label in labels if isinstance(measures[label], dict)]
+    found = [one for one in found if one]
+    if not found:
+        return {}
+    result = {"cold_starts": len(found)}
+    for key in ("cold_first_batch_s", "cold_first_epoch_s"):
+        values = [one[key] for one in found if key in one]
+        if values:
+            result[key] = round(statistics.median(values), 3)
+    return result
 
 
 def cold_start(cold: dict[str, Any]) -> dict[str, float]:

@@ -13,7 +13,7 @@ from typing import Any
 from benchmarks.common.plots import write_plots
 from benchmarks.common.report import (
     HANDOVER_LABELS,
-    cold_start,
+    cold_starts,
     fmt,
     get_measure,
     mean,
@@ -251,22 +251,25 @@ _SYSTEM_NAMES = {
 def cold_start_table(doc: dict[str, Any]) -> str:
     """The cold-start table (results.md's section and the README's block ``coldstart``): per workload and system,
     seconds from asking the system to start on an empty cache to its first batch, and to the end of its first
-    complete epoch (``report.cold_start``: the ``cold`` measurement, ``open_s`` included), all from one run."""
+    complete epoch (``report.cold_start``: a ``cold`` measurement, ``open_s`` included), the median of the
+    system's cold starts on the workload (``report.cold_starts``; how many, in its row's name), all from one run."""
     names = workloads(doc)
     shapes = [f"{e['workload']['count']} x {size_label(int(e['workload']['sample_bytes']))}" for _n, e in names]
     header = ["system"] + [f"{shape}: first batch / first epoch (s)" for shape in shapes]
     rows = []
     for system in COLD_START_SYSTEMS:
-        cells = []
+        cells, counts = [], set()
         for _name, entry in names:
-            cold = get_measure(entry.get("systems", {}).get(system, {}), "cold")
-            found = cold_start(cold)
+            slot = entry.get("systems", {}).get(system, {})
+            found = cold_starts(slot.get("measures", {}))
             if not found:
+                cold = get_measure(slot, "cold")
                 cells.append(_status(cold) if cold else "-")
                 continue
+            counts.add(int(found["cold_starts"]))
             cells.append(f"{fmt(found['cold_first_batch_s'])} / {fmt(found.get('cold_first_epoch_s'))}")
         if any(cell != "-" for cell in cells):
-            rows.append([_SYSTEM_NAMES.get(system, system), *cells])
+            rows.append([_SYSTEM_NAMES.get(system, system) + _starts_label(counts), *cells])
     prov = doc.get("provenance", {})
     commit = (prov.get("commit") or "")[:10] or "an unrecorded commit"
     commit += " with uncommitted changes" if prov.get("dirty") else ""
@@ -274,11 +277,23 @@ def cold_start_table(doc: dict[str, Any]) -> str:
     note = (
         "From an empty cache, the clock started when the system was asked to start (cachefeed: its daemon "
         "launched; the peers: their dataset built; cachefeed's tar shards and the peers' converted files already on "
-        "S3, conversion not counted), 2 DataLoader workers, no budget. "
+        "S3, conversion not counted), 2 DataLoader workers, no budget; each cell the median of the system's cold "
+        "starts on that workload, one after the other (how many: in the row's name). "
         f"Measured with `{doc.get('extra', {}).get('command', 'benchmarks/run_all.py')}` at {commit}, "
         f"{str(machine.get('time_utc', ''))[:10]}, {machine.get('usable_cpus')} CPUs ({machine.get('cpu_model')})."
     )
     return _table(header, rows) + "\n\n" + note
+
+
+def _starts_label(counts: set[int]) -> str:
+    """How many cold starts a cold-start row's cells are the median of: ``(median of 3)``, ``(median of 2-3)``,
+    ``(one cold start)``."""
+    if not counts:
+        return ""
+    low, high = min(counts), max(counts)
+    if high == 1:
+        return " (one cold start)"
+    return f" (median of {low})" if low == high else f" (median of {low}-{high})"
 
 
 def _fig3(doc: dict[str, Any]) -> str:

@@ -4,11 +4,12 @@ Where the full run cuts counts (2-core machine): the datasets are 32 MiB (small)
 (large); handover is measured on medium only; s3fs (no cache: every epoch is the same full download) runs 1 epoch
 cold, none under the budget (the same figure) and none per handover variant (``EPOCH_CUTS``). The in-process read
 (``inprocess``: ``num_workers=0``, right after the warm ``local`` read, same files) runs 3 to 5 epochs
-(``inprocess_epochs``) in every mode. Under the 30% budget every system trains three passes' worth of samples
-(two in smoke mode), however many epochs that takes it: once as fast as batches come (``budget30``: every system
-as remote-bound as its downloads make it) and once at a pace the remote sustains (``budget30-paced``: a pass's
-worth of samples every ``PACED_PASS_S`` seconds, about litdata's own pace here while it downloads every byte of each
-epoch), where a rolling cache need not re-read. Smoke: 1024 samples of 16 KiB, persistent-fork handover only.
+(``inprocess_epochs``) in every mode. A system starts cold ``COLD_STARTS`` times per workload (once where that takes
+minutes, and in smoke mode). Under the 30% budget every system trains three passes' worth of samples (two in smoke
+mode), however many epochs that takes it: once as fast as batches come (``budget30``: every system as remote-bound
+as its downloads make it) and once at a pace the remote sustains (``budget30-paced``: a pass's worth of samples
+every ``PACED_PASS_S`` seconds, about litdata's own pace here while it downloads every byte of each epoch), where a
+rolling cache need not re-read. Smoke: 1024 samples of 16 KiB, persistent-fork handover only.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ EPOCH_CUTS = {"s3fs": {"cold": 1, "budget30": 0, "budget30-paced": 0, "handover"
 # litdata took 1.6-2.3 s per budget epoch at commit 9f2c867, downloading every byte each time).
 PACED_PASS_S = 2.0
 _SKIP_REASON = "s3fs caches nothing: every epoch is the cold epoch again, whatever the budget"
+# Cold starts per system and workload (full mode): ``cold`` (two epochs: figure 2 reads its second), then
+# ``cold-2`` .. ``cold-N`` (one epoch each); the cold-start table gives their median (``report.cold_starts``). One
+# cold start is noise-bound on 2 shared cores: a cell moved by a tenth of a second or two between runs. Systems
+# whose cold epoch takes a minute or more (per-sample GETs at 4 KiB) start cold once.
+COLD_STARTS = 3
+ONE_COLD_START = frozenset({"s3fs", "cachefeed"})
 # Systems that take no part in figure 4 (not a cut for time: the figure would say nothing about them).
 NO_HANDOVER = {
     "memory-batched": "the read ceiling always keeps its workers: the DataLoader's own handover is the memory row",
@@ -82,6 +89,10 @@ def make_plan(mode: str, workers: int = 2, budget_train_mb_per_s: float | None =
             epochs_spec("local", "local", 2 if smoke else 4),
             epochs_spec("inprocess", "local", inprocess_epochs(workload), num_workers=0, sequential_read=False),
             epochs_spec("cold", "remote", cuts.get("cold", 2)),
+            *(
+                epochs_spec(f"cold-{n}", "remote", 1)
+                for n in range(2, 1 + (1 if smoke or key in ONE_COLD_START else COLD_STARTS))
+            ),
             epochs_spec(
                 "budget30",
                 "remote",
