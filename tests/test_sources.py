@@ -139,6 +139,16 @@ def test_source_tables_are_checked_key_by_key(tmp_path: Path) -> None:
         [{"name": "a", "url": "u"}], remote={"url": "s3://b/p"}
     )
     assert "<hidden: may hold credentials>" in error([{"name": "a", "url": 5}])
+    # what one listing reads is per source: set in [remote] too, it would be dropped without a word
+    shared = {"endpoint_url": "http://minio:9000"}
+    for key, value in (
+        ("pattern", "**/*.tar"),
+        ("storage_options", shared),
+        ("manifest", "keys.txt"),
+        ("catalog", "c"),
+    ):
+        message = error([{"name": "a", "url": "u"}], remote={key: value})
+        assert f"remote.{key} is set beside [[source]] tables" in message and f"source.{key}" in message
     config = parse_config(
         {"cache": cache, "source": [{"name": "a", "url": "u", "weight": 7}, {"name": "b", "url": "v"}]}
     )

@@ -221,7 +221,8 @@ class CacheLayout:
                 pass
             info = os.lstat(directory)
             if not stat.S_ISDIR(info.st_mode):
-                raise NoSuchCacheError(f"{directory} is not a directory (a symlink or a file): refusing to use it")
+                where = "" if directory == self.root else f": {directory}"
+                raise CacheUnusableError(f"cache.dir {self.root}{where} {_not_a_directory(info)}")
             if directory == self.root and not is_ours:
                 self._check_usable_root(info)
                 continue
@@ -343,3 +344,13 @@ def metadata_bytes(layout: CacheLayout) -> int:
         else:
             charge(path)
     return total
+
+
+def _not_a_directory(info: os.stat_result) -> str:
+    """Why a path (its lstat ``info``) cannot be a cache directory, and what to do: a symbolic link is not followed
+    (the cache's paths are opened with ``O_NOFOLLOW``: a link swapped in a shared place would move the writes),
+    anything else is in the way."""
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link, which cachefeed does not follow: name the directory it points to"
+    what = "a file" if stat.S_ISREG(info.st_mode) else "not a directory"
+    return f"is {what}: move it away or choose another cache.dir"

@@ -101,6 +101,7 @@ from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheE
 from cachefeed._fsutil import fsync_dir, remove_tree
 from cachefeed._logs import get_logger
 from cachefeed._procs import GONE, process_state
+from cachefeed._units import format_bytes
 
 __all__ = ["METADATA_RESERVE_BYTES", "CacheStore", "PublishedSegment", "Usage"]
 
@@ -374,6 +375,25 @@ class CacheStore:
             self.counters.removed_temp,
             self.counters.stale_snapshots,
         )
+        self._warn_if_the_filesystem_is_smaller()
+
+    def _warn_if_the_filesystem_is_smaller(self) -> None:
+        """Say so at the start where ``max_bytes`` is more than the filesystem can give the cache (its free space
+        and what the cache holds, less ``min_free_bytes``): the free-space floor then stops the cache first, with
+        less turnover room than ``max_bytes`` was sized for (``room.py`` computes it from ``max_bytes``)."""
+        can_hold = self._free_bytes() + self._used() - self.config.min_free_bytes
+        if self.config.max_bytes > can_hold:
+            log.warning(
+                "cache.max_bytes = %s is more than the filesystem of %s can give the cache (%s free, %s cached, "
+                "min_free_bytes %s): the cache will stop at the free-space floor with less turnover room than "
+                "max_bytes is sized for; set cache.max_bytes to at most %s (or free space there)",
+                format_bytes(self.config.max_bytes),
+                self.layout.root,
+                format_bytes(self._free_bytes()),
+                format_bytes(self._used()),
+                format_bytes(self.config.min_free_bytes),
+                format_bytes(max(0, can_hold)),
+            )
 
     def _snapshot_segment_names(self) -> set[str]:
         names: set[str] = set()

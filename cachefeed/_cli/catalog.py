@@ -35,10 +35,19 @@ def run(args: argparse.Namespace) -> int:
     from cachefeed._daemon.shared import default_out, publish
     from cachefeed._remote import Remote
 
-    remote_config = load_config(args.config).remote if args.config else RemoteConfig()
+    loaded = load_config(args.config) if args.config else None
+    remote_config = loaded.remote if loaded is not None else RemoteConfig()
     url = args.url or remote_config.url
     if not url:
-        print("cachefeed catalog build: name the data's URL (or --config with remote.url)", file=sys.stderr)
+        if loaded is not None and loaded.sources:
+            names = ", ".join(source.name for source in loaded.sources)
+            print(
+                f"cachefeed catalog build: {args.config} names its data in [[source]] tables ({names}), one catalog "
+                "each: run it once per source with the source's URL (and --pattern, --storage-options)",
+                file=sys.stderr,
+            )
+        else:
+            print("cachefeed catalog build: name the data's URL (or --config with remote.url)", file=sys.stderr)
         return EX_USAGE
     options = remote_config.storage_options
     if args.storage_options:

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=5, help="epochs to train (default 5)")
     parser.add_argument("--objects", type=int, default=2000, help="generated dataset size in samples (2000)")
     parser.add_argument("--budget", type=float, default=0.35, help="cache budget as a fraction of the dataset (0.35)")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per batch (64)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (2)")
     parser.add_argument("--remote", metavar="URL", help="train on this remote instead (s3://..., file:///...)")
     parser.add_argument("--pattern", default="**", help="glob under --remote (default **)")
@@ -63,7 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--local-dir", metavar="DIR", help="generate the dataset in DIR and use it as the remote")
     parser.add_argument("--cache-dir", metavar="DIR", help="cache directory (default: a temporary one)")
-    parser.add_argument("--max-bytes", metavar="SIZE", help='cache budget for --remote, e.g. "2GiB"')
+    parser.add_argument(
+        "--max-bytes",
+        metavar="SIZE",
+        help='cache budget, e.g. "2GiB" (default: --budget of the generated dataset; with --remote, whose size the '
+        "demo does not know, 5 MiB)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (cache, logs)")
     parser.add_argument(
         "--images",
@@ -199,12 +204,40 @@ def _parse_options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    """The options that reach the daemon's config or the loader, checked before anything is written or started:
+    a mistake is named by its option, not by the key of a temporary config file."""
+    from cachefeed._config import fields
+
+    if args.workers < 0:
+        raise ConfigError(f"--workers = {args.workers}: expected an integer >= 0 (0: read in the training process)")
+    checks: list[tuple[str, object, Callable[[object], object]]] = [
+        ("--decode", args.decode, fields.decoder),
+        ("--pattern", args.pattern, fields.nonempty_string),
+    ]
+    if args.max_bytes:
+        checks.append(("--max-bytes", args.max_bytes, fields.positive_size))
+    for option, value, check in checks:
+        try:
+            check(value)
+        except ValueError as exc:
+            raise ConfigError(f"{option} = {value!r}: {exc}") from None
+    from cachefeed._codecs import BUILTIN_DECODERS, get_decoder
+
+    if args.decode not in BUILTIN_DECODERS:
+        try:
+            get_decoder(args.decode)
+        except ConfigError as exc:
+            raise ConfigError(f"--decode = {args.decode!r}: {str(exc).removeprefix(f'{args.decode!r}: ')}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     for name in ("epochs", "objects", "batch_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} = {getattr(args, name)}: expected an integer >= 1")
     if not 0.05 <= args.budget <= 1.0:
         raise ConfigError(f"--budget = {args.budget}: expected a fraction between 0.05 and 1")
+    _check_options(args)
     workdir = Path(tempfile.mkdtemp(prefix="cachefeed-demo-"))
     server: LocalS3 | None = None
     daemon: subprocess.Popen[bytes] | None = None

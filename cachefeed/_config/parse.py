@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from typing import Any
@@ -59,6 +60,18 @@ def _env_int(env: Mapping[str, str], source: str, *names: str) -> int | None:
     return None
 
 
+def _env_default(
+    env: Mapping[str, str], source: str, names: tuple[str, ...], default: int, key: str
+) -> tuple[int, str]:
+    """A ``[node]`` key's default from the first of ``names`` set in ``env``, and where it came from (for the
+    messages: the user wrote neither key)."""
+    for name in names:
+        value = _env_int(env, source, name)
+        if value is not None:
+            return value, f"from the environment variable {name}"
+    return default, f"the default of {key}"
+
+
 def parse_config(
     document: Mapping[str, Any], *, source: str = "<memory>", env: Mapping[str, str] | None = None
 ) -> Config:
@@ -90,6 +103,12 @@ def parse_config(
             f"{source}: remote.url and [[source]] tables both name the data: move remote.url into a [[source]] "
             "table (with a name) or remove the [[source]] tables"
         )
+    for key in PER_SOURCE_KEYS:  # with sources, each table has its own: a [remote] value would be dropped unseen
+        if sources and key in sections["remote"]:
+            raise ConfigError(
+                f"{source}: remote.{key} is set beside [[source]] tables, which each have their own "
+                f"(source.{key}): move it into every [[source]] table that needs it"
+            )
     for section_name, key in sorted(REQUIRED):
         field_name = SCHEMA[section_name][key][0]
         if sources and (section_name, key) == ("remote", "url"):
@@ -98,10 +117,21 @@ def parse_config(
             raise ConfigError(f"{source}: {section_name}.{key} is required ({SCHEMA[section_name][key][2]})")
 
     node = sections["node"]
+    origins = {key: f"node.{key}" for key in ("rank", "count")}  # where each value came from, for the messages
     if "rank" not in node:
-        node["rank"] = _env_int(env, source, "NODE_RANK", "GROUP_RANK") or 0
+        node["rank"], origins["rank"] = _env_default(env, source, ("NODE_RANK", "GROUP_RANK"), 0, "node.rank")
     if "count" not in node:
-        node["count"] = _env_int(env, source, "NNODES") or 1
+        node["count"], origins["count"] = _env_default(env, source, ("NNODES",), 1, "node.count")
+        if node["count"] == 0:
+            raise ConfigError(
+                f"{source}: environment variable NNODES = 0 (the default of node.count): a job has at least one "
+                "node; unset it or set node.count in the config"
+            )
+    if int(node["rank"]) >= int(node["count"]):  # type: ignore[call-overload]
+        raise ConfigError(
+            f"{source}: node.rank = {node['rank']} ({origins['rank']}) must be below node.count = {node['count']} "
+            f"({origins['count']}): set both in the config's [node] table, or both in the environment"
+        )
     _check_cross_field(sections, source)
 
     if sections["remote"].get("catalog_publish") and not (
@@ -116,6 +146,11 @@ def parse_config(
         _check_decoder(entry.decode or str(sections["sampler"].get("decode", "npy")), f"source[{index}].decode", source)
     built = {name: SECTION_TYPES[name](**values) for name, values in sections.items()}
     return Config(**built, source=source, sources=tuple(sources))
+
+
+# ``[remote]`` keys that say what one listing reads: with ``[[source]]`` tables each source sets its own
+# (``Config.remote_for``), so the daemon would never read them in ``[remote]`` (``remote.url`` has its own message).
+PER_SOURCE_KEYS = ("pattern", "storage_options", "manifest", "catalog")
 
 
 def _parse_sources(raw: object, source: str) -> list[SourceConfig]:
@@ -227,7 +262,6 @@ def minimum_max_bytes(segment_bytes: int, processes: int, turnover_bytes: int | 
 def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> None:
     cache = sections["cache"]
     sampler = sections["sampler"]
-    node = sections["node"]
     max_bytes = int(cache["max_bytes"])  # type: ignore[call-overload]
     segment_bytes = int(cache.get("segment_bytes", DEFAULT_SEGMENT_BYTES))  # type: ignore[call-overload]
     processes = int(sampler.get("processes", DEFAULT_PROCESSES))  # type: ignore[call-overload]
@@ -281,8 +315,6 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
     remote = sections["remote"]
     if remote.get("manifest") and remote.get("catalog"):
         raise ConfigError(f"{source}: remote.manifest and remote.catalog both replace the listing: set one of them")
-    if int(node["rank"]) >= int(node["count"]):  # type: ignore[call-overload]
-        raise ConfigError(f"{source}: node.rank = {node['rank']} must be below node.count = {node['count']}")
 
 
 def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None) -> Config:
@@ -290,7 +322,9 @@ def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None =
     source = os.fspath(path)
     try:
         with open(source, "rb") as handle:
-            document = tomllib.load(handle)
+            text = handle.read().decode("utf-8")
+        _check_modes_are_written_octal(text, source)  # first: TOML refuses ``0755`` with a message about newlines
+        document = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such config file") from None
     except IsADirectoryError:
@@ -302,3 +336,21 @@ def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None =
     except UnicodeDecodeError:
         raise ConfigError(f"{source}: not valid UTF-8 text") from None
     return parse_config(document, source=source, env=env)
+
+
+# A mode written as a bare decimal number: ``file_mode = 640`` (TOML's ``0o640`` and ``"0640"`` do not match).
+_DECIMAL_MODE = re.compile(r"^[ \t]*(file_mode|dir_mode)[ \t]*=[ \t]*([0-9][0-9_]*)[ \t]*(?:#.*)?$", re.MULTILINE)
+
+
+def _check_modes_are_written_octal(text: str, source: str) -> None:
+    """Refuse ``file_mode = 640``: TOML reads a bare number as decimal (640 is 0o1200, and 440 is 0o670: group
+    writable), never as the octal mode it looks like, and refuses ``0755`` (a leading zero) as a syntax error. The
+    parsed document cannot tell ``416`` from ``0o640``, so this looks at how the file wrote it; a dict given to
+    ``parse_config`` takes an int as the mode's bits."""
+    found = _DECIMAL_MODE.search(text)
+    if found is not None:
+        key, digits = found.group(1), found.group(2)
+        raise ConfigError(
+            f"{source}: cache.{key} = {digits}: a bare number is decimal in TOML, not an octal mode; write it as a "
+            f'string, "0{digits.lstrip("0") or "0"}", or as 0o{digits.lstrip("0") or "0"}'
+        )

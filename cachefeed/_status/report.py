@@ -90,7 +90,10 @@ def read_report(
         StatusUnreadable: this user may not read the cache directory (exit 4).
     """
     layout = CacheLayout(Path(cache_dir))
-    denied = StatusUnreadable(f"{layout.root}: permission denied (the cache is group-readable: join its group)")
+    denied = StatusUnreadable(  # an unreadable directory cannot say whether it is a cache
+        f"{layout.root}: permission denied: this user cannot read the directory (if it is a cachefeed cache, "
+        "it is readable by its group: join that group)"
+    )
     try:
         if layout.root.is_dir() and not os.access(layout.root, os.R_OK | os.X_OK):
             raise denied

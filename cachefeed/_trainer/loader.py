@@ -50,6 +50,7 @@ are ``lifecycle.py``'s, which the others serve: ``partition.py`` (who reads what
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import time
@@ -110,9 +111,11 @@ class EpochLoaderFactory:
                     train_step(batch["data"])
 
     Args:
-        cache_dir: the cache directory (the daemon's ``cache.dir``). Must exist (``NoSuchCacheError``).
+        cache_dir: the cache directory (the daemon's ``cache.dir``). A trainer started with its daemon waits up to
+            ``wait_timeout_s`` for the daemon to create it (``NoSuchCacheError`` after that, or at once where the
+            path is a file, or a directory that holds a cache rather than being one).
         batch_size: samples per batch.
-        num_workers: DataLoader worker processes per epoch.
+        num_workers: DataLoader worker processes, started once and kept for every epoch (``pool.py``).
         shuffle: shuffle each epoch with a permutation seeded by ``(seed, epoch)`` (identical on every rank).
         seed: see ``shuffle``.
         drop_last: drop this rank's last partial batch.
@@ -194,6 +197,7 @@ class EpochLoaderFactory:
         grows_first = min_samples is None  # the first epoch starts on a growing set (``growing.py``)
         if min_samples is None:  # what the first epoch waits for where it cannot grow (several nodes, sources)
             min_samples = samples_per_epoch or DEFAULT_MIN_FILL
+        min_samples = _min_samples(min_samples)
         self.min_fill = parse_fill(min_samples) if isinstance(min_samples, str) else None
         if isinstance(min_samples, int) and min_samples < 0:
             raise ValueError(f"min_samples must be >= 0 or a fill level such as '75%', got {min_samples}")
@@ -453,3 +457,23 @@ def _arena_bytes(value: int | str | None) -> int:
     if size < _MIN_ARENA_BYTES:
         raise ValueError(f"arena_bytes must be at least 1MiB (it holds whole batches), got {value!r}")
     return size
+
+
+def _min_samples(value: object) -> int | str:
+    """``min_samples`` as an int (numpy's integers too) or a fill level's text; ValueError for anything else: a
+    float such as 0.75 used to be read as ``int(0.75)``, a first epoch that waited for nothing."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, bool) and isinstance(value, numbers.Integral):
+        return int(value)
+    hint = (
+        f": for a fill level of {value:.0%}, write '{value:.0%}'"
+        if isinstance(value, float) and _is_fraction(value)
+        else ""
+    )
+    raise ValueError(f"min_samples must be a count of samples (int) or a fill level such as '75%', got {value!r}{hint}")
+
+
+def _is_fraction(value: object) -> bool:
+    """A float between 0 and 1: what a user who means a fill level writes for ``min_samples`` (0.75 for 75%)."""
+    return isinstance(value, float) and 0.0 < value <= 1.0

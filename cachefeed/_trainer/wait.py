@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple, TextIO
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -122,7 +123,8 @@ def wait_for_cache(
     """Block until the daemon has created the cache at ``layout.root`` (a trainer started together with it).
 
     Raises:
-        NoSuchCacheError: not there after ``timeout_s``, or the path is something else (a file, another dir).
+        NoSuchCacheError: not there after ``timeout_s``; at once where the path is a file, or a directory that
+            holds a cache in a subdirectory (the parent of ``cache.dir`` given for it: the error names the cache).
     """
     started = time.monotonic()
     shown = 0.0
@@ -134,16 +136,44 @@ def wait_for_cache(
             waited = time.monotonic() - started
             if layout.root.exists() and not layout.root.is_dir():
                 raise  # a file where the cache should be: waiting would not help
+            inside = _caches_inside(layout.root)
+            if inside:
+                raise NoSuchCacheError(
+                    f"{layout.root} is not a cachefeed cache, but {', '.join(map(str, inside))} "
+                    f"{'is' if len(inside) == 1 else 'are'}: give the cache directory (the daemon's cache.dir)"
+                ) from None
             if waited > timeout_s:
                 raise NoSuchCacheError(f"{exc} (waited {timeout_s:g}s for the daemon to create it)") from None
             if progress is not None and (not shown or waited - shown >= _PLAIN_EVERY_S):
-                progress.write(
-                    f"cachefeed: waiting for the cache at {layout.root} to appear (is the daemon starting?) "
-                    f"{waited:.0f}s\n"
+                line = (
+                    f"waiting for a daemon to create the cache at {layout.root} (the directory exists but is not a "
+                    "cachefeed cache yet: is it the daemon's cache.dir?)"
+                    if layout.root.is_dir()
+                    else f"waiting for the cache at {layout.root} to appear (is the daemon starting?)"
                 )
+                progress.write(f"cachefeed: {line} {waited:.0f}s\n")
                 progress.flush()
                 shown = waited or 1e-9
             time.sleep(poll_s)
+
+
+def _caches_inside(root: Path) -> list[Path]:
+    """The cachefeed caches directly under ``root`` (at most a few looked at: a large directory is not scanned)."""
+    found = []
+    try:
+        with os.scandir(root) as entries:
+            for count, entry in enumerate(entries):
+                if count >= 64:
+                    break
+                if entry.is_dir(follow_symlinks=False):
+                    try:
+                        CacheLayout(Path(entry.path)).check()
+                    except NoSuchCacheError:
+                        continue
+                    found.append(Path(entry.path))
+    except OSError:
+        return []
+    return sorted(found)
 
 
 def wait_for_samples(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import signal
@@ -584,3 +585,17 @@ def test_a_release_that_is_not_the_last_leaves_the_snapshot_to_the_other_rank_wi
     other.release()
     assert not (root / "snapshots" / "run-e000001").exists(), "the last of them removed it"
     store.close()
+
+
+def test_a_budget_larger_than_the_filesystem_is_named_at_the_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``max_bytes = "10TiB"`` on a 60 GiB disk used to start without a word: the free-space floor then binds first."""
+    stats = os.statvfs(tmp_path)
+    free = stats.f_bavail * stats.f_frsize
+    with caplog.at_level(logging.WARNING, logger="cachefeed"):
+        CacheStore(cache_config(tmp_path / "small", max_bytes=64 << 20)).close()
+        assert "more than the filesystem" not in caplog.text
+        CacheStore(cache_config(tmp_path / "large", max_bytes=2 * free)).close()
+    assert f"is more than the filesystem of {tmp_path / 'large'} can give the cache" in caplog.text
+    assert "set cache.max_bytes to at most" in caplog.text

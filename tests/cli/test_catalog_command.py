@@ -64,6 +64,13 @@ def test_build_refuses_what_it_cannot_do_in_one_line(tmp_path: Path, capsys: pyt
     assert code == 78 and "--storage-options is not JSON" in err
     code, _, err = run(capsys, "build", "s3://bucket")
     assert code == 78 and "--out" in err
+    sources = tmp_path / "sources.toml"
+    sources.write_text(
+        f'[cache]\ndir = "{tmp_path / "c"}"\nmax_bytes = "1GiB"\n'
+        '[[source]]\nname = "crawl"\nurl = "s3://b/crawl"\n[[source]]\nname = "curated"\nurl = "s3://b/cur"\n'
+    )
+    code, _, err = run(capsys, "build", "--config", str(sources))
+    assert code == 64 and "names its data in [[source]] tables (crawl, curated), one catalog each" in err
     assert "Traceback" not in err
 
 

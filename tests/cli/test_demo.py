@@ -60,6 +60,10 @@ def test_demo_on_a_local_folder_of_images_decodes_and_labels_them_without_an_s3_
         (["--epochs", "0"], "--epochs = 0"),
         (["--budget", "3"], "--budget = 3.0"),
         (["--storage-option", "novalue"], "KEY=VALUE"),
+        (["--workers", "-1"], "--workers = -1: expected an integer >= 0"),
+        (["--decode", "npyy"], "--decode = 'npyy': expected one of npy, npz"),
+        (["--decode", "no_such_module:fn"], "--decode = 'no_such_module:fn': cannot import 'no_such_module'"),
+        (["--max-bytes", "5XB"], "--max-bytes = '5XB': unknown unit 'XB'"),
     ],
 )
 def test_demo_rejects_bad_options_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:

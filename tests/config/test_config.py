@@ -547,6 +547,19 @@ def test_node_keys_beat_env() -> None:
     assert (node.rank, node.count) == (1, 3)
 
 
+def test_node_defaults_from_the_environment_are_named_as_such_in_errors() -> None:
+    """The user wrote neither key: the message says where each value came from."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(document(), env={"NODE_RANK": "1"})
+    assert "node.rank = 1 (from the environment variable NODE_RANK) must be below node.count = 1 (the default of " in (
+        str(info.value)
+    )
+    with pytest.raises(ConfigError, match=r"NNODES = 0 .*at least one node"):
+        parse_config(document(), env={"NNODES": "0"})
+    with pytest.raises(ConfigError, match=r"node.rank = 3 \(from the environment variable GROUP_RANK\)"):
+        parse_config(document(), env={"GROUP_RANK": "3", "NNODES": "2"})
+
+
 def test_env_defaults_to_os_environ_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NODE_RANK", "1")
     monkeypatch.setenv("NNODES", "2")
@@ -565,6 +578,21 @@ def test_load_config_from_file(tmp_path: Path) -> None:
     assert config.cache.turnover_bytes == GiB // 2
     assert config.sampler.processes == 3
     assert config.cache.dir == Path("/var/cache/cachefeed/test")
+
+
+@pytest.mark.parametrize("written", ["440", "640  # owner and group", "0755"])
+def test_a_mode_written_as_a_bare_number_is_refused_not_read_as_decimal(tmp_path: Path, written: str) -> None:
+    """``file_mode = 440`` would be 0o670 (group-writable), silently; TOML's ``0o440`` and ``"0440"`` are modes."""
+    path = write(tmp_path, VALID_TOML + f"file_mode = {written}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    digits = written.split(maxsplit=1)[0]
+    assert f"cache.file_mode = {digits}: a bare number is decimal in TOML, not an octal mode" in str(info.value)
+    assert f'"0{digits.lstrip("0")}"' in str(info.value)
+    for fine in (f"0o{digits.lstrip('0')}", f'"0{digits.lstrip("0")}"'):
+        assert load_config(write(tmp_path, VALID_TOML + f"file_mode = {fine}\n"), env={}).cache.file_mode == int(
+            digits, 8
+        )
 
 
 def test_schema_matches_the_dataclasses() -> None:

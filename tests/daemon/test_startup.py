@@ -147,6 +147,32 @@ def test_a_cache_dir_that_cannot_be_created_exits_73_with_the_path_and_cause(tmp
     assert "Not a directory" in result.stderr
 
 
+@pytest.mark.parametrize("what", ["file", "symlink"])
+def test_a_file_or_a_symlink_at_cache_dir_exits_73_saying_which_and_what_to_do(tmp_path: Path, what: str) -> None:
+    """73 is one of the unit's RestartPreventExitStatus: systemd must not restart a daemon into the same refusal."""
+    target = tmp_path / "real-cache"
+    target.mkdir()
+    at = tmp_path / "cache"
+    if what == "file":
+        at.write_text("not a directory")
+    else:
+        at.symlink_to(target)
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        f'[remote]\nurl = "file://{tmp_path}"\n[cache]\ndir = "{at}"\nmax_bytes = "64MiB"\n'
+        'segment_bytes = "1MiB"\nmin_free_bytes = 0\n'
+    )
+    result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 73, result.stderr
+    assert "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]  # after the log's "starting" line
+    if what == "file":
+        assert f"cache.dir {at} is a file: move it away or choose another cache.dir" in line
+    else:
+        assert f"cache.dir {at} is a symbolic link, which cachefeed does not follow" in line
+    assert list(target.iterdir()) == [], "nothing was written through the link"
+
+
 def test_second_daemon_on_the_same_cache_exits_75_naming_the_first(bucket: Any, daemon: StartDaemon) -> None:
     first = daemon()
     first.wait_status(lambda d: d["state"] == "running", timeout_s=20, what="first daemon ready")

@@ -462,7 +462,7 @@ def test_permission_problems_are_explained(tmp_path: Path) -> None:
 
         layout.root.chmod(0o750)  # group-readable only: another user
         result = run_status()
-        assert result.returncode == 4 and "join its group" in result.stdout + result.stderr
+        assert result.returncode == 4 and "readable by its group: join that group" in result.stdout + result.stderr
         assert "Traceback" not in result.stderr
         layout.root.chmod(0o755)
         layout.status_file.chmod(0o640)

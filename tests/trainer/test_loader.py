@@ -242,12 +242,27 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(NoSuchCacheError, match=str(tmp_path / "missing") + r".*waited 0.2s"):
         EpochLoaderFactory(tmp_path / "missing", batch_size=4, wait_timeout_s=0.2, progress=None)
     root = build_cache(tmp_path / "c", 5)
+    # the directory above the cache: told at once, the cache named, rather than a wait of wait_timeout_s
+    started = time.monotonic()
+    with pytest.raises(NoSuchCacheError, match=f"{tmp_path} is not a cachefeed cache, but {root} is"):
+        EpochLoaderFactory(tmp_path, batch_size=4, wait_timeout_s=60, progress=None)
+    assert time.monotonic() - started < 5
+    shown = io.StringIO()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoSuchCacheError, match=r"waited 0\.2s"):
+        EpochLoaderFactory(tmp_path / "empty", batch_size=4, wait_timeout_s=0.2, progress=shown)
+    assert "the directory exists but is not a cachefeed cache yet: is it the daemon's cache.dir?" in shown.getvalue()
     with pytest.raises(TypeError, match="sampler"):
         EpochLoaderFactory(root, batch_size=4, sampler=None)
     with pytest.raises(ValueError, match="prefetch_factor"):
         EpochLoaderFactory(root, batch_size=4, num_workers=0, prefetch_factor=2)
     with pytest.raises(ValueError, match="run_id"):
         EpochLoaderFactory(root, batch_size=4, rank=0, world_size=2)
+    # 0.75 used to be int(0.75): a first epoch that waited for nothing
+    with pytest.raises(ValueError, match=r"got 0.75: for a fill level of 75%, write '75%'"):
+        EpochLoaderFactory(root, batch_size=4, min_samples=0.75)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="count of samples"):
+        EpochLoaderFactory(root, batch_size=4, min_samples=True)
 
 
 def test_forkserver_with_preload_works(tmp_path: Path) -> None:
