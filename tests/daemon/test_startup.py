@@ -132,24 +132,30 @@ def test_a_url_of_an_unknown_protocol_is_named_with_its_file_and_key(tmp_path: P
     assert f"{config}: {key} = 'nosuch://b/x': Protocol not known: nosuch" in line
 
 
-def test_a_cache_dir_that_cannot_be_created_exits_73_with_the_path_and_cause(tmp_path: Path) -> None:
-    in_the_way = tmp_path / "a-file"
-    in_the_way.write_text("not a directory")
+def refused_cache_dir(tmp_path: Path, cache_dir: Path) -> str:
+    """Start a daemon on ``cache_dir`` (a file:// remote): it must exit 73 (the unit's RestartPreventExitStatus:
+    systemd does not restart it into the same refusal) with one line and no traceback; that line."""
     config = tmp_path / "bad.toml"
     config.write_text(
-        f'[remote]\nurl = "file://{tmp_path}"\n[cache]\ndir = "{in_the_way / "cache"}"\nmax_bytes = "64MiB"\n'
+        f'[remote]\nurl = "file://{tmp_path}"\n[cache]\ndir = "{cache_dir}"\nmax_bytes = "64MiB"\n'
         'segment_bytes = "1MiB"\nmin_free_bytes = 0\n'
     )
     result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 73, result.stderr
     assert "Traceback" not in result.stderr
-    assert f"cache.dir {in_the_way / 'cache'}: cannot create or write" in result.stderr
-    assert "Not a directory" in result.stderr
+    return result.stderr.strip().splitlines()[-1]  # after the log's "starting" line
+
+
+def test_a_cache_dir_that_cannot_be_created_exits_73_with_the_path_and_cause(tmp_path: Path) -> None:
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a directory")
+    line = refused_cache_dir(tmp_path, in_the_way / "cache")
+    assert f"cache.dir {in_the_way / 'cache'}: cannot create or write" in line
+    assert "Not a directory" in line
 
 
 @pytest.mark.parametrize("what", ["file", "symlink"])
 def test_a_file_or_a_symlink_at_cache_dir_exits_73_saying_which_and_what_to_do(tmp_path: Path, what: str) -> None:
-    """73 is one of the unit's RestartPreventExitStatus: systemd must not restart a daemon into the same refusal."""
     target = tmp_path / "real-cache"
     target.mkdir()
     at = tmp_path / "cache"
@@ -157,15 +163,7 @@ def test_a_file_or_a_symlink_at_cache_dir_exits_73_saying_which_and_what_to_do(t
         at.write_text("not a directory")
     else:
         at.symlink_to(target)
-    config = tmp_path / "bad.toml"
-    config.write_text(
-        f'[remote]\nurl = "file://{tmp_path}"\n[cache]\ndir = "{at}"\nmax_bytes = "64MiB"\n'
-        'segment_bytes = "1MiB"\nmin_free_bytes = 0\n'
-    )
-    result = subprocess.run(daemon_argv(config), capture_output=True, text=True, timeout=30, check=False)
-    assert result.returncode == 73, result.stderr
-    assert "Traceback" not in result.stderr
-    line = result.stderr.strip().splitlines()[-1]  # after the log's "starting" line
+    line = refused_cache_dir(tmp_path, at)
     if what == "file":
         assert f"cache.dir {at} is a file: move it away or choose another cache.dir" in line
     else:
