@@ -145,15 +145,19 @@ class DecodeImages:
 
     Each named field holding ``bytes`` becomes a ``uint8`` tensor ``(3, H, W)`` (resized and centre-cropped to
     ``size`` when given; without it, images of different sizes cannot be batched by the default collate).
-    Picklable, so it works with every start method. A sample that cannot be decoded raises ``DecodeError``.
+    Picklable, so it works with every start method. A sample that cannot be decoded, or that lacks a named field,
+    raises ``DecodeError`` (a field already decoded, not bytes, is left as it is).
 
     Args:
-        fields: the fields to decode, e.g. ``("data",)`` for ``decode = "raw"`` or ``("jpg",)`` for tar shards.
+        fields: the fields to decode, e.g. ``("data",)`` for ``decode = "raw"`` or ``("jpg",)`` for tar shards; one
+            name alone (``"jpg"``) is one field.
         size: ``224`` or ``(height, width)``; None keeps each image's size.
     """
 
-    def __init__(self, fields: Iterable[str] = ("data",), size: int | Sequence[int] | None = None) -> None:
-        self.fields = tuple(fields)
+    def __init__(self, fields: Iterable[str] | str = ("data",), size: int | Sequence[int] | None = None) -> None:
+        self.fields = (fields,) if isinstance(fields, str) else tuple(fields)  # "data" was ("d", "a", "t", "a")
+        if not self.fields or not all(isinstance(name, str) and name for name in self.fields):
+            raise ValueError(f"DecodeImages: fields must name the fields to decode, got {fields!r}")
         self.size = image_size(size)
         require_pillow()
 
@@ -162,7 +166,13 @@ class DecodeImages:
 
         key = str(sample.get("__key__", "?"))
         for name in self.fields:
-            value = sample.get(name)
+            if name not in sample:
+                fields = ", ".join(sorted(k for k in sample if not k.startswith("__")))
+                raise DecodeError(
+                    f"{key}: no field {name!r} to decode (the sample has {fields or 'no fields'}): name the image "
+                    "field in DecodeImages(fields=...)"
+                )
+            value = sample[name]
             if isinstance(value, bytes | bytearray | memoryview | np.ndarray):
                 raw = value.tobytes() if isinstance(value, np.ndarray) else bytes(value)
                 sample[name] = torch.from_numpy(decode_image(raw, key, size=self.size))

@@ -264,6 +264,17 @@ def test_a_jpeg_declaring_a_huge_size_is_refused() -> None:
         decode_image(bytes(body), "huge.jpg", size=(32, 32))
 
 
+def test_decode_images_takes_one_name_as_one_field_and_names_a_field_the_sample_lacks() -> None:
+    """``fields="jpg"`` was ("j", "p", "g"), and a field the samples do not have was skipped: nothing decoded."""
+    body = jpeg_bytes(64, 48)
+    decoded = DecodeImages(fields="jpg", size=32)({"__key__": "s1", "jpg": body, "cls": 3})
+    assert isinstance(decoded["jpg"], torch.Tensor) and tuple(decoded["jpg"].shape) == (3, 32, 32)
+    with pytest.raises(DecodeError, match=r"s2: no field 'jpg' to decode \(the sample has data\)"):
+        DecodeImages(fields=("jpg",))({"__key__": "s2", "data": body})
+    with pytest.raises(ValueError, match="fields must name the fields to decode"):
+        DecodeImages(fields=())
+
+
 def test_resize_and_crop_are_deterministic_and_keep_the_centre() -> None:
     half = Image.new("RGB", (100, 50), (255, 0, 0))
     half.paste((0, 0, 255), (50, 0, 100, 50))  # left red, right blue

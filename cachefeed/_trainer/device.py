@@ -22,7 +22,8 @@ iterator so (``hold``, see ``epoch.py``), and ``factory.state_dict()`` after the
 batches consumed: a resume gives batch ``i + 1`` next.
 
 On a CPU device (or ``device=None`` without CUDA) the prefetcher is a pass-through: batches are handed out as the
-loader makes them, nothing is copied.
+loader makes them, nothing is copied. On any other device (``mps``, ``xpu``, ...) each batch is moved with a plain
+``to(device)`` as it is handed out, without look-ahead: the stream protocol above is CUDA's.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class DevicePrefetcher:
 
     Args:
         loader: any iterable of batches (an ``EpochLoader``, a DataLoader, a list).
-        device: the target; default ``cuda`` (the current device) when CUDA is available, else CPU (pass-through).
+        device: the target; default ``cuda`` (the current device) when CUDA is available, else CPU (pass-through);
+            another device gets each batch moved as it is handed out (module docstring).
         non_blocking: issue asynchronous copies (they overlap only from pinned memory).
 
     ``len()`` is the loader's. Each ``iter()`` starts a new pass over the loader.
@@ -119,7 +121,8 @@ class DevicePrefetcher:
 
     @property
     def is_passthrough(self) -> bool:
-        return self.device.type != "cuda"
+        """Batches are handed out as the loader makes them (a CPU device)."""
+        return self.device.type == "cpu"
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -127,6 +130,10 @@ class DevicePrefetcher:
     def __iter__(self) -> Iterator[Any]:
         if self.is_passthrough:
             yield from self.loader
+            return
+        if self.device.type != "cuda":  # mps, xpu, ...: moved in place of the CUDA protocol (it went unmoved)
+            for batch in self.loader:
+                yield move_to(batch, self.device, non_blocking=False)
             return
         yield from self._cuda_batches()
 

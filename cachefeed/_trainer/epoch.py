@@ -132,6 +132,8 @@ class EpochState:
         self.batches_served = 0
         self.batches_consumed = 0  # batches the training loop received (empty ones included), this iteration
         self.batches_received = 0  # the most any iteration of this epoch received: what it served
+        self.pass_batches: int | None = None  # batches of the last iteration that ran to its end (None: none did)
+        self.warned_again = False  # the loader was iterated again after a complete pass, and a warning said so
         self.batch_size = 1  # set when fed
         self.touched_at = 0.0  # perf_counter of the last ``snapshot.touch()`` (progress the daemon sees)
         self.first_batch_wait_s: float | None = None
@@ -159,9 +161,10 @@ class EpochState:
             self._inners[id(inner)] = inner
 
     def take_iterator(self) -> tuple[Iterator[Any], list[Any]]:
-        """The prepared iterator (first use) or a fresh one. Raises SnapshotError once released."""
+        """The prepared iterator (first use) or a fresh one. Raises SnapshotError once retired (the factory moved
+        to another epoch: its release is under way) or released."""
         with self._lock:
-            if self._released:
+            if self._released or self.phase == "retired":  # retired: served until the release, timing-dependent
                 raise SnapshotError(
                     f"epoch {self.epoch} was released (the factory moved to another epoch or closed): "
                     "ask the factory for the epoch's loader again"
@@ -244,6 +247,12 @@ class EpochState:
         self.batches_consumed = batches
         self.batches_received = max(self.batches_received, batches)
 
+    @property
+    def is_complete(self) -> bool:
+        """The loop has received every batch of an iteration that ran to its end (a look-ahead wrapper's held
+        batches included): a checkpoint taken now continues with the next epoch (``loader.state_dict``)."""
+        return self.pass_batches is not None and self.batches_consumed >= self.pass_batches
+
 
 class GrowingBatchSampler(Sampler[npt.NDArray[np.int64]]):
     """The batch sampler of an in-process DataLoader over a growing epoch: waits for growth as it goes."""
@@ -313,7 +322,17 @@ class EpochLoader(DataLoaderAttributes):
 
     def __iter__(self) -> Iterator[Any]:
         started = time.perf_counter()
+        if self._state.pass_batches is not None and not self._state.warned_again:
+            self._state.warned_again = True  # once per epoch: a loop that means it is not told at every pass
+            log.warning(
+                "epoch %d's loader is iterated again after it was read to its end: it serves epoch %d again (the "
+                "same samples, in the same order). Ask the factory for each epoch's loader: factory.loader(epoch) "
+                "(with Lightning, Trainer(reload_dataloaders_every_n_epochs=1))",
+                self.epoch,
+                self.epoch,
+            )
         inner, head = self._state.take_iterator()
+        self._state.pass_batches = None
         self._state.received(0)
         self._hooks.on_progress(self._state, 0)
         self._hooks.on_wait(time.perf_counter() - started, first_batch=None)  # the whole call is the handover's
@@ -363,6 +382,7 @@ class _EpochIterator(Iterator[Any]):
             self._finish()
             raise
         self._finish()
+        state.pass_batches = self._consumed  # ran to its end: complete once the loop has them all
         self._hooks.on_wait(time.perf_counter() - started, first_batch=None)
         raise StopIteration
 

@@ -194,6 +194,14 @@ class Epochs:
         without workers build its DataLoader, start it and fetch the first batch."""
         plan, growing = self.plan, state.growing
         state.batch_size = plan.batch_size
+        if growing is None and plan.drop_last and 0 < len(state.indices) < plan.batch_size:
+            log.warning(
+                "epoch %d: this rank's share is %d samples, less than one batch of %d, and drop_last=True drops it: "
+                "the epoch has no batch (lower batch_size, or raise samples_per_epoch)",
+                state.epoch,
+                len(state.indices),
+                plan.batch_size,
+            )
         if self.pool is not None:
             state.pool, state.pool_key = self.pool, self.pool.new_key()
             if growing is None:

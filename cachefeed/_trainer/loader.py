@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -119,7 +120,9 @@ class EpochLoaderFactory:
         shuffle: shuffle each epoch with a permutation seeded by ``(seed, epoch)`` (identical on every rank).
         seed: see ``shuffle``.
         drop_last: drop this rank's last partial batch.
-        transform: per-sample function run in the workers (picklable for spawn/forkserver).
+        transform: per-sample function run in the workers; with workers it must pickle (each epoch's dataset goes
+            to the workers pickled, whatever the start method): a module-level function or a ``functools.partial``
+            of one, not a lambda or a local function (refused here, naming it).
         collate_fn: batches samples (default ``torch.utils.data.default_collate``).
         verify: check every record's checksum when reading (a failing record is skipped, never served); False
             checks nothing of a record's bytes, not even which key it holds.
@@ -188,12 +191,11 @@ class EpochLoaderFactory:
         arena_bytes: int | str | None = None,
         **loader_options: Any,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if samples_per_epoch is not None and samples_per_epoch < 1:
-            raise ValueError(f"samples_per_epoch must be >= 1 (or None), got {samples_per_epoch}")
+        batch_size = _integer("batch_size", batch_size, 1)
+        num_workers = _integer("num_workers", num_workers, 0)
+        seed = _integer("seed", seed, 0)
+        samples_per_epoch = None if samples_per_epoch is None else _integer("samples_per_epoch", samples_per_epoch, 1)
+        epochs = None if epochs is None else _integer("epochs", epochs, 0)
         grows_first = min_samples is None  # the first epoch starts on a growing set (``growing.py``)
         if min_samples is None:  # what the first epoch waits for where it cannot grow (several nodes, sources)
             min_samples = samples_per_epoch or DEFAULT_MIN_FILL
@@ -203,17 +205,23 @@ class EpochLoaderFactory:
             raise ValueError(f"min_samples must be >= 0 or a fill level such as '75%', got {min_samples}")
         if wait_timeout_s <= 0 or join_timeout_s <= 0:
             raise ValueError("the timeouts must be > 0")
-        if epochs is not None and epochs < 0:
-            raise ValueError(f"epochs must be >= 0 (or None), got {epochs}")
         if prepare_at is not None and not 0.0 <= prepare_at <= 1.0:
             raise ValueError(f"prepare_at must be a fraction between 0 and 1 (or None), got {prepare_at}")
+        if num_workers and transform is not None:
+            _check_pickles("transform", transform)
         self.arena_bytes = _arena_bytes(arena_bytes)
         reserved = sorted(set(loader_options) & set(_RESERVED_OPTIONS))
         if reserved:
             raise TypeError(f"EpochLoaderFactory sets {', '.join(reserved)} itself; use its own arguments")
-        self.layout = CacheLayout(Path(cache_dir))
+        # absolute now: a later os.chdir must not move it; "~" as a shell would (the daemon's cache.dir is absolute)
+        self.layout = CacheLayout(Path(cache_dir).expanduser().absolute())
         wait_for_cache(self.layout, timeout_s=wait_timeout_s, progress=progress)  # a daemon may be starting
         self.ranks: RankInfo = detect_ranks(rank, world_size)
+        if samples_per_epoch is not None and samples_per_epoch < self.ranks.local_world_size:
+            raise ValueError(
+                f"samples_per_epoch = {samples_per_epoch} is fewer than the {self.ranks.local_world_size} ranks "
+                "that share it on this node: each rank's epoch would be empty"
+            )
         env_run_id = launcher_run_id()
         if run_id is None and env_run_id is None and self.ranks.local_world_size > 1:
             raise ValueError(
@@ -284,6 +292,7 @@ class EpochLoaderFactory:
 
         Moving to an epoch retires every other one (its workers stop and its pin is released, off this thread).
         """
+        epoch = _integer("epoch", epoch, 0)
         started = time.perf_counter()
         state = self._epochs.activate(epoch, with_loader=True)
         self._epochs.on_wait(time.perf_counter() - started, first_batch=None)
@@ -297,11 +306,11 @@ class EpochLoaderFactory:
 
         Note that the dataset holds *all* samples of the node's snapshot; ``share(epoch)`` gives this rank's part.
         """
-        return self._epochs.activate(epoch, with_loader=False).dataset
+        return self._epochs.activate(_integer("epoch", epoch, 0), with_loader=False).dataset
 
     def share(self, epoch: int) -> npt.NDArray[np.int64]:
         """This rank's indices into ``dataset(epoch)``, in this epoch's order (disjoint, equal-sized across ranks)."""
-        return self._epochs.activate(epoch, with_loader=False).indices
+        return self._epochs.activate(_integer("epoch", epoch, 0), with_loader=False).indices
 
     def snapshot_id(self, epoch: int) -> str:
         """The name of the snapshot this factory pins for ``epoch`` (``<run_id>-<job>-e<epoch>``; a resumed epoch
@@ -379,8 +388,12 @@ class EpochLoaderFactory:
         Holds the epoch, the batches of it the loop has received (not those a ``DevicePrefetcher`` holds ahead),
         the snapshot the epoch reads (its name and nonce) and every setting that decides the epoch's order and
         this rank's share (``resume.py``). Save it together with the model, after the step on the last batch.
+        Once the loop has received every batch of the epoch, it names the next epoch, at its start: a checkpoint
+        saved at the end of an epoch resumes with the next one, not with an empty rerun of the finished one.
         """
         state = self._epochs.current
+        if state is not None and state.is_complete:
+            return checkpoint(epoch=state.epoch + 1, batches_consumed=0, snapshot=None, settings=self._settings(None))
         return checkpoint(
             epoch=state.epoch if state is not None else 0,
             batches_consumed=state.batches_consumed if state is not None else 0,
@@ -457,6 +470,28 @@ def _arena_bytes(value: int | str | None) -> int:
     if size < _MIN_ARENA_BYTES:
         raise ValueError(f"arena_bytes must be at least 1MiB (it holds whole batches), got {value!r}")
     return size
+
+
+def _check_pickles(name: str, value: object) -> None:
+    """The workers receive each epoch's dataset pickled, ``name`` with it: one that cannot pickle failed at the
+    first epoch, with a bare ``KeyError`` in every worker."""
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        raise ValueError(
+            f"{name} = {value!r} cannot be pickled ({type(exc).__name__}: {exc}): the workers receive it pickled "
+            "with each epoch's dataset; use a function defined at module level (or a functools.partial of one)"
+        ) from None
+
+
+def _integer(name: str, value: object, low: int) -> int:
+    """``value`` as an int (numpy's integers too) of at least ``low``; ValueError naming ``name`` otherwise. A float
+    or a str used to fail later, deep inside numpy or a format string (``loader(1.0)``: "Unknown format code")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+    return int(value)
 
 
 def _min_samples(value: object) -> int | str:

@@ -666,8 +666,8 @@ class WorkerPool:
             if worker.outstanding >= self.prefetch_factor:
                 return
             if current.key not in worker.keys:
+                self._send(worker, ("epoch", current.key, current.dataset))  # may raise: an unpicklable dataset
                 worker.keys.add(current.key)
-                self._send(worker, ("epoch", current.key, current.dataset))
             indices = np.ascontiguousarray(current.batches[current.sent], dtype=np.int64).tobytes()
             self._send(worker, ("batch", current.key, indices, worker.drain_freed(self._pinned)))
             current.sent += 1

@@ -16,7 +16,9 @@ keeps a dead trainer's snapshot for ``cache.snapshot_grace``), the factory joins
 match: a snapshot of the same name made by another job is never joined) and reads exactly the samples the epoch had
 not handed out yet (the epoch's order is a pure function of the snapshot and the settings: ``partition.py``), and
 the ``k`` batches count as served by the epoch (NOTE [ Read receipts ]). Otherwise the epoch runs on a fresh
-snapshot, skipping its first ``k`` batches so step counts stay right, and one warning says the samples differ.
+snapshot, skipping its first ``k`` batches so step counts stay right, and one warning says the samples differ. A
+state taken once the loop has received every batch of epoch ``e`` names epoch ``e + 1`` at its start (no snapshot):
+a checkpoint saved at the end of an epoch resumes with the next one.
 
 A setting that changed makes ``load_state_dict`` raise ``ValueError`` naming it and both values: the resumed epoch
 could not be the rest of the interrupted one. ``strict=False`` accepts the change and takes the fresh-snapshot path
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
@@ -69,10 +72,11 @@ class ResumePoint:
 def checkpoint(
     *, epoch: int, batches_consumed: int, snapshot: Snapshot | None, settings: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The state dict (module docstring); ``snapshot`` None before the first epoch."""
+    """The state dict (module docstring); ``snapshot`` None at an epoch's start (before the first epoch, or after
+    one the loop read to its end): nothing to resume inside it."""
     return {
         "version": VERSION,
-        "epoch": epoch if snapshot is not None else 0,
+        "epoch": epoch,
         "batches_consumed": batches_consumed if snapshot is not None else 0,
         "snapshot_id": snapshot.snap_id if snapshot is not None else None,
         "snapshot_nonce": snapshot.nonce if snapshot is not None else None,
@@ -84,7 +88,10 @@ def resume_point(
     state: Mapping[str, Any], settings: Mapping[str, Any], *, strict: bool = True
 ) -> tuple[int, ResumePoint | None]:
     """Check a state dict against the factory's ``settings``: the epoch to continue with, and where in it (None: at
-    its start, nothing to resume). Raises ValueError naming what is missing or, with ``strict``, what changed."""
+    its start, nothing to resume). Raises ValueError naming what is missing or malformed or, with ``strict``, what
+    changed."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"load_state_dict: expected the dict state_dict() returned, got {type(state).__name__}")
     for key in _REQUIRED:
         if key not in state:
             raise ValueError(
@@ -94,6 +101,12 @@ def resume_point(
     if state["version"] != VERSION:
         raise ValueError(f"load_state_dict: version {state['version']!r}, this cachefeed reads version {VERSION}")
     saved = state["settings"]
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"load_state_dict: 'settings' is {type(saved).__name__}, expected the dict state_dict() gave")
+    for key in ("epoch", "batches_consumed"):  # a corrupted one would resume somewhere else (-5: the last 5 batches)
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"load_state_dict: {key!r} is {value!r}, expected an integer >= 0 as state_dict() gives")
     changed = [key for key in SETTINGS if _normal(saved.get(key)) != _normal(settings.get(key))]
     if changed and strict:
         key = changed[0]
@@ -132,6 +145,11 @@ def resumed_snapshot(root: Path, resume: ResumePoint) -> Snapshot | None:
     if not resume.is_exact:
         return None
     try:
+        if not (CacheLayout(root).snapshots / resume.snapshot_id).exists():  # no rank is creating it: do not wait
+            raise SnapshotError(
+                f"its snapshot {resume.snapshot_id!r} is gone (released by a trainer that closed its factory, an "
+                "exception in its loop included, or removed after cache.snapshot_grace)"
+            )
         snapshot = Snapshot.join(root, resume.snapshot_id, timeout_s=0.5, nonce=resume.snapshot_nonce)
     except SnapshotError as exc:
         log.warning(

@@ -185,7 +185,9 @@ def wait_for_samples(
     poll_s: float = 1.0,
     stop: threading.Event | None = None,
 ) -> int:
-    """Block until at least ``min_samples`` samples are published; return how many there are.
+    """Block until at least ``min_samples`` samples are published; return how many there are. On a cache no
+    daemon holds when the wait begins (a static cache: what is cached is all there will be) it does not wait, as a
+    fill level does not (``fill_reached``), unless nothing is cached (a daemon may be starting).
 
     Raises:
         NoSuchCacheError: the cache directory is missing.
@@ -196,6 +198,11 @@ def wait_for_samples(
     counter = SampleCounter(layout)
     have = counter.count()
     if have >= min_samples:
+        return have
+    if have and not layout.has_writer():  # it used to wait out the whole timeout (600 s by default)
+        log.info(
+            "no daemon holds %s: starting on the %d samples cached (min_samples=%d)", layout.root, have, min_samples
+        )
         return have
     started = time.monotonic()
     woken = threading.Event()

@@ -24,6 +24,17 @@ def test_on_cpu_batches_pass_through_untouched() -> None:
     assert list(prefetcher) == served, "each iter() is a new pass"
 
 
+def test_on_a_device_other_than_cpu_or_cuda_each_batch_is_moved_there() -> None:
+    """``accelerator.device`` may be ``mps`` or ``xpu``: their batches went through unmoved, left on the CPU. The
+    meta device stands in for them here (what is checked is that the tensors land on the device asked for)."""
+    batches = [{"x": torch.arange(4), "name": "a"}, Pair(torch.ones(2), [torch.zeros(1)])]
+    prefetcher = DevicePrefetcher(batches, "meta")
+    assert not prefetcher.is_passthrough
+    first, second = list(prefetcher)
+    assert first["x"].device.type == "meta" and first["name"] == "a"
+    assert second.x.device.type == "meta" and second.y[0].device.type == "meta"
+
+
 def test_the_default_device_is_cpu_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")

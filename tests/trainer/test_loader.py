@@ -230,12 +230,85 @@ def test_new_segments_wake_the_wait_through_inotify_not_polling(tmp_path: Path) 
     assert woke - published_at[0] < 2.0, "woken by the new segment, not by the 30 s poll"
 
 
+def test_a_cache_dir_with_a_tilde_or_relative_is_taken_as_the_shell_would_and_kept_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = build_cache(tmp_path / "home" / "cache", 20)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with EpochLoaderFactory("~/cache", batch_size=10, wait_timeout_s=5, progress=None) as factory:
+        assert factory.layout.root == root
+    monkeypatch.chdir(tmp_path / "home")
+    with EpochLoaderFactory("cache", batch_size=10, progress=None) as factory:
+        monkeypatch.chdir(tmp_path)  # the loop changes directory: the next epoch still finds its cache
+        assert len([key for batch in factory.loader(0) for key in check_batch(batch)]) == 20
+
+
+def test_a_loader_iterated_again_after_its_end_serves_its_epoch_again_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One loader kept for every epoch (a framework that builds its DataLoader once) serves epoch 0 again and
+    again: allowed (a DataLoader does the same), but no longer silent."""
+    root = build_cache(tmp_path / "c", 30)
+    with EpochLoaderFactory(root, batch_size=10, progress=None) as factory:
+        loader = factory.loader(0)
+        with caplog.at_level(logging.WARNING, logger="cachefeed"):
+            first = [key for batch in loader for key in check_batch(batch)]
+            assert "iterated again" not in caplog.text
+            again = [key for batch in loader for key in check_batch(batch)]
+            third = [key for batch in loader for key in check_batch(batch)]
+    assert first == again == third
+    (warning,) = [r.getMessage() for r in caplog.records if "iterated again" in r.getMessage()]
+    assert "serves epoch 0 again" in warning and "factory.loader(epoch)" in warning
+
+
+def test_an_epoch_that_drop_last_leaves_without_a_batch_is_said_to_be_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = build_cache(tmp_path / "c", 30)
+    with (
+        caplog.at_level(logging.WARNING, logger="cachefeed"),
+        EpochLoaderFactory(root, batch_size=50, drop_last=True, progress=None) as factory,
+    ):
+        assert list(factory.loader(0)) == []
+    assert "this rank's share is 30 samples, less than one batch of 50, and drop_last=True drops it" in caplog.text
+    with pytest.raises(ValueError, match="samples_per_epoch = 1 is fewer than the 2 ranks"):
+        EpochLoaderFactory(root, batch_size=1, samples_per_epoch=1, rank=0, world_size=2, run_id="r", progress=None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_of_an_epoch_the_factory_moved_on_from_refuses_to_serve(tmp_path: Path, workers: int) -> None:
+    """It served its epoch again until its release ran (up to a second later), and state_dict() then named it."""
+    root = build_cache(tmp_path / "c", 30)
+    with EpochLoaderFactory(root, batch_size=10, num_workers=workers, progress=None) as factory:
+        old = factory.loader(0)
+        assert len([batch for batch in old]) == 3
+        factory.loader(1)
+        with pytest.raises(SnapshotError, match="epoch 0 was released"):
+            iter(old)
+        assert factory.state_dict()["epoch"] == 1
+
+
 def test_waiting_too_long_fails_with_a_clear_error(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 5)
-    with EpochLoaderFactory(root, batch_size=10, min_samples=50, wait_timeout_s=0.3, progress=None) as factory:
-        assert factory.run_id.startswith("pid"), "one process, no launcher: a pid-based run id"
-        with pytest.raises(SnapshotError, match=r"only 5 of min_samples=50 .*after 0.3s.*cachefeed status"):
-            factory.loader(0)
+    daemon = CacheStore(cache_config(root, segment_bytes=16 << 10))  # holds the cache as a daemon does, fetches nothing
+    try:
+        with EpochLoaderFactory(root, batch_size=10, min_samples=50, wait_timeout_s=0.3, progress=None) as factory:
+            assert factory.run_id.startswith("pid"), "one process, no launcher: a pid-based run id"
+            with pytest.raises(SnapshotError, match=r"only 5 of min_samples=50 .*after 0.3s.*cachefeed status"):
+                factory.loader(0)
+    finally:
+        daemon.close()
+
+
+def test_on_a_static_cache_an_epoch_larger_than_the_cache_starts_at_once_and_reuses_samples(tmp_path: Path) -> None:
+    """No daemon holds the cache: what is cached is all there will be. The first epoch (min_samples defaults to
+    samples_per_epoch here) used to wait out wait_timeout_s (600 s by default) and fail naming min_samples."""
+    root = build_cache(tmp_path / "c", 50)
+    started = time.monotonic()
+    with EpochLoaderFactory(root, batch_size=10, samples_per_epoch=80, wait_timeout_s=60, progress=None) as factory:
+        keys = [key for batch in factory.loader(0) for key in check_batch(batch)]
+    assert time.monotonic() - started < 30
+    assert len(keys) == 80 and len(set(keys)) == 50, "every cached sample, some twice to make up the epoch"
 
 
 def test_errors_name_the_problem(tmp_path: Path) -> None:
@@ -258,6 +331,16 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         EpochLoaderFactory(root, batch_size=4, num_workers=0, prefetch_factor=2)
     with pytest.raises(ValueError, match="run_id"):
         EpochLoaderFactory(root, batch_size=4, rank=0, world_size=2)
+    # failed later, deep inside numpy or a format string ("Unknown format code 'd'")
+    for name, value in (("batch_size", 32.5), ("seed", None), ("num_workers", "2"), ("samples_per_epoch", 100.0)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= ., got {value!r}"):
+            EpochLoaderFactory(root, **{"batch_size": 4, name: value})  # type: ignore[arg-type]
+    with EpochLoaderFactory(root, batch_size=4, progress=None) as factory:
+        for epoch in (-1, 1.0, "3"):
+            with pytest.raises(ValueError, match=f"epoch must be an integer >= 0, got {epoch!r}"):
+                factory.loader(epoch)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"transform = <function .*<lambda> .* cannot be pickled .* module level"):
+        EpochLoaderFactory(root, batch_size=4, num_workers=2, transform=lambda sample: sample, progress=None)
     # 0.75 used to be int(0.75): a first epoch that waited for nothing
     with pytest.raises(ValueError, match=r"got 0.75: for a fill level of 75%, write '75%'"):
         EpochLoaderFactory(root, batch_size=4, min_samples=0.75)  # type: ignore[arg-type]

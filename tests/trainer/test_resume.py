@@ -118,7 +118,44 @@ def test_after_the_grace_the_epoch_resumes_on_a_fresh_snapshot_and_says_so(
     with caplog.at_level(logging.WARNING, logger="cachefeed.trainer.loader"):
         rest = resume(root, saved)
     assert len(rest) == SAMPLES - len(saved["keys"]), "the step count stays right"
-    assert any("resuming epoch 0 on a fresh snapshot" in r.getMessage() for r in caplog.records)
+    (warning,) = [r.getMessage() for r in caplog.records if "resuming epoch 0 on a fresh snapshot" in r.getMessage()]
+    assert f"its snapshot {saved['state']['snapshot_id']!r} is gone" in warning, "not: is the creating rank running?"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_checkpoint_saved_at_the_end_of_an_epoch_resumes_with_the_next_one(tmp_path: Path, workers: int) -> None:
+    """The loop received every batch of epoch 0 and saved: resuming ran epoch 0 again, empty, and with it the
+    loop's end-of-epoch code (a scheduler step, an evaluation); now it continues with epoch 1, whole."""
+    root = build_cache(tmp_path / "c", 50)
+    with EpochLoaderFactory(root, batch_size=BATCH, num_workers=workers, run_id="a", progress=None) as factory:
+        loader = factory.loader(0)
+        batches = iter(loader)
+        next(batches)
+        assert factory.state_dict()["epoch"] == 0, "in the middle of the epoch: that epoch"
+        rest = list(batches)
+        assert len(rest) == len(loader) - 1
+        state = factory.state_dict()
+    assert (state["epoch"], state["batches_consumed"], state["snapshot_id"]) == (1, 0, None)
+    with EpochLoaderFactory(root, batch_size=BATCH, num_workers=workers, run_id="b", progress=None) as factory:
+        epoch = factory.load_state_dict(state)
+        assert epoch == 1
+        keys = [key for batch in factory.loader(epoch) for key in check_batch(batch)]
+    assert len(keys) == len(set(keys)) == 50
+
+
+def test_a_malformed_checkpoint_is_refused_naming_what_is_wrong(tmp_path: Path) -> None:
+    root = build_cache(tmp_path / "c", 50)
+    with EpochLoaderFactory(root, batch_size=BATCH, progress=None) as factory:
+        next(iter(factory.loader(0)))
+        state = factory.state_dict()
+    with EpochLoaderFactory(root, batch_size=BATCH, progress=None) as factory:
+        with pytest.raises(ValueError, match="expected the dict state_dict\\(\\) returned, got NoneType"):
+            factory.load_state_dict(None)  # type: ignore[arg-type]
+        for key, value in (("batches_consumed", -5), ("epoch", 1.7), ("epoch", "1"), ("epoch", -3)):
+            with pytest.raises(ValueError, match=f"'{key}' is {value!r}, expected an integer >= 0"):
+                factory.load_state_dict({**state, key: value})
+        with pytest.raises(ValueError, match="'settings' is NoneType"):
+            factory.load_state_dict({**state, "settings": None})
 
 
 def test_a_checkpoint_from_other_settings_is_refused(tmp_path: Path) -> None:
