@@ -496,6 +496,15 @@ class Snapshot:
         finally:
             os.close(fd)
 
+    def leave_for_resume(self) -> None:
+        """Drop this process's pin without removing the snapshot, as a process that dies does: the daemon keeps an
+        unheld snapshot for ``cache.snapshot_grace`` (a restarted job resumes on it exactly), then removes it,
+        turning what was recorded as served into its receipt. Only where a daemon holds the cache: nothing else
+        would ever remove it. Idempotent, as ``release``."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
     def _remove_if_last(self, fd: int) -> None:
         """Remove the snapshot if this holder is the last (module docstring, "Removal").
 

@@ -166,13 +166,24 @@ class Epochs:
             raise KeyError(f"epoch {epoch} was not built by this factory")
         return state.stats(handover=True)
 
-    def close(self) -> None:
-        """Release every epoch (prepared ones included) and stop both threads. Idempotent."""
+    def close(self, *, interrupted: bool = False) -> None:
+        """Release every epoch (prepared ones included) and stop both threads. Idempotent.
+
+        ``interrupted``: the loop left by an exception (Ctrl-C included). The epoch it was reading, if unfinished,
+        is left to the daemon as a dead trainer's is (``Snapshot.leave_for_resume``): a restart from the loop's
+        last ``state_dict()`` resumes it exactly within ``cache.snapshot_grace``. What it served is recorded first,
+        so its reads count even if nothing resumes it. Without a daemon (a static cache) it is released as usual."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._handover_over.set()
+            reading = self.current
+            keep = (
+                reading
+                if interrupted and reading is not None and not reading.is_complete and self.plan.layout.has_writer()
+                else None
+            )
             prepared, self._prepared = self._prepared, None
             states = list(self._states.values())
             self._retired.update(self._states)
@@ -185,7 +196,7 @@ class Epochs:
         self._teardown.shutdown(wait=True)
         self._builder.shutdown(wait=True)
         for state in states:
-            self._release(state)
+            self._release(state, leave_for_resume=state is keep)
 
     # -- transitions ----------------------------------------------------------------------------------------------
 
@@ -225,10 +236,10 @@ class Epochs:
                 pass
         state.feed(loader, head, batches)
 
-    def _release(self, state: EpochState) -> None:
+    def _release(self, state: EpochState, *, leave_for_resume: bool = False) -> None:
         """-> released (idempotent; teardown thread, or ``close``): stop a growing snapshot's grower, shut the
         epoch's iterators and passes down, let every worker close its readers, close the dataset, record what the
-        epoch served and drop the pin."""
+        epoch served and drop the pin (``leave_for_resume``: without removing the snapshot, see ``close``)."""
         inners = state.mark_released()
         if inners is None:
             return
@@ -253,7 +264,15 @@ class Epochs:
                 state.snapshot.record_served(served)  # NOTE [ Read receipts ] in _cache/reads.py
             except OSError as exc:
                 log.warning("epoch %d: could not record what %s served: %s", state.epoch, state.snapshot.snap_id, exc)
-            state.snapshot.release()
+            if leave_for_resume:
+                state.snapshot.leave_for_resume()
+                log.info(
+                    "epoch %d was interrupted: its snapshot %s is left for a resume (cache.snapshot_grace)",
+                    state.epoch,
+                    state.snapshot.snap_id,
+                )
+            else:
+                state.snapshot.release()
 
     def _make_loader(self, dataset: SnapshotDataset, sampler: Sampler[npt.NDArray[np.int64]]) -> DataLoader[Any]:
         return DataLoader(

@@ -323,7 +323,10 @@ class EpochLoaderFactory:
 
     def close(self) -> None:
         """Stop all workers and release all pins. Idempotent."""
-        self._epochs.close()
+        self._close(interrupted=False)
+
+    def _close(self, *, interrupted: bool) -> None:
+        self._epochs.close(interrupted=interrupted)
         if self._pool is not None:
             self._pool.close()
 
@@ -333,7 +336,9 @@ class EpochLoaderFactory:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        """Closes the factory; left by an exception (Ctrl-C included), the epoch being read stays resumable for
+        ``cache.snapshot_grace`` where a daemon runs (``Epochs.close``)."""
+        self._close(interrupted=exc_type is not None)
 
     # -- building ------------------------------------------------------------------------------------------
 

@@ -41,6 +41,20 @@ def trainer_main(root: str, progress: str, workers: int = 0) -> None:
             time.sleep(0.05)  # a training step
 
 
+def interrupted_trainer_main(root: str, progress: str) -> None:
+    """Train epoch 0, saving keys and state after every batch; Ctrl-C (KeyboardInterrupt) at the 10th batch, inside
+    the factory's ``with`` block, as a user stopping a run by hand."""
+    from cachefeed._fsutil import atomic_write
+
+    received: list[str] = []
+    with EpochLoaderFactory(root, batch_size=BATCH, run_id="job", progress=None, min_samples=0, epochs=1) as factory:
+        for n, batch in enumerate(factory.loader(0), 1):
+            received += check_batch(batch)
+            atomic_write(progress, json.dumps({"keys": received, "state": factory.state_dict()}).encode())
+            if n == 10:
+                raise KeyboardInterrupt
+
+
 def start_trainer(root: Path, progress: Path, workers: int = 0) -> subprocess.Popen[bytes]:
     code = (
         f"from tests.trainer.test_resume import trainer_main; trainer_main({str(root)!r}, {str(progress)!r}, {workers})"
@@ -105,6 +119,37 @@ def test_a_resume_waits_out_a_sweep_probing_the_kept_snapshot_and_resumes_exactl
         release.join()
     assert not set(rest) & set(saved["keys"]), "no sample twice"
     assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES)), "the whole epoch, exactly"
+
+
+@pytest.mark.parametrize("daemon_runs", [True, False])
+def test_a_loop_stopped_by_ctrl_c_resumes_exactly_where_a_daemon_runs(tmp_path: Path, daemon_runs: bool) -> None:
+    """The ``with`` block closed the factory on the exception, which released the epoch and removed its snapshot:
+    the resume ran on a fresh one (other samples). Now the epoch is left for the grace, as a killed trainer's; on a
+    static cache (no daemon to remove it later) it is released as before, leaving nothing behind."""
+    root = build_cache(tmp_path / "c", SAMPLES)
+    daemon = CacheStore(cache_config(root, snapshot_grace_s=300.0)) if daemon_runs else None  # holds the cache
+    try:
+        progress = tmp_path / "progress.json"
+        code = (
+            f"from tests.trainer.test_resume import interrupted_trainer_main as m; m({str(root)!r}, {str(progress)!r})"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, result.stderr[-2000:]
+        saved = json.loads(progress.read_text())
+        assert len(saved["keys"]) == 10 * BATCH
+        left = sorted(p.name for p in (root / "snapshots").iterdir())
+        if not daemon_runs:
+            assert left == [], "a static cache keeps nothing: nobody would remove it"
+            return
+        assert f"{saved['state']['snapshot_id']}.lock" in left
+        rest = resume(root, saved)
+        assert not set(rest) & set(saved["keys"]), "the rest of the same epoch: no sample twice"
+        assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES))
+    finally:
+        if daemon is not None:
+            daemon.close()
 
 
 def test_after_the_grace_the_epoch_resumes_on_a_fresh_snapshot_and_says_so(
