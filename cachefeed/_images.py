@@ -145,8 +145,8 @@ class DecodeImages:
 
     Each named field holding ``bytes`` becomes a ``uint8`` tensor ``(3, H, W)`` (resized and centre-cropped to
     ``size`` when given; without it, images of different sizes cannot be batched by the default collate).
-    Picklable, so it works with every start method. A sample that cannot be decoded, or that lacks a named field,
-    raises ``DecodeError`` (a field already decoded, not bytes, is left as it is).
+    Picklable, so it works with every start method. A sample that cannot be decoded, or that has none of the named
+    fields, raises ``DecodeError`` (a field already decoded, not bytes, is left as it is).
 
     Args:
         fields: the fields to decode, e.g. ``("data",)`` for ``decode = "raw"`` or ``("jpg",)`` for tar shards; one
@@ -165,14 +165,14 @@ class DecodeImages:
         import torch
 
         key = str(sample.get("__key__", "?"))
+        if not any(name in sample for name in self.fields):  # fields=("jpg", "png"): each sample has one of them
+            fields = ", ".join(sorted(k for k in sample if not k.startswith("__")))
+            raise DecodeError(
+                f"{key}: none of the fields {', '.join(map(repr, self.fields))} to decode (the sample has "
+                f"{fields or 'no fields'}): name the image field in DecodeImages(fields=...)"
+            )
         for name in self.fields:
-            if name not in sample:
-                fields = ", ".join(sorted(k for k in sample if not k.startswith("__")))
-                raise DecodeError(
-                    f"{key}: no field {name!r} to decode (the sample has {fields or 'no fields'}): name the image "
-                    "field in DecodeImages(fields=...)"
-                )
-            value = sample[name]
+            value = sample.get(name)
             if isinstance(value, bytes | bytearray | memoryview | np.ndarray):
                 raw = value.tobytes() if isinstance(value, np.ndarray) else bytes(value)
                 sample[name] = torch.from_numpy(decode_image(raw, key, size=self.size))

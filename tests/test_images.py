@@ -269,8 +269,10 @@ def test_decode_images_takes_one_name_as_one_field_and_names_a_field_the_sample_
     body = jpeg_bytes(64, 48)
     decoded = DecodeImages(fields="jpg", size=32)({"__key__": "s1", "jpg": body, "cls": 3})
     assert isinstance(decoded["jpg"], torch.Tensor) and tuple(decoded["jpg"].shape) == (3, 32, 32)
-    with pytest.raises(DecodeError, match=r"s2: no field 'jpg' to decode \(the sample has data\)"):
-        DecodeImages(fields=("jpg",))({"__key__": "s2", "data": body})
+    with pytest.raises(DecodeError, match=r"s2: none of the fields 'jpg', 'png' to decode \(the sample has data\)"):
+        DecodeImages(fields=("jpg", "png"))({"__key__": "s2", "data": body})
+    either = DecodeImages(fields=("jpg", "png"), size=32)({"__key__": "s3", "png": body})  # one of them: fine
+    assert tuple(either["png"].shape) == (3, 32, 32)
     with pytest.raises(ValueError, match="fields must name the fields to decode"):
         DecodeImages(fields=())
 

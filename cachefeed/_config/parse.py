@@ -323,7 +323,6 @@ def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None =
     try:
         with open(source, "rb") as handle:
             text = handle.read().decode("utf-8")
-        _check_modes_are_written_octal(text, source)  # first: TOML refuses ``0755`` with a message about newlines
         document = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such config file") from None
@@ -332,25 +331,36 @@ def load_config(path: str | os.PathLike[str], *, env: Mapping[str, str] | None =
     except PermissionError:
         raise ConfigError(f"{source}: permission denied reading the config file") from None
     except tomllib.TOMLDecodeError as exc:
+        _check_modes_are_written_octal(text, source, {})  # TOML refuses ``0755`` with a message about newlines
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{source}: not valid UTF-8 text") from None
+    cache = document.get("cache")
+    _check_modes_are_written_octal(text, source, cache if isinstance(cache, dict) else {})
     return parse_config(document, source=source, env=env)
 
 
-# A mode written as a bare decimal number: ``file_mode = 640`` (TOML's ``0o640`` and ``"0640"`` do not match).
-_DECIMAL_MODE = re.compile(r"^[ \t]*(file_mode|dir_mode)[ \t]*=[ \t]*([0-9][0-9_]*)[ \t]*(?:#.*)?$", re.MULTILINE)
+# How a file wrote a mode: ``file_mode = 640`` (decimal) or ``0o640``; ``"0640"`` (a string) does not match.
+_WRITTEN_MODE = re.compile(
+    r"(?<![\w.])(?:cache\.)?(file_mode|dir_mode)[ \t]*=[ \t]*(0[oO][0-7_]+|[0-9][0-9_]*)(?![\w.])"
+)
 
 
-def _check_modes_are_written_octal(text: str, source: str) -> None:
+def _check_modes_are_written_octal(text: str, source: str, cache: Mapping[str, Any]) -> None:
     """Refuse ``file_mode = 640``: TOML reads a bare number as decimal (640 is 0o1200, and 440 is 0o670: group
-    writable), never as the octal mode it looks like, and refuses ``0755`` (a leading zero) as a syntax error. The
-    parsed document cannot tell ``416`` from ``0o640``, so this looks at how the file wrote it; a dict given to
-    ``parse_config`` takes an int as the mode's bits."""
-    found = _DECIMAL_MODE.search(text)
-    if found is not None:
-        key, digits = found.group(1), found.group(2)
+    writable), never as the octal mode it looks like, and refuses ``0755`` (a leading zero) as a syntax error
+    (``cache`` is then empty: called on the file that did not parse). The parsed document cannot tell ``416`` from
+    ``0o640``, so where ``cache.file_mode`` or ``dir_mode`` came out an int above 7 (where the two readings
+    differ), this looks at how the file wrote it; a dict given to ``parse_config`` takes an int as the bits."""
+    for key in ("file_mode", "dir_mode"):
+        value = cache.get(key)
+        if cache and not (isinstance(value, int) and not isinstance(value, bool) and value > 7):
+            continue
+        written = [found.group(2) for found in _WRITTEN_MODE.finditer(text) if found.group(1) == key]
+        if not written or any(form[:2].lower() == "0o" for form in written):
+            continue  # not found (then it parsed as something else), or written as an octal literal
+        digits = written[0].replace("_", "").lstrip("0") or "0"
         raise ConfigError(
-            f"{source}: cache.{key} = {digits}: a bare number is decimal in TOML, not an octal mode; write it as a "
-            f'string, "0{digits.lstrip("0") or "0"}", or as 0o{digits.lstrip("0") or "0"}'
+            f"{source}: cache.{key} = {written[0]}: a bare number is decimal in TOML, not an octal mode; write it as "
+            f'a string, "0{digits}", or as 0o{digits}'
         )

@@ -92,6 +92,8 @@ class EpochHooks(Protocol):
 
     def on_exhausted(self, inner: Iterator[Any]) -> None: ...
 
+    def on_complete(self, state: EpochState) -> None: ...
+
 
 class EpochState:
     """The resources of one epoch (see the module docstring for the lifecycle)."""
@@ -250,8 +252,11 @@ class EpochState:
     @property
     def is_complete(self) -> bool:
         """The loop has received every batch of an iteration that ran to its end (a look-ahead wrapper's held
-        batches included): a checkpoint taken now continues with the next epoch (``loader.state_dict``)."""
-        return self.pass_batches is not None and self.batches_consumed >= self.pass_batches
+        batches included), or every batch of an epoch of a known size (a loop that stops at ``len(loader)``): a
+        checkpoint taken now continues with the next epoch (``loader.state_dict``)."""
+        if self.pass_batches is not None:
+            return self.batches_consumed >= self.pass_batches
+        return self.fed and self.growing is None and 0 < self._batches <= self.batches_consumed
 
 
 class GrowingBatchSampler(Sampler[npt.NDArray[np.int64]]):
@@ -322,7 +327,9 @@ class EpochLoader(DataLoaderAttributes):
 
     def __iter__(self) -> Iterator[Any]:
         started = time.perf_counter()
-        if self._state.pass_batches is not None and not self._state.warned_again:
+        again = self._state.pass_batches is not None
+        inner, head = self._state.take_iterator()  # raises for an epoch the factory moved on from
+        if again and not self._state.warned_again:
             self._state.warned_again = True  # once per epoch: a loop that means it is not told at every pass
             log.warning(
                 "epoch %d's loader is iterated again after it was read to its end: it serves epoch %d again (the "
@@ -331,7 +338,6 @@ class EpochLoader(DataLoaderAttributes):
                 self.epoch,
                 self.epoch,
             )
-        inner, head = self._state.take_iterator()
         self._state.pass_batches = None
         self._state.received(0)
         self._hooks.on_progress(self._state, 0)
@@ -383,6 +389,7 @@ class _EpochIterator(Iterator[Any]):
             raise
         self._finish()
         state.pass_batches = self._consumed  # ran to its end: complete once the loop has them all
+        self._hooks.on_complete(state)
         self._hooks.on_wait(time.perf_counter() - started, first_batch=None)
         raise StopIteration
 

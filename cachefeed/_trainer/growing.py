@@ -240,6 +240,7 @@ class Grower:
         self._on_closed = on_closed
         self._every_s = every_s
         self._stop = threading.Event()
+        self._abandoned = False  # ``abandon``: the snapshot stays open
         self._finish = threading.Event()
         self._wake = threading.Event()  # set by ``stop``, ``finish`` and, while wanted, a publish: look now
         self.closed = threading.Event()  # set once the thread closed the snapshot (its last generation is there)
@@ -292,7 +293,8 @@ class Grower:
                     self._wake.clear()  # after ``stop`` or ``finish``: their flags end the loop above
         except Exception:
             log.warning("growing snapshot %s failed: closing it as it is", self.snapshot.snap_id, exc_info=True)
-        self._close()
+        if not self._abandoned:  # left open for a resume, whose creator grows it on, as after a kill
+            self._close()
         self.closed.set()
         if self._on_closed is not None and not self._stop.is_set():
             try:
@@ -345,6 +347,12 @@ class Grower:
         """End the growth at its next look (within milliseconds), as its rule would; does not wait."""
         self._finish.set()
         self._wake.set()
+
+    def abandon(self) -> None:
+        """End the growth now and leave the snapshot open, as a creator that dies does: a resumed run joins it and
+        its creator grows it on (the epoch is left for a resume: ``Epochs.close``)."""
+        self._abandoned = True
+        self.stop()
 
     def stop(self) -> None:
         """End the growth now (the epoch is released or the factory closes); the snapshot is closed as it is."""

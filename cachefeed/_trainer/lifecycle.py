@@ -169,10 +169,12 @@ class Epochs:
     def close(self, *, interrupted: bool = False) -> None:
         """Release every epoch (prepared ones included) and stop both threads. Idempotent.
 
-        ``interrupted``: the loop left by an exception (Ctrl-C included). The epoch it was reading, if unfinished,
-        is left to the daemon as a dead trainer's is (``Snapshot.leave_for_resume``): a restart from the loop's
-        last ``state_dict()`` resumes it exactly within ``cache.snapshot_grace``. What it served is recorded first,
-        so its reads count even if nothing resumes it. Without a daemon (a static cache) it is released as usual."""
+        ``interrupted``: the loop left by an exception (Ctrl-C included). The epoch it was reading, if it took a
+        batch of it and did not finish it, is left to the daemon as a dead trainer's is
+        (``Snapshot.leave_for_resume``; a growing one stays open, ``Grower.abandon``): a restart from the loop's
+        last ``state_dict()`` resumes it exactly within ``cache.snapshot_grace``, during which it holds its room.
+        What it served is recorded first, so its reads count even if nothing resumes it. Without a daemon (a
+        static cache) it is released as usual."""
         with self._lock:
             if self._closed:
                 return
@@ -181,7 +183,11 @@ class Epochs:
             reading = self.current
             keep = (
                 reading
-                if interrupted and reading is not None and not reading.is_complete and self.plan.layout.has_writer()
+                if interrupted
+                and reading is not None
+                and reading.batches_consumed > 0  # a checkpoint inside it may name it
+                and not reading.is_complete
+                and self.plan.layout.has_writer()
                 else None
             )
             prepared, self._prepared = self._prepared, None
@@ -205,7 +211,7 @@ class Epochs:
         without workers build its DataLoader, start it and fetch the first batch."""
         plan, growing = self.plan, state.growing
         state.batch_size = plan.batch_size
-        if growing is None and plan.drop_last and 0 < len(state.indices) < plan.batch_size:
+        if growing is None and plan.drop_last and not len(state.credited) and 0 < len(state.indices) < plan.batch_size:
             log.warning(
                 "epoch %d: this rank's share is %d samples, less than one batch of %d, and drop_last=True drops it: "
                 "the epoch has no batch (lower batch_size, or raise samples_per_epoch)",
@@ -245,7 +251,9 @@ class Epochs:
             return
         growing = state.growing
         if growing is not None:
-            if growing.grower is not None:
+            if growing.grower is not None and leave_for_resume:
+                growing.grower.abandon()  # open, as a dead creator leaves it: the resumed creator grows it on
+            elif growing.grower is not None:
                 growing.grower.stop()  # closes the snapshot as it is: nothing joins it after this epoch
             try:
                 state.snapshot.refresh()  # what it served is recorded against the snapshot's final size
@@ -664,6 +672,23 @@ class Epochs:
                 self._teardown.submit(self._after_handover, shutdown_iterator, "stopping DataLoader workers", inner)
                 return
         shutdown_iterator(inner)
+
+    def on_complete(self, state: EpochState) -> None:
+        """An iteration of ``state``'s epoch ran to its end: what it served is recorded now (teardown thread, after
+        the handover), not only at its release. A checkpoint taken now names the next epoch at its start
+        (``EpochState.is_complete``), so a run killed before the release (during an evaluation, say) would
+        otherwise leave the epoch's reads unrecorded: nothing would resume it to record them."""
+        with self._lock:
+            if not self._closed:
+                self._teardown.submit(self._after_handover, self._record_served, "recording what it served", state)
+
+    def _record_served(self, state: EpochState) -> None:
+        if state.phase == "released":
+            return  # its release recorded it
+        try:
+            state.snapshot.record_served(state.served())  # a union: the release's record adds to it
+        except (OSError, SnapshotError) as exc:
+            log.debug("epoch %d: recording what it served at its end: %s", state.epoch, exc)
 
     def _after_handover(self, fn: Callable[..., object], what: str, *args: object) -> None:
         """Run a teardown step once the handover under way is over (the next epoch's first batch was handed out, or

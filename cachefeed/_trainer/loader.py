@@ -336,9 +336,10 @@ class EpochLoaderFactory:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Closes the factory; left by an exception (Ctrl-C included), the epoch being read stays resumable for
-        ``cache.snapshot_grace`` where a daemon runs (``Epochs.close``)."""
-        self._close(interrupted=exc_type is not None)
+        """Closes the factory; left by an exception (Ctrl-C included; not ``sys.exit(0)``), the epoch being read
+        stays resumable for ``cache.snapshot_grace`` where a daemon runs (``Epochs.close``)."""
+        clean = exc_type is None or isinstance(exc, GeneratorExit) or (isinstance(exc, SystemExit) and not exc.code)
+        self._close(interrupted=not clean)
 
     # -- building ------------------------------------------------------------------------------------------
 
@@ -505,6 +506,8 @@ def _min_samples(value: object) -> int | str:
     if isinstance(value, str):
         return value
     if not isinstance(value, bool) and isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, float) and value.is_integer() and value >= 1:  # 1e4: a count written as a float
         return int(value)
     hint = (
         f": for a fill level of {value:.0%}, write '{value:.0%}'"

@@ -21,9 +21,10 @@ state taken once the loop has received every batch of epoch ``e`` names epoch ``
 a checkpoint saved at the end of an epoch resumes with the next one.
 
 A setting that changed makes ``load_state_dict`` raise ``ValueError`` naming it and both values: the resumed epoch
-could not be the rest of the interrupted one. ``strict=False`` accepts the change and takes the fresh-snapshot path
-(one warning). Any rank may load any rank's state: ranks of one job consume batches in lockstep, so the state only
-differs in ``rank``, which is not compared.
+could not be the rest of the interrupted one (a state at an epoch's start resumes nothing inside an epoch: it is
+accepted whatever changed, an elastic restart's new world size included). ``strict=False`` accepts the change and
+takes the fresh-snapshot path (one warning). Any rank may load any rank's state: ranks of one job consume batches in
+lockstep, so the state only differs in ``rank``, which is not compared.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def resume_point(
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"load_state_dict: {key!r} is {value!r}, expected an integer >= 0 as state_dict() gives")
+    if state["snapshot_id"] is None:  # at an epoch's start: nothing inside an epoch to resume, whatever changed
+        return int(state["epoch"]), None
     changed = [key for key in SETTINGS if _normal(saved.get(key)) != _normal(settings.get(key))]
     if changed and strict:
         key = changed[0]
@@ -117,8 +120,6 @@ def resume_point(
             "strict=False to continue on a fresh snapshot (skipping the batches already consumed)"
         )
     epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
-    if state["snapshot_id"] is None:
-        return epoch, None
     if changed:
         log.warning(
             "resuming epoch %d with changed settings (%s; strict=False): it runs on a fresh snapshot, skips its "
@@ -147,8 +148,8 @@ def resumed_snapshot(root: Path, resume: ResumePoint) -> Snapshot | None:
     try:
         if not (CacheLayout(root).snapshots / resume.snapshot_id).exists():  # no rank is creating it: do not wait
             raise SnapshotError(
-                f"its snapshot {resume.snapshot_id!r} is gone (released by a trainer that closed its factory, an "
-                "exception in its loop included, or removed after cache.snapshot_grace)"
+                f"its snapshot {resume.snapshot_id!r} is gone (released by a trainer that closed its factory, or "
+                "removed after cache.snapshot_grace)"
             )
         snapshot = Snapshot.join(root, resume.snapshot_id, timeout_s=0.5, nonce=resume.snapshot_nonce)
     except SnapshotError as exc:

@@ -595,6 +595,15 @@ def test_a_mode_written_as_a_bare_number_is_refused_not_read_as_decimal(tmp_path
         )
 
 
+def test_a_mode_check_reads_only_the_cache_keys_as_written(tmp_path: Path) -> None:
+    dotted = VALID_TOML.replace("[cache]\n", "") + "cache.file_mode = 440\n"  # a dotted key, CRLF line ends
+    with pytest.raises(ConfigError, match=r"cache\.file_mode = 440: a bare number is decimal"):
+        load_config(write(tmp_path, dotted.replace("\n", "\r\n")), env={})
+    quoted = VALID_TOML.replace("[remote]\n", '[remote]\nstorage_options = { note = """file_mode = 640""" }\n')
+    config = load_config(write(tmp_path, quoted + 'file_mode = "0640"\ndir_mode = 7\n'), env={})
+    assert (config.cache.file_mode, config.cache.dir_mode) == (0o640, 7), "decimal 7 is octal 7"
+
+
 def test_schema_matches_the_dataclasses() -> None:
     from cachefeed._config.schema import SECTION_TYPES as types
 

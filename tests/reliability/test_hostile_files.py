@@ -267,5 +267,5 @@ def test_hostile_entries_where_the_daemon_keeps_its_own_files(tmp_path: Path, ca
     )
     assert after == before, "nothing outside the cache changes"
     assert world["precious"].read_text() == "must never change\n"
-    assert code == 0 if runs else code in (66, 75, 78), (code, err[-2000:])
+    assert code == 0 if runs else code in (66, 73, 75, 78), (code, err[-2000:])
     assert not untidy, err[-2000:]

@@ -188,6 +188,48 @@ def test_a_checkpoint_saved_at_the_end_of_an_epoch_resumes_with_the_next_one(tmp
     assert len(keys) == len(set(keys)) == 50
 
 
+def test_what_an_epoch_served_is_recorded_when_its_pass_ends_not_only_at_its_release(tmp_path: Path) -> None:
+    """A checkpoint at the epoch's end names the next epoch: a run killed before the release (an evaluation between
+    epochs) is never resumed into this epoch, so its reads must be on record already."""
+    from cachefeed._cache.reads import SERVED_PREFIX
+
+    root = build_cache(tmp_path / "c", 50)
+    with EpochLoaderFactory(root, batch_size=BATCH, run_id="a", progress=None) as factory:
+        directory = root / "snapshots" / factory.loader(0).snapshot_id
+        for _ in factory.loader(0):
+            pass
+        assert factory.state_dict()["epoch"] == 1
+        deadline = time.monotonic() + 10  # recorded on the teardown thread, after the handover's hold
+        while not any(p.name.startswith(SERVED_PREFIX) for p in directory.iterdir()):
+            assert time.monotonic() < deadline, "nothing recorded while the epoch is still pinned"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("code", [0, None])
+def test_a_clean_sys_exit_inside_the_with_block_releases_the_epoch(tmp_path: Path, code: int | None) -> None:
+    root = build_cache(tmp_path / "c", 50)
+    daemon = CacheStore(cache_config(root, snapshot_grace_s=300.0))
+    try:
+        with pytest.raises(SystemExit):
+            with EpochLoaderFactory(root, batch_size=BATCH, run_id="a", progress=None, min_samples=0) as factory:
+                next(iter(factory.loader(0)))
+                sys.exit(code)
+        assert [p for p in (root / "snapshots").iterdir() if p.name.endswith(".lock")] == []
+    finally:
+        daemon.close()
+
+
+def test_a_state_at_an_epochs_start_is_accepted_whatever_changed(tmp_path: Path) -> None:
+    """Nothing inside an epoch to resume: a restart at an epoch boundary may change the batch size or world size."""
+    root = build_cache(tmp_path / "c", 50)
+    with EpochLoaderFactory(root, batch_size=BATCH, progress=None) as factory:
+        for _ in factory.loader(0):
+            pass
+        state = factory.state_dict()
+    with EpochLoaderFactory(root, batch_size=2 * BATCH, progress=None) as factory:
+        assert factory.load_state_dict(state) == 1
+
+
 def test_a_malformed_checkpoint_is_refused_naming_what_is_wrong(tmp_path: Path) -> None:
     root = build_cache(tmp_path / "c", 50)
     with EpochLoaderFactory(root, batch_size=BATCH, progress=None) as factory:
