@@ -210,6 +210,8 @@ class EpochLoaderFactory:
         if num_workers and transform is not None:
             _check_pickles("transform", transform)
         self.arena_bytes = _arena_bytes(arena_bytes)
+        if num_workers and loader_options.get("prefetch_factor") is not None:  # 0 was taken as the default, 2
+            loader_options["prefetch_factor"] = _integer("prefetch_factor", loader_options["prefetch_factor"], 1)
         reserved = sorted(set(loader_options) & set(_RESERVED_OPTIONS))
         if reserved:
             raise TypeError(f"EpochLoaderFactory sets {', '.join(reserved)} itself; use its own arguments")

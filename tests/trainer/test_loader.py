@@ -329,6 +329,8 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         EpochLoaderFactory(root, batch_size=4, sampler=None)
     with pytest.raises(ValueError, match="prefetch_factor"):
         EpochLoaderFactory(root, batch_size=4, num_workers=0, prefetch_factor=2)
+    with pytest.raises(ValueError, match="prefetch_factor must be an integer >= 1, got 0"):
+        EpochLoaderFactory(root, batch_size=4, num_workers=2, prefetch_factor=0)  # was taken as 2, silently
     with pytest.raises(ValueError, match="run_id"):
         EpochLoaderFactory(root, batch_size=4, rank=0, world_size=2)
     # failed later, deep inside numpy or a format string ("Unknown format code 'd'")
