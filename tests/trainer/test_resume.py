@@ -41,13 +41,15 @@ def trainer_main(root: str, progress: str, workers: int = 0) -> None:
             time.sleep(0.05)  # a training step
 
 
-def interrupted_trainer_main(root: str, progress: str) -> None:
+def interrupted_trainer_main(root: str, progress: str, workers: int = 0) -> None:
     """Train epoch 0, saving keys and state after every batch; Ctrl-C (KeyboardInterrupt) at the 10th batch, inside
     the factory's ``with`` block, as a user stopping a run by hand."""
     from cachefeed._fsutil import atomic_write
 
     received: list[str] = []
-    with EpochLoaderFactory(root, batch_size=BATCH, run_id="job", progress=None, min_samples=0, epochs=1) as factory:
+    with EpochLoaderFactory(
+        root, batch_size=BATCH, num_workers=workers, run_id="job", progress=None, min_samples=0, epochs=1
+    ) as factory:
         for n, batch in enumerate(factory.loader(0), 1):
             received += check_batch(batch)
             atomic_write(progress, json.dumps({"keys": received, "state": factory.state_dict()}).encode())
@@ -121,8 +123,10 @@ def test_a_resume_waits_out_a_sweep_probing_the_kept_snapshot_and_resumes_exactl
     assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES)), "the whole epoch, exactly"
 
 
-@pytest.mark.parametrize("daemon_runs", [True, False])
-def test_a_loop_stopped_by_ctrl_c_resumes_exactly_where_a_daemon_runs(tmp_path: Path, daemon_runs: bool) -> None:
+@pytest.mark.parametrize(("daemon_runs", "workers"), [(True, 0), (True, 2), (False, 0)])
+def test_a_loop_stopped_by_ctrl_c_resumes_exactly_where_a_daemon_runs(
+    tmp_path: Path, daemon_runs: bool, workers: int
+) -> None:
     """The ``with`` block closed the factory on the exception, which released the epoch and removed its snapshot:
     the resume ran on a fresh one (other samples). Now the epoch is left for the grace, as a killed trainer's; on a
     static cache (no daemon to remove it later) it is released as before, leaving nothing behind."""
@@ -131,7 +135,8 @@ def test_a_loop_stopped_by_ctrl_c_resumes_exactly_where_a_daemon_runs(tmp_path: 
     try:
         progress = tmp_path / "progress.json"
         code = (
-            f"from tests.trainer.test_resume import interrupted_trainer_main as m; m({str(root)!r}, {str(progress)!r})"
+            "from tests.trainer.test_resume import interrupted_trainer_main as m; "
+            f"m({str(root)!r}, {str(progress)!r}, {workers})"
         )
         result = subprocess.run(
             [sys.executable, "-c", code], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120
@@ -144,7 +149,7 @@ def test_a_loop_stopped_by_ctrl_c_resumes_exactly_where_a_daemon_runs(tmp_path: 
             assert left == [], "a static cache keeps nothing: nobody would remove it"
             return
         assert f"{saved['state']['snapshot_id']}.lock" in left
-        rest = resume(root, saved)
+        rest = resume(root, saved, workers)
         assert not set(rest) & set(saved["keys"]), "the rest of the same epoch: no sample twice"
         assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES))
     finally:
