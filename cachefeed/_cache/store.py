@@ -381,7 +381,8 @@ class CacheStore:
         """Say so at the start where ``max_bytes`` is more than the filesystem can give the cache (its free space
         and what the cache holds, less ``min_free_bytes``): the free-space floor then stops the cache first, with
         less turnover room than ``max_bytes`` was sized for (``room.py`` computes it from ``max_bytes``)."""
-        can_hold = self._free_bytes() + self._used() - self.config.min_free_bytes
+        free = self._free_bytes()
+        can_hold = free + self._used() - self.config.min_free_bytes
         if self.config.max_bytes > can_hold:
             log.warning(
                 "cache.max_bytes = %s is more than the filesystem of %s can give the cache (%s free, %s cached, "
@@ -389,7 +390,7 @@ class CacheStore:
                 "max_bytes is sized for; set cache.max_bytes to at most %s (or free space there)",
                 format_bytes(self.config.max_bytes),
                 self.layout.root,
-                format_bytes(self._free_bytes()),
+                format_bytes(free),
                 format_bytes(self._used()),
                 format_bytes(self.config.min_free_bytes),
                 format_bytes(max(0, can_hold)),

@@ -136,6 +136,7 @@ class EpochState:
         self.batches_received = 0  # the most any iteration of this epoch received: what it served
         self.pass_batches: int | None = None  # batches of the last iteration that ran to its end (None: none did)
         self.warned_again = False  # the loader was iterated again after a complete pass, and a warning said so
+        self.recorded_samples = -1  # how many served samples ``on_complete`` put on record (-1: none yet)
         self.batch_size = 1  # set when fed
         self.touched_at = 0.0  # perf_counter of the last ``snapshot.touch()`` (progress the daemon sees)
         self.first_batch_wait_s: float | None = None

@@ -269,7 +269,8 @@ class Epochs:
             state.forget_resources()
             state.dataset.close()
             try:
-                state.snapshot.record_served(served)  # NOTE [ Read receipts ] in _cache/reads.py
+                if len(served) != state.recorded_samples:  # not all on record when its pass ended (``on_complete``)
+                    state.snapshot.record_served(served)  # NOTE [ Read receipts ] in _cache/reads.py
             except OSError as exc:
                 log.warning("epoch %d: could not record what %s served: %s", state.epoch, state.snapshot.snap_id, exc)
             if leave_for_resume:
@@ -686,7 +687,9 @@ class Epochs:
         if state.phase == "released":
             return  # its release recorded it
         try:
-            state.snapshot.record_served(state.served())  # a union: the release's record adds to it
+            served = state.served()
+            state.snapshot.record_served(served)  # a union: a release that served more adds to it
+            state.recorded_samples = len(served)  # only grows: as many again at the release is the same set
         except (OSError, SnapshotError) as exc:
             log.debug("epoch %d: recording what it served at its end: %s", state.epoch, exc)
 
