@@ -32,6 +32,15 @@ first): a sweep probing in that instant makes it fail, so a releaser that finds 
 again a few milliseconds later (``Snapshot._remove_if_last``), or the sweep would keep the snapshot for a resume
 and its receipt would wait.
 
+Leaving for a resume: a rank stopped mid-epoch (Ctrl-C) drops its pin without removing the snapshot, as a rank
+that dies does, so that a restart from its checkpoint joins this very snapshot (``Snapshot.leave_for_resume``). It
+first creates ``<id>/LEFT``: a releaser that finds itself the last holder and sees ``LEFT`` does not remove the
+snapshot (another rank of the job, done with its share, must not take away the epoch a stopped rank will resume);
+it leaves it to the daemon's sweep, which keeps an unheld snapshot for ``cache.snapshot_grace``. A resume's join
+(``join`` with the checkpoint's ``nonce``) removes ``LEFT``: from then on the resumed job's last releaser removes
+the snapshot as usual. ``LEFT`` is written before the pin is dropped, and a releaser reads it only once it holds the
+lock exclusively, so it cannot miss the mark of a rank that left before it.
+
 Ownership: the MANIFEST names the *job* that created the snapshot (``job``, a nonce the job's ranks agree on,
 ``_trainer/partition.py``) and carries a nonce of the snapshot's own (``nonce``). ``join`` refuses a snapshot of
 another job, and a resumed epoch joins only the snapshot whose nonce its checkpoint names: two jobs never read
@@ -87,6 +96,7 @@ from cachefeed._fsutil import atomic_write, remove_tree
 __all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale"]
 
 MANIFEST = "MANIFEST"
+LEFT = "LEFT"  # in ``<id>/``: a rank left this snapshot for a resume (NOTE, "Leaving for a resume")
 
 Pick = Callable[[list[Candidate], int | None, int], list[int]]
 """A snapshot's choice of segments: ``pick(candidates, room, linked)`` gives the sequence numbers it takes of
@@ -284,7 +294,9 @@ class Snapshot:
         looked for again until ``timeout_s`` (a creator may make it anew), then reported as removed.
 
         ``job``/``nonce``, when given, must match the MANIFEST's: a snapshot of another job, or another snapshot
-        of the same name, is never joined (``SnapshotError``; the pin taken to check is dropped)."""
+        of the same name, is never joined (``SnapshotError``; the pin taken to check is dropped). A join with the
+        ``nonce`` is a resume's: it takes the snapshot back from the daemon's keeping (removes ``LEFT``, see the
+        NOTE), so that the resumed job's last releaser removes it."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         manifest_path = layout.snapshots / snap_id / MANIFEST
@@ -304,6 +316,8 @@ class Snapshot:
                             f"snapshot {snap_id!r} belongs to {what} {theirs!r}, not {mine!r}: "
                             "it is not this job's snapshot, so it is not joined"
                         )
+                if nonce is not None:
+                    (snapshot.directory / LEFT).unlink(missing_ok=True)
                 return snapshot
             now = time.monotonic()
             if pinned is _BUSY and now > busy_deadline:
@@ -500,13 +514,24 @@ class Snapshot:
         """Drop this process's pin without removing the snapshot, as a process that dies does: the daemon keeps an
         unheld snapshot for ``cache.snapshot_grace`` (a restarted job resumes on it exactly), then removes it,
         turning what was recorded as served into its receipt. Only where a daemon holds the cache: nothing else
-        would ever remove it. Idempotent, as ``release``."""
+        would ever remove it. Idempotent, as ``release``.
+
+        Other ranks holding the snapshot release it as usual, but the last of them does not remove it: ``LEFT``
+        marks it (NOTE, "Leaving for a resume"). Where the mark cannot be written, the pin is dropped all the same
+        (the snapshot then goes with its last holder, and a resume reads a fresh one: its warning says so)."""
         fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
+        if fd is None:
+            return
+        try:
+            (self.directory / LEFT).touch()
+        except OSError:
+            pass
+        finally:
             os.close(fd)
 
     def _remove_if_last(self, fd: int) -> None:
-        """Remove the snapshot if this holder is the last (module docstring, "Removal").
+        """Remove the snapshot if this holder is the last and no rank left it for a resume (module docstring,
+        "Removal" and "Leaving for a resume").
 
         Converting our shared lock to exclusive drops it first (flock(2)). Where that fails, the lock is held by
         other ranks still reading (shared: the last of them removes it) or, for an instant, exclusively by the
@@ -515,8 +540,13 @@ class Snapshot:
         too, the holder is exclusive, and this releaser looks again a few milliseconds later.
         """
         lock_path = self.layout.snapshots / f"{self.snap_id}.lock"
+        left = self.directory / LEFT
+
+        def keep(_snap_id: str) -> bool:  # a rank left it for a resume: the daemon's sweep keeps it for the grace
+            return left.exists()
+
         for delay in (*_RELEASE_RETRIES_S, None):
-            if _remove_if_unheld(fd, lock_path, self.directory) is not None:
+            if _remove_if_unheld(fd, lock_path, self.directory, keep=keep) is not None:
                 return  # removed, or not ours to remove any more
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -524,7 +554,7 @@ class Snapshot:
                 if delay is not None:
                     time.sleep(delay)
                 continue
-            _remove_if_unheld(fd, lock_path, self.directory)  # shared by other ranks, or by nobody any more
+            _remove_if_unheld(fd, lock_path, self.directory, keep=keep)  # shared by other ranks, or nobody
             return
 
     @property

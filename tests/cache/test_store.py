@@ -599,3 +599,44 @@ def test_a_budget_larger_than_the_filesystem_is_named_at_the_start(
         CacheStore(cache_config(tmp_path / "large", max_bytes=2 * free)).close()
     assert f"is more than the filesystem of {tmp_path / 'large'} can give the cache" in caplog.text
     assert "set cache.max_bytes to at most" in caplog.text
+
+
+def test_a_snapshot_one_rank_left_for_a_resume_outlives_the_other_ranks_release(tmp_path: Path) -> None:
+    """Two local ranks read an epoch; one is stopped by Ctrl-C and leaves it for a resume, the other finishes its
+    share and releases last. That release removed the snapshot, and the resume read other samples. Now the snapshot
+    stays (the daemon keeps it for the grace), a resume's join takes it back, and its last release removes it and
+    hands the epoch's reads over. The witness is the files."""
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, snapshot_grace_s=300.0))
+    fill(store, range(100))
+    stopped = Snapshot.create(root, "run-e000001")
+    finishing = Snapshot.join(root, "run-e000001", timeout_s=1.0)
+    nonce, directory = stopped.nonce, root / "snapshots" / "run-e000001"
+    stopped.record_served(np.arange(10))
+    stopped.leave_for_resume()
+    finishing.record_served(np.arange(50, finishing.samples))
+    finishing.release()
+    assert directory.is_dir() and (root / "snapshots" / "run-e000001.lock").exists(), "kept for the stopped rank"
+    store._swept_at = 0
+    assert store.sweep() == [], "within the grace the daemon keeps it"
+    resumed = Snapshot.join(root, "run-e000001", timeout_s=1.0, nonce=nonce)  # the restarted job's rank
+    resumed.record_served(np.arange(10, 50))
+    resumed.release()
+    assert not directory.exists(), "the resumed job's last release removed it"
+    receipts = [p for p in (root / "snapshots").iterdir() if p.name.endswith(snapshots.RECEIPT_SUFFIX)]
+    assert len(receipts) == 1, "and handed the whole epoch's reads to the daemon"
+    store.close()
+
+
+def test_a_snapshot_left_for_a_resume_that_never_comes_goes_after_the_grace(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, snapshot_grace_s=0.0))
+    fill(store, range(100))
+    stopped = Snapshot.create(root, "run-e000001")
+    finishing = Snapshot.join(root, "run-e000001", timeout_s=1.0)
+    stopped.leave_for_resume()
+    finishing.release()
+    assert (root / "snapshots" / "run-e000001").is_dir(), "the releasing rank left it to the daemon"
+    store._swept_at = 0
+    assert store.sweep() == ["run-e000001"], "which removes it once the grace is over"
+    store.close()

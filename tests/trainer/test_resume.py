@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cachefeed._cache.store import CacheStore
+from cachefeed._testing.local_s3 import free_port
 from cachefeed._trainer import EpochLoaderFactory
 from tests.support.cache_helpers import cache_config
 from tests.support.child_env import REPO, child_env
@@ -263,3 +264,84 @@ def test_a_checkpoint_from_other_settings_is_refused(tmp_path: Path) -> None:
         old = {"version": 1, "epoch": 2, "batches_consumed": 3, "seed": 0, "snapshot_id": "x", "batch_size": BATCH}
         with pytest.raises(ValueError, match="older cachefeed"):
             factory.load_state_dict(old)
+
+
+def two_ranks_main(root: str, port: int, rank: int, out: str, resume_from: str | None = None) -> None:
+    """One of two gloo ranks on one node reading epoch 0, keys and state saved after every batch. Rank 1 is stopped by
+    Ctrl-C after 3 batches, inside the factory's ``with`` block; rank 0 reads its whole share and closes its factory
+    only once rank 1 has left (the barrier). With ``resume_from``, both ranks resume from that state instead."""
+    import torch.distributed as dist
+
+    from cachefeed._fsutil import atomic_write
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    received: list[str] = []
+    try:
+        with EpochLoaderFactory(
+            root, batch_size=BATCH, run_id="job", progress=None, min_samples=0, epochs=1
+        ) as factory:
+            if resume_from is not None:
+                factory.load_state_dict(json.loads(Path(resume_from).read_text())["state"])
+            for n, batch in enumerate(factory.loader(0), 1):
+                received += check_batch(batch)
+                atomic_write(out, json.dumps({"keys": received, "state": factory.state_dict()}).encode())
+                if rank == 1 and resume_from is None and n == 3:
+                    raise KeyboardInterrupt
+            dist.barrier()  # rank 0: release only after rank 1 left its epoch
+    finally:
+        if rank == 1 and resume_from is None:
+            dist.barrier()
+
+
+def test_a_rank_stopped_by_ctrl_c_resumes_exactly_though_another_rank_released_the_epoch_last(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 finished its share and released the epoch after rank 1 had left it for a resume: as the last holder it
+    removed the snapshot, and rank 1's resume read other samples. Now the snapshot stays for the daemon's grace and
+    both ranks resume on it: rank 1 gets exactly the rest of its share."""
+    root = build_cache(tmp_path / "c", SAMPLES)
+    daemon = CacheStore(cache_config(root, snapshot_grace_s=300.0))  # holds the cache
+    try:
+
+        def run_ranks(outs: list[Path], resume_from: Path | None) -> list[subprocess.CompletedProcess[str]]:
+            port = free_port()
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        "from tests.trainer.test_resume import two_ranks_main as m; "
+                        f"m({str(root)!r}, {port}, {rank}, {str(outs[rank])!r}, "
+                        f"{str(resume_from) if resume_from else None!r})",
+                    ],
+                    cwd=REPO,
+                    env=child_env(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for rank in range(2)
+            ]
+            results = []
+            for proc in procs:
+                stdout, stderr = proc.communicate(timeout=120)
+                results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+            return results
+
+        first = run_ranks([tmp_path / "r0.json", tmp_path / "r1.json"], None)
+        assert first[0].returncode == 0, first[0].stderr[-2000:]
+        assert first[1].returncode != 0 and "KeyboardInterrupt" in first[1].stderr, first[1].stderr[-2000:]
+        stopped = json.loads((tmp_path / "r1.json").read_text())
+        done = json.loads((tmp_path / "r0.json").read_text())
+        assert len(stopped["keys"]) == 3 * BATCH and len(done["keys"]) == SAMPLES // 2
+        snap_id = stopped["state"]["snapshot_id"]
+        assert (root / "snapshots" / f"{snap_id}.lock").exists(), "rank 0's release left rank 1's epoch in place"
+
+        again = run_ranks([tmp_path / "again0.json", tmp_path / "again1.json"], tmp_path / "r1.json")
+        assert [r.returncode for r in again] == [0, 0], again[0].stderr[-2000:] + again[1].stderr[-2000:]
+        rest = json.loads((tmp_path / "again1.json").read_text())["keys"]
+        assert not set(rest) & set(stopped["keys"]), "the rest of the same epoch: no sample twice"
+        assert len(stopped["keys"]) + len(rest) == SAMPLES // 2, "rank 1's whole share"
+        assert not set(stopped["keys"] + rest) & set(done["keys"]), "and only rank 1's: the same snapshot's split"
+    finally:
+        daemon.close()
