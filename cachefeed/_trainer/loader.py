@@ -50,11 +50,13 @@ are ``lifecycle.py``'s, which the others serve: ``partition.py`` (who reads what
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import pickle
 import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -104,7 +106,9 @@ _MIN_ARENA_BYTES = 1 << 20
 class EpochLoaderFactory:
     """Per-epoch DataLoaders over pinned snapshots of a cachefeed cache, prepared ahead (NOTE above).
 
-    Use it as a context manager (or call ``close``)::
+    Use it as a context manager (or call ``close``); a factory dropped without either is closed when it is
+    garbage-collected (its workers stop and its pins go, as ``close`` does), though not at the interpreter's exit,
+    where its process's end drops its pins as a killed trainer's (resumable for ``cache.snapshot_grace``)::
 
         with EpochLoaderFactory("/dev/shm/cachefeed/example", batch_size=256, num_workers=4) as factory:
             for epoch in range(epochs):
@@ -282,10 +286,14 @@ class EpochLoaderFactory:
                 prepare_at=prepare_at,
                 epochs=epochs,
                 progress=progress,
-                agree_min=self._agree_min,
+                agree_min=functools.partial(_agree_min, self._agree_group if self.ranks.nodes_differ else None),
             ),
             self._pool,
         )
+        # Nothing the epochs or the pool hold refers back to this factory, so dropping it collects it: then its
+        # workers stop and its pins go. Not at exit: a process that ends drops its pins as a killed one's.
+        self._finalizer = weakref.finalize(self, _close_dropped, self._epochs, self._pool)
+        self._finalizer.atexit = False
 
     # -- public API ----------------------------------------------------------------------------------------
 
@@ -328,6 +336,7 @@ class EpochLoaderFactory:
         self._close(interrupted=False)
 
     def _close(self, *, interrupted: bool) -> None:
+        self._finalizer.detach()
         self._epochs.close(interrupted=interrupted)
         if self._pool is not None:
             self._pool.close()
@@ -379,13 +388,6 @@ class EpochLoaderFactory:
     def _broadcast(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.int64)
         torch.distributed.broadcast(tensor, src=0, group=self._agree_group)
-        return int(tensor.item())
-
-    def _agree_min(self, value: int) -> int:
-        if self._agree_group is None or not self.ranks.nodes_differ:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self._agree_group)
         return int(tensor.item())
 
     # -- checkpoints --------------------------------------------------------------------------------------------
@@ -465,6 +467,24 @@ class EpochLoaderFactory:
             return None
         per_rank = self.samples_per_epoch // self.ranks.local_world_size
         return len(EpochBatchSampler(np.empty(per_rank, np.int64), self.batch_size, drop_last=self.drop_last))
+
+
+def _agree_min(group: Any, value: int) -> int:
+    """The least of every rank's ``value`` over ``group`` (None: this node alone decides, ``value``). A function of
+    the group, not a method: the epochs hold it, and must not keep the factory alive (``weakref.finalize``)."""
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=group)
+    return int(tensor.item())
+
+
+def _close_dropped(epochs: Epochs, pool: WorkerPool | None) -> None:
+    """Close a factory that was garbage-collected unclosed: ``close``, from what it held."""
+    log.info("an EpochLoaderFactory was dropped without close(): closing it (use it in a with block)")
+    epochs.close()
+    if pool is not None:
+        pool.close()
 
 
 def _arena_bytes(value: int | str | None) -> int:

@@ -157,6 +157,24 @@ def test_a_worker_that_dies_is_reported_not_waited_for_and_replaced_for_the_next
         assert f._pool._workers[1].process.pid != victim.pid
 
 
+def test_a_factory_dropped_without_close_stops_its_workers_and_releases_its_pins(tmp_path: Path) -> None:
+    """A factory made in a function and dropped without ``close`` (no ``with``) kept its workers and its pins for
+    the life of the process. The witnesses are the worker processes and the snapshot files."""
+    root = build_cache(tmp_path / "c", 200)
+    factory = EpochLoaderFactory(root, batch_size=10, num_workers=2, run_id="dropped", progress=None)
+    loader = factory.loader(0)
+    assert len([key for batch in loader for key in check_batch(batch)]) == 200
+    assert factory._pool is not None
+    workers = [worker.process for worker in factory._pool._workers]
+    assert len(workers) == 2 and all(worker.is_alive() for worker in workers)
+    assert any(p.name.endswith(".lock") for p in (root / "snapshots").iterdir()), "the epoch is pinned"
+    del loader, factory  # the last references: no gc.collect() needed
+    for worker in workers:
+        worker.join(10)
+        assert not worker.is_alive(), "the workers stopped"
+    assert list((root / "snapshots").iterdir()) == [], "the pins went, and with them the snapshots"
+
+
 def test_a_pass_dealt_before_a_worker_died_is_read_whole_from_its_replacement(tmp_path: Path) -> None:
     """The factory queues the next epoch's pass before the current one ends, so batches of a pass not yet read can
     be dealt to a worker that then dies: that pass is read whole all the same, its dead worker's share dealt again
