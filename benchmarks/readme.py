@@ -59,6 +59,7 @@ SOURCES: dict[str, tuple[str, str]] = {
             "worker_memory",
         )
     },
+    "feed_gpu_h200": ("feed_gpu_h200", "benchmarks.feed_gpu"),  # the same benchmark, on the other kind of GPU
     "peers": ("results", "benchmarks.run_all"),
     "coldstart": ("results", "benchmarks.common.results_md:cold_start_table"),
 }

@@ -19,6 +19,11 @@ out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [feed_gpu arguments...]}
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# A short or missing hash would fail the result's save only after the whole benchmark ran: check it first.
+if [ -n "${CACHEFEED_COMMIT:-}" ] && ! [[ "$CACHEFEED_COMMIT" =~ ^[0-9a-f]{40}$ ]]; then
+    echo "CACHEFEED_COMMIT=$CACHEFEED_COMMIT: expected a full commit hash (git rev-parse HEAD)" >&2
+    exit 2
+fi
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), "device(s)")' || exit 2
 # addopts cleared (its -n 3 suits a 2-core CI machine); pytest-benchmark, where installed, warns under xdist, and
 # the project's filterwarnings turns that warning into an error.

@@ -42,11 +42,11 @@ devices, and from a side-stream queue two deep; no context is created on an idle
 what the fake models needs a GPU (the ``gpu`` tests): that ``cudaHostRegister`` on a memfd's shared map makes its
 tensors ``is_pinned()`` and their copies asynchronous, that ``_cuda_hasPrimaryContext`` and event records create no
 context, and that a copy queued on ``cuda:1`` is really overwritten without the fence on ``cuda:1`` (two GPUs).
-On one H200 (at 627c868) and one H100 (at 9791a3d), torch 2.11, 2026-11-26, ``scripts/gpu_checks.sh``, the one-GPU
-``gpu`` tests passed: arenas pinned in place, no context before the loop used its GPU, copies dropped at once
-intact. Run by hand on the H200 with ``fence`` made to return no event, the dropped-copies test failed (a sample
-overwritten under its queued copy): on a real GPU the fence is what keeps it intact, and the test can tell. The
-two-GPU test has not run: no machine with two.
+On one H200 (at 627c868) and one H100 (at 9791a3d), torch 2.11, 2026-11-26, and on an H200 again at 4181518
+(2026-11-27), ``scripts/gpu_checks.sh``, the one-GPU ``gpu`` tests passed: arenas pinned in place, no context
+before the loop used its GPU, copies dropped at once intact. Run by hand on the H200 with ``fence`` made to return
+no event, the dropped-copies test failed (a sample overwritten under its queued copy): on a real GPU the fence is
+what keeps it intact, and the test can tell. The two-GPU test has not run: no machine with two.
 """
 
 from __future__ import annotations
