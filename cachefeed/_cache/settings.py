@@ -26,6 +26,7 @@ DEFAULT_TURNOVER_PERCENT = 67  # cache.turnover's default: room kept for fresh s
 SMALL_CACHE_TURNOVER_PERCENT = 50  # the least the default becomes in a cache too small for 67%: ``default_turnover``
 METADATA_RESERVE_BYTES = 1 << 20  # lock, tag, status.json, snapshot dirs: part of max_bytes (see store.py)
 MIN_SEGMENTS_IN_BUDGET = 4
+DEFAULT_SNAPSHOT_GRACE_S = 300.0  # cache.snapshot_grace's default; also what trainers keep on a static cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,7 @@ class CacheConfig:
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     eviction: str = "fifo"
     evict_after_reads: int = 1
-    snapshot_grace_s: float = 300.0
+    snapshot_grace_s: float = DEFAULT_SNAPSHOT_GRACE_S
     turnover_bytes: int = -1  # -1: DEFAULT_TURNOVER_PERCENT of max_bytes, as in a config file
     compression: str = "none"
     fsync: bool = True

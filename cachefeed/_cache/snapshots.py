@@ -93,7 +93,7 @@ from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._fsutil import atomic_write, remove_tree
 
-__all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale"]
+__all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale", "sweep_unwatched"]
 
 MANIFEST = "MANIFEST"
 LEFT = "LEFT"  # in ``<id>/``: a rank left this snapshot for a resume (NOTE, "Leaving for a resume")
@@ -868,6 +868,26 @@ def sweep_stale(
         # a foreign entry, or a directory whose lock is gone: garbage by the protocol
         remove_tree(entry.path)
     return removed
+
+
+def sweep_unwatched(layout: CacheLayout, *, grace_s: float, now: float | None = None) -> list[str]:
+    """``sweep_stale`` for a cache no daemon holds (a static cache), run by a trainer as its factory starts: a
+    snapshot nobody holds is kept while its lock was touched (created, or read from: ``Snapshot.touch``) within
+    ``grace_s``, as the daemon keeps a dead trainer's for ``cache.snapshot_grace``, then removed. Without it a
+    trainer that died left its snapshot directory on a static cache for good. A cache this process may not change
+    (a read-only dataset directory) is left as it is. Returns the removed snapshot ids."""
+    now = time.time() if now is None else now
+
+    def touched_lately(snap_id: str) -> bool:
+        try:
+            return now - os.stat(layout.snapshots / f"{snap_id}.lock").st_mtime < grace_s
+        except OSError:
+            return True  # cannot tell: keep it
+
+    try:
+        return sweep_stale(layout, now=now, keep=touched_lately)
+    except OSError:
+        return []
 
 
 def pinned_inodes(layout: CacheLayout) -> dict[int, int]:

@@ -68,7 +68,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from cachefeed._cache.layout import CacheLayout
-from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.settings import DEFAULT_SNAPSHOT_GRACE_S
+from cachefeed._cache.snapshots import Snapshot, sweep_unwatched
 from cachefeed._cache.sources import read_sources
 from cachefeed._labels import read_classes
 from cachefeed._logs import get_logger
@@ -222,6 +223,12 @@ class EpochLoaderFactory:
         # absolute now: a later os.chdir must not move it; "~" as a shell would (the daemon's cache.dir is absolute)
         self.layout = CacheLayout(Path(cache_dir).expanduser().absolute())
         wait_for_cache(self.layout, timeout_s=wait_timeout_s, progress=progress)  # a daemon may be starting
+        if not self.layout.has_writer():  # a static cache: nobody else removes what dead trainers left
+            removed = sweep_unwatched(self.layout, grace_s=DEFAULT_SNAPSHOT_GRACE_S)
+            if removed:
+                log.info(
+                    "removed %d snapshots of trainers gone for %gs: %s", len(removed), DEFAULT_SNAPSHOT_GRACE_S, removed
+                )
         self.ranks: RankInfo = detect_ranks(rank, world_size)
         if samples_per_epoch is not None and samples_per_epoch < self.ranks.local_world_size:
             raise ValueError(

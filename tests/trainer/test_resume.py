@@ -345,3 +345,23 @@ def test_a_rank_stopped_by_ctrl_c_resumes_exactly_though_another_rank_released_t
         assert not set(stopped["keys"] + rest) & set(done["keys"]), "and only rank 1's: the same snapshot's split"
     finally:
         daemon.close()
+
+
+def test_on_a_static_cache_a_dead_trainers_snapshot_is_kept_for_the_grace_then_removed_by_the_next_factory(
+    tmp_path: Path,
+) -> None:
+    """No daemon holds a static cache, and nothing removed what a killed trainer left there: its snapshot directory
+    stayed for good. A factory starting on such a cache now removes the snapshots nobody holds whose trainer showed
+    no progress for the daemon's default grace (5 min), and keeps the others, for a resume."""
+    root = build_cache(tmp_path / "c", SAMPLES)
+    saved = kill_mid_epoch(root, tmp_path)  # SIGKILL mid-epoch, no daemon
+    rest = resume(root, saved)  # within the grace: kept, and resumed exactly
+    assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES))
+    (tmp_path / "progress.json").unlink()
+    saved = kill_mid_epoch(root, tmp_path)  # another trainer, killed too
+    lock = root / "snapshots" / f"{saved['state']['snapshot_id']}.lock"
+    assert lock.exists()
+    an_hour_ago = time.time() - 3600
+    os.utime(lock, (an_hour_ago, an_hour_ago))  # its trainer's last progress
+    EpochLoaderFactory(root, batch_size=BATCH, run_id="later", progress=None).close()
+    assert sorted(p.name for p in (root / "snapshots").iterdir()) == [], "removed: the lock and the directory"
