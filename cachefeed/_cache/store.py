@@ -329,6 +329,10 @@ class CacheStore:
         for entry in os.scandir(self.layout.tmp):
             remove_tree(entry.path)
             self.counters.removed_temp += 1
+        for entry in os.scandir(self.layout.root):  # an ``atomic_write`` (ledger, catalog, status) killed midway
+            if entry.name.startswith(".") and entry.name.endswith(".partial") and entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+                self.counters.removed_temp += 1
         self.counters.stale_snapshots += len(sweep_stale(self.layout, keep=self._keep_for_resume))
         highest = -1
         for entry in os.scandir(self.layout.segments):

@@ -99,8 +99,8 @@ class Pager:
                 continue
             if not self.matches_all and not self.remote.matcher.match(relative):
                 continue
-            size = info.get("size", info.get("Size"))
-            objects.append(RemoteObject(name, int(size) if size is not None else 0, version_of(info)))
+            size = info.get("size", info.get("Size"))  # None where the listing does not say (an HTTP index page)
+            objects.append(RemoteObject(name, int(size) if size is not None else -1, version_of(info)))
         objects.sort(key=lambda obj: obj.path)
         self.total += len(objects)
         self.on_page(objects)

@@ -91,3 +91,19 @@ def test_writer_killed_16_times_leaves_no_partial_state(tmp_path: Path) -> None:
 @pytest.mark.timeout(3600)
 def test_writer_killed_500_times_leaves_no_partial_state(tmp_path: Path) -> None:
     crash_loop(tmp_path, 500)
+
+
+def test_a_file_write_killed_midway_leaves_nothing_in_the_budget_after_recovery(tmp_path: Path) -> None:
+    """The ledger, the restart catalog and status.json are replaced through a temp file beside them. A kill -9 during
+    the write (the catalog's can be 5% of the budget) left it in the cache's root for good, counted against the
+    budget at every restart. Recovery now removes it, as it removes ``tmp/``."""
+    root = tmp_path / "c"
+    CacheStore(cache_config(root)).close()
+    leftover = root / ".catalog-00000000.cfcat.k2j3h4.partial"
+    leftover.write_bytes(bytes(1 << 20))
+    store = CacheStore(cache_config(root))
+    try:
+        assert not leftover.exists()
+        assert store.usage().bytes < 1 << 20, "and nothing of it is charged"
+    finally:
+        store.close()
