@@ -288,6 +288,7 @@ class ReadLedger:
         self._snapshots = snapshots
         self._file_mode = file_mode
         self._applied: frozenset[str] = frozenset()
+        self._unsaved: set[str] = set()  # receipts credited in memory whose counts the ledger does not hold yet
         self.epochs_total = 0
 
     def load(self) -> dict[str, Counts]:
@@ -316,6 +317,8 @@ class ReadLedger:
             if entry.name in self._applied:
                 Path(entry.path).unlink(missing_ok=True)
                 continue
+            if entry.name in self._unsaved:  # credited; kept until the ledger holds it (``commit``)
+                continue
             try:
                 if not entry.is_file(follow_symlinks=False):
                     raise ValueError("not a regular file")
@@ -327,11 +330,21 @@ class ReadLedger:
                 Path(entry.path).unlink(missing_ok=True)
         return [receipt for _at, receipt in sorted(receipts, key=lambda pair: pair[0])]
 
+    @property
+    def has_unsaved(self) -> bool:
+        """Whether receipts were credited that the ledger file does not hold yet (a ``commit`` that failed)."""
+        return bool(self._unsaved)
+
     def commit(self, applied: Iterable[Receipt], counts: Mapping[str, Counts]) -> None:
-        """Persist ``counts`` (after ``applied`` was credited), then remove the applied receipts."""
+        """Persist ``counts`` (after ``applied`` was credited), then remove the applied receipts.
+
+        ``OSError`` (a full filesystem, say) leaves the receipts where they are and remembers them as credited: they
+        are not credited again, and the next ``commit`` (with or without new receipts) writes them all. A daemon
+        that dies before that reads the last ledger written and credits them then, once."""
         applied = list(applied)
         self.epochs_total += len(applied)
-        names = frozenset(receipt.name for receipt in applied)
+        self._unsaved.update(receipt.name for receipt in applied)
+        names = frozenset(self._unsaved)
         document = {
             "version": _LEDGER_VERSION,
             "counts": {name: _pack_counts(c) for name, c in counts.items()},
@@ -340,5 +353,6 @@ class ReadLedger:
         }
         atomic_write(self.path, msgpack.packb(document), mode=self._file_mode)
         self._applied = names
-        for receipt in applied:
-            (self._snapshots / receipt.name).unlink(missing_ok=True)
+        self._unsaved.clear()
+        for name in names:
+            (self._snapshots / name).unlink(missing_ok=True)

@@ -283,10 +283,13 @@ class CacheStore:
         self._is_backpressured = False
         self._is_paced = False
         self._newest_pin: tuple[float, int, int] | None = None  # (created, samples, fresh) of the newest snapshot
+        self.write_problems: dict[str, str] = {}  # what could not be written to the cache, and why (status says)
+        self._room_written = False
         self._lock_fd = self._take_lock()
         try:
-            self._recover()
-            write_room(self.layout.root, config.max_bytes, config.turnover_bytes, mode=config.file_mode)
+            self._recover()  # its pin scan writes budget.json
+            if not self._room_written:
+                self._write_room()
         except BaseException:
             self.close()
             raise
@@ -435,10 +438,32 @@ class CacheStore:
         self._metadata_bytes = metadata_bytes(self.layout)
         self._pins_scanned_at = time.monotonic()
 
+    def _write_room(self) -> None:
+        """``budget.json`` for trainers (``room.py``); where the filesystem refuses (full, say), a warning, status
+        says so, and the next pin scan tries again (trainers meanwhile read the file a previous start wrote, or
+        pin without a room)."""
+        try:
+            write_room(self.layout.root, self.config.max_bytes, self.config.turnover_bytes, mode=self.config.file_mode)
+        except OSError as exc:
+            self._room_written = False
+            self._cannot_write("budget.json", exc, "trainers size their epochs without it")
+            return
+        self._room_written = True
+        self.write_problems.pop("budget.json", None)
+
+    def _cannot_write(self, what: str, exc: OSError, meanwhile: str) -> None:
+        """Record that ``what`` could not be written (logged once per reason: a full disk is met at every scan)."""
+        problem = f"cannot write {what} in {self.layout.root}: {exc.strerror or exc}; {meanwhile} (retried)"
+        if self.write_problems.get(what) != problem:
+            log.warning("%s", problem)
+        self.write_problems[what] = problem
+
     def _collect_receipts(self) -> None:
         """Credit the epochs trainers have read since the last scan, and persist the counts (NOTE in reads.py)."""
+        if not self._room_written:
+            self._write_room()
         receipts = self._ledger.pending()
-        if not receipts:
+        if not receipts and not self._ledger.has_unsaved:
             return
         for receipt in receipts:
             for name, count, served in receipt.segments:
@@ -448,7 +473,14 @@ class CacheStore:
                     self._set_reads(seq, self._sample_reads(seq).served(served))
                 elif name in self._evicted_pinned:
                     self._settle_late(name, served)
-        self._ledger.commit(receipts, {self._published[seq].name: reads.counts for seq, reads in self._reads.items()})
+        try:
+            self._ledger.commit(
+                receipts, {self._published[seq].name: reads.counts for seq, reads in self._reads.items()}
+            )
+        except OSError as exc:  # the reads are credited here already; their receipts wait for the next commit
+            self._cannot_write("the read ledger", exc, "what epochs read counts in memory and is kept in receipts")
+        else:
+            self.write_problems.pop("the read ledger", None)
         self.counters.epochs_seen = self._ledger.epochs_total
 
     def _settle_late(self, name: str, served: bytes) -> None:

@@ -9,16 +9,18 @@ These errors are one line on stderr, printed by ``cachefeed._cli.main``; nothing
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from cachefeed._errors import CacheUnusableError
 from cachefeed._logs import LOG_LEVELS, get_logger, setup_logging
 from cachefeed._scrub import secrets_from_options
 
-__all__ = ["ONE_THREAD_POOLS", "add_arguments", "one_math_thread", "run", "start_without_gc"]
+__all__ = ["ONE_THREAD_POOLS", "add_arguments", "cache_refused", "one_math_thread", "run", "start_without_gc"]
 
 log = get_logger(__name__)
 
@@ -90,4 +92,24 @@ def run(args: argparse.Namespace) -> int:
         time.process_time(),
         gc.get_freeze_count(),
     )
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    except OSError as exc:
+        unusable = cache_refused(exc, str(config.cache.dir))
+        if unusable is None:
+            raise
+        raise unusable from None
+
+
+# What a filesystem answers when the cache cannot be written to until a person acts: exit 73, one line, not a traceback.
+_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def cache_refused(exc: OSError, cache_dir: str) -> CacheUnusableError | None:
+    """The one-line error for a write the cache's filesystem refused (full, read-only, no permission), where
+    ``exc`` is about a path inside ``cache_dir``; None for anything else (a bug: its traceback is logged)."""
+    path = str(exc.filename or "")
+    if exc.errno not in _REFUSALS or not (path == cache_dir or path.startswith(cache_dir.rstrip("/") + "/")):
+        return None
+    what = "free space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable by the daemon's user"
+    return CacheUnusableError(f"the cache's filesystem refused to write {path} ({exc.strerror}): {what}, then restart")
