@@ -134,6 +134,16 @@ class CacheLayout:
         checked counts as having one (the caller then behaves as with a daemon)."""
         return self.writer_state() is not False
 
+    def had_writer_within(self, seconds: float) -> bool:
+        """``has_writer``, or a daemon wrote its status within ``seconds``: one restarting (systemd's restart delay,
+        a crash loop, a pod replaced) rather than a static cache, which no daemon has run on for longer."""
+        if self.has_writer():
+            return True
+        try:
+            return time.time() - os.stat(self.status_file).st_mtime < seconds
+        except OSError:
+            return False
+
     def writer_state(self) -> bool | None:
         """``has_writer``, with None where it cannot be told (the lock file exists but cannot be opened)."""
         try:

@@ -35,8 +35,10 @@ snapshot (its last holder, or the daemon's sweep once its holders died: NOTE [ S
    ``<id>/RECEIPT`` to ``snapshots/<id>.<nonce>.receipt`` (the nonce is the snapshot's own, from its MANIFEST);
    (d) removes the directory, then the lock. A kill after (a) leaves ``RECEIPT``, which the next remover passes on
    without taking the union again; after (c) neither a served file nor ``RECEIPT`` is left: **a receipt is emitted
-   at most once per snapshot**, whatever kills whom when. While no daemon holds the cache's writer lock (a static
-   cache), (a)-(c) are skipped: nobody would collect receipts, and reads missed only keep data longer.
+   at most once per snapshot**, whatever kills whom when. Where no daemon holds the cache's writer lock and none
+   wrote its status in the last 5 minutes (a static cache, not a daemon restarting), (a)-(c) are skipped: nobody
+   would collect receipts, and reads missed only keep data longer. A daemon restarting (systemd's delay, a crash
+   loop) collects the receipts left meanwhile when it starts (step 3 runs at its recovery's pin scan).
 3. The daemon (``ReadLedger``) reads every receipt, adds one read to each served sample of each named segment it
    still publishes with the same sample count, writes its ledger ``reads`` (per-sample counts per segment name and
    the names of the receipts it just applied) atomically, and only then unlinks the receipts. After a crash between

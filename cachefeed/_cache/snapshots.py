@@ -767,6 +767,7 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
 # for microseconds, longer where the supervisor's thread loses the GIL or the core in between (the switch interval
 # is 5 ms).
 _RELEASE_RETRIES_S = (0.005, 0.02, 0.08)
+_RESTART_WINDOW_S = 300.0  # a daemon whose status is this fresh is restarting, not gone: receipts wait for it
 
 
 def _remove_if_unheld(
@@ -798,8 +799,9 @@ def _remove_if_unheld(
 
 def _leave_receipt(directory: Path) -> None:
     """Hand what the epoch of the snapshot in ``directory`` served to the daemon as one receipt (NOTE [ Read
-    receipts ], step 2); without a daemon (a static cache) there is nobody to collect it, so none is left."""
-    if not CacheLayout(directory.parent.parent).has_writer():
+    receipts ], step 2): where a daemon holds the cache, or held it within ``_RESTART_WINDOW_S`` (restarting: the
+    next one collects it). Without a daemon for longer (a static cache) there is nobody to collect it: none."""
+    if not CacheLayout(directory.parent.parent).had_writer_within(_RESTART_WINDOW_S):
         return
     try:
         manifest = msgpack.unpackb((directory / MANIFEST).read_bytes(), raw=False)

@@ -17,6 +17,7 @@ import pytest
 
 from cachefeed._cache import snapshots
 from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.reads import ReadLedger
 from cachefeed._cache.records import SegmentReader
 from cachefeed._cache.settings import CacheConfig
 from cachefeed._cache.snapshots import Snapshot
@@ -640,3 +641,34 @@ def test_a_snapshot_left_for_a_resume_that_never_comes_goes_after_the_grace(tmp_
     store._swept_at = 0
     assert store.sweep() == ["run-e000001"], "which removes it once the grace is over"
     store.close()
+
+
+def test_an_epoch_released_while_the_daemon_restarts_is_credited_by_the_next_one(tmp_path: Path) -> None:
+    """A trainer that finished its epoch during the daemon's restart (systemd's 5 s delay, a crash loop) left no
+    receipt, as on a static cache: the epoch's reads were lost and its samples stayed unread. A daemon that wrote its
+    status within the last minutes is restarting, not gone: the receipt is left, and the next daemon credits it.
+    The witness is the ledger file the restarted daemon writes."""
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root))
+    fill(store, range(100))
+    snapshot = Snapshot.create(root, "run-e000001")
+    store.close()  # the daemon stops; its last status (the reporter's heartbeat file) is a second old
+    CacheLayout(root).status_file.write_text("{}")
+    snapshot.record_served(np.arange(snapshot.samples))
+    snapshot.release()
+    restarted = CacheStore(cache_config(root))
+    restarted.close()
+    counts = ReadLedger(root, root / "snapshots").load()
+    assert sum(len(c) for c in counts.values()) == 100 and {int(c) for v in counts.values() for c in v} == {1}
+
+
+def test_on_a_cache_no_daemon_ran_on_lately_no_receipt_is_left(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    a_store_of_100_samples(root).close()
+    status = CacheLayout(root).status_file
+    status.write_text("{}")
+    an_hour_ago = time.time() - 3600
+    os.utime(status, (an_hour_ago, an_hour_ago))
+    with Snapshot.create(root, "run-e000001") as snapshot:
+        snapshot.record_served(np.arange(snapshot.samples))
+    assert [p for p in (root / "snapshots").iterdir()] == [], "nobody would collect it"
