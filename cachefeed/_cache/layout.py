@@ -8,6 +8,7 @@
       status.json           the daemon's status document (see cachefeed/_status/schema.py)
       sources.json          the named sources ([[source]]), their tags and weights (see _cache/sources.py)
       budget.json           the budget and the epoch room a snapshot may pin (see _cache/room.py)
+      made_with.json        the settings each source's cached samples were made with (see _cache/sources.py)
       classes.json          the class index of sampler.label (see cachefeed/_labels.py)
       segments/<seq>.seg    published segments; <seq> is 16 hex digits, increasing: the name orders by age
       tmp/<seq>.tmp         segments being written (removed at start-up: only the writer writes here)
@@ -185,6 +186,11 @@ class CacheLayout:
     def sources_file(self) -> Path:
         """The configured sources, their tags and weights (``cachefeed/sources.py``)."""
         return self.root / "sources.json"
+
+    @property
+    def made_with_file(self) -> Path:
+        """The settings each source's cached samples were made with (``cachefeed/_cache/sources.py``)."""
+        return self.root / "made_with.json"
 
     @property
     def budget_file(self) -> Path:

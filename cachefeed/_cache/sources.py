@@ -9,6 +9,14 @@ edits. Tag 0 means "the one unnamed remote" of the single ``[remote]`` form.
 
     {"version": 1, "sources": [{"name": "crawl", "tag": 123, "weight": 0.7}, ...]}
 
+``made_with.json`` (written and read by the daemon alone) records, per tag, the settings that decide what a
+source's cached samples *are*: its URL and pattern, the decoder and image settings, the label and preprocess, and
+the node's share. A daemon started over a cache whose samples of a source were made under other settings evicts
+them, naming what changed (``changed_settings``): a cache kept across a config edit never serves samples of the
+old remote, of a split the new pattern leaves out, decoded at another size, or owned by another node now. The
+listing's own mechanics (a manifest, a catalog, timeouts, credentials) are not in it: they decide how objects are
+found, not what a sample is.
+
 Weights are normalised to sum to 1. Each epoch's snapshot copies ``{tag: weight}`` into its MANIFEST
 (``snapshots.py``), so every rank and a resumed job draw the same weighted order even if the daemon's config
 changes meanwhile. Samples of a named source carry its name in the field ``SOURCE_FIELD`` (added when a trainer
@@ -19,14 +27,26 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
 from cachefeed._fsutil import atomic_write
 
-__all__ = ["MAX_SOURCES", "SOURCE_FIELD", "SourceEntry", "read_sources", "source_tag", "write_sources"]
+__all__ = [
+    "MAX_SOURCES",
+    "SOURCE_FIELD",
+    "SourceEntry",
+    "changed_settings",
+    "read_made_with",
+    "read_sources",
+    "source_tag",
+    "write_made_with",
+    "write_sources",
+]
 
 SOURCE_FIELD = "__source__"
 MAX_SOURCES = 32  # bounds what a snapshot's MANIFEST copies (the budget's per-snapshot room, layout.py)
@@ -52,6 +72,31 @@ def write_sources(path: str | os.PathLike[str], entries: list[SourceEntry], *, m
         "sources": [{"name": e.name, "tag": e.tag, "weight": e.weight} for e in entries],
     }
     atomic_write(path, json.dumps(document, indent=1).encode(), mode=mode)
+
+
+def write_made_with(
+    path: str | os.PathLike[str], settings: Mapping[int, Mapping[str, Any]], *, mode: int = 0o640
+) -> None:
+    """Replace ``made_with.json`` atomically: ``{tag: {setting: value}}`` (module docstring; the daemon, at start)."""
+    document = {"version": _VERSION, "sources": {str(tag): dict(values) for tag, values in settings.items()}}
+    atomic_write(path, json.dumps(document, indent=1, sort_keys=True).encode(), mode=mode)
+
+
+def read_made_with(path: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
+    """What ``write_made_with`` wrote; ``{}`` without the file (a cache from before it, or new) or if unreadable."""
+    try:
+        document = json.loads(Path(path).read_bytes())
+        return {int(tag): dict(values) for tag, values in document["sources"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def changed_settings(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """``"key = old -> new"`` for each setting of ``now`` whose value differs from ``before``'s (one that
+    ``before`` lacks, from an older cachefeed, is not a change)."""
+    return [
+        f"{key} = {before[key]!r} -> {value!r}" for key, value in now.items() if key in before and before[key] != value
+    ]
 
 
 def read_sources(path: str | os.PathLike[str]) -> list[SourceEntry]:

@@ -772,9 +772,16 @@ class CacheStore:
         """Evict every published segment whose source tag is not in ``keep`` (at start, when the config no longer
         names that source: epochs would never read its samples, so read-gated eviction would keep them forever).
         Returns the number of segments dropped; snapshots that pin them keep them until released."""
-        gone = [seq for seq, segment in self._published.items() if segment.source not in keep]
+        return self.drop_tags({s.source for s in self._published.values()} - keep)
+
+    def drop_tags(self, tags: set[int]) -> int:
+        """Evict every published segment of a source tag in ``tags`` (at start: ``drop_sources``, and a source whose
+        samples were made under other settings, ``sources.py``); they are forgotten by the restart's recovery too
+        (``recovered_sources``), so that nothing of them counts as cached. Returns the number of segments dropped."""
+        gone = [seq for seq, segment in self._published.items() if segment.source in tags]
         for seq in gone:
             self._evict(seq)
+            self.recovered_sources.pop(seq, None)
         return len(gone)
 
     def enforce(self) -> None:

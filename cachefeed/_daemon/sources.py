@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from cachefeed._cache.records import Source
 from cachefeed._cache.sources import SourceEntry, write_sources
@@ -114,6 +115,29 @@ class Inputs:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+    def made_with(self) -> dict[int, dict[str, Any]]:
+        """Per tag, the settings that decide what its cached samples are (``made_with.json``, ``_cache/sources.py``)."""
+        sampler, node = self.config.sampler, self.config.node
+        return {
+            entry.tag: {
+                "url": entry.config.url,
+                "pattern": entry.config.pattern,
+                "decode": entry.config.decode or sampler.decode,
+                "decode_images": sampler.decode_images,
+                "image_fields": list(sampler.image_fields),
+                "image_size": None if sampler.image_size is None else list(sampler.image_size),
+                "label": sampler.label,
+                "preprocess": sampler.preprocess,
+                "node.rank": node.rank,
+                "node.count": node.count,
+            }
+            for entry in self.inputs
+        }
+
+    def of_source(self, tag: int) -> str:
+        """How a message names the source of ``tag`` after "samples": " of source 'crawl'", or "" (one remote)."""
+        return f" of source {self._by_tag[tag].name!r}" if self.is_named else ""
 
     def catalogs(self) -> list[Catalog]:
         return [entry.catalog for entry in self.inputs if entry.catalog is not None]

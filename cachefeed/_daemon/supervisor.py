@@ -39,6 +39,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.sources import changed_settings, read_made_with, write_made_with
 from cachefeed._cache.store import CacheStore
 from cachefeed._codecs import get_decoder, get_preprocess
 from cachefeed._config import Config
@@ -177,6 +178,7 @@ class Supervisor:
             dropped = store.drop_sources({entry.tag for entry in self.inputs.inputs})
             if dropped:
                 log.warning("evicted %d cached segments of sources the config no longer names", dropped)
+            self._drop_remade(store)
             tags = {segment.seq: segment.source for segment in store.segments}
             for seq, sources in store.recovered_sources.items():
                 self.inputs.adopt(seq, tags.get(seq, 0), sources)  # what the cache holds is not fetched again
@@ -351,6 +353,28 @@ class Supervisor:
     def _restart_header(self, entry: Input) -> CatalogHeader:
         node = self.config.node
         return restart_header(entry.config.url, entry.config.pattern, node.rank, node.count)
+
+    def _drop_remade(self, store: CacheStore) -> None:
+        """Evict the cached samples of each source that were made under other settings than the config's (another
+        URL, pattern, decoder, image size, label, preprocess or node share: ``made_with.json``, ``_cache/sources.py``),
+        naming what changed; then record the settings they are made with from now on."""
+        path = store.layout.made_with_file
+        before, now = read_made_with(path), self.inputs.made_with()
+        for tag, settings in now.items():
+            changes = changed_settings(before.get(tag, {}), settings)
+            if changes:
+                dropped = store.drop_tags({tag})
+                log.warning(
+                    "the cache's samples%s were made with other settings (%s): evicted those %d cached segments; "
+                    "they are fetched again as the config says now",
+                    self.inputs.of_source(tag),
+                    "; ".join(changes),
+                    dropped,
+                )
+        try:
+            write_made_with(path, now, mode=self.config.cache.file_mode)
+        except OSError as exc:  # the next start compares with the settings an earlier one recorded
+            log.warning("could not record the settings the cache's samples are made with in %s: %s", path, exc)
 
     def _restore_catalogs(self, store: CacheStore) -> None:
         """Each source's restart catalog streams into the plan first, in the listing thread (``catalog.py``), so
