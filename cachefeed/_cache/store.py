@@ -290,6 +290,7 @@ class CacheStore:
             self._recover()  # its pin scan writes budget.json
             if not self._room_written:
                 self._write_room()
+            self._shrink_to_budget()
         except BaseException:
             self.close()
             raise
@@ -694,6 +695,32 @@ class CacheStore:
                 continue
             self._evict(victim)
         return True
+
+    def _shrink_to_budget(self) -> None:
+        """At start, a cache over its budget (``cache.max_bytes`` lowered since it was filled) is brought under it at
+        once: unpinned segments in policy order, read or not (counted as evicted unread). The budget is a bound;
+        waiting for trainers to read them, as a full cache does, held it broken for as long as they took."""
+        if self._total() <= self.limit_bytes:
+            return
+        held, evicted = self._total(), 0
+        candidates = [seq for seq in self._published if seq not in self._pinned_published]
+        while self._total() > self.limit_bytes and candidates:
+            victim = self._choose(candidates, spare_below_share=False)
+            if victim is None:
+                break
+            candidates.remove(victim)
+            if not self._is_pinned_now(victim):
+                self._evict(victim)
+                evicted += 1
+        log.warning(
+            "the cache held %s, more than cache.max_bytes = %s allows (lowered since it was filled?): evicted %d "
+            "segments, read or not, to bring it to %s%s",
+            format_bytes(held),
+            format_bytes(self.config.max_bytes),
+            evicted,
+            format_bytes(self._total()),
+            "" if self._total() <= self.limit_bytes else " (the rest is pinned by epochs: it goes as they end)",
+        )
 
     def _waits_for_reads(self) -> bool:
         """Whether a full cache waits for trainers to read (paced) rather than for snapshots to go: some published

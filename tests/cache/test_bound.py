@@ -77,3 +77,20 @@ def test_the_bound_holds_on_tmpfs() -> None:
         max_bytes = 32 << 20
         real, _segments = handover_peak(mount / "c", max_bytes)
         assert real <= max_bytes
+
+
+def test_a_budget_lowered_over_a_full_cache_holds_from_the_restart_on(tmp_path: Path) -> None:
+    """Unread samples wait for trainers before they are evicted (``evict_after_reads``), so a cache restarted with a
+    lower ``max_bytes`` stayed over it (164% in one audit) for as long as no epoch read, and said nothing. The
+    bound now holds at the start; the witness is the directory's real size."""
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, max_bytes=8 << 20, evict_after_reads=1, turnover_bytes=2 << 20))
+    write_until_full(store, 0)
+    store.close()
+    assert tree_bytes(root) > 6 << 20
+    lowered = CacheStore(cache_config(root, max_bytes=4 << 20, evict_after_reads=1, turnover_bytes=1 << 20))
+    try:
+        assert tree_bytes(root) <= 4 << 20
+        assert lowered.counters.evicted_unread_samples > 0, "what it evicted was never read, and is counted so"
+    finally:
+        lowered.close()
