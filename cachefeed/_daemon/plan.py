@@ -421,6 +421,15 @@ class SamplingPlan:
         else:
             self._failed_this_pass.add(oid)
 
+    def retry_forbidden(self) -> int:
+        """Objects dropped for a 401/403 are drawn again from the next pass on (SIGHUP: an operator fixed the
+        bucket's policy or the credentials; until then a drop lasted until the object changed). Returns how many."""
+        refused = [oid for oid in self._dropped if self._reason.get(oid) == "forbidden"]
+        for oid in refused:
+            del self._dropped[oid]
+            del self._reason[oid]
+        return len(refused)
+
     def adopt(self, seq: int, sources: Iterable[Source]) -> None:
         """Segment ``seq``, recovered at start, holds samples of each ``(path, version[, cut])`` in ``sources``
         (``records.Source``: ``cut`` where the segment was cut inside the object's samples).

@@ -198,6 +198,7 @@ class StatusReporter:
         if catalog.is_failing:
             reasons.append(f"listing the remote fails: {catalog.last_error}")
         reasons += self._inputs.empty_listings()
+        reasons += self._inputs.uncacheable()
         reasons += self._store.write_problems.values()
         requests_per_s, errors_per_s = self._remote_window.add(
             time.monotonic(), (remote.requests_total, sum(remote.errors_by_kind.values()))

@@ -305,6 +305,21 @@ class Inputs:
                 )
         return lines
 
+    def uncacheable(self) -> list[str]:
+        """One line per input every listed object of which was refused (dropped or quarantined): such a daemon
+        caches nothing, and used to say it was running once its failed requests left the error window."""
+        lines = []
+        for entry in self.inputs:
+            refused = entry.plan.not_cached
+            if entry.plan.owned and sum(refused.values()) >= entry.plan.owned:
+                where = f"source {entry.name!r}: " if self.is_named else ""
+                reasons = ", ".join(f"{kind}: {n}" for kind, n in sorted(refused.items()))
+                lines.append(
+                    f"{where}none of the {entry.plan.owned} listed objects can be cached ({reasons}): see "
+                    "left_out in the status JSON; fix the cause and send SIGHUP (a 401/403 is tried again then)"
+                )
+        return lines
+
     def table(self, cached: Mapping[int, int]) -> list[dict[str, object]]:
         """The status document's ``sources`` list (named sources only)."""
         if not self.is_named:

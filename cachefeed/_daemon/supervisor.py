@@ -324,7 +324,11 @@ class Supervisor:
         pool.restart_due()
         if self.should_refresh:
             self.should_refresh = False
-            log.info("SIGHUP: listing the remote now")
+            refused = sum(entry.plan.retry_forbidden() for entry in self.inputs.inputs)
+            log.info(
+                "SIGHUP: listing the remote now%s",
+                f"; the {refused} objects refused with 401/403 are tried again" if refused else "",
+            )
             for catalog in self.inputs.catalogs():
                 catalog.refresh_now()
         for entry in self.inputs.inputs:

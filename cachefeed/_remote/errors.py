@@ -4,7 +4,10 @@
 exception types (never message text):
 
 - 404, 410, ``NoSuchKey``, a missing file -> ``RemoteNotFoundError`` (not retried);
-- 401/403, ``AccessDenied``, missing credentials -> ``RemoteForbiddenError`` (not retried);
+- 401/403, ``AccessDenied``, partial credentials -> ``RemoteForbiddenError`` (not retried: the object is dropped
+  until SIGHUP or until it changes);
+- ``ExpiredToken``, no credentials found (an instance-metadata or token-file hiccup) -> ``RemoteTransientError``: the
+  object is not at fault, and dropping every object in flight for a refresh's moment lost them for good;
 - 412, ``PreconditionFailed``, s3fs's ``FileExpired`` -> ``RemoteChangedError`` (not retried: the listing is stale);
 - 5xx, throttling, resets, timeouts, truncated or corrupted bodies -> ``RemoteTransientError`` (retried);
 - anything else -> ``RemoteError``.
@@ -39,7 +42,7 @@ _CODE_TABLE: dict[str, type[RemoteError]] = {
     "AccessDenied": RemoteForbiddenError,
     "AccountProblem": RemoteForbiddenError,
     "AllAccessDisabled": RemoteForbiddenError,
-    "ExpiredToken": RemoteForbiddenError,
+    "ExpiredToken": RemoteTransientError,  # temporary credentials about to be refreshed: no reason to drop the object
     "InvalidAccessKeyId": RemoteForbiddenError,
     "InvalidObjectState": RemoteForbiddenError,
     "SignatureDoesNotMatch": RemoteForbiddenError,
@@ -88,7 +91,7 @@ def _type_table() -> tuple[tuple[type[BaseException], type[RemoteError]], ...]:
         pass
     else:
         table += [
-            (boto.NoCredentialsError, RemoteForbiddenError),
+            (boto.NoCredentialsError, RemoteTransientError),  # an instance-metadata hiccup, not the object's fault
             (boto.PartialCredentialsError, RemoteForbiddenError),
             (boto.HTTPClientError, RemoteTransientError),  # read timeouts, closed connections, streaming errors
             (boto.ConnectionError, RemoteTransientError),  # connect timeouts, endpoint unreachable

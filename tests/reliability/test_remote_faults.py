@@ -383,3 +383,31 @@ def test_corruption_in_transit_with_an_upload_checksum_is_detected(s3: LocalS3, 
 
 def test_corruption_in_transit_without_an_upload_checksum_is_detected(s3: LocalS3, fault_proxy: FaultProxy) -> None:
     corruption_in_transit(s3, fault_proxy, with_checksum=False)
+
+
+def test_a_remote_that_refuses_every_object_is_named_degraded_and_a_sighup_after_the_fix_caches_it(
+    bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon
+) -> None:
+    """Every GET answered 403 (a bucket policy, wrong credentials): each object was dropped once, the failures left
+    the error window, and status said running while nothing could be cached; fixing the policy changed nothing, as
+    a drop lasted until the object itself changed. Now status stays degraded, naming the refusals, and SIGHUP tries
+    the refused objects again. The witness is the cache's content: every object's exact bytes."""
+    paths = upload_sv(bucket, BUCKET, 10, OBJECT_BYTES)
+    fault_proxy.set_rules([Rule("status", op="GetObject", status=403)])
+    proc = daemon(endpoint=fault_proxy.endpoint, sections={"cache": {"max_bytes": "32MiB"}})
+    proc.wait_status(
+        lambda d: d["remote"]["not_cached"].get("forbidden", 0) == len(paths), timeout_s=60, what="every object refused"
+    )
+    time.sleep(11)  # the failed requests leave the 10 s error window
+    doc = proc.status() or {}
+    assert doc["state"] == "degraded", doc.get("degraded_reasons")
+    assert any(
+        reason.startswith(f"none of the {len(paths)} listed objects can be cached (forbidden: {len(paths)})")
+        for reason in doc["degraded_reasons"]
+    ), doc["degraded_reasons"]
+    fault_proxy.clear()  # the policy is fixed
+    proc.signal(signal.SIGHUP)
+    wait_while_running(
+        proc, lambda: set(paths) <= set(check_cache(proc.cache_dir).keys), timeout_s=60, what="every object cached"
+    )
+    proc.wait_status(lambda d: d["state"] == "running", timeout_s=20, what="running again")
