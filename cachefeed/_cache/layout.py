@@ -12,6 +12,7 @@
       classes.json          the class index of sampler.label (see cachefeed/_labels.py)
       segments/<seq>.seg    published segments; <seq> is 16 hex digits, increasing: the name orders by age
       tmp/<seq>.tmp         segments being written (removed at start-up: only the writer writes here)
+      tmp/sampler-<i>.writing  the object sampler i is writing, for the supervisor if it dies (_daemon/protocol.py)
       snapshots/<id>.lock   an epoch pin's lock (see _cache/snapshots.py), created locked
       snapshots/<id>/       hard links to the pinned segments, plus MANIFEST
 
@@ -186,6 +187,10 @@ class CacheLayout:
     def sources_file(self) -> Path:
         """The configured sources, their tags and weights (``cachefeed/sources.py``)."""
         return self.root / "sources.json"
+
+    def writing_file(self, index: int) -> Path:
+        """The object sampler ``index`` is writing (``_daemon/protocol.py``, beside the socket); in ``tmp/``."""
+        return self.tmp / f"sampler-{index}.writing"
 
     @property
     def made_with_file(self) -> Path:

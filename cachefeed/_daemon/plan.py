@@ -71,6 +71,7 @@ log = get_logger(__name__)
 _IDLE_BACKOFF_MIN_S = 0.5
 _IDLE_BACKOFF_MAX_S = 30.0
 _DROP_KINDS = frozenset({"not_found", "forbidden", "too_large"})
+_QUARANTINE_KINDS = frozenset({"decode", "crash"})  # until the object changes: its content is at fault
 
 
 def owner_of(path: str, count: int) -> int:
@@ -410,12 +411,12 @@ class SamplingPlan:
         if oid in self._in_flight and not self._resolve(oid):
             return  # the failure concerned an old version; the new one is queued
         etag = self._etag(oid)
-        if kind in _DROP_KINDS or kind == "decode":
+        if kind in _DROP_KINDS or kind in _QUARANTINE_KINDS:
             self._reason[oid] = kind
         if kind in _DROP_KINDS:
             self._dropped[oid] = etag
             self.counters.dropped_total += 1
-        elif kind == "decode":
+        elif kind in _QUARANTINE_KINDS:
             self._quarantined[oid] = etag
             self.counters.quarantined_total += 1
         else:

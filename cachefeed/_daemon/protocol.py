@@ -38,6 +38,13 @@ Sampler -> supervisor:
   that failed to decode: ``kind = "sample"``). Informational: it changes nothing in the plan.
 * ``Stats``: cumulative counters of this sampler process (remote requests, retries, errors by kind, bytes,
   objects), about once a second; doubles as the heartbeat.
+
+Beside the socket, the object being written: a sampler that dies leaves no message, so its writer thread keeps the
+id of the object it is decoding and writing in ``tmp/sampler-<index>.writing`` (8 bytes, ``mark_writing``: -1
+between objects; ``Init.segment["writing_path"]``). When a sampler dies, the supervisor reads it
+(``read_writing``): an object a sampler died on twice (a decoder or preprocess that crashes the process, a
+sample that exhausts its memory) is quarantined (kind ``crash``, named in ``cachefeed status``) instead of being
+handed out again, and again, stopping all ingest.
 * ``Drained``: the answer to ``Drain``, sent last.
 
 Invariants:
@@ -56,12 +63,27 @@ Referenced from: ``supervisor.py`` (dispatch), ``pool.py`` (death and re-queue),
 
 from __future__ import annotations
 
+import os
+import struct
 from dataclasses import astuple, dataclass, field
 from typing import Any, ClassVar
 
 from cachefeed._daemon.wire import Message, message
 
-__all__ = ["Credit", "Done", "Drain", "Drained", "Failed", "Init", "Quarantined", "Stats", "Work", "WorkItem"]
+__all__ = [
+    "Credit",
+    "Done",
+    "Drain",
+    "Drained",
+    "Failed",
+    "Init",
+    "Quarantined",
+    "Stats",
+    "Work",
+    "WorkItem",
+    "mark_writing",
+    "read_writing",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,3 +187,25 @@ class Stats(Message):
 @dataclass(frozen=True, slots=True)
 class Drained(Message):
     TAG: ClassVar[str] = "drained"
+
+
+_WRITING = struct.Struct("<q")
+
+
+def mark_writing(fd: int, oid: int) -> None:
+    """The sampler's writer thread: ``oid`` is being decoded and written now (-1: none). One ``pwrite``; best effort
+    (a full disk loses only the crash attribution)."""
+    try:
+        os.pwrite(fd, _WRITING.pack(oid), 0)
+    except OSError:
+        pass
+
+
+def read_writing(path: str) -> int:
+    """The supervisor, after a sampler died: the object it was writing, or -1 (none, or nothing readable)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_WRITING.size)
+    except OSError:
+        return -1
+    return _WRITING.unpack(data)[0] if len(data) == _WRITING.size else -1

@@ -33,6 +33,7 @@ remote still reaches the cache quickly), when it is ``max_age_s`` old, or when i
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -45,7 +46,7 @@ from cachefeed._cache.records import source_bytes
 from cachefeed._cache.writer import CacheWriter, SegmentRamp, WriterStopped
 from cachefeed._codecs import Decoded, Sample
 from cachefeed._daemon.grants import RpcGrantProvider
-from cachefeed._daemon.protocol import WorkItem
+from cachefeed._daemon.protocol import WorkItem, mark_writing
 from cachefeed._errors import ChannelClosed, CorruptRecordError, DecodeError, GrantTooLarge
 from cachefeed._logs import get_logger
 
@@ -76,6 +77,7 @@ class SinkSettings:
     max_objects: int = 8192
     published_bytes: int | None = None  # the cache's at the sampler's start: segments ramp up (None: they do not)
     writers: int = 1  # the daemon's samplers (SegmentRamp.writers)
+    writing_path: str = ""  # where the object being written is kept for the supervisor ("" : nowhere; protocol.py)
 
 
 class SegmentSink:
@@ -113,6 +115,7 @@ class SegmentSink:
         self._stop = threading.Event()  # interrupts a wait for room
         self._is_hard_stop = False
         self._thread = threading.Thread(target=self._run, name="segment-writer", daemon=True)
+        self._writing_fd = -1  # the file the supervisor reads after a crash: the object being written (protocol.py)
         self._writing: WorkItem | None = None  # the object being added, once a sample of it is in the open segment
         self._cut = 0  # its samples added before the one being added now (its first ``skip`` included)
         self.error: BaseException | None = None
@@ -163,6 +166,11 @@ class SegmentSink:
         )
         writer.before_publish = lambda: self._name_spanning(writer)
         opened_at = 0.0
+        if settings.writing_path:
+            try:
+                self._writing_fd = os.open(settings.writing_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError:
+                self._writing_fd = -1
         try:
             while True:
                 timeout = settings.idle_flush_s if writer.pending_samples else None
@@ -208,43 +216,49 @@ class SegmentSink:
             self._writing = None  # until its next sample is added to the next segment
 
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
-        key, url = self._names[item.source](item.path)
+        if self._writing_fd >= 0:  # the supervisor reads it if this process dies meanwhile (protocol.py)
+            mark_writing(self._writing_fd, item.oid)
         try:
-            decoded = self._decoders[item.source](key, body)
-            samples = list(decoded)[item.skip :]  # the first ``skip`` are cached already (a crash cut the object)
-            for sample in samples:
-                sample["__url__"] = url
-                if item.label is not None:  # sampler.label: the class index of the object's path (_labels.py)
-                    sample["label"] = item.label
-            if self._preprocess is not None:
-                samples = [self._preprocess(_writable(sample)) for sample in samples]
+            key, url = self._names[item.source](item.path)
+            try:
+                decoded = self._decoders[item.source](key, body)
+                samples = list(decoded)[item.skip :]  # the first ``skip`` are cached already (a crash cut the object)
                 for sample in samples:
                     sample["__url__"] = url
-        except DecodeError as exc:
-            self._on_failed(item, "decode", str(exc))
-            return
-        except Exception as exc:  # a user decoder may raise anything: quarantine the object, keep going
-            self._on_failed(item, "decode", f"{item.path}: {type(exc).__name__}: {exc}")
-            return
-        del body
-        if decoded.skipped and self._on_skipped is not None:
-            self._on_skipped(item, decoded.skipped)
-        writer.source_room = source_bytes(item.path, item.etag)  # its name always fits where its samples are
-        try:
-            for index, sample in enumerate(samples):
-                self._cut = item.skip + index
-                writer.add(sample)
-                self._writing = item
-        except GrantTooLarge as exc:
-            self._on_failed(item, "too_large", f"{item.path}: {exc}")
-            return
-        except CorruptRecordError as exc:  # publishing the previous segment failed; its objects were re-queued
-            log.warning("publishing a segment failed: %s", exc)
-            self._on_failed(item, "error", f"{item.path}: {exc}")
-            return
+                    if item.label is not None:  # sampler.label: the class index of the object's path (_labels.py)
+                        sample["label"] = item.label
+                if self._preprocess is not None:
+                    samples = [self._preprocess(_writable(sample)) for sample in samples]
+                    for sample in samples:
+                        sample["__url__"] = url
+            except DecodeError as exc:
+                self._on_failed(item, "decode", str(exc))
+                return
+            except Exception as exc:  # a user decoder may raise anything: quarantine the object, keep going
+                self._on_failed(item, "decode", f"{item.path}: {type(exc).__name__}: {exc}")
+                return
+            del body
+            if decoded.skipped and self._on_skipped is not None:
+                self._on_skipped(item, decoded.skipped)
+            writer.source_room = source_bytes(item.path, item.etag)  # its name always fits where its samples are
+            try:
+                for index, sample in enumerate(samples):
+                    self._cut = item.skip + index
+                    writer.add(sample)
+                    self._writing = item
+            except GrantTooLarge as exc:
+                self._on_failed(item, "too_large", f"{item.path}: {exc}")
+                return
+            except CorruptRecordError as exc:  # publishing the previous segment failed; its objects were re-queued
+                log.warning("publishing a segment failed: %s", exc)
+                self._on_failed(item, "error", f"{item.path}: {exc}")
+                return
+            finally:
+                self._writing = None
+            if samples:
+                writer.add_source(item.path, item.etag)  # best effort: lets a restarted daemon skip this object
+                self._provider.completed.append(item.oid)
+            self._on_handled(item, len(samples))
         finally:
-            self._writing = None
-        if samples:
-            writer.add_source(item.path, item.etag)  # best effort: lets a restarted daemon skip this object
-            self._provider.completed.append(item.oid)
-        self._on_handled(item, len(samples))
+            if self._writing_fd >= 0:
+                mark_writing(self._writing_fd, -1)

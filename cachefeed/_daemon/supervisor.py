@@ -55,7 +55,19 @@ from cachefeed._daemon.columns import return_freed_memory
 from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed._daemon.notify import SystemdNotifier
 from cachefeed._daemon.pool import SamplerHandle, SamplerPool, SamplerState
-from cachefeed._daemon.protocol import Credit, Done, Drain, Drained, Failed, Init, Quarantined, Stats, Work, WorkItem
+from cachefeed._daemon.protocol import (
+    Credit,
+    Done,
+    Drain,
+    Drained,
+    Failed,
+    Init,
+    Quarantined,
+    Stats,
+    Work,
+    WorkItem,
+    read_writing,
+)
 from cachefeed._daemon.quarantine import QuarantineLog
 from cachefeed._daemon.reporter import StatusReporter
 from cachefeed._daemon.sources import Input, Inputs
@@ -73,6 +85,7 @@ __all__ = ["DRAIN_TIMEOUT_S", "Supervisor"]
 log = get_logger(__name__)
 
 DRAIN_TIMEOUT_S = 5.0
+CRASHES_TO_QUARANTINE = 2  # samplers that died writing one object before it is quarantined (``_undo``)
 _MAX_WAIT_S = 0.25
 _FIRST_LISTING_WAIT_S = 0.01  # the main loop's longest nap while a source's first listing runs (_serve)
 # What one sampler may hold of assigned objects: the larger of these, and always two objects (_assign).
@@ -113,6 +126,7 @@ class Supervisor:
         self._turnover_s: float | None = None
         self._reporter: StatusReporter | None = None
         self.quarantine = QuarantineLog()  # the most recent objects and samples left out, for status
+        self._deaths_writing: dict[int, int] = {}  # gid -> samplers that died writing it (``_undo``)
         self._next_handle = 0
         self._object_bytes = 0  # the largest object of the last draw: how many objects fill a sampler's room
         self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
@@ -258,6 +272,9 @@ class Supervisor:
                 next_watchdog = now + watchdog_s / 2
                 self.notifier.watchdog()
         self.state = "stopped"
+        layout = self._require_store().layout
+        for index in range(self.config.sampler.processes):  # every sampler is gone: nothing for them to tell
+            layout.writing_file(index).unlink(missing_ok=True)
         self._publish_status()
         log.info("stopped")
         return 0
@@ -548,13 +565,32 @@ class Supervisor:
         self._check_evictions()
 
     def _undo(self, handle: SamplerHandle) -> None:
-        """A sampler is gone: re-queue what it had not finished, delete what it had not published."""
-        if handle.assigned:
-            log.info("re-queueing %d objects of sampler %d", len(handle.assigned), handle.index)
-        self.inputs.requeue(handle.settle(sorted(handle.assigned)))
+        """A sampler is gone: re-queue what it had not finished (but an object it died writing for the second
+        time: quarantined, see NOTE [ Supervisor-sampler protocol ]), delete what it had not published."""
+        culprit = read_writing(str(self._require_store().layout.writing_file(handle.index)))
+        unfinished = handle.settle(sorted(handle.assigned))
+        if culprit in unfinished:
+            deaths = self._deaths_writing[culprit] = self._deaths_writing.get(culprit, 0) + 1
+            if deaths >= CRASHES_TO_QUARANTINE:
+                unfinished.remove(culprit)
+                self._quarantine_crash(culprit, deaths, handle.last_error or "it exited")
+        if unfinished:
+            log.info("re-queueing %d objects of sampler %d", len(unfinished), handle.index)
+        self.inputs.requeue(unfinished)
         self.inputs.forget_sampler(handle.index)
         self._require_grants().abort_all(handle.index)
         handle.credits = 0
+
+    def _quarantine_crash(self, gid: int, deaths: int, how: str) -> None:
+        """Object ``gid`` killed the sampler writing it ``deaths`` times: never handed out again until it changes."""
+        entry, oid = self.inputs.split(gid)
+        path = entry.plan.table.path(oid)
+        url = entry.catalog.remote.url_of(path) if entry.catalog is not None else path
+        reason = f"a sampler died writing it {deaths} times (the last: {how}): its decoder or preprocess crashes"
+        log.error("quarantined %s: %s", url, reason)
+        self.inputs.failed(gid, "crash")
+        self.quarantine.add(url, None, "crash", reason)
+        self._deaths_writing.pop(gid, None)
 
     # -- draining -------------------------------------------------------------------------------------------
 
@@ -644,6 +680,7 @@ class Supervisor:
                 for e in self.inputs.inputs
             ],
             segment={
+                "writing_path": str(self._require_store().layout.writing_file(index)),
                 "segment_bytes": cache.segment_bytes,
                 "compression": cache.compression,
                 "file_mode": cache.file_mode,

@@ -43,7 +43,8 @@ class NotifyListener:
                 continue
             for line in data.decode().splitlines():
                 if line == "READY=1":
-                    self.tmp_at_ready = sorted(os.listdir(self.cache_dir / "tmp"))
+                    tmp = os.listdir(self.cache_dir / "tmp")  # partial segments (not what samplers are writing)
+                    self.tmp_at_ready = sorted(name for name in tmp if name.endswith(".tmp"))
                 self.messages.append((time.monotonic(), line))
 
     def lines(self, prefix: str) -> list[str]:

@@ -257,7 +257,7 @@ def run_and_check(proc: DaemonProcess, expected: set[str], scenario: str, **figu
         for path in tree_listing(proc.cache_dir)
         if not re.fullmatch(
             r"CACHEDIR\.TAG|lock|status\.json|budget\.json|made_with\.json|catalog-[0-9a-f]{8}\.cfcat|segments|tmp|snapshots"
-            r"|segments/[0-9a-f]{16}\.seg",
+            r"|segments/[0-9a-f]{16}\.seg|tmp/sampler-[0-9]+\.writing",
             path,
         )
     ]
