@@ -59,6 +59,8 @@ class SamplerHandle:
     objects_total: int = 0
     base_objects_total: int = 0  # objects of earlier incarnations
     last_error: str = ""
+    writer_heard_at: float = 0.0  # time.time() of the last message its writer thread sent (grants, done, failed)
+    hung: str = ""  # why its writer looks hung (``Supervisor._watch_writers``), for status; "" when it does not
     started_at: float = 0.0
     last_heard: float = 0.0
     restart_at: float = 0.0

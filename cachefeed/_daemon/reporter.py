@@ -194,6 +194,7 @@ class StatusReporter:
             for h in self._pool.handles
             if h.state is SamplerState.RESTARTING
         ]
+        reasons += [h.hung for h in self._pool.handles if h.hung]
         catalog = self._inputs.catalog_state()
         if catalog.is_failing:
             reasons.append(f"listing the remote fails: {catalog.last_error}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing.connection
+import os
 import signal
 import socket
 import threading
@@ -496,6 +497,39 @@ class Supervisor:
         store = self._require_store()
         store.enforce()
         self._check_evictions()
+        self._watch_writers()
+
+    def _watch_writers(self) -> None:
+        """A sampler's heartbeat comes from its event loop, so a writer thread stuck inside a decoder or preprocess
+        (a hang, not a crash) went unnoticed while ingest stopped. The object it writes (``tmp/sampler-<i>.writing``,
+        whose mtime is when it began) tells: one written for longer than ``status.stuck_after`` without a word from
+        that thread (a wait for room re-asks every 0.1 s) makes the daemon degraded, naming it; at twice that the
+        sampler is killed, a death while writing that object (``_undo``: quarantined after two)."""
+        limit, now = self.config.status.stuck_after_s, time.time()
+        layout = self._require_store().layout
+        for handle in self._require_pool().live():
+            handle.hung = ""
+            path = layout.writing_file(handle.index)
+            gid = read_writing(str(path))
+            if gid < 0 or gid not in handle.assigned:
+                continue
+            try:
+                began = os.stat(path).st_mtime
+            except OSError:
+                continue
+            idle = now - max(began, handle.writer_heard_at)
+            if idle <= limit:
+                continue
+            url = self._url_of(gid)
+            if idle > 2 * limit:
+                log.error("sampler %d has been writing %s for %.0fs: killing it", handle.index, url, idle)
+                handle.last_error = f"hung for {idle:.0f}s"
+                self._require_pool().kill(handle)
+            else:
+                handle.hung = (
+                    f"sampler {handle.index} has been writing {url} for {idle:.0f}s (status.stuck_after = {limit:g}s): "
+                    "a decoder or preprocess that hangs? It is killed at twice that"
+                )
 
     def _check_evictions(self) -> None:
         store = self._require_store()
@@ -513,6 +547,8 @@ class Supervisor:
     def _dispatch(self, handle: SamplerHandle, message: Message) -> None:
         pool = self._require_pool()
         grants = self._require_grants()
+        if isinstance(message, Reserve | Publish | Abort | Done | Failed | Quarantined):
+            handle.writer_heard_at = time.time()  # its writer thread is alive (a wait for room re-asks every 0.1 s)
         if isinstance(message, Credit):
             handle.credits += message.n
         elif isinstance(message, Reserve):
@@ -581,12 +617,18 @@ class Supervisor:
         self._require_grants().abort_all(handle.index)
         handle.credits = 0
 
-    def _quarantine_crash(self, gid: int, deaths: int, how: str) -> None:
-        """Object ``gid`` killed the sampler writing it ``deaths`` times: never handed out again until it changes."""
+    def _url_of(self, gid: int) -> str:
+        """Object ``gid``'s URL, as its samples' ``__url__`` names it."""
         entry, oid = self.inputs.split(gid)
         path = entry.plan.table.path(oid)
-        url = entry.catalog.remote.url_of(path) if entry.catalog is not None else path
-        reason = f"a sampler died writing it {deaths} times (the last: {how}): its decoder or preprocess crashes"
+        return entry.catalog.remote.url_of(path) if entry.catalog is not None else path
+
+    def _quarantine_crash(self, gid: int, deaths: int, how: str) -> None:
+        """Object ``gid`` killed the sampler writing it ``deaths`` times: never handed out again until it changes."""
+        url = self._url_of(gid)
+        reason = (
+            f"a sampler died writing it {deaths} times (the last: {how}): its decoder or preprocess crashes or hangs"
+        )
         log.error("quarantined %s: %s", url, reason)
         self.inputs.failed(gid, "crash")
         self.quarantine.add(url, None, "crash", reason)

@@ -1,16 +1,20 @@
 """One object whose decoding kills the sampler (a native decoder's segfault, a sample that exhausts memory): it was
 handed out again first after every restart, so the daemon restarted its samplers forever and cached nothing
 more, and nothing named the object. Now an object a sampler died writing twice is quarantined (kind ``crash``),
-named in the log and in status; the rest is cached. The witness is what the training loop receives."""
+named in the log and in status; the rest is cached. One whose decoding hangs was worse: the sampler's heartbeat
+comes from its event loop, so nothing noticed at all. Now status names it after ``status.stuck_after``, and the
+sampler is killed at twice that, a death like a crash's. The witness is what the training loop receives."""
 
 from __future__ import annotations
 
 import ctypes
 import io
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import start_daemon
@@ -28,7 +32,17 @@ def crash_on_poison(sample: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
-def test_an_object_that_kills_its_sampler_is_quarantined_and_the_rest_is_cached(tmp_path: Path) -> None:
+def hang_on_poison(sample: dict[str, Any]) -> dict[str, Any]:
+    """``sampler.preprocess``: never returns on one object, as a decoder stuck in a loop or on a lock."""
+    if sample["__key__"].removesuffix(".npy") == POISON.removesuffix(".npy"):
+        time.sleep(3600)
+    return sample
+
+
+@pytest.mark.parametrize("preprocess", ["crash_on_poison", "hang_on_poison"])
+def test_an_object_that_kills_or_hangs_its_sampler_is_quarantined_and_the_rest_is_cached(
+    tmp_path: Path, preprocess: str
+) -> None:
     remote = tmp_path / "remote"
     remote.mkdir()
     for i in range(OBJECTS):
@@ -46,16 +60,23 @@ def test_an_object_that_kills_its_sampler_is_quarantined_and_the_rest_is_cached(
                     "processes": 1,
                     "concurrency": 2,
                     "decode": "npy",
-                    "preprocess": "tests.daemon.test_crashing_object:crash_on_poison",
+                    "preprocess": f"tests.daemon.test_crashing_object:{preprocess}",
                     "restart_backoff": "100ms",
                     "restart_backoff_max": "200ms",
                 },
-                "status": {"interval": "200ms"},
+                "status": {"interval": "200ms", "stuck_after": "2s"},
             }
         )
     )
     daemon = start_daemon(config, cache_dir, tmp_path / "daemon.err", env=child_env())
     try:
+        if preprocess == "hang_on_poison":
+            hung = daemon.wait_status(
+                lambda d: any("has been writing" in reason for reason in d["degraded_reasons"]),
+                timeout_s=30,
+                what="the hang named in status",
+            )
+            assert f"has been writing {(remote / POISON).as_uri()} for" in " ".join(hung["degraded_reasons"])
         doc = daemon.wait_status(
             lambda d: d["cache"]["samples"] == OBJECTS - 1 and d["remote"]["not_cached"].get("crash") == 1,
             timeout_s=60,
