@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +44,33 @@ def atomic_write(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """At most ``limit`` bytes of the regular file ``path``. A symlink is never followed and a FIFO or device never
+    blocks the caller: ``OSError`` for them, as for a missing file (what a planted file in a cache must get)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        chunks, left = [], limit
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def open_regular_for_write(path: str | os.PathLike[str], mode: int) -> int:
+    """A write descriptor of the regular file ``path``, created or emptied; as ``read_regular``, never through a
+    symlink and never blocking on a FIFO (``OSError``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    fd = os.open(path, flags, mode)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

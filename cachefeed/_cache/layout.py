@@ -37,6 +37,7 @@ from pathlib import Path
 from cachefeed._errors import CacheUnusableError, NoSuchCacheError
 
 __all__ = [
+    "DAEMON_RESTART_WINDOW_S",
     "SEGMENT_NAME",
     "SNAPSHOT_ENTRY_BYTES",
     "SNAPSHOT_FIXED_BYTES",
@@ -52,6 +53,7 @@ __all__ = [
 
 SEGMENT_NAME = re.compile(r"^[0-9a-f]{16}\.seg$")
 SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+DAEMON_RESTART_WINDOW_S = 300.0  # a daemon whose status is this fresh is restarting, not gone (had_writer_within)
 _TMP_NAME = re.compile(r"^[0-9a-f]{16}\.tmp$")
 # What one more snapshot of N segments costs on disk, at most: per segment a directory entry for its hard link
 # (ext4: 8 bytes + the 20-byte name, in leaf blocks an htree split may leave half empty) and its MANIFEST entry

@@ -52,6 +52,7 @@ counts pins), which must agree on every file name and lock.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -69,6 +70,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cachefeed._cache.layout import (
+    DAEMON_RESTART_WINDOW_S,
     SEGMENT_NAME,
     SNAPSHOT_ID,
     CacheLayout,
@@ -91,7 +93,7 @@ from cachefeed._cache.records import segment_trailer
 from cachefeed._cache.room import Candidate, choose, read_room, top_up, unread_first
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
-from cachefeed._fsutil import atomic_write, remove_tree
+from cachefeed._fsutil import atomic_write, open_regular_for_write, remove_tree
 
 __all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale", "sweep_unwatched"]
 
@@ -317,7 +319,8 @@ class Snapshot:
                             "it is not this job's snapshot, so it is not joined"
                         )
                 if nonce is not None:
-                    (snapshot.directory / LEFT).unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):  # not there, or not ours to remove: its releaser decides
+                        (snapshot.directory / LEFT).unlink(missing_ok=True)
                 return snapshot
             now = time.monotonic()
             if pinned is _BUSY and now > busy_deadline:
@@ -523,7 +526,7 @@ class Snapshot:
         if fd is None:
             return
         try:
-            (self.directory / LEFT).touch()
+            os.close(open_regular_for_write(self.directory / LEFT, 0o640))
         except OSError:
             pass
         finally:
@@ -767,7 +770,6 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
 # for microseconds, longer where the supervisor's thread loses the GIL or the core in between (the switch interval
 # is 5 ms).
 _RELEASE_RETRIES_S = (0.005, 0.02, 0.08)
-_RESTART_WINDOW_S = 300.0  # a daemon whose status is this fresh is restarting, not gone: receipts wait for it
 
 
 def _remove_if_unheld(
@@ -799,9 +801,9 @@ def _remove_if_unheld(
 
 def _leave_receipt(directory: Path) -> None:
     """Hand what the epoch of the snapshot in ``directory`` served to the daemon as one receipt (NOTE [ Read
-    receipts ], step 2): where a daemon holds the cache, or held it within ``_RESTART_WINDOW_S`` (restarting: the
+    receipts ], step 2): where a daemon holds the cache, or held it within ``DAEMON_RESTART_WINDOW_S`` (restarting: the
     next one collects it). Without a daemon for longer (a static cache) there is nobody to collect it: none."""
-    if not CacheLayout(directory.parent.parent).had_writer_within(_RESTART_WINDOW_S):
+    if not CacheLayout(directory.parent.parent).had_writer_within(DAEMON_RESTART_WINDOW_S):
         return
     try:
         manifest = msgpack.unpackb((directory / MANIFEST).read_bytes(), raw=False)

@@ -34,7 +34,7 @@ from typing import Any
 
 import xxhash
 
-from cachefeed._fsutil import atomic_write
+from cachefeed._fsutil import atomic_write, read_regular
 
 __all__ = [
     "MAX_SOURCES",
@@ -51,6 +51,7 @@ __all__ = [
 SOURCE_FIELD = "__source__"
 MAX_SOURCES = 32  # bounds what a snapshot's MANIFEST copies (the budget's per-snapshot room, layout.py)
 _VERSION = 1
+_MAX_MADE_WITH_BYTES = 1 << 20  # 32 sources' settings take a few KiB
 
 
 def source_tag(name: str) -> int:
@@ -85,7 +86,7 @@ def write_made_with(
 def read_made_with(path: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
     """What ``write_made_with`` wrote; ``{}`` without the file (a cache from before it, or new) or if unreadable."""
     try:
-        document = json.loads(Path(path).read_bytes())
+        document = json.loads(read_regular(path, _MAX_MADE_WITH_BYTES))  # a planted FIFO never blocks the start
         return {int(tag): dict(values) for tag, values in document["sources"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}

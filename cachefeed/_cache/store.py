@@ -290,7 +290,6 @@ class CacheStore:
             self._recover()  # its pin scan writes budget.json
             if not self._room_written:
                 self._write_room()
-            self._shrink_to_budget()
         except BaseException:
             self.close()
             raise
@@ -696,12 +695,14 @@ class CacheStore:
             self._evict(victim)
         return True
 
-    def _shrink_to_budget(self) -> None:
-        """At start, a cache over its budget (``cache.max_bytes`` lowered since it was filled) is brought under it at
-        once: unpinned segments in policy order, read or not (counted as evicted unread). The budget is a bound;
-        waiting for trainers to read them, as a full cache does, held it broken for as long as they took."""
+    def shrink_to_budget(self) -> int:
+        """At start, once the sources' weights are set and the segments of dropped sources gone (the daemon's
+        order): a cache over its budget (``cache.max_bytes`` lowered since it was filled) is brought under it at
+        once, unpinned segments in policy order within the source furthest above its share, read or not (counted
+        as evicted unread). The budget is a bound; waiting for trainers to read them, as a full cache does, held it
+        broken for as long as they took. Returns the number of segments evicted."""
         if self._total() <= self.limit_bytes:
-            return
+            return 0
         held, evicted = self._total(), 0
         candidates = [seq for seq in self._published if seq not in self._pinned_published]
         while self._total() > self.limit_bytes and candidates:
@@ -711,6 +712,7 @@ class CacheStore:
             candidates.remove(victim)
             if not self._is_pinned_now(victim):
                 self._evict(victim)
+                self.recovered_sources.pop(victim, None)  # not cached any more: its objects are fetched again
                 evicted += 1
         log.warning(
             "the cache held %s, more than cache.max_bytes = %s allows (lowered since it was filled?): evicted %d "
@@ -721,6 +723,7 @@ class CacheStore:
             format_bytes(self._total()),
             "" if self._total() <= self.limit_bytes else " (the rest is pinned by epochs: it goes as they end)",
         )
+        return evicted
 
     def _waits_for_reads(self) -> bool:
         """Whether a full cache waits for trainers to read (paced) rather than for snapshots to go: some published

@@ -57,7 +57,11 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
             fields.boolean,
             "node 0 lists and publishes each new listing as a catalog generation; the others read it (false)",
         ),
-        "connect_timeout": ("connect_timeout_s", fields.positive_duration, "TCP connect timeout per request, S3 only (5s)"),
+        "connect_timeout": (
+            "connect_timeout_s",
+            fields.positive_duration,
+            "TCP connect timeout per request, S3 only (5s)",
+        ),
         "read_timeout": ("read_timeout_s", fields.positive_duration, "socket read timeout per request, S3 only (30s)"),
         "max_attempts": ("max_attempts", fields.int_at_least(1), "attempts per object, first included (5)"),
         "backoff_base": ("backoff_base_s", fields.positive_duration, "full-jitter backoff base (100ms)"),

@@ -23,13 +23,15 @@ Contract:
   (``idle_backoff``) instead of spinning; an eviction or a catalog change ends the wait early.
 * **Skips.** An object is not drawn while it is in flight, while any of its samples is still cached (some
   segment holding one is published and not yet evicted: the cache never holds the same sample twice), after a
-  404/403 (dropped until the listing shows a new version), after a decode failure (quarantined for that version:
+  404/403 (dropped until the listing shows a new version; a 401/403 also until SIGHUP, ``retry_forbidden``),
+  after a decode failure or a second sampler death while decoding it (``crash``; quarantined for that version:
   decoding the same bytes again would fail again), or after any other failure in the same pass (retried next
   pass).
 * **Versions.** An outcome (done or failed) counts for the version that was drawn. If the listing shows a new
   version while the old one is in flight, the old outcome is recorded as such (its samples stay cached: they are
   another sample) and the new version is queued again in the current pass; it is never mistaken for cached.
-* **Re-queues.** Objects of a dead sampler go to the front and are drawn before anything else.
+* **Re-queues.** Objects of a dead sampler go to the front and are drawn before anything else (but one it died
+  decoding for the second time: quarantined, NOTE [ Supervisor-sampler protocol ] in ``protocol.py``).
 * **Cached objects.** An object's samples may span several segments (a tar shard larger than a segment), and
   read-gated eviction removes segments in any order. So the plan counts, per object, the cached segments that
   hold samples of its current version (``_live``, 1 byte a row until a count passes 255): ``done`` counts the
@@ -503,6 +505,8 @@ class SamplingPlan:
         """Objects listed now that are not cached for a reason (dropped or quarantined), by reason."""
         counts: dict[str, int] = {}
         for oid in (*self._dropped, *self._quarantined):
+            if not self._is_listed(oid):  # vanished from the listing since: not a reason anything listed is missing
+                continue
             reason = self._reason.get(oid, "other")
             counts[reason] = counts.get(reason, 0) + 1
         return counts

@@ -38,21 +38,24 @@ Sampler -> supervisor:
   that failed to decode: ``kind = "sample"``). Informational: it changes nothing in the plan.
 * ``Stats``: cumulative counters of this sampler process (remote requests, retries, errors by kind, bytes,
   objects), about once a second; doubles as the heartbeat.
-
-Beside the socket, the object being written: a sampler that dies leaves no message, so its writer thread keeps the
-id of the object it is decoding and writing in ``tmp/sampler-<index>.writing`` (8 bytes, ``mark_writing``: -1
-between objects; ``Init.segment["writing_path"]``). When a sampler dies, the supervisor reads it
-(``read_writing``): an object a sampler died on twice (a decoder or preprocess that crashes the process, a
-sample that exhausts its memory) is quarantined (kind ``crash``, named in ``cachefeed status``) instead of being
-handed out again, and again, stopping all ingest.
 * ``Drained``: the answer to ``Drain``, sent last.
+
+Beside the socket, the object being decoded: a sampler that dies leaves no message, so its writer thread keeps the
+id of the object its decoder and preprocess are working on in ``tmp/sampler-<index>.writing`` (8 bytes,
+``mark_writing``; -1 otherwise, a wait for room included; ``Init.segment["writing_path"]``; created empty by each
+sampler, removed by the supervisor once it read it after a death). When a sampler dies other than by a stop, the
+supervisor reads it (``read_writing``): an object two samplers died decoding (a decoder or preprocess that
+crashes the process, a sample that exhausts its memory; a count an object written whole later clears) is
+quarantined (kind ``crash``, named in ``cachefeed status``) instead of being handed out again, and again, stopping
+all ingest. The same file, read while the sampler lives, shows a decoder that hangs (``Supervisor._watch_writers``).
 
 Invariants:
 
 * An object is *done* only once the segment holding its last sample is PUBLISHED. The supervisor keeps, per
   sampler, every object assigned and not yet done or failed; when a sampler dies (EOF, exit, or killed for not
-  answering) those objects are re-queued at the front of the plan and the sampler's outstanding grants are
-  aborted (their tmp files deleted). So a crash loses work, never correctness, and never leaves partial output.
+  answering) those objects are re-queued at the front of the plan (but one quarantined for a second death while
+  being decoded, above) and the sampler's outstanding grants are aborted (their tmp files deleted). So a crash
+  loses work, never correctness, and never leaves partial output.
   An object re-queued after a segment holding some of its samples was published (``spanning``, NOTE [ Grant
   protocol ]) is drawn again only once that segment is evicted: the cache never holds a sample twice.
 * The supervisor never blocks on a sampler for long: its sends time out (the sampler is then killed), and its
@@ -69,6 +72,7 @@ from dataclasses import astuple, dataclass, field
 from typing import Any, ClassVar
 
 from cachefeed._daemon.wire import Message, message
+from cachefeed._fsutil import open_regular_for_write, read_regular
 
 __all__ = [
     "Credit",
@@ -82,6 +86,7 @@ __all__ = [
     "Work",
     "WorkItem",
     "mark_writing",
+    "open_writing",
     "read_writing",
 ]
 
@@ -201,11 +206,22 @@ def mark_writing(fd: int, oid: int) -> None:
         pass
 
 
-def read_writing(path: str) -> int:
-    """The supervisor, after a sampler died: the object it was writing, or -1 (none, or nothing readable)."""
+def open_writing(path: str) -> int:
+    """The sampler's writer thread, at its start: the file it marks, emptied and marked -1 (a file a previous
+    sampler left names nothing then); -1 where it cannot be opened (no attribution, nothing else lost)."""
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(_WRITING.size)
+        fd = open_regular_for_write(path, 0o600)
     except OSError:
         return -1
-    return _WRITING.unpack(data)[0] if len(data) == _WRITING.size else -1
+    mark_writing(fd, -1)
+    return fd
+
+
+def read_writing(path: str) -> int:
+    """The supervisor: the object a sampler is writing, or -1 (none, or nothing readable: a planted symlink or
+    FIFO is never followed or waited on)."""
+    try:
+        data = read_regular(path, _WRITING.size)
+    except OSError:
+        return -1
+    return int(_WRITING.unpack(data)[0]) if len(data) == _WRITING.size else -1

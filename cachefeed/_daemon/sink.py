@@ -33,7 +33,6 @@ remote still reaches the cache quickly), when it is ``max_age_s`` old, or when i
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -46,7 +45,7 @@ from cachefeed._cache.records import source_bytes
 from cachefeed._cache.writer import CacheWriter, SegmentRamp, WriterStopped
 from cachefeed._codecs import Decoded, Sample
 from cachefeed._daemon.grants import RpcGrantProvider
-from cachefeed._daemon.protocol import WorkItem, mark_writing
+from cachefeed._daemon.protocol import WorkItem, mark_writing, open_writing
 from cachefeed._errors import ChannelClosed, CorruptRecordError, DecodeError, GrantTooLarge
 from cachefeed._logs import get_logger
 
@@ -167,10 +166,7 @@ class SegmentSink:
         writer.before_publish = lambda: self._name_spanning(writer)
         opened_at = 0.0
         if settings.writing_path:
-            try:
-                self._writing_fd = os.open(settings.writing_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError:
-                self._writing_fd = -1
+            self._writing_fd = open_writing(settings.writing_path)
         try:
             while True:
                 timeout = settings.idle_flush_s if writer.pending_samples else None
@@ -216,7 +212,7 @@ class SegmentSink:
             self._writing = None  # until its next sample is added to the next segment
 
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
-        if self._writing_fd >= 0:  # the supervisor reads it if this process dies meanwhile (protocol.py)
+        if self._writing_fd >= 0:  # decoding it: the supervisor reads it if this process dies meanwhile (protocol.py)
             mark_writing(self._writing_fd, item.oid)
         try:
             key, url = self._names[item.source](item.path)
@@ -237,6 +233,8 @@ class SegmentSink:
             except Exception as exc:  # a user decoder may raise anything: quarantine the object, keep going
                 self._on_failed(item, "decode", f"{item.path}: {type(exc).__name__}: {exc}")
                 return
+            if self._writing_fd >= 0:  # decoded: what follows (a wait for room, say) is not this object's doing
+                mark_writing(self._writing_fd, -1)
             del body
             if decoded.skipped and self._on_skipped is not None:
                 self._on_skipped(item, decoded.skipped)

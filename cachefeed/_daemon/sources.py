@@ -121,7 +121,7 @@ class Inputs:
         sampler, node = self.config.sampler, self.config.node
         return {
             entry.tag: {
-                "url": entry.config.url,
+                "url": safe_url(entry.config.url),  # never a password: the file is group-readable, and logged
                 "pattern": entry.config.pattern,
                 "decode": entry.config.decode or sampler.decode,
                 "decode_images": sampler.decode_images,

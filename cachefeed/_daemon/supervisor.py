@@ -194,6 +194,7 @@ class Supervisor:
             if dropped:
                 log.warning("evicted %d cached segments of sources the config no longer names", dropped)
             self._drop_remade(store)
+            store.shrink_to_budget()  # after the drops and with the weights: what goes first is what should
             tags = {segment.seq: segment.source for segment in store.segments}
             for seq, sources in store.recovered_sources.items():
                 self.inputs.adopt(seq, tags.get(seq, 0), sources)  # what the cache holds is not fetched again
@@ -561,6 +562,8 @@ class Supervisor:
         elif isinstance(message, Done):
             handle.settle(message.oids)
             self.inputs.done(message.oids, None)
+            for gid in message.oids:
+                self._deaths_writing.pop(gid, None)
         elif isinstance(message, Failed):
             handle.settle([message.oid])
             self.inputs.failed(message.oid, message.kind)
@@ -586,6 +589,8 @@ class Supervisor:
             pool.send(handle, reply)
             return
         self.inputs.done(done, message.seq)
+        for gid in done:  # written whole after all: an earlier death was not its doing
+            self._deaths_writing.pop(gid, None)
         self.inputs.spanning(message.spanning, message.seq)
         self.inputs.published(segment.source, segment.samples, segment.nbytes)
         self.inputs.segment_published(handle.index)  # it may be pointed at another source now
@@ -603,9 +608,13 @@ class Supervisor:
     def _undo(self, handle: SamplerHandle) -> None:
         """A sampler is gone: re-queue what it had not finished (but an object it died writing for the second
         time: quarantined, see NOTE [ Supervisor-sampler protocol ]), delete what it had not published."""
-        culprit = read_writing(str(self._require_store().layout.writing_file(handle.index)))
+        writing = self._require_store().layout.writing_file(handle.index)
+        culprit = read_writing(str(writing))
+        writing.unlink(missing_ok=True)  # the next sampler in this slot names its own
+        handle.writer_heard_at, handle.hung = 0.0, ""
         unfinished = handle.settle(sorted(handle.assigned))
-        if culprit in unfinished:
+        expected = handle.is_drained or self._is_draining  # a stop's exit: not the object's doing
+        if culprit in unfinished and not expected:
             deaths = self._deaths_writing[culprit] = self._deaths_writing.get(culprit, 0) + 1
             if deaths >= CRASHES_TO_QUARANTINE:
                 unfinished.remove(culprit)

@@ -55,6 +55,7 @@ import numbers
 import os
 import pickle
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -67,7 +68,7 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.layout import DAEMON_RESTART_WINDOW_S, CacheLayout
 from cachefeed._cache.settings import DEFAULT_SNAPSHOT_GRACE_S
 from cachefeed._cache.snapshots import Snapshot, sweep_unwatched
 from cachefeed._cache.sources import read_sources
@@ -223,7 +224,8 @@ class EpochLoaderFactory:
         # absolute now: a later os.chdir must not move it; "~" as a shell would (the daemon's cache.dir is absolute)
         self.layout = CacheLayout(Path(cache_dir).expanduser().absolute())
         wait_for_cache(self.layout, timeout_s=wait_timeout_s, progress=progress)  # a daemon may be starting
-        if not self.layout.has_writer():  # a static cache: nobody else removes what dead trainers left
+        if not self.layout.had_writer_within(DAEMON_RESTART_WINDOW_S):  # static: nobody else removes what dead
+            # trainers left (a daemon restarting keeps them for its own grace)
             removed = sweep_unwatched(self.layout, grace_s=DEFAULT_SNAPSHOT_GRACE_S)
             if removed:
                 log.info(
@@ -487,11 +489,17 @@ def _agree_min(group: Any, value: int) -> int:
 
 
 def _close_dropped(epochs: Epochs, pool: WorkerPool | None) -> None:
-    """Close a factory that was garbage-collected unclosed: ``close``, from what it held."""
+    """Close a factory that was garbage-collected unclosed: ``close``, from what it held, on a thread of its own.
+    The collector may run this on any thread (one of the factory's own, holding the lock ``close`` takes, if the
+    factory sat in a reference cycle), and closing waits for workers: neither may block that thread."""
     log.info("an EpochLoaderFactory was dropped without close(): closing it (use it in a with block)")
-    epochs.close()
-    if pool is not None:
-        pool.close()
+
+    def close() -> None:
+        epochs.close()
+        if pool is not None:
+            pool.close()
+
+    threading.Thread(target=close, name="cachefeed-close-dropped", daemon=True).start()
 
 
 def _arena_bytes(value: int | str | None) -> int:

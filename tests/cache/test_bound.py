@@ -90,6 +90,7 @@ def test_a_budget_lowered_over_a_full_cache_holds_from_the_restart_on(tmp_path: 
     assert tree_bytes(root) > 6 << 20
     lowered = CacheStore(cache_config(root, max_bytes=4 << 20, evict_after_reads=1, turnover_bytes=1 << 20))
     try:
+        assert lowered.shrink_to_budget() > 0  # the daemon's start calls it once sources are settled
         assert tree_bytes(root) <= 4 << 20
         assert lowered.counters.evicted_unread_samples > 0, "what it evicted was never read, and is counted so"
     finally:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import aiohttp
 import fsspec
 import pytest
-from botocore.exceptions import ClientError, ReadTimeoutError
+from botocore.exceptions import ClientError, NoCredentialsError, ReadTimeoutError
 
 from cachefeed._config import RemoteConfig
 from cachefeed._errors import (
@@ -602,6 +602,8 @@ def _client_error(status: int, code: str) -> ClientError:
         (_client_error(400, "ThrottlingException"), RemoteTransientError),
         (_client_error(502, "SomethingNew"), RemoteTransientError),
         (_client_error(400, "InvalidArgument"), RemoteError),
+        (_client_error(400, "ExpiredToken"), RemoteTransientError),  # a refresh's moment: the object is not at fault
+        (NoCredentialsError(), RemoteTransientError),  # an instance-metadata hiccup, likewise
         (FileNotFoundError(2, "No such file"), RemoteNotFoundError),
         (PermissionError(13, "Permission denied"), RemoteForbiddenError),
         (ConnectionResetError(104, "reset"), RemoteTransientError),
