@@ -212,51 +212,58 @@ class SegmentSink:
             self._writing = None  # until its next sample is added to the next segment
 
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
-        if self._writing_fd >= 0:  # decoding it: the supervisor reads it if this process dies meanwhile (protocol.py)
+        decoded = self._decode(item, body)
+        if decoded is None:
+            return
+        del body
+        result, samples = decoded
+        if result.skipped and self._on_skipped is not None:
+            self._on_skipped(item, result.skipped)
+        writer.source_room = source_bytes(item.path, item.etag)  # its name always fits where its samples are
+        try:
+            for index, sample in enumerate(samples):
+                self._cut = item.skip + index
+                writer.add(sample)
+                self._writing = item
+        except GrantTooLarge as exc:
+            self._on_failed(item, "too_large", f"{item.path}: {exc}")
+            return
+        except CorruptRecordError as exc:  # publishing the previous segment failed; its objects were re-queued
+            log.warning("publishing a segment failed: %s", exc)
+            self._on_failed(item, "error", f"{item.path}: {exc}")
+            return
+        finally:
+            self._writing = None
+        if samples:
+            writer.add_source(item.path, item.etag)  # best effort: lets a restarted daemon skip this object
+            self._provider.completed.append(item.oid)
+        self._on_handled(item, len(samples))
+
+    def _decode(self, item: WorkItem, body: bytes) -> tuple[Decoded, list[Sample]] | None:
+        """The object's decoded result and its samples to write (labelled, preprocessed), or None where it failed
+        (reported). Marked in the writing file while it runs: a crash or hang here is the object's doing (NOTE
+        [ Supervisor-sampler protocol ]); a wait for room afterwards is not."""
+        key, url = self._names[item.source](item.path)
+        if self._writing_fd >= 0:
             mark_writing(self._writing_fd, item.oid)
         try:
-            key, url = self._names[item.source](item.path)
-            try:
-                decoded = self._decoders[item.source](key, body)
-                samples = list(decoded)[item.skip :]  # the first ``skip`` are cached already (a crash cut the object)
+            decoded = self._decoders[item.source](key, body)
+            samples = list(decoded)[item.skip :]  # the first ``skip`` are cached already (a crash cut the object)
+            for sample in samples:
+                sample["__url__"] = url
+                if item.label is not None:  # sampler.label: the class index of the object's path (_labels.py)
+                    sample["label"] = item.label
+            if self._preprocess is not None:
+                samples = [self._preprocess(_writable(sample)) for sample in samples]
                 for sample in samples:
                     sample["__url__"] = url
-                    if item.label is not None:  # sampler.label: the class index of the object's path (_labels.py)
-                        sample["label"] = item.label
-                if self._preprocess is not None:
-                    samples = [self._preprocess(_writable(sample)) for sample in samples]
-                    for sample in samples:
-                        sample["__url__"] = url
-            except DecodeError as exc:
-                self._on_failed(item, "decode", str(exc))
-                return
-            except Exception as exc:  # a user decoder may raise anything: quarantine the object, keep going
-                self._on_failed(item, "decode", f"{item.path}: {type(exc).__name__}: {exc}")
-                return
-            if self._writing_fd >= 0:  # decoded: what follows (a wait for room, say) is not this object's doing
-                mark_writing(self._writing_fd, -1)
-            del body
-            if decoded.skipped and self._on_skipped is not None:
-                self._on_skipped(item, decoded.skipped)
-            writer.source_room = source_bytes(item.path, item.etag)  # its name always fits where its samples are
-            try:
-                for index, sample in enumerate(samples):
-                    self._cut = item.skip + index
-                    writer.add(sample)
-                    self._writing = item
-            except GrantTooLarge as exc:
-                self._on_failed(item, "too_large", f"{item.path}: {exc}")
-                return
-            except CorruptRecordError as exc:  # publishing the previous segment failed; its objects were re-queued
-                log.warning("publishing a segment failed: %s", exc)
-                self._on_failed(item, "error", f"{item.path}: {exc}")
-                return
-            finally:
-                self._writing = None
-            if samples:
-                writer.add_source(item.path, item.etag)  # best effort: lets a restarted daemon skip this object
-                self._provider.completed.append(item.oid)
-            self._on_handled(item, len(samples))
+        except DecodeError as exc:
+            self._on_failed(item, "decode", str(exc))
+            return None
+        except Exception as exc:  # a user decoder may raise anything: quarantine the object, keep going
+            self._on_failed(item, "decode", f"{item.path}: {type(exc).__name__}: {exc}")
+            return None
         finally:
             if self._writing_fd >= 0:
                 mark_writing(self._writing_fd, -1)
+        return decoded, samples

@@ -315,8 +315,8 @@ class Inputs:
                 where = f"source {entry.name!r}: " if self.is_named else ""
                 reasons = ", ".join(f"{kind}: {n}" for kind, n in sorted(refused.items()))
                 lines.append(
-                    f"{where}none of the {entry.plan.owned} listed objects can be cached ({reasons}): see "
-                    "left_out in the status JSON; fix the cause and send SIGHUP (a 401/403 is tried again then)"
+                    f"{where}none of the {entry.plan.owned} listed objects can be cached ({reasons}): the log "
+                    "names why; fix the cause and send SIGHUP (a 401/403 is tried again then)"
                 )
         return lines
 

@@ -81,7 +81,7 @@ def test_the_bound_holds_on_tmpfs() -> None:
 
 def test_a_budget_lowered_over_a_full_cache_holds_from_the_restart_on(tmp_path: Path) -> None:
     """Unread samples wait for trainers before they are evicted (``evict_after_reads``), so a cache restarted with a
-    lower ``max_bytes`` stayed over it (164% in one audit) for as long as no epoch read, and said nothing. The
+    lower ``max_bytes`` stayed over it for as long as no epoch read, and said nothing. The
     bound now holds at the start; the witness is the directory's real size."""
     root = tmp_path / "c"
     store = CacheStore(cache_config(root, max_bytes=8 << 20, evict_after_reads=1, turnover_bytes=2 << 20))
