@@ -323,8 +323,8 @@ def _tarfile_members(body: bytes) -> Iterator[tuple[str, bytes]]:
             if not member.isreg() or _tar_group(member.name) is None:
                 continue
             handle = archive.extractfile(member)
-            if handle is not None:
-                yield member.name, handle.read()
+            if handle is not None:  # tarfile decodes a name that is no UTF-8 with surrogateescape: escaped as below
+                yield member.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"), handle.read()
         _check_end_of_archive(archive)
 
 
@@ -370,7 +370,7 @@ def _plain_tar_members(body: bytes) -> list[tuple[str, bytes]] | None:
         start = offset + tarfile.BLOCKSIZE
         if start + size > end:
             return None
-        text = name.decode("utf-8", "surrogateescape")
+        text = name.decode("utf-8", "backslashreplace")  # a name that is no UTF-8: its bytes escaped, not dropped
         is_directory = kind == b"\x00" and text.endswith("/")  # tarfile's old-style directory
         if kind in _REGULAR and not is_directory and _tar_group(text) is not None:
             members.append((text, body[start : start + size]))
@@ -446,6 +446,12 @@ def _check_value(value: Any, depth: int) -> str | None:
         return None
     where = "inside a list or dict" if depth else "as a field"
     return f"{type(value).__module__}.{type(value).__name__} cannot be stored {where}"
+
+
+def printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot hold (lone surrogates: a name decoded with ``surrogateescape``) written as
+    backslash escapes: valid text for a record, a message or the log, and still telling the characters apart."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def check_sample(key: str, sample: Any) -> Sample:

@@ -490,3 +490,25 @@ def test_msgpack_a_stream_of_records_is_one_sample_per_record() -> None:
     assert [s["label"] for s in samples] == [0, 1, 2, 3]
     assert [s["__key__"] for s in samples] == [f"{KEY}#{i}" for i in range(4)]
     assert all(np.array_equal(s["x"], np.arange(3)) for s in samples)
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_tar_member_whose_name_is_not_utf8_is_kept_under_an_escaped_key(fmt: int, compressed: bool) -> None:
+    """An archive written with latin-1 names (``café.bin``): its sample was decoded under a key with a lone
+    surrogate, which no record can hold, and writing it ended the daemon's writer thread for good. The key now
+    escapes the byte, as both tar readers give it (the fast path and ``tarfile``, through gzip); a pax archive
+    records such a name as UTF-8 and gives it back as written."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt, encoding="latin-1") as archive:
+        for name in ("a.bin", "caf\xe9.bin", "b.bin"):
+            add(archive, name, name.encode("latin-1"))
+    body = buffer.getvalue()
+    samples = get_decoder("tar")(KEY, gzip.compress(body) if compressed else body)
+    assert [(s["__key__"], bytes(s["bin"])) for s in samples] == [
+        ("a", b"a.bin"),
+        ("caf\xe9" if fmt == tarfile.PAX_FORMAT else "caf\\xe9", b"caf\xe9.bin"),
+        ("b", b"b.bin"),
+    ]
+    for sample in samples:
+        sample["__key__"].encode("utf-8")  # valid text: a record can hold it

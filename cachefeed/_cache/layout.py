@@ -248,6 +248,7 @@ class CacheLayout:
                 raise CacheUnusableError(f"cache.dir {self.root}{where} {_not_a_directory(info)}")
             if directory == self.root and not is_ours:
                 self._check_usable_root(info)
+                self._check_not_foreign()
                 continue
             os.chmod(directory, self._mode_of(directory, dir_mode), follow_symlinks=False)
         if not self.tag_file.exists():
@@ -265,6 +266,38 @@ class CacheLayout:
             f"not writable by uid {os.geteuid()} (the daemon's user); the daemon never changes the mode of a "
             "directory it did not create: make it writable for that user (chown or chmod) or choose another cache.dir"
         )
+
+    def _check_not_foreign(self) -> None:
+        """An existing root of other files (``foreign_entries``): the user's own directory (a dataset, a home). The
+        daemon would charge its files to the budget and evict around them, and a later cleanup of the cache would
+        take them too: refused, naming a few."""
+        found = self.foreign_entries()
+        if found:
+            shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+            raise CacheUnusableError(
+                f"cache.dir {self.root}: holds files that are not a cachefeed cache ({shown}): the daemon needs a "
+                "directory of its own: choose an empty or new cache.dir, or empty this one"
+            )
+
+    def foreign_entries(self, limit: int = 64) -> list[str]:
+        """The names in ``root`` where it holds something but no cache, and none is being made (``[]`` otherwise,
+        and where it cannot be listed). The daemon creates ``segments/`` first and ``CACHEDIR.TAG`` last
+        (``create``): any of its entries is a cache being made. Hidden names and ``lost+found`` (a fresh
+        filesystem's mount point) count as empty. At most ``limit`` entries are looked at: a large directory is not
+        scanned. The daemon refuses such a ``cache.dir``, and a trainer does not wait for one to become a cache."""
+        if any(os.path.lexists(p) for p in (self.segments, self.tmp, self.snapshots, self.tag_file, self.lock_file)):
+            return []
+        names = []
+        try:
+            with os.scandir(self.root) as entries:
+                for count, entry in enumerate(entries):
+                    if count >= limit:
+                        break
+                    if not entry.name.startswith(".") and entry.name != "lost+found":
+                        names.append(entry.name)
+        except OSError:
+            return []
+        return sorted(names)
 
     def _mode_of(self, directory: Path, dir_mode: int) -> int:
         """snapshots/ is where trainers write: if the group may read the cache, it may pin too.
@@ -284,6 +317,9 @@ class CacheLayout:
             raise NoSuchCacheError(
                 f"no cache at {self.root}: start the daemon (cachefeed daemon --config FILE) or check the path"
             ) from None
+        except NotADirectoryError:  # a path below a file (data.npy/cache)
+            above = next((parent for parent in self.root.parents if parent.exists()), self.root.parent)
+            raise NoSuchCacheError(f"no cache at {self.root}: {above} is a file, not a directory") from None
         if not stat.S_ISDIR(info.st_mode):
             raise NoSuchCacheError(f"{self.root} is not a directory")
         if not (self.tag_file.is_file() and self.segments.is_dir()):

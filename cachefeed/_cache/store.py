@@ -215,6 +215,7 @@ class Usage:
     is_backpressured: bool
     unread_samples: int = 0  # published samples no epoch has read yet
     is_paced: bool = False  # ingest waits for trainers to read (see "Epoch reads"): the normal state, not a fault
+    is_out_of_space: bool = False  # ingest waits for free space on the cache's filesystem (a fault: status says)
     waiting_for_reads_samples: int = 0  # while paced: published samples read fewer than evict_after_reads times
     max_reads: int = 0  # the most reads of any published segment (a segment's reads: its least-read sample's)
     sample_reads: int = 0  # sum over published samples of the epochs that served them
@@ -282,6 +283,7 @@ class CacheStore:
         self._next_seq = 0
         self._is_backpressured = False
         self._is_paced = False
+        self._is_out_of_space = False
         self._newest_pin: tuple[float, int, int] | None = None  # (created, samples, fresh) of the newest snapshot
         self.write_problems: dict[str, str] = {}  # what could not be written to the cache, and why (status says)
         self._room_written = False
@@ -581,6 +583,12 @@ class CacheStore:
         return self._is_backpressured
 
     @property
+    def is_out_of_space(self) -> bool:
+        """The last grant waited for free space on the cache's filesystem: it is at ``min_free_bytes`` (or full)
+        and the cache holds nothing it may evict to make room (what it holds is pinned, or it holds nothing)."""
+        return self._is_out_of_space
+
+    @property
     def reserved_bytes(self) -> int:
         return sum(grant.nbytes for grant in self._grants.values())
 
@@ -633,21 +641,34 @@ class CacheStore:
                     "fetching waits for reads (cache.evict_after_reads = %d)",
                     self.config.evict_after_reads,
                 )
-            self._is_paced, self._is_backpressured = True, False
+            self._is_paced, self._is_backpressured, self._is_out_of_space = True, False, False
+            return None
+        if why == "free":
+            if not self._is_out_of_space:
+                log.warning("%s", self.out_of_space_reason())
+            self._is_paced, self._is_backpressured, self._is_out_of_space = False, False, True
             return None
         if why:
             if not self._is_backpressured:
                 self.counters.backpressure_events += 1
                 log.info("cache full of pinned segments: writers wait until a snapshot is released")
-            self._is_paced, self._is_backpressured = False, True
+            self._is_paced, self._is_backpressured, self._is_out_of_space = False, True, False
             return None
-        self._is_backpressured = False
-        self._is_paced = False
+        self._is_backpressured = self._is_paced = self._is_out_of_space = False
         seq = self._next_seq
         self._next_seq += 1
         grant = Grant(seq, self.layout.tmp / f"{seq:016x}.tmp", need)
         self._grants[seq] = grant
         return grant
+
+    def out_of_space_reason(self) -> str:
+        """What ``is_out_of_space`` means, in words for the log and status, with what to do."""
+        return (
+            f"the cache's filesystem is full: {format_bytes(self._free_bytes())} free at {self.layout.root} "
+            f"(cache.min_free_bytes = {format_bytes(self.config.min_free_bytes)}), and the cache holds nothing it may "
+            "evict: fetching waits for space; free space on that filesystem, or lower cache.max_bytes to what it "
+            "can hold"
+        )
 
     def _has_free_space(self, need: int) -> bool:
         unwritten = self.reserved_bytes  # conservative: counts grants as if none of their bytes were written yet
@@ -910,6 +931,7 @@ class CacheStore:
             is_backpressured=self._is_backpressured,
             unread_samples=self._samples_below(1),
             is_paced=self._is_paced,
+            is_out_of_space=self._is_out_of_space,
             waiting_for_reads_samples=(self._samples_below(self.config.evict_after_reads) if self._is_paced else 0),
             max_reads=max(self._levels.values(), default=0),
             sample_reads=sum(reads.total for reads in self._reads.values()),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachefeed._cache.grant import Grant, GrantProvider
-from cachefeed._cache.records import RecordEncoder, SegmentWriter
+from cachefeed._cache.records import EncodedRecord, RecordEncoder, SegmentWriter
 from cachefeed._errors import WriterStopped
 
 __all__ = ["FIRST_SEGMENT_BYTES", "CacheWriter", "GrantProvider", "SegmentRamp", "WriterStopped"]
@@ -111,7 +111,15 @@ class CacheWriter:
 
     def add(self, sample: Mapping[str, Any]) -> None:
         """Append one sample (a dict with a string ``__key__``); may block while the cache is full."""
-        record = self._encoder.encode(sample)
+        self.add_record(self.encode(sample))
+
+    def encode(self, sample: Mapping[str, Any]) -> EncodedRecord:
+        """``sample`` as the record ``add_record`` appends: what a sample that cannot be stored raises on, before
+        anything of it is written."""
+        return self._encoder.encode(sample)
+
+    def add_record(self, record: EncodedRecord) -> None:
+        """Append one record of ``encode``; may block while the cache is full."""
         writer = self._writer
         before = writer.nbytes if writer is not None else 0
         if writer is not None:

@@ -58,7 +58,8 @@ class SamplerHandle:
     stats: dict[str, Any] = field(default_factory=dict)  # the latest Stats message's remote counters
     objects_total: int = 0
     base_objects_total: int = 0  # objects of earlier incarnations
-    last_error: str = ""
+    last_error: str = ""  # why its last life ended (or a spawn failed), for status
+    exit_reason: str = ""  # why this life is ending, where known before its exit status: then its last_error
     writer_heard_at: float = 0.0  # time.time() of the last message its writer thread sent (grants, done, failed)
     hung: str = ""  # why its writer looks hung (``Supervisor._watch_writers``), for status; "" when it does not
     started_at: float = 0.0
@@ -164,6 +165,7 @@ class SamplerPool:
         handle.objects_total = 0
         handle.started_at = handle.last_heard = now
         handle.is_drained = False
+        handle.exit_reason = ""
         how = "forked" if isinstance(process, ForkedProcess) else "a fresh interpreter"
         log.info("started sampler %d (pid %d, %s)", handle.index, process.pid, how)
         self.send(handle, self._make_init(handle.index))
@@ -176,7 +178,7 @@ class SamplerPool:
             handle.channel.send(message)
         except (ChannelClosed, TimeoutError) as exc:
             log.warning("sampler %d does not take messages (%s): killing it", handle.index, exc)
-            handle.last_error = f"unresponsive: {exc}"
+            handle.exit_reason = f"unresponsive: {exc}"
             self.kill(handle)
             return False
         return True
@@ -200,7 +202,7 @@ class SamplerPool:
                 continue
             if now - handle.last_heard > _HEARTBEAT_TIMEOUT_S:
                 log.warning("sampler %d silent for %.0fs: killing it", handle.index, now - handle.last_heard)
-                handle.last_error = "heartbeat timeout"
+                handle.exit_reason = "heartbeat timeout"
                 self.kill(handle)
             is_lost = lost is not None and handle.index in lost
             if handle.process.poll() is None and not is_lost:
@@ -232,8 +234,9 @@ class SamplerPool:
             log.info("sampler %d (pid %d) exited (status 0)", handle.index, process.pid)
         elif not handle.is_drained:
             reason = f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
-            handle.last_error = handle.last_error or reason
-            log.warning("sampler %d (pid %d) died: %s", handle.index, process.pid, reason)
+            handle.last_error = handle.exit_reason or reason
+            because = f" ({handle.exit_reason})" if handle.exit_reason else ""
+            log.warning("sampler %d (pid %d) died: %s%s", handle.index, process.pid, reason, because)
 
     def schedule_restart(self, handle: SamplerHandle) -> None:
         now = time.monotonic()

@@ -39,6 +39,9 @@ Sampler -> supervisor:
 * ``Stats``: cumulative counters of this sampler process (remote requests, retries, errors by kind, bytes,
   objects), about once a second; doubles as the heartbeat.
 * ``Drained``: the answer to ``Drain``, sent last.
+* ``Exiting(reason)``: sent last by a sampler that exits on a failure of its own (its writer thread died: a
+  cache filesystem that fails writes, a bug), so that ``cachefeed status`` names the cause (the sampler's
+  ``last_error``) rather than its exit status. Best effort: a sampler that crashes sends nothing.
 
 Beside the socket, the object being decoded: a sampler that dies leaves no message, so its writer thread keeps the
 id of the object its decoder and preprocess are working on in ``tmp/sampler-<index>.writing`` (8 bytes,
@@ -79,6 +82,7 @@ __all__ = [
     "Done",
     "Drain",
     "Drained",
+    "Exiting",
     "Failed",
     "Init",
     "Quarantined",
@@ -192,6 +196,13 @@ class Stats(Message):
 @dataclass(frozen=True, slots=True)
 class Drained(Message):
     TAG: ClassVar[str] = "drained"
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Exiting(Message):
+    TAG: ClassVar[str] = "exiting"
+    reason: str
 
 
 _WRITING = struct.Struct("<q")

@@ -63,6 +63,7 @@ class StatusReporter:
         self._rates = RateMeter(RATE_WINDOW_S)
         self._remote_window = RateMeter(RATE_WINDOW_S)
         self.last: dict[str, Any] | None = None
+        self._write_failing = ""  # the cause of the last status write's failure ("" while writes succeed)
 
     def publish(self, state: str, *, turnover_s: float | None) -> str:
         """Write the document for ``state`` ("running" becomes "degraded" when reasons exist, and back).
@@ -74,7 +75,14 @@ class StatusReporter:
         try:
             write_status(self._store.layout.status_file, document)
         except OSError as exc:
-            log.warning("cannot write the status file: %s", exc)
+            cause = exc.strerror or str(exc)  # not the message: it may name a temporary file
+            if cause != self._write_failing:  # once per cause, not at every interval
+                log.warning("cannot write the status file (cachefeed status shows the last one written): %s", exc)
+            self._write_failing = cause
+        else:
+            if self._write_failing:
+                log.info("the status file is written again")
+            self._write_failing = ""
         if self._metrics is not None:
             self._metrics.update(document)
         return str(document["state"])
@@ -201,6 +209,8 @@ class StatusReporter:
         reasons += self._inputs.empty_listings()
         reasons += self._inputs.uncacheable()
         reasons += self._store.write_problems.values()
+        if self._store.is_out_of_space:
+            reasons.append(self._store.out_of_space_reason())
         requests_per_s, errors_per_s = self._remote_window.add(
             time.monotonic(), (remote.requests_total, sum(remote.errors_by_kind.values()))
         )

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachefeed._codecs import get_decoder, get_preprocess
+from cachefeed._codecs import get_decoder, get_preprocess, printable
 from cachefeed._config import RemoteConfig
 from cachefeed._daemon.grants import GrantReply, PublishReply, RpcGrantProvider
 from cachefeed._daemon.notify import NOTIFY_VARIABLES
@@ -37,6 +37,7 @@ from cachefeed._daemon.protocol import (
     Done,
     Drain,
     Drained,
+    Exiting,
     Failed,
     Init,
     Quarantined,
@@ -59,7 +60,7 @@ log = get_logger("cachefeed._daemon.sampler")  # not __name__: this module runs 
 _PR_SET_PDEATHSIG = 1
 _STATS_INTERVAL_S = 1.0
 _EXIT_GRACE_S = 5.0
-_REASON_CHARS = 500  # a quarantine reason sent to the supervisor (status lists it) is cut to this length
+_REASON_CHARS = 500  # a reason sent to the supervisor (a quarantine, an exit: status shows it) is cut to this length
 FIRST_FETCHES = 1  # fetches in flight at a sampler's start; one more per completed fetch (FetchWindow)
 
 
@@ -238,6 +239,7 @@ class Sampler:
         while True:
             if not self._sink.is_alive() and not self._is_draining:
                 log.error("the segment writer died (%r): exiting", self._sink.error)
+                self._send(Exiting(_failure(self._sink.error, "the segment writer")))
                 self._abandon("segment writer failed", code=1)
                 return
             stats = _summed([remote.stats for remote in self._remotes])
@@ -287,7 +289,7 @@ class Sampler:
             self._loop.call_soon_threadsafe(self._failed, item, kind, message)
 
     def _failed(self, item: WorkItem, kind: str, message: str) -> None:
-        url = self._remotes[item.source].url_of(item.path)
+        url, message = self._remotes[item.source].url_of(item.path), printable(message)
         log.warning("object quarantined (%s) %s: %s", kind, url, message)
         if kind in ("decode", "too_large"):  # what status lists; "error" objects are tried again
             self._send(Quarantined(url, None, kind, message[:_REASON_CHARS]))
@@ -301,7 +303,8 @@ class Sampler:
 
     def _skipped(self, item: WorkItem, skipped: list[tuple[str, str]]) -> None:
         url = self._remotes[item.source].url_of(item.path)
-        for key, reason in skipped:
+        for name, why in skipped:
+            key, reason = printable(name), printable(why)
             log.warning("sample left out of %s: %s: %s", url, key, reason)
             self._send(Quarantined(url, key, "sample", reason[:_REASON_CHARS]))
 
@@ -386,6 +389,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return serve(args.fd, args.parent_pid, args.index)
+
+
+def _failure(error: BaseException | None, what: str) -> str:
+    """One line for ``Exiting``: what failed and the exception, at most ``_REASON_CHARS`` characters."""
+    detail = "no exception recorded" if error is None else f"{type(error).__name__}: {error}"
+    return f"{what} failed: {detail}"[:_REASON_CHARS]
 
 
 def serve_forked(fd: int, lock_fd: int, parent_pid: int, index: int) -> int:

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachefeed._cache.records import source_bytes
+from cachefeed._cache.records import EncodedRecord, source_bytes
 from cachefeed._cache.writer import CacheWriter, SegmentRamp, WriterStopped
-from cachefeed._codecs import Decoded, Sample
+from cachefeed._codecs import Decoded, Sample, printable
 from cachefeed._daemon.grants import RpcGrantProvider
 from cachefeed._daemon.protocol import WorkItem, mark_writing, open_writing
 from cachefeed._errors import ChannelClosed, CorruptRecordError, DecodeError, GrantTooLarge
@@ -212,18 +212,18 @@ class SegmentSink:
             self._writing = None  # until its next sample is added to the next segment
 
     def _write_object(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
-        decoded = self._decode(item, body)
+        decoded = self._decode(item, body, writer.encode)
         if decoded is None:
             return
         del body
-        result, samples = decoded
+        result, records = decoded
         if result.skipped and self._on_skipped is not None:
             self._on_skipped(item, result.skipped)
         writer.source_room = source_bytes(item.path, item.etag)  # its name always fits where its samples are
         try:
-            for index, sample in enumerate(samples):
+            for index, record in enumerate(records):
                 self._cut = item.skip + index
-                writer.add(sample)
+                writer.add_record(record)
                 self._writing = item
         except GrantTooLarge as exc:
             self._on_failed(item, "too_large", f"{item.path}: {exc}")
@@ -234,15 +234,18 @@ class SegmentSink:
             return
         finally:
             self._writing = None
-        if samples:
+        if records:
             writer.add_source(item.path, item.etag)  # best effort: lets a restarted daemon skip this object
             self._provider.completed.append(item.oid)
-        self._on_handled(item, len(samples))
+        self._on_handled(item, len(records))
 
-    def _decode(self, item: WorkItem, body: bytes) -> tuple[Decoded, list[Sample]] | None:
-        """The object's decoded result and its samples to write (labelled, preprocessed), or None where it failed
-        (reported). Marked in the writing file while it runs: a crash or hang here is the object's doing (NOTE
-        [ Supervisor-sampler protocol ]); a wait for room afterwards is not."""
+    def _decode(
+        self, item: WorkItem, body: bytes, encode: Callable[[Sample], EncodedRecord]
+    ) -> tuple[Decoded, list[EncodedRecord]] | None:
+        """The object's decoded result and its samples (labelled, preprocessed) encoded as the records to write,
+        or None where it failed (reported; a sample that cannot be stored fails its object here, before any of it
+        is written, instead of ending the writer thread). Marked in the writing file while it runs: a crash or hang
+        here is the object's doing (NOTE [ Supervisor-sampler protocol ]); a wait for room afterwards is not."""
         key, url = self._names[item.source](item.path)
         if self._writing_fd >= 0:
             mark_writing(self._writing_fd, item.oid)
@@ -257,6 +260,13 @@ class SegmentSink:
                 samples = [self._preprocess(_writable(sample)) for sample in samples]
                 for sample in samples:
                     sample["__url__"] = url
+            records = []
+            for sample in samples:
+                try:
+                    records.append(encode(sample))
+                except Exception as exc:
+                    key = printable(str(sample.get("__key__")))
+                    raise DecodeError(f"{key}: cannot be stored: {type(exc).__name__}: {printable(str(exc))}") from exc
         except DecodeError as exc:
             self._on_failed(item, "decode", str(exc))
             return None
@@ -266,4 +276,4 @@ class SegmentSink:
         finally:
             if self._writing_fd >= 0:
                 mark_writing(self._writing_fd, -1)
-        return decoded, samples
+        return decoded, records

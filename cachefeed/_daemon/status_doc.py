@@ -149,6 +149,7 @@ def build_status(
             "turnover_bytes": turnover_bytes,
             "is_backpressured": usage.is_backpressured,
             "is_paced": usage.is_paced,
+            "is_out_of_space": usage.is_out_of_space,
             "waiting_for_reads_samples": usage.waiting_for_reads_samples,
             "evict_after_reads": evict_after_reads,
             "unread_samples": usage.unread_samples,

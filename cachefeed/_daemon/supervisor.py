@@ -61,6 +61,7 @@ from cachefeed._daemon.protocol import (
     Done,
     Drain,
     Drained,
+    Exiting,
     Failed,
     Init,
     Quarantined,
@@ -384,9 +385,16 @@ class Supervisor:
         path = store.layout.made_with_file
         before, now = read_made_with(path), self.inputs.made_with()
         for tag, settings in now.items():
-            changes = changed_settings(before.get(tag, {}), settings)
+            changes = changed_settings(before[tag], settings) if tag in before else []  # none recorded: a new cache
             if changes:
                 dropped = store.drop_tags({tag})
+                if not dropped:
+                    log.info(
+                        "the settings%s changed (%s); nothing was cached under the old ones",
+                        self.inputs.of_source(tag),
+                        "; ".join(changes),
+                    )
+                    continue
                 log.warning(
                     "the cache's samples%s were made with other settings (%s): evicted those %d cached segments; "
                     "they are fetched again as the config says now",
@@ -524,7 +532,7 @@ class Supervisor:
             url = self._url_of(gid)
             if idle > 2 * limit:
                 log.error("sampler %d has been writing %s for %.0fs: killing it", handle.index, url, idle)
-                handle.last_error = f"hung for {idle:.0f}s"
+                handle.exit_reason = f"hung for {idle:.0f}s"
                 self._require_pool().kill(handle)
             else:
                 handle.hung = (
@@ -577,6 +585,8 @@ class Supervisor:
             handle.objects_total = message.objects_total
         elif isinstance(message, Drained):
             handle.is_drained = True
+        elif isinstance(message, Exiting):  # its exit status will say less (pool.py keeps this)
+            handle.exit_reason = message.reason
         else:
             log.warning("sampler %d sent an unexpected %s message", handle.index, type(message).__name__)
 

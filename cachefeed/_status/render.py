@@ -158,6 +158,8 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
         )
     if cache["is_backpressured"]:
         out.add("", "BACK-PRESSURE: the cache is full of pinned data, fetching waits", indent=2)
+    if cache.get("is_out_of_space"):
+        out.add("", "OUT OF SPACE: the cache's filesystem is full, fetching waits (see degraded)", indent=2)
     floor_note = ": BELOW THE FLOOR" if cache["free_bytes"] < cache["min_free_bytes"] else ""
     out.add(
         "free",

@@ -3,11 +3,12 @@
 The report is judged from the daemon's status document (``_status/document.py``, verdict in ``_status/verdict.py``),
 with more checks on the daemon's host: a daemon whose pid is gone is not running, even with a fresh heartbeat; and a
 stale heartbeat says what the cache's lock and the process show: the daemon gone, or still holding the lock (hung,
-or stopped), or another daemon holding it. Without a usable document, the report carries what the directory shows
-(``_status/directory.py``). A bad status file is a verdict (``Health.UNREADABLE``), never an exception. Nothing here
-writes into the cache; the one lock taken is ``CacheLayout.writer_state``'s moment of a shared lock, for a stale
-heartbeat only (a daemon starting then waits it out). Its readers: ``cachefeed status`` (``_cli/status.py``), the
-trainer's wait for a full cache (``_trainer/wait.py``), the demo and the tests.
+or stopped), or another daemon holding it; or the cache's filesystem full, so that a live daemon cannot write its
+status (then the verdict is degraded, not "not running"). Without a usable document, the report carries what the
+directory shows (``_status/directory.py``). A bad status file is a verdict (``Health.UNREADABLE``), never an
+exception. Nothing here writes into the cache; the one lock taken is ``CacheLayout.writer_state``'s moment of a
+shared lock, for a stale heartbeat only (a daemon starting then waits it out). Its readers: ``cachefeed status``
+(``_cli/status.py``), the trainer's wait for a full cache (``_trainer/wait.py``), the demo and the tests.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cachefeed._procs import GONE, process_state
 from cachefeed._status.directory import DirectorySummary
 from cachefeed._status.document import load_document
 from cachefeed._status.verdict import DEFAULT_INTERVAL_S, Health, judge, stale_after_s, stale_reason
+from cachefeed._units import format_bytes
 
 __all__ = ["StatusReport", "read_report"]
 
@@ -74,6 +76,26 @@ def _why_stale(layout: CacheLayout, pid: int, *, check_pid: bool) -> str | None:
     return f"the daemon (pid {pid}) no longer holds the cache's lock: it exited or is exiting"
 
 
+# Less free space than this on the cache's filesystem, with a stale heartbeat from a daemon that holds the lock and
+# lives: it cannot write its status file (a few KiB, written whole beside it, then renamed).
+_STATUS_ROOM_BYTES = 256 << 10
+
+
+def _filesystem_full(layout: CacheLayout, pid: int) -> str | None:
+    """Why a live daemon writes no status, where its filesystem is full: the reason, else None (``read_report``)."""
+    try:
+        stats = os.statvfs(layout.root)
+    except OSError:
+        return None
+    free = stats.f_bavail * stats.f_frsize
+    if free >= _STATUS_ROOM_BYTES or not layout.writer_state() or process_state(pid) in (*GONE, "T", "t"):
+        return None
+    return (
+        f"the daemon (pid {pid}) runs but cannot write its status: the cache's filesystem is full "
+        f"({format_bytes(free)} free): free space there"
+    )
+
+
 def read_report(
     cache_dir: Path, *, interval_s: float | None = None, now: float | None = None, check_pid: bool = True
 ) -> StatusReport:
@@ -119,9 +141,12 @@ def read_report(
     health, reasons = judge(document, age, interval_s)
     is_here = document["host"] == socket.gethostname()
     if is_here and document["state"] != "stopped" and age > stale_after_s(interval_s):
-        why = _why_stale(layout, int(document["pid"]), check_pid=check_pid)
+        full = _filesystem_full(layout, int(document["pid"]))
+        why = full or _why_stale(layout, int(document["pid"]), check_pid=check_pid)
         if why is not None:
             reasons = (stale_reason(age, interval_s, why),)
+        if full is not None:
+            health = Health.DEGRADED  # it runs, and says so as soon as it can write again
     if check_pid and health != Health.NOT_RUNNING and is_here and _pid_is_gone(document["pid"]):
         if _advances(layout.status_file, document["updated_at"], interval_s):
             # someone keeps writing: a daemon in another pid namespace, or one that just restarted

@@ -138,6 +138,11 @@ STATUS_SCHEMA: dict[str, Any] = {
         "turnover_bytes": _gauge(NUM, "cachefeed_cache_turnover_bytes", "Room kept for fresh samples."),
         "is_backpressured": _gauge(BOOL, "cachefeed_cache_backpressured", "1 while fetching waits on pins."),
         "is_paced": _gauge(BOOL, "cachefeed_cache_paced", "1 while ingest waits for trainers to read (normal)."),
+        "is_out_of_space": Scalar(
+            BOOL,
+            Metric("cachefeed_cache_out_of_space", "gauge", "1 while ingest waits for room on the cache's filesystem."),
+            is_omittable=True,
+        ),
         "waiting_for_reads_samples": _gauge(
             NUM,
             "cachefeed_cache_waiting_for_reads_samples",

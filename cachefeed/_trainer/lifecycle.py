@@ -421,10 +421,17 @@ class Epochs:
                 timeout_s=plan.wait_timeout_s,
                 progress=plan.progress,
                 restart_grace_s=RESTART_GRACE_S,
+                is_default=plan.grows_first,  # min_samples unset: the default's level (messages name it so)
             )
             waited = time.perf_counter() - started
         elif is_first and plan.ranks.is_creator:
-            wait_for_samples(plan.layout, int(plan.min_samples), timeout_s=plan.wait_timeout_s, progress=plan.progress)
+            wait_for_samples(
+                plan.layout,
+                int(plan.min_samples),
+                timeout_s=plan.wait_timeout_s,
+                progress=plan.progress,
+                is_default=plan.grows_first,  # min_samples unset: samples_per_epoch (messages name it so)
+            )
             waited = time.perf_counter() - started
         elif is_first:
             join_timeout += plan.wait_timeout_s

@@ -25,7 +25,7 @@ from watchdog.observers.api import BaseObserver
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.records import segment_count
-from cachefeed._errors import NoSuchCacheError, SnapshotError
+from cachefeed._errors import CachefeedError, NoSuchCacheError, SnapshotError
 from cachefeed._logs import get_logger
 
 __all__ = [
@@ -44,6 +44,8 @@ log = get_logger(__name__)
 
 _BAR_WIDTH = 24
 _PLAIN_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
+_NOTE_EVERY_S = 2.0  # how often a progress line looks again at why it waits (the daemon's status document)
+_NOTE_CHARS = 200  # a degraded reason on a progress line, at most
 
 
 class SampleCounter:
@@ -77,22 +79,38 @@ class _Wake(FileSystemEventHandler):
 
 
 class _Progress:
-    """One line on a terminal (redrawn), or a line every ``_PLAIN_EVERY_S`` in a log file."""
+    """One line on a terminal (redrawn), or a line every ``_PLAIN_EVERY_S`` in a log file; each ends with why the
+    wait may last (``note``, looked at every ``_NOTE_EVERY_S``: ``daemon_note``)."""
 
     def __init__(
-        self, stream: TextIO | None, root: str, target: int, *, is_fill: bool = False, noun: str = "samples"
+        self,
+        stream: TextIO | None,
+        root: str,
+        target: int,
+        *,
+        is_fill: bool = False,
+        noun: str = "samples",
+        note: Callable[[], str] | None = None,
     ) -> None:
         self._is_fill = is_fill  # have/target are percents of the daemon's fill level, not samples
         self._noun = noun
         self._stream = stream
         self._root = root
         self._target = target
+        self._note = note
+        self._note_text = ""
+        self._noted_at: float | None = None
         self._is_tty = bool(stream is not None and stream.isatty())
         self._last_plain = 0.0
+        self._width = 0  # of the line drawn last on a terminal: a shorter one is padded over it
         self._drawn = False
+        self._has_shown = False
 
     def show(self, have: int, waited_s: float, *, force: bool = False) -> None:
         if self._stream is None:
+            return
+        now = time.monotonic()
+        if not (self._is_tty or force or now - self._last_plain >= _PLAIN_EVERY_S):
             return
         fraction = min(1.0, have / self._target) if self._target else 1.0
         filled = int(fraction * _BAR_WIDTH)
@@ -101,20 +119,66 @@ class _Progress:
             line = f"cachefeed: waiting for the cache in {self._root} to fill {bar} {have}% of {self._target}%"
         else:
             line = f"cachefeed: waiting for {self._noun} in {self._root} {bar} {have}/{self._target} ({fraction:.0%})"
-        line += f" {waited_s:.0f}s"
-        now = time.monotonic()
+        line += f" {waited_s:.0f}s{self._why(now)}"
         if self._is_tty:
-            self._stream.write("\r" + line)
+            self._stream.write("\r" + line.ljust(self._width))
+            self._width = len(line)
             self._drawn = True
-        elif force or now - self._last_plain >= _PLAIN_EVERY_S:
+        else:
             self._stream.write(line + "\n")
             self._last_plain = now
         self._stream.flush()
+        self._has_shown = True
+
+    def finish(self, have: int, waited_s: float, *, force: bool) -> None:
+        """The last line of a wait that showed one; nothing where none was shown (it held at the first look)."""
+        if self._has_shown:
+            self.show(have, waited_s, force=force)
+
+    def _why(self, now: float) -> str:
+        if self._note is None:
+            return ""
+        if self._noted_at is None or now - self._noted_at >= _NOTE_EVERY_S:
+            self._noted_at = now
+            note = self._note()
+            self._note_text = f"; {note} (cachefeed status)" if note else ""
+        return self._note_text
 
     def done(self) -> None:
         if self._stream is not None and self._drawn:
             self._stream.write("\n")
             self._stream.flush()
+
+
+def daemon_note(layout: CacheLayout) -> str:
+    """Why a wait for the daemon may last, for a progress line or an error: no daemon holds the cache, or the
+    daemon reports itself degraded (its first reason), or its heartbeat is stale while it holds the cache's lock
+    (hung); "" when it runs well (or is starting). Words only: the waits do not change (a daemon may be about to
+    start with the job)."""
+    if not layout.has_writer():
+        return "no daemon runs on this cache"
+    from cachefeed._status.report import read_report  # the reader of the daemon's document
+    from cachefeed._status.verdict import Health
+
+    try:
+        report = read_report(layout.root)
+    except (CachefeedError, OSError):
+        return ""  # the wait's own checks say what is wrong with the directory
+    if not report.reasons or report.document is None:
+        return ""
+    reason = "".join(ch if ch.isprintable() else "?" for ch in report.reasons[0])  # the remote's words, maybe
+    if len(reason) > _NOTE_CHARS:
+        reason = reason[: _NOTE_CHARS - 3] + "..."
+    if report.health is Health.DEGRADED:
+        return f"the daemon is degraded: {reason}"
+    if report.health is Health.NOT_RUNNING and report.document["state"] != "stopped":  # stale, the lock held
+        return reason  # (a stopped one's document, the lock held: a new daemon starting, about to write its own)
+    return ""
+
+
+def _noted(note: str) -> str:
+    """``daemon_note``'s words for an error message."""
+    return f"; {note}" if note else ""
 
 
 def wait_for_cache(
@@ -123,8 +187,10 @@ def wait_for_cache(
     """Block until the daemon has created the cache at ``layout.root`` (a trainer started together with it).
 
     Raises:
-        NoSuchCacheError: not there after ``timeout_s``; at once where the path is a file, or a directory that
-            holds a cache in a subdirectory (the parent of ``cache.dir`` given for it: the error names the cache).
+        NoSuchCacheError: not there after ``timeout_s``; at once where the path is a file, a directory that
+            holds a cache in a subdirectory (the parent of ``cache.dir`` given for it: the error names the cache),
+            or a directory of other files (a dataset's root, say: ``CacheLayout.foreign_entries``). An empty
+            directory may still become a cache: it is waited for.
     """
     started = time.monotonic()
     shown = 0.0
@@ -142,14 +208,22 @@ def wait_for_cache(
                     f"{layout.root} is not a cachefeed cache, but {', '.join(map(str, inside))} "
                     f"{'is' if len(inside) == 1 else 'are'}: give the cache directory (the daemon's cache.dir)"
                 ) from None
+            foreign = layout.foreign_entries()
+            if foreign:
+                listed = ", ".join(map(repr, foreign[:3])) + (", ..." if len(foreign) > 3 else "")
+                raise NoSuchCacheError(
+                    f"{layout.root} is not a cachefeed cache: it holds {listed}, where a cache holds CACHEDIR.TAG "
+                    "and segments/ (made by the daemon): give the daemon's cache.dir"
+                ) from None
             if waited > timeout_s:
                 raise NoSuchCacheError(f"{exc} (waited {timeout_s:g}s for the daemon to create it)") from None
             if progress is not None and (not shown or waited - shown >= _PLAIN_EVERY_S):
                 line = (
                     f"waiting for a daemon to create the cache at {layout.root} (the directory exists but is not a "
-                    "cachefeed cache yet: is it the daemon's cache.dir?)"
+                    f"cachefeed cache yet: is it the daemon's cache.dir? giving up after {timeout_s:g}s)"
                     if layout.root.is_dir()
-                    else f"waiting for the cache at {layout.root} to appear (is the daemon starting?)"
+                    else f"waiting for the cache at {layout.root} to appear (is the daemon starting? check the "
+                    f"path; giving up after {timeout_s:g}s)"
                 )
                 progress.write(f"cachefeed: {line} {waited:.0f}s\n")
                 progress.flush()
@@ -184,10 +258,12 @@ def wait_for_samples(
     progress: TextIO | None = sys.stderr,
     poll_s: float = 1.0,
     stop: threading.Event | None = None,
+    is_default: bool = False,
 ) -> int:
     """Block until at least ``min_samples`` samples are published; return how many there are. On a cache no
     daemon holds when the wait begins (a static cache: what is cached is all there will be) it does not wait, as a
-    fill level does not (``fill_reached``), unless nothing is cached (a daemon may be starting).
+    fill level does not (``fill_reached``), unless nothing is cached (a daemon may be starting). ``is_default``:
+    the user did not set ``min_samples`` (it is ``samples_per_epoch``), as the timeout's message then says.
 
     Raises:
         NoSuchCacheError: the cache directory is missing.
@@ -207,16 +283,21 @@ def wait_for_samples(
     started = time.monotonic()
     woken = threading.Event()
     observer = watch_publishes(layout, woken.set)
-    bar = _Progress(progress, str(layout.root), min_samples)
+    bar = _Progress(progress, str(layout.root), min_samples, note=lambda: daemon_note(layout))
     try:
         bar.show(have, 0.0, force=True)
         while have < min_samples:
             waited = time.monotonic() - started
             if waited > timeout_s:
+                wanted = (
+                    f"the {min_samples} samples the first epoch waits for by default (samples_per_epoch)"
+                    if is_default
+                    else f"min_samples={min_samples} samples"
+                )
                 raise SnapshotError(
-                    f"only {have} of min_samples={min_samples} samples were cached in {layout.root} after "
-                    f"{timeout_s:g}s: check that the daemon runs and fetches (cachefeed status), or lower "
-                    "min_samples / raise wait_timeout_s"
+                    f"only {have} of {wanted} were cached in {layout.root} after {timeout_s:g}s"
+                    f"{_noted(daemon_note(layout))}: check that the daemon runs and fetches (cachefeed status), "
+                    f"or {'set a lower' if is_default else 'lower'} min_samples / raise wait_timeout_s"
                 )
             if stop is not None and stop.is_set():
                 raise SnapshotError("stopped while waiting for samples")
@@ -252,7 +333,7 @@ def wait_for_segments(
     """
     layout.check()
     started = time.monotonic()
-    bar = _Progress(progress, str(layout.root), segments, noun="segments")
+    bar = _Progress(progress, str(layout.root), segments, noun="segments", note=lambda: daemon_note(layout))
     checked_at = 0.0
     try:
         while True:
@@ -273,7 +354,7 @@ def wait_for_segments(
             bar.show(have, waited)
             time.sleep(poll_s)
             layout.check()
-        bar.show(have, time.monotonic() - started, force=waited > 1.0)
+        bar.finish(have, time.monotonic() - started, force=waited > 1.0)
     finally:
         bar.done()
     log.info("%d segments published in %s after %.2fs", have, layout.root, time.monotonic() - started)
@@ -342,9 +423,9 @@ def fill_reached(layout: CacheLayout, fraction: float, have: int) -> Fill:
     """Whether to start now (and the fill level, and why) from the daemon's status document.
 
     The cache is full enough when the daemon reports ``cache.fill >= fraction``, or when it cannot fill further:
-    it waits for trainers to read (paced) or for pins to go (back-pressure), or it has fetched everything the
-    remote lists (a dataset smaller than the cache). Without a running daemon (a static cache) what is cached is
-    all there will be.
+    it waits for trainers to read (paced), for pins to go (back-pressure) or for space on its filesystem, or it
+    has fetched everything the remote lists (a dataset smaller than the cache). Without a running daemon (a static
+    cache) what is cached is all there will be.
 
     Whether a daemon runs is the kernel's word, not the heartbeat's: a daemon holds the cache's writer lock until
     it exits (``CacheLayout.has_writer``). A heartbeat older than the status verdict's limit while the lock is held
@@ -376,6 +457,8 @@ def fill_reached(layout: CacheLayout, fraction: float, have: int) -> Fill:
         return Fill(True, fill, f"cache {fill:.0%} full")
     if cache["is_paced"] or cache["is_backpressured"]:
         return Fill(True, fill, f"cache {fill:.0%} full and waiting for trainers: starting")
+    if cache.get("is_out_of_space"):
+        return Fill(True, fill, f"cache {fill:.0%} full: its filesystem has no room for more (cachefeed status)")
     if document["remote"]["passes_completed"] >= 1:
         return Fill(True, fill, f"cache {fill:.0%} full with everything the remote lists: starting")
     return Fill(False, fill, "")
@@ -389,6 +472,7 @@ def wait_for_fill(
     progress: TextIO | None = sys.stderr,
     poll_s: float = 0.5,
     restart_grace_s: float = 0.0,
+    is_default: bool = False,
 ) -> int:
     """Block until the daemon has filled the cache to ``fraction`` of what it keeps (see ``fill_reached``);
     return the samples cached. The user states a level; segment sizes and metadata are the daemon's business.
@@ -396,7 +480,8 @@ def wait_for_fill(
     A daemon seen running during this wait that goes away is waited for up to ``restart_grace_s`` (a restart:
     ``systemctl restart``, or ``Restart=on-failure`` after a crash, comes back on the same cache and fills on)
     before the wait ends on what is cached; a cache no daemon ran on during the wait is what there will be, and
-    the wait ends at once, as ``fill_reached`` says.
+    the wait ends at once, as ``fill_reached`` says. ``is_default``: the user did not set ``min_samples`` (the
+    level is the factory's default), as the timeout's message then says.
 
     Raises:
         NoSuchCacheError: the cache directory is missing.
@@ -405,7 +490,7 @@ def wait_for_fill(
     layout.check()
     counter = SampleCounter(layout)
     started = time.monotonic()
-    bar = _Progress(progress, str(layout.root), round(fraction * 100), is_fill=True)
+    bar = _Progress(progress, str(layout.root), round(fraction * 100), is_fill=True, note=lambda: daemon_note(layout))
     absence = DaemonAbsence(layout, restart_grace_s, waiter="waiting", then="starting on the %d samples cached")
     seen_daemon, last_fill = False, 0.0
     try:
@@ -422,15 +507,20 @@ def wait_for_fill(
                 why = f"no daemon came back within {absence.away_s:.0f}s: starting on what is cached"
                 fill = last_fill
             if ready:
-                if waited > 0.1:
-                    bar.show(round(fill * 100), waited, force=True)
+                bar.finish(round(fill * 100), waited, force=True)
                 log.info("%s (%d samples) after %.1fs", why, have, waited)
                 return have
             if waited > timeout_s:
+                wanted = (
+                    f"the first epoch's default fill ({fraction:.0%})"
+                    if is_default
+                    else f"min_samples = '{fraction:.0%}'"
+                )
                 raise SnapshotError(
                     f"the cache in {layout.root} was {fill:.0%} full ({have} samples) after {timeout_s:g}s, "
-                    f"short of min_samples = '{fraction:.0%}': check that the daemon runs and fetches "
-                    "(cachefeed status), or lower min_samples / raise wait_timeout_s"
+                    f"short of {wanted}{_noted(daemon_note(layout))}: check that the daemon runs and fetches "
+                    f"(cachefeed status), or {'set a lower' if is_default else 'lower'} min_samples / raise "
+                    "wait_timeout_s"
                 )
             bar.show(round(fill * 100), waited)
             time.sleep(poll_s)

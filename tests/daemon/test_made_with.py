@@ -27,7 +27,8 @@ def write_remote(directory: Path, value: int) -> None:
 
 
 def run_daemon(tmp_path: Path, name: str, remote: Path, expected_samples: int) -> str:
-    """Run a daemon over ``remote`` until its cache holds ``expected_samples``; stop it; return its log."""
+    """Run a daemon over ``remote`` until its cache holds ``expected_samples`` (none: until it listed the remote,
+    which is empty); stop it; return its log."""
     cache_dir = tmp_path / "cache"
     config = tmp_path / f"{name}.toml"
     config.write_text(
@@ -43,7 +44,10 @@ def run_daemon(tmp_path: Path, name: str, remote: Path, expected_samples: int) -
     daemon = start_daemon(config, cache_dir, tmp_path / f"{name}.err")
     try:
         daemon.wait_status(
-            lambda d: d["cache"]["samples"] == expected_samples and d["state"] == "running",
+            lambda d: (
+                d["cache"]["samples"] == expected_samples
+                and (d["state"] == "running" or (expected_samples == 0 and bool(d["remote"]["last_listed_at"])))
+            ),
             timeout_s=60,
             what=f"{expected_samples} samples cached",
         )
@@ -71,3 +75,16 @@ def test_a_cache_kept_across_a_change_of_remote_serves_only_the_new_remotes_samp
     ), log[-2000:]
     served = values_served(tmp_path / "cache")
     assert sorted(served) == [2] * OBJECTS, "only the new remote's samples, each once"
+
+
+def test_a_change_over_a_cache_that_holds_nothing_evicts_nothing_and_says_so_quietly(tmp_path: Path) -> None:
+    """A first start, then a config edit before anything was cached: the log warned that it "evicted those 0
+    cached segments". Now the change is an info line saying nothing was cached under the old settings."""
+    empty, full = tmp_path / "empty", tmp_path / "full"
+    empty.mkdir()
+    write_remote(full, 7)
+    first = run_daemon(tmp_path, "first", empty, 0)
+    assert "made with other settings" not in first, "a new cache has nothing to compare"
+    second = run_daemon(tmp_path, "second", full, OBJECTS)
+    assert "made with other settings" not in second, second
+    assert "changed (url = " in second and "nothing was cached under the old ones" in second, second

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from cachefeed._cache.layout import CacheLayout
 from cachefeed._testing.daemon import BUCKET, StartDaemon, daemon_argv, wait_for
 from cachefeed._testing.samples import upload_arrays
 
@@ -170,6 +171,25 @@ def test_a_file_or_a_symlink_at_cache_dir_exits_73_saying_which_and_what_to_do(t
     else:
         assert f"cache.dir {at} is a symbolic link, which cachefeed does not follow" in line
     assert list(target.iterdir()) == [], "nothing was written through the link"
+
+
+def test_a_cache_dir_that_holds_other_files_is_refused_with_exit_73_and_they_stay(tmp_path: Path) -> None:
+    """``cache.dir`` pointed at the user's own directory (a dataset's root): it was accepted, its files charged to
+    the budget and shown as data "pinned" by epochs that did not exist, and nothing was ever fetched. Now it is
+    refused, naming what is there; an empty directory, or a mount's root with only ``lost+found``, is taken."""
+    mine = tmp_path / "my-dataset"
+    mine.mkdir()
+    for name in ("train.csv", "images", "notes.txt", "README"):
+        (mine / name).write_text("mine")
+    line = refused_cache_dir(tmp_path, mine)
+    assert (
+        f"cache.dir {mine}: holds files that are not a cachefeed cache (README, images, notes.txt and 1 more)" in line
+    )
+    assert sorted(p.name for p in mine.iterdir()) == ["README", "images", "notes.txt", "train.csv"], "untouched"
+    mount_root = tmp_path / "ssd"
+    (mount_root / "lost+found").mkdir(parents=True)
+    CacheLayout(mount_root).create()
+    assert (mount_root / "CACHEDIR.TAG").is_file()
 
 
 def test_second_daemon_on_the_same_cache_exits_75_naming_the_first(bucket: Any, daemon: StartDaemon) -> None:
