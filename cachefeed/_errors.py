@@ -4,6 +4,7 @@ The tree::
 
     CachefeedError                      root; exit 1
     ├── ConfigError                     a bad config file or value; exit 78 (EX_CONFIG: systemd must not restart)
+    ├── UsageError                      a command-line value a subcommand refuses (``--epochs 0``); exit 64 (EX_USAGE)
     ├── CacheLockedError                another daemon holds the cache dir; exit 75 (EX_TEMPFAIL)
     ├── NoSuchCacheError                the cache dir does not exist or is not a cache; exit 66 (EX_NOINPUT)
     ├── CacheUnusableError              the daemon cannot create or write its cache dir; exit 73 (EX_CANTCREAT)
@@ -45,6 +46,7 @@ __all__ = [
     "RemoteTransientError",
     "SnapshotError",
     "StatusUnreadable",
+    "UsageError",
     "WriterStopped",
 ]
 
@@ -62,6 +64,14 @@ class ConfigError(CachefeedError):
     """A config value is missing, unknown or malformed. The message names the key, the value and the form."""
 
     exit_code = 78
+
+
+class UsageError(CachefeedError):
+    """A command-line value a subcommand refuses after parsing (``--epochs 0``): exit ``EX_USAGE`` (64), like a
+    command line argparse cannot parse, never 78, which is for a bad ``--config`` file. The message names the
+    option, the value and the expected form."""
+
+    exit_code = EX_USAGE
 
 
 class CacheLockedError(CachefeedError):

@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module of this package (``_cli/daemon.py``, ``_cli/status.py``, ``_cli/demo.py``)
 and exposes ``add_arguments(parser)`` and ``run(args) -> int``; this module only wires them up. A
-``CachefeedError`` becomes one line on stderr and its ``exit_code``; no traceback for user mistakes.
+``CachefeedError`` becomes one line on stderr and its ``exit_code``; no traceback for user mistakes. A value given
+on the command line that a subcommand refuses is ``UsageError`` (64, as argparse's own refusals), never
+``ConfigError`` (78): that one is for a bad ``--config`` file.
 ``KeyboardInterrupt`` exits 130. ``python -m cachefeed`` (``cachefeed/__main__.py``) runs the same ``main``.
 """
 

@@ -39,7 +39,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from cachefeed._config import toml_text
-from cachefeed._errors import CachefeedError, ConfigError
+from cachefeed._errors import CachefeedError, ConfigError, UsageError
+from cachefeed._scrub import safe_url
 from cachefeed._testing.local_s3 import DUMMY_ENV, LocalS3
 
 __all__ = ["add_arguments", "run"]
@@ -199,18 +200,26 @@ def _parse_options(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--storage-option {pair!r}: expected KEY=VALUE")
+            raise UsageError(f"--storage-option {pair!r}: expected KEY=VALUE")
         options[key] = value
     return options
 
 
 def _check_options(args: argparse.Namespace) -> None:
     """The options that reach the daemon's config or the loader, checked before anything is written or started:
-    a mistake is named by its option, not by the key of a temporary config file."""
+    a mistake is named by its option, not by the key of a temporary config file, and exits 64 (a usage error)."""
     from cachefeed._config import fields
 
+    if args.remote:
+        from fsspec import get_filesystem_class
+        from fsspec.utils import get_protocol
+
+        try:
+            get_filesystem_class(get_protocol(args.remote))
+        except (ValueError, ImportError) as exc:
+            raise UsageError(f"--remote = {safe_url(args.remote)!r}: {exc}") from None
     if args.workers < 0:
-        raise ConfigError(f"--workers = {args.workers}: expected an integer >= 0 (0: read in the training process)")
+        raise UsageError(f"--workers = {args.workers}: expected an integer >= 0 (0: read in the training process)")
     checks: list[tuple[str, object, Callable[[object], object]]] = [
         ("--decode", args.decode, fields.decoder),
         ("--pattern", args.pattern, fields.nonempty_string),
@@ -221,29 +230,31 @@ def _check_options(args: argparse.Namespace) -> None:
         try:
             check(value)
         except ValueError as exc:
-            raise ConfigError(f"{option} = {value!r}: {exc}") from None
+            raise UsageError(f"{option} = {value!r}: {exc}") from None
     from cachefeed._codecs import BUILTIN_DECODERS, get_decoder
 
     if args.decode not in BUILTIN_DECODERS:
         try:
             get_decoder(args.decode)
         except ConfigError as exc:
-            raise ConfigError(f"--decode = {args.decode!r}: {str(exc).removeprefix(f'{args.decode!r}: ')}") from None
+            raise UsageError(f"--decode = {args.decode!r}: {str(exc).removeprefix(f'{args.decode!r}: ')}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     for name in ("epochs", "objects", "batch_size"):
         if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} = {getattr(args, name)}: expected an integer >= 1")
+            raise UsageError(f"--{name.replace('_', '-')} = {getattr(args, name)}: expected an integer >= 1")
     if not 0.05 <= args.budget <= 1.0:
-        raise ConfigError(f"--budget = {args.budget}: expected a fraction between 0.05 and 1")
+        raise UsageError(f"--budget = {args.budget}: expected a fraction between 0.05 and 1")
     _check_options(args)
+    storage_options: dict[str, Any] = _parse_options(args.storage_option)
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # `timeout`, `kill`, a closed terminal: clean up as Ctrl-C does
+        signal.signal(signum, _exit_on_signal)
     workdir = Path(tempfile.mkdtemp(prefix="cachefeed-demo-"))
     server: LocalS3 | None = None
     daemon: subprocess.Popen[bytes] | None = None
     started = time.monotonic()
     try:
-        storage_options: dict[str, Any] = _parse_options(args.storage_option)
         make_dataset = _make_images if args.images else _make_dataset
         generated_decode = "image" if args.images else "npz"
         if args.images:
@@ -334,6 +345,12 @@ def run(args: argparse.Namespace) -> int:
             _say(f"kept {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    """SIGTERM or SIGHUP: leave through ``run``'s ``finally``, which stops the daemon and the S3 server (each in a
+    session of its own, which the signal does not reach) and removes the demo's files."""
+    raise SystemExit(128 + signum)
 
 
 def _features_and_labels(batch: dict[str, Any]) -> tuple[Any, Any]:

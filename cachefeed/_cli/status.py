@@ -12,9 +12,11 @@ The exit status (one invocation, without ``--watch``) is the verdict: the table 
 
 ``--watch`` re-reads the file every SECONDS (a poll: the heartbeat age changes every second anyway). On a terminal
 each frame replaces the last (cursor home, clear); otherwise frames follow each other, and with ``--json`` each is
-one line (NDJSON). A cache that does not exist yet is reported and watched for. Ctrl-C exits with the last frame's
-verdict (0 only if the daemon was running and healthy then; 66 if the last frame found no cache), as one
-invocation would have exited at that moment.
+one line (NDJSON). A cache that does not exist yet is reported and watched for, and so is a directory holding
+nothing but what a starting daemon creates before it marks it as a cache (``_may_become_cache``); a path that can
+never become one (a file, a directory of other things) exits 66 at once, as one invocation does. Ctrl-C exits with
+the last frame's verdict (0 only if the daemon was running and healthy then; 66 if the last frame found no cache),
+as one invocation would have exited at that moment.
 
 A reader that goes away (``cachefeed status --json | head -c 400``) ends the command quietly: the rest of the output
 goes to ``/dev/null`` (the recipe in the Python docs' ``signal`` module notes), no ``BrokenPipeError`` traceback,
@@ -26,10 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 from pathlib import Path
 
+from cachefeed._cache.layout import CacheLayout
 from cachefeed._config import load_config
 from cachefeed._errors import EX_USAGE, CachefeedError, ConfigError, NoSuchCacheError
 from cachefeed._status.render import render_human, to_json
@@ -91,6 +95,21 @@ def run(args: argparse.Namespace) -> int:
     return int(report.health)
 
 
+def _may_become_cache(cache_dir: Path) -> bool:
+    """Whether a path that is no cache yet may still become one while ``--watch`` waits: it does not exist (the
+    daemon creates it, and its parents), or it is a directory the daemon would take (``CacheLayout.foreign_entries``:
+    empty, or holding what a starting daemon makes first). A file never becomes one; a directory of other things (a
+    dataset) is a wrong path far more often than a cache about to be made there, and is reported at once."""
+    try:
+        if not stat.S_ISDIR(os.lstat(cache_dir).st_mode):
+            return False  # a file, a symlink (refused as a cache dir) or a device
+    except FileNotFoundError:
+        return True
+    except OSError:  # a file above it (NotADirectoryError), or no permission to look
+        return False
+    return not CacheLayout(cache_dir).foreign_entries()
+
+
 def _silence_stdout() -> None:
     """The reader of stdout went away: point stdout at /dev/null so that Python's flush at exit cannot fail
     again (and print a traceback). The Python docs' recipe for SIGPIPE."""
@@ -103,7 +122,8 @@ _HOME_CLEAR = "\x1b[H\x1b[2J"
 
 
 def _watch(cache_dir: Path, interval_s: float | None, *, period_s: float, as_json: bool) -> int:
-    """Redraw until interrupted. A missing cache is shown as such (the daemon may not have created it yet)."""
+    """Redraw until interrupted. A missing cache is shown as such (the daemon may not have created it yet); a path
+    that cannot become a cache ends the watch at once, with its one-line error (``_may_become_cache``)."""
     is_tty = sys.stdout.isatty() and not as_json
     verdict = int(Health.NOT_RUNNING)  # a Ctrl-C before the first frame: nothing seen running
     try:
@@ -113,6 +133,8 @@ def _watch(cache_dir: Path, interval_s: float | None, *, period_s: float, as_jso
                 text = json.dumps(to_json(report)) + "\n" if as_json else render_human(report)
                 verdict = int(report.health)
             except CachefeedError as exc:
+                if isinstance(exc, NoSuchCacheError) and not _may_become_cache(cache_dir):
+                    raise  # waiting cannot help: one line on stderr, exit 66, as without --watch
                 text = json.dumps({"error": str(exc)}) + "\n" if as_json else f"cachefeed status: {exc}\n"
                 verdict = exc.exit_code
             if is_tty:

@@ -188,6 +188,12 @@ def url(value: object) -> str:
     text = nonempty_string(value)
     if "\n" in text or "\0" in text:
         raise ValueError("expected a URL on one line")
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() == "file" and not rest.startswith("/"):  # file://data/x is "data/x" in the cwd
+        raise ValueError(
+            f"expected an absolute path after file:// (three slashes: file:///{rest}); file://{rest} would be read "
+            "relative to the daemon's working directory"
+        )
     return text
 
 

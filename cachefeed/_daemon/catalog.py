@@ -123,7 +123,8 @@ class Catalog:
         """Ask the thread to stop; a listing in progress is abandoned (the thread is a daemon thread)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=1.0)
+        if self._thread.ident is not None:  # a start that failed before ``start`` (a metrics port in use) stops too
+            self._thread.join(timeout=1.0)
         if not self._thread.is_alive():
             self._remote.close()
 

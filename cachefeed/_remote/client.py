@@ -101,8 +101,12 @@ class Remote:
         self._scrub = Scrubber(secrets_from_options(config.storage_options))
         try:
             self._fs_class: type[Any] = fsspec.get_filesystem_class(get_protocol(config.url))
+            # What the URL itself says (an FTP or SFTP host, port and user), under the user's storage_options, as
+            # fsspec's own url_to_fs merges them
+            self._url_options: dict[str, Any] = dict(self._fs_class._get_kwargs_from_urls(config.url))
         except (ValueError, ImportError) as exc:
             raise ConfigError(self._scrub(f"remote.url = {safe_url(config.url)!r}: {exc}")) from None
+        self._scrub = self._scrub.with_values(secrets_from_options(self._url_options))  # a password in the URL
         self._is_s3 = any(c.__name__ == "S3FileSystem" for c in self._fs_class.__mro__)
         self._is_local = any(c.__name__ == "LocalFileSystem" for c in self._fs_class.__mro__)
         self._options = self._fs_options(max_connections)
@@ -124,7 +128,7 @@ class Remote:
         raise TypeError("a Remote is not picklable: create it inside the process that uses it")
 
     def _fs_options(self, max_connections: int) -> dict[str, Any]:
-        options = dict(self.config.storage_options)
+        options = {**self._url_options, **self.config.storage_options}
         options["skip_instance_cache"] = True
         if self._is_s3:
             config_kwargs = dict(options.get("config_kwargs") or {})
@@ -144,6 +148,14 @@ class Remote:
             options["use_listings_cache"] = False
         return options
 
+    def _rejected(self, exc: BaseException) -> str:
+        """The one line for storage options the filesystem refuses (an unknown keyword: a typo), secrets removed."""
+        return self._scrub(
+            f"remote.storage_options = {{{', '.join(sorted(self.config.storage_options))}}} rejected by "
+            f"{self._fs_class.__name__}: {type(exc).__name__}: {exc}: check each option's name and value against "
+            f"the {self._protocol}:// filesystem's documentation"
+        )
+
     def _error(self, exc: BaseException, path: str) -> RemoteError:
         error = translate_error(exc, path)
         if error is not exc:
@@ -162,10 +174,10 @@ class Remote:
             extra = {**extra, "session": _WARM_SESSIONS[key]}
         try:
             fs = self._fs_class(**self._options, **extra)
+        except OSError as exc:  # a filesystem that connects when it is made (FTP, SFTP): the server's answer
+            raise self._error(exc, self._where) from None
         except Exception as exc:
-            raise ConfigError(
-                self._scrub(f"remote.storage_options rejected by {self._fs_class.__name__}: {type(exc).__name__}")
-            ) from None
+            raise ConfigError(self._rejected(exc)) from None
         if self._is_s3:
             fs.retries = 1  # NOTE [ One retry layer ]
         return fs
@@ -321,7 +333,8 @@ class Remote:
         """Build this remote's botocore session now, in this process, and keep it for every client this process
         (and every process forked from it later) makes for the same options: NOTE [ Warmed session ]. Runs a
         short event loop of its own on the calling thread and leaves no thread behind; True if a session is
-        kept (S3 only). Errors are not raised: the first listing or fetch meets and reports them."""
+        kept (S3 only). ``ConfigError`` where botocore refuses the options (a misspelt keyword, an endpoint that is no
+        URL); other errors are not raised: the first listing or fetch meets and reports them."""
         key = self._session_key()
         if key is None:
             return False
@@ -344,6 +357,10 @@ class Remote:
 
         try:
             _WARM_SESSIONS[key] = asyncio.run(build())
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:  # what botocore refuses to build a client with: the config's fault
+            raise ConfigError(self._rejected(exc)) from None
         except Exception as exc:
             logger.debug("warming the S3 session failed: %s", type(exc).__name__)
             return False

@@ -144,9 +144,23 @@ def translate_error(exc: BaseException, path: str) -> RemoteError:
         for exc_type, kind in _type_table():
             if isinstance(link, exc_type):
                 reason = getattr(link, "strerror", None) if isinstance(link, OSError) else None
-                detail = type(link).__name__ + (f" ({reason})" if reason else "") + _untrusted(exc)
+                detail = type(link).__name__ + (f" ({reason})" if reason else "") + _untrusted(exc) + _hint(link)
                 return kind(f"{_describe(kind)} for {path}: {detail}")
     return RemoteError(f"unexpected {type(exc).__module__}.{type(exc).__name__} for {path}")
+
+
+# What to do about an error whose name alone does not say (by exception class name: botocore loads lazily).
+_HINTS = {
+    "NoCredentialsError": (
+        ": no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, "
+        "~/.aws/credentials, an instance role) where the daemon runs, or remote.storage_options.anon = true for a "
+        "public bucket"
+    ),
+}
+
+
+def _hint(link: BaseException) -> str:
+    return _HINTS.get(type(link).__name__, "")
 
 
 def _untrusted(exc: BaseException) -> str:

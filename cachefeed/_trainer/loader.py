@@ -50,7 +50,9 @@ are ``lifecycle.py``'s, which the others serve: ``partition.py`` (who reads what
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import numbers
 import os
 import pickle
@@ -120,7 +122,8 @@ class EpochLoaderFactory:
     Args:
         cache_dir: the cache directory (the daemon's ``cache.dir``). A trainer started with its daemon waits up to
             ``wait_timeout_s`` for the daemon to create it (``NoSuchCacheError`` after that, or at once where the
-            path is a file, or a directory that holds a cache rather than being one).
+            path is a file, or a directory that holds a cache rather than being one, or other files and no cache:
+            an empty directory is waited for).
         batch_size: samples per batch.
         num_workers: DataLoader worker processes, started once and kept for every epoch (``pool.py``).
         shuffle: shuffle each epoch with a permutation seeded by ``(seed, epoch)`` (identical on every rank).
@@ -221,6 +224,7 @@ class EpochLoaderFactory:
         reserved = sorted(set(loader_options) & set(_RESERVED_OPTIONS))
         if reserved:
             raise TypeError(f"EpochLoaderFactory sets {', '.join(reserved)} itself; use its own arguments")
+        _check_loader_options(loader_options)  # before the wait for the cache: a typo is told at once
         # absolute now: a later os.chdir must not move it; "~" as a shell would (the daemon's cache.dir is absolute)
         self.layout = CacheLayout(Path(cache_dir).expanduser().absolute())
         wait_for_cache(self.layout, timeout_s=wait_timeout_s, progress=progress)  # a daemon may be starting
@@ -513,6 +517,23 @@ def _arena_bytes(value: int | str | None) -> int:
     if size < _MIN_ARENA_BYTES:
         raise ValueError(f"arena_bytes must be at least 1MiB (it holds whole batches), got {value!r}")
     return size
+
+
+def _check_loader_options(options: Mapping[str, Any]) -> None:
+    """Refuse a keyword neither the factory nor ``DataLoader`` takes, as Python refuses one of the factory's own,
+    with the closest of either's parameters: passed on, DataLoader refused it in its own name (a class the caller
+    never called), and only after the wait for the cache."""
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in accepted.values()):
+        return  # a DataLoader that takes any keyword judges them itself
+    unknown = next((name for name in options if name not in accepted), None)
+    if unknown is None:
+        return
+    own = inspect.signature(EpochLoaderFactory.__init__).parameters
+    names = [name for name in dict.fromkeys([*own, *accepted]) if name not in ("self", "dataset", "loader_options")]
+    close = difflib.get_close_matches(unknown, names, n=1)
+    hint = f": did you mean {close[0]!r}?" if close else " (neither its own nor a DataLoader option)"
+    raise TypeError(f"EpochLoaderFactory() got an unexpected keyword argument {unknown!r}{hint}")
 
 
 def _check_pickles(name: str, value: object) -> None:

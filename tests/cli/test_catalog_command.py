@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,9 @@ from cachefeed._config import RemoteConfig
 from cachefeed._daemon.columns import FoldedPage
 from cachefeed._daemon.shared import KEEP, SharedCatalog
 from cachefeed._remote import Remote
+from cachefeed._testing.daemon import BUCKET
+from cachefeed._testing.local_s3 import LocalS3
+from tests.cli.cli_run import one_line, run_cli
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -61,9 +65,9 @@ def test_build_refuses_what_it_cannot_do_in_one_line(tmp_path: Path, capsys: pyt
     code, _, err = run(capsys, "build")
     assert code == 64 and "name the data's URL" in err
     code, _, err = run(capsys, "build", f"file://{tmp_path}", "--storage-options", "{nope")
-    assert code == 78 and "--storage-options is not JSON" in err
+    assert code == 64 and "--storage-options is not JSON" in err
     code, _, err = run(capsys, "build", "s3://bucket")
-    assert code == 78 and "--out" in err
+    assert code == 64 and "--out" in err
     sources = tmp_path / "sources.toml"
     sources.write_text(
         f'[cache]\ndir = "{tmp_path / "c"}"\nmax_bytes = "1GiB"\n'
@@ -82,7 +86,7 @@ def test_a_reader_with_another_pattern_is_told_to_build_with_it(
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.jpg").write_bytes(b"x")
-    assert run(capsys, "build", f"file://{data}", "--pattern", "*.png")[0] == 0
+    assert run(capsys, "build", f"file://{data}", "--pattern", "*.png", "--allow-empty")[0] == 0
     reader = SharedCatalog(
         Remote(RemoteConfig(url=f"file://{data}", pattern="*.jpg")), f"file://{data}.cfcatalog", rank=0, count=1
     )
@@ -109,3 +113,74 @@ def test_a_generation_names_its_remote_by_a_digest_and_refuses_a_reader_of_anoth
     reader = SharedCatalog(Remote(RemoteConfig(url=f"file://{other}")), f"file://{tmp_path}/catalog", rank=0, count=1)
     with pytest.raises(CatalogFileError, match=r"lists another remote than remote\.url"):
         reader(lambda page: None)
+
+
+def test_a_listing_of_no_objects_is_not_published_and_the_last_generation_stays(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    (data / "train" / "a.npy").write_bytes(b"x")
+    assert run_cli("catalog", "build", f"file://{data}").returncode == 0
+    latest = (tmp_path / "data.cfcatalog" / "LATEST").read_text()
+    result = run_cli("catalog", "build", f"file://{data}", "--pattern", "*.npy")  # the files are in a subfolder
+    assert result.returncode == 66
+    assert one_line(result.stderr) == (
+        f"cachefeed catalog build: nothing published: file://{data} lists no objects matching '*.npy' (the "
+        "directory exists): check the URL and --pattern; '*.npy' matches names at the top level only, '**/*.npy' "
+        "at any depth (--allow-empty publishes an empty catalog, and every daemon reading it then lists nothing)"
+    )
+    assert (tmp_path / "data.cfcatalog" / "LATEST").read_text() == latest  # the daemons keep their listing
+    assert len(list((tmp_path / "data.cfcatalog").glob("gen-*"))) == 1
+    fresh = run_cli("catalog", "build", f"file://{data}", "--pattern", "*.npy", "--out", f"file://{tmp_path}/new")
+    assert fresh.returncode == 66 and not (tmp_path / "new").exists()  # nothing left where nothing was published
+
+
+def test_a_typo_in_the_url_says_the_root_does_not_exist_and_allow_empty_publishes_anyway(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    result = run_cli("catalog", "build", f"file://{tmp_path}/dtaa")
+    assert result.returncode == 66
+    line = one_line(result.stderr)
+    assert line.startswith(f"cachefeed catalog build: nothing published: file://{tmp_path}/dtaa lists no objects ")
+    assert f"matching '**' ({tmp_path}/dtaa does not exist): check the URL and --pattern (--allow-empty" in line
+    assert not (tmp_path / "dtaa.cfcatalog").exists()
+    allowed = run_cli("catalog", "build", f"file://{tmp_path}/dtaa", "--allow-empty")
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout.startswith("published gen-") and ": 0 objects of" in allowed.stdout
+
+
+def test_on_s3_a_pattern_that_matches_nothing_leaves_latest_and_no_generation(s3: LocalS3, bucket: Any) -> None:
+    bucket.put_object(Bucket=BUCKET, Key="train/sub/a.npy", Body=b"x")
+    common = ["catalog", "build", f"s3://{BUCKET}/train", "--storage-options", json.dumps(s3.storage_options())]
+    assert run_cli(*common).returncode == 0
+
+    def catalog_keys() -> dict[str, bytes]:
+        listed = bucket.list_objects_v2(Bucket=BUCKET, Prefix="train.cfcatalog/").get("Contents", [])
+        return {item["Key"]: bucket.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read() for item in listed}
+
+    before = catalog_keys()
+    result = run_cli(*common, "--pattern", "*.npy")
+    assert result.returncode == 66
+    line = one_line(result.stderr)
+    assert f"nothing published: s3://{BUCKET}/train lists no objects matching '*.npy': check the URL" in line
+    assert catalog_keys() == before  # LATEST names the same generation, and no new one is left behind
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--storage-options", "notjson"], "--storage-options is not JSON: Expecting value"),
+        (["--storage-options", "[1]"], '--storage-options: expected a JSON object such as {"anon": true}'),
+    ],
+)
+def test_bad_option_values_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli("catalog", "build", f"file://{tmp_path}", *args)
+    assert result.returncode == 64
+    assert one_line(result.stderr).startswith(f"cachefeed catalog: {message}")
+
+
+def test_a_url_cachefeed_cannot_use_is_a_usage_error() -> None:
+    for url, message in [
+        ("s3://bucket", "s3://bucket: the data is a whole bucket: name where the catalog goes with --out"),
+        ("foo://x/y", "'foo://x/y': Protocol not known: foo"),
+    ]:
+        result = run_cli("catalog", "build", url)
+        assert result.returncode == 64 and message in one_line(result.stderr)

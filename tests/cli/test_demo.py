@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli.cli_run import one_line
+from tests.support.child_env import child_env
 
 EPOCH_LINE = re.compile(
     r"^\s*(?P<epoch>\d+)\s+(?P<cached>\d+)\s+(?P<new>\d+)\s+(?P<evicted>\d+)\s+(?P<handover>-|[\d.]+ ms)\s+"
@@ -17,7 +19,7 @@ EPOCH_LINE = re.compile(
 
 
 def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env = child_env(TMPDIR=str(tmp_path))
     return subprocess.run(
         [sys.executable, "-m", "cachefeed", "demo", "--objects", "600", "--epochs", "3", "--workers", "1", *args],
         capture_output=True,
@@ -57,17 +59,59 @@ def test_demo_on_a_local_folder_of_images_decodes_and_labels_them_without_an_s3_
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--epochs", "0"], "--epochs = 0"),
-        (["--budget", "3"], "--budget = 3.0"),
-        (["--storage-option", "novalue"], "KEY=VALUE"),
+        (["--epochs", "0"], "--epochs = 0: expected an integer >= 1"),
+        (["--objects", "0"], "--objects = 0: expected an integer >= 1"),
+        (["--budget", "5"], "--budget = 5.0: expected a fraction between 0.05 and 1"),
+        (["--storage-option", "novalue"], "--storage-option 'novalue': expected KEY=VALUE"),
         (["--workers", "-1"], "--workers = -1: expected an integer >= 0"),
         (["--decode", "npyy"], "--decode = 'npyy': expected one of npy, npz"),
         (["--decode", "no_such_module:fn"], "--decode = 'no_such_module:fn': cannot import 'no_such_module'"),
         (["--max-bytes", "5XB"], "--max-bytes = '5XB': unknown unit 'XB'"),
+        (["--max-bytes", "10gb"], "--max-bytes = '10gb': unknown unit 'gb' (did you mean 10GB?)"),
+        (["--remote", "foo://bucket/x"], "--remote = 'foo://bucket/x': Protocol not known: foo"),
     ],
 )
-def test_demo_rejects_bad_options_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+def test_demo_rejects_bad_options_in_one_line_as_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    """A value on the command line is a usage error (64, as for every cachefeed command), not a bad config (78)."""
     result = run_demo(tmp_path, *args)
-    assert result.returncode == 78
-    assert message in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.returncode == 64
+    assert one_line(result.stderr).startswith(f"cachefeed demo: {message}")
+    assert not list(tmp_path.glob("cachefeed-demo-*")), "refused before anything is written"
+
+
+def test_a_demo_stopped_by_sigterm_stops_its_daemon_and_removes_its_files(tmp_path: Path) -> None:
+    """``timeout 60 cachefeed demo`` (SIGTERM) left the demo's daemon running in its own session, for good."""
+    import os
+    import signal
+    import time
+
+    from cachefeed._status.report import read_report
+
+    cache_dir = tmp_path / "demo-cache"
+    options = ["--objects", "400", "--epochs", "50", "--workers", "1", "--cache-dir", str(cache_dir)]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "cachefeed", "demo", "--images", "--local-dir", str(tmp_path / "images"), *options],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(TMPDIR=str(tmp_path)),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (cache_dir / "status.json").exists():
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo's daemon did not start"
+            time.sleep(0.2)
+        pid = int(read_report(cache_dir).document["pid"])  # type: ignore[index]
+        demo.send_signal(signal.SIGTERM)
+        _, stderr = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    for _ in range(100):  # the daemon was stopped and reaped by the demo before it exited
+        if not os.path.exists(f"/proc/{pid}"):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}"), "the daemon outlived its demo"
+    assert not list(tmp_path.glob("cachefeed-demo-*")), "the demo removed what it created"

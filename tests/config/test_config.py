@@ -688,3 +688,11 @@ def test_the_default_turnover_is_two_thirds_and_never_below_the_half_a_small_cac
             assert max_bytes // 2 <= default_turnover(max_bytes, segment_bytes) <= max_bytes * 67 // 100
     config = parse_config(document({"cache.max_bytes": 270532607}), env={})  # the least 50% accepted
     assert config.cache.turnover_bytes == 270532607 // 2
+
+
+def test_a_file_url_with_two_slashes_is_refused_saying_to_use_three() -> None:
+    """``file://data/x`` is "data/x" relative to the daemon's working directory: it listed nothing under systemd
+    (cwd /) and something else in a shell, silently."""
+    message = rejected({"remote.url": "file://data/train"})
+    assert "expected an absolute path after file:// (three slashes: file:///data/train)" in message, message
+    assert "relative to the daemon's working directory" in message

@@ -620,6 +620,13 @@ def test_translation_table(exc: BaseException, kind: type[RemoteError]) -> None:
     assert "bucket/key" in str(error)
 
 
+def test_no_credentials_says_where_credentials_come_from() -> None:
+    """ "NoCredentialsError" alone left a new user guessing; the reason in status and the log says what to set."""
+    message = str(translate_error(NoCredentialsError(), "s3://bucket/prefix"))
+    assert "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in message, message
+    assert "remote.storage_options.anon = true for a public bucket" in message
+
+
 def test_translation_follows_the_cause_chain() -> None:
     wrapped = OSError(5, "s3fs translated it")
     wrapped.__cause__ = _client_error(403, "AccessDenied")
@@ -653,3 +660,47 @@ def test_the_etag_is_used_as_an_md5_only_where_it_is_one(response: dict, checked
     from cachefeed._remote.integrity import etag_is_md5
 
     assert etag_is_md5(response) is checked
+
+
+def test_a_misspelt_s3_option_is_a_config_error_at_start_naming_it(tmp_path: Path) -> None:
+    """``storage_options = { endpoint = ... }`` (for ``endpoint_url``) was retried forever as an "unexpected
+    TypeError" while listing. botocore refuses it when the session is built, before the daemon is ready: one
+    line, exit 78, naming the option and botocore's words."""
+    import subprocess
+    import sys
+
+    from cachefeed._config import toml_text
+    from tests.support.child_env import child_env
+
+    config = tmp_path / "d.toml"
+    config.write_text(
+        toml_text(
+            {
+                "remote": {"url": "s3://bucket/prefix", "storage_options": {"endpoint": "http://127.0.0.1:9"}},
+                "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "64MiB", "segment_bytes": "1MiB"},
+            }
+        )
+    )
+    env = child_env(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", BOTO_CONFIG="/dev/null")
+    done = subprocess.run(
+        [sys.executable, "-m", "cachefeed", "daemon", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 78, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "remote.storage_options = {endpoint} rejected by S3FileSystem" in line, line
+    assert "unexpected keyword argument 'endpoint'" in line, line
+
+
+def test_what_an_ftp_url_says_is_given_to_its_filesystem_and_its_password_kept_out_of_messages() -> None:
+    """An ``ftp://user:password@host:port/path`` remote was made without the URL's host (fsspec's own
+    ``url_to_fs`` passes it), so it could never list: a TypeError, retried forever."""
+    remote = Remote(RemoteConfig(url="ftp://reader:s3kr1t-pass@ftp.example.invalid:2121/data"))
+    options = remote._options
+    assert (options["host"], options["port"], options["username"]) == ("ftp.example.invalid", 2121, "reader")
+    message = remote._rejected(TypeError("bad option s3kr1t-pass"))
+    assert "s3kr1t-pass" not in message and "FTPFileSystem" in message, message

@@ -199,3 +199,49 @@ def test_the_endpoint_listens_on_the_configured_address_for_a_scrape_from_anothe
             },
             env={},
         )
+
+
+@pytest.mark.parametrize("problem", ["port in use", "no textfile directory"])
+def test_a_daemon_whose_metrics_cannot_start_exits_78_with_one_line(tmp_path: Path, problem: str) -> None:
+    """A metrics port another process holds, or a textfile in a directory that does not exist: the daemon ended
+    with a traceback and exit 1 (stopping a catalog thread not started yet), which systemd restarts every 5 s for
+    good. It is a config error: one line, exit 78, which the unit does not restart."""
+    import socket
+    import subprocess
+    import sys
+
+    from cachefeed._config import toml_text
+    from tests.support.child_env import child_env
+
+    (tmp_path / "remote").mkdir()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    status = (
+        {"metrics_port": holder.getsockname()[1]}
+        if problem == "port in use"
+        else {"metrics_textfile": str(tmp_path / "missing" / "cachefeed.prom")}
+    )
+    config = tmp_path / "d.toml"
+    config.write_text(
+        toml_text(
+            {
+                "remote": {"url": (tmp_path / "remote").as_uri()},
+                "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "64MiB", "segment_bytes": "1MiB"},
+                "status": status,
+            }
+        )
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "cachefeed", "daemon", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=60,
+            check=False,
+        )
+    finally:
+        holder.close()
+    assert done.returncode == 78, done.stderr
+    assert "Traceback" not in done.stderr and "status.metrics_" in done.stderr, done.stderr
