@@ -15,7 +15,7 @@ from cachefeed._daemon.shared import KEEP, SharedCatalog
 from cachefeed._remote import Remote
 from cachefeed._testing.daemon import BUCKET
 from cachefeed._testing.local_s3 import LocalS3
-from tests.cli.cli_run import one_line, run_cli
+from tests.support.cli import one_line, run_cli
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.cli_run import one_line
 from tests.support.child_env import child_env
+from tests.support.cli import one_line
 
 EPOCH_LINE = re.compile(
     r"^\s*(?P<epoch>\d+)\s+(?P<cached>\d+)\s+(?P<new>\d+)\s+(?P<evicted>\d+)\s+(?P<handover>-|[\d.]+ ms)\s+"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.cli_run import CLI, one_line, run_cli
 from tests.support.child_env import child_env
+from tests.support.cli import CLI, one_line, run_cli
 
 
 def dataset_dir(tmp_path: Path) -> tuple[Path, str]:

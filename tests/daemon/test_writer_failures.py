@@ -22,7 +22,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from cachefeed._testing.daemon import DaemonProcess, start_daemon
 from cachefeed._trainer import EpochLoaderFactory
 from tests.cache.test_full_disk import fill_up
 from tests.support.child_env import child_env
+from tests.support.cli import run_cli
 from tests.support.tmpfs import small_tmpfs
 
 _calls = 0
@@ -88,15 +88,8 @@ def config_file(path: Path, remote: Path, cache_dir: Path, **sampler: Any) -> Pa
     return path
 
 
-def status_cli(cache_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cachefeed", "status", "--cache-dir", str(cache_dir)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=60,
-        check=False,
-    )
+def status_cli(cache_dir: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("status", "--cache-dir", str(cache_dir), *options)
 
 
 def served_keys(cache_dir: Path) -> list[str]:
@@ -210,16 +203,7 @@ def test_a_full_filesystem_is_named_by_status_and_ingest_resumes_when_room_comes
                 what="every object cached once room came back",
             )
             keys = served_keys(cache_dir)
-            report = json.loads(
-                subprocess.run(
-                    [sys.executable, "-m", "cachefeed", "status", "--json", "--cache-dir", str(cache_dir)],
-                    capture_output=True,
-                    text=True,
-                    env=child_env(),
-                    timeout=60,
-                    check=False,
-                ).stdout
-            )
+            report = json.loads(status_cli(cache_dir, "--json").stdout)
         finally:
             daemon.stop()
     assert keys == [f"{i:03d}.npy" for i in range(12)], "each sample once, the one cut by ENOSPC included"

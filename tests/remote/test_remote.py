@@ -666,11 +666,8 @@ def test_a_misspelt_s3_option_is_a_config_error_at_start_naming_it(tmp_path: Pat
     """``storage_options = { endpoint = ... }`` (for ``endpoint_url``) was retried forever as an "unexpected
     TypeError" while listing. botocore refuses it when the session is built, before the daemon is ready: one
     line, exit 78, naming the option and botocore's words."""
-    import subprocess
-    import sys
-
     from cachefeed._config import toml_text
-    from tests.support.child_env import child_env
+    from tests.support.cli import run_cli
 
     config = tmp_path / "d.toml"
     config.write_text(
@@ -681,15 +678,8 @@ def test_a_misspelt_s3_option_is_a_config_error_at_start_naming_it(tmp_path: Pat
             }
         )
     )
-    env = child_env(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", BOTO_CONFIG="/dev/null")
-    done = subprocess.run(
-        [sys.executable, "-m", "cachefeed", "daemon", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    dummy = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "BOTO_CONFIG": "/dev/null"}
+    done = run_cli("daemon", "--config", str(config), timeout_s=120, **dummy)
     assert done.returncode == 78, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert "remote.storage_options = {endpoint} rejected by S3FileSystem" in line, line

@@ -207,11 +207,9 @@ def test_a_daemon_whose_metrics_cannot_start_exits_78_with_one_line(tmp_path: Pa
     with a traceback and exit 1 (stopping a catalog thread not started yet), which systemd restarts every 5 s for
     good. It is a config error: one line, exit 78, which the unit does not restart."""
     import socket
-    import subprocess
-    import sys
 
     from cachefeed._config import toml_text
-    from tests.support.child_env import child_env
+    from tests.support.cli import run_cli
 
     (tmp_path / "remote").mkdir()
     holder = socket.socket()
@@ -233,14 +231,7 @@ def test_a_daemon_whose_metrics_cannot_start_exits_78_with_one_line(tmp_path: Pa
         )
     )
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "cachefeed", "daemon", "--config", str(config)],
-            capture_output=True,
-            text=True,
-            env=child_env(),
-            timeout=60,
-            check=False,
-        )
+        done = run_cli("daemon", "--config", str(config))
     finally:
         holder.close()
     assert done.returncode == 78, done.stderr
