@@ -29,6 +29,7 @@ for "degraded").
 from __future__ import annotations
 
 __all__ = [
+    "EX_NOINPUT",
     "EX_USAGE",
     "CacheLockedError",
     "CacheUnusableError",
@@ -52,6 +53,7 @@ __all__ = [
 
 
 EX_USAGE = 64  # sysexits.h: the command was used incorrectly
+EX_NOINPUT = 66  # sysexits.h: the input did not exist (no such cache; a catalog build that listed no objects)
 
 
 class CachefeedError(Exception):
@@ -90,7 +92,7 @@ class CacheUnusableError(CachefeedError):
 class NoSuchCacheError(CachefeedError):
     """The directory is missing or holds no cachefeed cache."""
 
-    exit_code = 66
+    exit_code = EX_NOINPUT
 
 
 class CorruptRecordError(CachefeedError):

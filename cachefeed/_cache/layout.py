@@ -38,6 +38,7 @@ from cachefeed._errors import CacheUnusableError, NoSuchCacheError
 
 __all__ = [
     "DAEMON_RESTART_WINDOW_S",
+    "FOREIGN_BYTES_ALLOWED",
     "SEGMENT_NAME",
     "SNAPSHOT_ENTRY_BYTES",
     "SNAPSHOT_FIXED_BYTES",
@@ -53,6 +54,16 @@ __all__ = [
 
 SEGMENT_NAME = re.compile(r"^[0-9a-f]{16}\.seg$")
 SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# What may share a directory that becomes a cache (``CacheLayout.refusal``): at most this many bytes of files that
+# are not the cache's (a README a deployment tool writes, a mount root's quota files), and no directory.
+FOREIGN_BYTES_ALLOWED = 1 << 20
+_LOOKED_AT = 64  # entries of a directory looked at to judge it (a dataset's root may hold millions)
+# The names the layout uses (the properties below), the read ledger's (``reads.LEDGER_NAME``) and a fresh
+# filesystem's mount point's; restart catalogs are ``catalog-*.cfcat`` (``CacheLayout._is_own``).
+_OWN_NAMES = frozenset(
+    {"segments", "tmp", "snapshots", "lock", "status.json", "CACHEDIR.TAG", "sources.json", "made_with.json"}
+    | {"budget.json", "classes.json", "reads", "lost+found"}
+)
 DAEMON_RESTART_WINDOW_S = 300.0  # a daemon whose status is this fresh is restarting, not gone (had_writer_within)
 _TMP_NAME = re.compile(r"^[0-9a-f]{16}\.tmp$")
 # What one more snapshot of N segments costs on disk, at most: per segment a directory entry for its hard link
@@ -221,7 +232,8 @@ class CacheLayout:
         refused with its mode and owner. The subdirectories are the daemon's and always get their mode.
 
         Raises:
-            CacheUnusableError: the directory cannot be created or written (the message names path and cause).
+            CacheUnusableError: the directory cannot be created or written (the message names path and cause), or
+                an existing one can never be a cache (``refusal``: a directory of other files, say).
         """
         try:
             self._create(dir_mode, file_mode)
@@ -248,7 +260,9 @@ class CacheLayout:
                 raise CacheUnusableError(f"cache.dir {self.root}{where} {_not_a_directory(info)}")
             if directory == self.root and not is_ours:
                 self._check_usable_root(info)
-                self._check_not_foreign()
+                why = self.refusal()
+                if why is not None:
+                    raise CacheUnusableError(f"cache.dir {self.root}: {why}")
                 continue
             os.chmod(directory, self._mode_of(directory, dir_mode), follow_symlinks=False)
         if not self.tag_file.exists():
@@ -267,37 +281,56 @@ class CacheLayout:
             "directory it did not create: make it writable for that user (chown or chmod) or choose another cache.dir"
         )
 
-    def _check_not_foreign(self) -> None:
-        """An existing root of other files (``foreign_entries``): the user's own directory (a dataset, a home). The
-        daemon would charge its files to the budget and evict around them, and a later cleanup of the cache would
-        take them too: refused, naming a few."""
-        found = self.foreign_entries()
-        if found:
-            shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-            raise CacheUnusableError(
-                f"cache.dir {self.root}: holds files that are not a cachefeed cache ({shown}): the daemon needs a "
-                "directory of its own: choose an empty or new cache.dir, or empty this one"
-            )
+    def refusal(self) -> str | None:
+        """Why ``root`` can never become a cache here, in words for an error; None where it can: it does not exist
+        yet (the daemon creates it), it is a cache or one being made, or it is a directory the daemon may take.
 
-    def foreign_entries(self, limit: int = 64) -> list[str]:
-        """The names in ``root`` where it holds something but no cache, and none is being made (``[]`` otherwise,
-        and where it cannot be listed). The daemon creates ``segments/`` first and ``CACHEDIR.TAG`` last
-        (``create``): any of its entries is a cache being made. Hidden names and ``lost+found`` (a fresh
-        filesystem's mount point) count as empty. At most ``limit`` entries are looked at: a large directory is not
-        scanned. The daemon refuses such a ``cache.dir``, and a trainer does not wait for one to become a cache."""
-        if any(os.path.lexists(p) for p in (self.segments, self.tmp, self.snapshots, self.tag_file, self.lock_file)):
-            return []
-        names = []
+        Never a cache: a path that is a file or a symbolic link, or lies below a file; a directory of other things
+        (a dataset's root, a home): one that holds a directory, or more than ``FOREIGN_BYTES_ALLOWED`` of files,
+        besides the cache's own names (``_is_own``). The daemon would charge them to its budget and evict around
+        them, and a cleanup of the cache would take them. A few small files (a README a deployment tool writes, a
+        mount root's quota files) are allowed. At most 64 entries are looked at. One rule for the daemon
+        (``create``: exit 73), a trainer's wait for the cache and ``cachefeed status --watch``."""
+        try:
+            info = os.lstat(self.root)
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            above = next((parent for parent in self.root.parents if parent.exists()), self.root.parent)
+            return f"{above} is a file, not a directory"
+        except OSError:
+            return None  # no permission to look: what the daemon or the reader meets next says so
+        if not stat.S_ISDIR(info.st_mode):
+            return _not_a_directory(info)
+        if self.tag_file.exists():
+            return None  # a cache (whatever else someone put in it since)
+        others, foreign_bytes, more = [], 0, False
         try:
             with os.scandir(self.root) as entries:
                 for count, entry in enumerate(entries):
-                    if count >= limit:
+                    if count >= _LOOKED_AT:
+                        more = True
                         break
-                    if not entry.name.startswith(".") and entry.name != "lost+found":
-                        names.append(entry.name)
+                    if self._is_own(entry.name):
+                        continue
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    others.append(entry.name + ("/" if is_dir else ""))
+                    foreign_bytes += 0 if is_dir else entry.stat(follow_symlinks=False).st_size
         except OSError:
-            return []
-        return sorted(names)
+            return None
+        if not any(name.endswith("/") for name in others) and foreign_bytes <= FOREIGN_BYTES_ALLOWED:
+            return None
+        others.sort()
+        shown = ", ".join(others[:3]) + (" and more" if more or len(others) > 3 else "")
+        return (
+            f"holds files that are not a cachefeed cache ({shown}): the daemon needs a directory of its own: "
+            "choose an empty or new cache.dir, or empty this one"
+        )
+
+    def _is_own(self, name: str) -> bool:
+        """A name the cache's layout uses (any of them: a cache being made, or one whose segments/ was removed), a
+        hidden name, or ``lost+found`` (a fresh filesystem's mount point)."""
+        return name in _OWN_NAMES or name.startswith(".") or (name.startswith("catalog-") and name.endswith(".cfcat"))
 
     def _mode_of(self, directory: Path, dir_mode: int) -> int:
         """snapshots/ is where trainers write: if the group may read the cache, it may pin too.
@@ -318,8 +351,7 @@ class CacheLayout:
                 f"no cache at {self.root}: start the daemon (cachefeed daemon --config FILE) or check the path"
             ) from None
         except NotADirectoryError:  # a path below a file (data.npy/cache)
-            above = next((parent for parent in self.root.parents if parent.exists()), self.root.parent)
-            raise NoSuchCacheError(f"no cache at {self.root}: {above} is a file, not a directory") from None
+            raise NoSuchCacheError(f"no cache at {self.root}: {self.refusal()}") from None
         if not stat.S_ISDIR(info.st_mode):
             raise NoSuchCacheError(f"{self.root} is not a directory")
         if not (self.tag_file.is_file() and self.segments.is_dir()):

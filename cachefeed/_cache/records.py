@@ -204,7 +204,13 @@ class EncodedRecord:
 
 
 class RecordEncoder:
-    """Turns a sample dict into an ``EncodedRecord``. Stateless apart from the compression choice."""
+    """Turns a sample dict into an ``EncodedRecord``. Stateless apart from the compression choice.
+
+    ``encode`` is ``compressed(uncompressed(sample))``: the first step checks that the sample can be stored and
+    holds views of its payloads only; the second copies them into a zlib stream where the encoder compresses. A
+    caller that checks a whole object's samples before writing any (the daemon's sink) takes the first step for
+    each and the second as it appends each, so the object is never held compressed all at once.
+    """
 
     def __init__(self, *, compression: str = "none") -> None:
         if compression not in COMPRESSIONS:
@@ -213,28 +219,58 @@ class RecordEncoder:
         self._packed: dict[tuple[tuple[Any, ...], ...], bytes] = {}  # descriptors seen: most samples share one
 
     def encode(self, sample: Mapping[str, Any]) -> EncodedRecord:
+        return self.compressed(self.uncompressed(sample))
+
+    def uncompressed(self, sample: Mapping[str, Any]) -> EncodedRecord:
+        """The sample's record without compression; raises on a sample no record can hold."""
         key, fields = classify(sample)
-        payloads, area_len, align, flags = fields.payloads, fields.area_len, fields.align, 0
-        if self._compress and area_len:
-            payloads = [zlib.compress(b"".join(payloads), 1)]  # decompressed into a fresh (aligned) buffer
-            area_len, align, flags = len(payloads[0]), SMALL_ALIGN, _FLAG_ZLIB
-        if align == ALIGN:
-            flags |= _FLAG_ALIGN64
         descriptor = self._packed.get(fields.exact)
         if descriptor is None:
             descriptor = msgpack.packb(fields.exact, use_bin_type=True)
             if len(self._packed) >= _PACKED_DESCRIPTORS:  # samples of ever new shapes: keep the recent ones
                 self._packed.clear()
             self._packed[fields.exact] = descriptor
-        # the meta with the descriptor and the whole key in it, at most (ValueError for a key that is no UTF-8)
-        meta_len = 5 + len(descriptor) + 5 + 9 + len(key.encode("utf-8")) + 5 + fields.values_bytes
-        nbytes = _RECORD_HEADER.size + meta_len + (-(_RECORD_HEADER.size + meta_len) % align) + area_len
-        if meta_len > _META_MASK or nbytes > _MAX_RECORD:
-            raise ValueError(
-                f"sample {key!r} takes {nbytes} bytes ({meta_len} of them inline values): a record holds at most "
-                "4 GiB and 16 MiB of inline values; split it, or store large values as arrays or bytes"
-            )
-        return EncodedRecord(key, fields, descriptor, payloads, area_len, flags, align, nbytes)
+        flags = _FLAG_ALIGN64 if fields.align == ALIGN else 0
+        return _record(
+            key, fields, descriptor, payloads=fields.payloads, area_len=fields.area_len, flags=flags, align=fields.align
+        )
+
+    def compressed(self, record: EncodedRecord) -> EncodedRecord:
+        """``record`` with its payload area as one zlib stream, where this encoder compresses (else ``record``)."""
+        if not self._compress or not record.area_len:
+            return record
+        stream = zlib.compress(b"".join(record.payloads), 1)  # decompressed into a fresh (aligned) buffer
+        return _record(
+            record.key,
+            record.fields,
+            record.descriptor,
+            payloads=[stream],
+            area_len=len(stream),
+            flags=_FLAG_ZLIB,
+            align=SMALL_ALIGN,
+        )
+
+
+def _record(
+    key: str,
+    fields: Fields,
+    descriptor: bytes,
+    *,
+    payloads: list[memoryview | bytes],
+    area_len: int,
+    flags: int,
+    align: int,
+) -> EncodedRecord:
+    """The record, with its size bound (``EncodedRecord.nbytes``); ValueError where it is too large to store."""
+    # the meta with the descriptor and the whole key in it, at most (ValueError for a key that is no UTF-8)
+    meta_len = 5 + len(descriptor) + 5 + 9 + len(key.encode("utf-8")) + 5 + fields.values_bytes
+    nbytes = _RECORD_HEADER.size + meta_len + (-(_RECORD_HEADER.size + meta_len) % align) + area_len
+    if meta_len > _META_MASK or nbytes > _MAX_RECORD:
+        raise ValueError(
+            f"sample {key!r} takes {nbytes} bytes ({meta_len} of them inline values): a record holds at most "
+            "4 GiB and 16 MiB of inline values; split it, or store large values as arrays or bytes"
+        )
+    return EncodedRecord(key, fields, descriptor, payloads, area_len, flags, align, nbytes)
 
 
 @dataclass(slots=True)

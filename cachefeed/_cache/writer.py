@@ -115,11 +115,13 @@ class CacheWriter:
 
     def encode(self, sample: Mapping[str, Any]) -> EncodedRecord:
         """``sample`` as the record ``add_record`` appends: what a sample that cannot be stored raises on, before
-        anything of it is written."""
-        return self._encoder.encode(sample)
+        anything of it is written. Views of the sample's payloads only: compression waits for ``add_record``."""
+        return self._encoder.uncompressed(sample)
 
     def add_record(self, record: EncodedRecord) -> None:
-        """Append one record of ``encode``; may block while the cache is full."""
+        """Append one record of ``encode`` (compressed now, where the writer compresses); may block while the cache
+        is full."""
+        record = self._encoder.compressed(record)
         writer = self._writer
         before = writer.nbytes if writer is not None else 0
         if writer is not None:

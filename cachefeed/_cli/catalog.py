@@ -20,15 +20,13 @@ from typing import TYPE_CHECKING
 
 from cachefeed._config import RemoteConfig
 from cachefeed._config.parse import load_config
-from cachefeed._errors import EX_USAGE, ConfigError, UsageError
+from cachefeed._errors import EX_NOINPUT, EX_USAGE, ConfigError, UsageError
 from cachefeed._scrub import safe_url
 
 if TYPE_CHECKING:
     from cachefeed._remote import Remote
 
 __all__ = ["add_arguments", "run"]
-
-EX_NOINPUT = 66  # sysexits.h: the input did not exist (here: the listing found no objects), as status's "no cache"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

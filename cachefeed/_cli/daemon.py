@@ -1,9 +1,10 @@
 """``cachefeed daemon --config FILE``: run the cache daemon in the foreground (what systemd starts).
 
 Exit statuses: 0 after a clean stop (SIGTERM/SIGINT), 78 for a bad config (``ConfigError``: systemd must not
-restart-loop), 73 when the cache directory cannot be created or written (``CacheUnusableError``: systemd must not
-restart-loop either), 75 when another daemon holds the cache directory (``CacheLockedError``, the holder is named).
-These errors are one line on stderr, printed by ``cachefeed._cli.main``; nothing is logged before the config is valid.
+restart-loop), 73 when the cache directory cannot be created or written, or is a directory of other files
+(``CacheUnusableError``: systemd must not restart-loop either), 75 when another daemon holds the cache directory
+(``CacheLockedError``, the holder is named). These errors are one line on stderr, printed by ``cachefeed._cli.main``;
+nothing is logged before the config is valid.
 """
 
 from __future__ import annotations

@@ -248,8 +248,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--budget = {args.budget}: expected a fraction between 0.05 and 1")
     _check_options(args)
     storage_options: dict[str, Any] = _parse_options(args.storage_option)
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # `timeout`, `kill`, a closed terminal: clean up as Ctrl-C does
-        signal.signal(signum, _exit_on_signal)
+    # `timeout`, `kill`, a closed terminal: clean up as Ctrl-C does (the handlers are put back at the end)
+    previous = {signum: signal.signal(signum, _exit_on_signal) for signum in _STOP_SIGNALS}
     workdir = Path(tempfile.mkdtemp(prefix="cachefeed-demo-"))
     server: LocalS3 | None = None
     daemon: subprocess.Popen[bytes] | None = None
@@ -332,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
         _say(f"demo finished in {time.monotonic() - started:.0f}s", out=sys.stdout)
         return 0
     finally:
+        for signum in _STOP_SIGNALS:  # a second signal must not cut the cleanup short: the daemon would outlive us
+            signal.signal(signum, signal.SIG_IGN)
         if daemon is not None and daemon.poll() is None:
             daemon.send_signal(signal.SIGTERM)
             try:
@@ -345,6 +347,11 @@ def run(args: argparse.Namespace) -> int:
             _say(f"kept {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import sys
 import time
 from pathlib import Path
@@ -96,18 +95,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _may_become_cache(cache_dir: Path) -> bool:
-    """Whether a path that is no cache yet may still become one while ``--watch`` waits: it does not exist (the
-    daemon creates it, and its parents), or it is a directory the daemon would take (``CacheLayout.foreign_entries``:
-    empty, or holding what a starting daemon makes first). A file never becomes one; a directory of other things (a
-    dataset) is a wrong path far more often than a cache about to be made there, and is reported at once."""
-    try:
-        if not stat.S_ISDIR(os.lstat(cache_dir).st_mode):
-            return False  # a file, a symlink (refused as a cache dir) or a device
-    except FileNotFoundError:
-        return True
-    except OSError:  # a file above it (NotADirectoryError), or no permission to look
-        return False
-    return not CacheLayout(cache_dir).foreign_entries()
+    """Whether a path that is no cache yet may still become one while ``--watch`` waits: what the daemon would not
+    refuse as its cache.dir (``CacheLayout.refusal``: a path that does not exist yet, an empty directory, one with
+    a few small files). A file, a symbolic link or a directory of other things never becomes one."""
+    return CacheLayout(cache_dir).refusal() is None
 
 
 def _silence_stdout() -> None:

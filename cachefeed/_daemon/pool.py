@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachefeed._daemon.notify import child_env
-from cachefeed._daemon.protocol import Init
+from cachefeed._daemon.protocol import Exiting, Init
 from cachefeed._daemon.spawn import ForkedProcess, fork_sampler
 from cachefeed._daemon.wire import Channel, ChannelClosed, Message, socket_pair
 from cachefeed._logs import get_logger
@@ -215,6 +215,7 @@ class SamplerPool:
         process, channel = handle.process, handle.channel
         handle.channel = None
         if channel is not None:
+            handle.exit_reason = _last_words(channel) or handle.exit_reason
             channel.close()
         if process is None:
             return
@@ -281,6 +282,19 @@ class SamplerPool:
         """Mark every slot stopped (no restarts) after a drain."""
         for handle in self.handles:
             handle.state = SamplerState.STOPPED
+
+
+def _last_words(channel: Channel) -> str:
+    """The reason of an ``Exiting`` a sampler sent just before it died, where the supervisor has not read it yet
+    (it was busy with another sampler's messages when this one exited): what is left on the socket, read now."""
+    reason = ""
+    try:
+        while (message := channel.recv(timeout_s=0)) is not None:
+            if isinstance(message, Exiting):
+                reason = message.reason
+    except (ChannelClosed, OSError):
+        pass  # EOF after the last message: the usual end
+    return reason
 
 
 def _signal_name(signum: int) -> str:

@@ -13,6 +13,7 @@ Degraded reasons:
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,10 @@ class StatusReporter:
         try:
             write_status(self._store.layout.status_file, document)
         except OSError as exc:
+            try:  # the file's time still says the daemon lives (no free block needed): _status/report.py reads it
+                os.utime(self._store.layout.status_file)
+            except OSError:
+                pass
             cause = exc.strerror or str(exc)  # not the message: it may name a temporary file
             if cause != self._write_failing:  # once per cause, not at every interval
                 log.warning("cannot write the status file (cachefeed status shows the last one written): %s", exc)

@@ -81,14 +81,21 @@ def _why_stale(layout: CacheLayout, pid: int, *, check_pid: bool) -> str | None:
 _STATUS_ROOM_BYTES = 256 << 10
 
 
-def _filesystem_full(layout: CacheLayout, pid: int) -> str | None:
-    """Why a live daemon writes no status, where its filesystem is full: the reason, else None (``read_report``)."""
+def _filesystem_full(layout: CacheLayout, pid: int, interval_s: float) -> str | None:
+    """Why a live daemon writes no status, where its filesystem is full: the reason, else None (``read_report``).
+
+    Live: it holds the cache's lock and, though its document is stale, touched the file within the heartbeat's
+    limit (a daemon whose write fails sets the file's time, which needs no free block: ``reporter.py``). A daemon
+    that hangs touches nothing, and stays "not running" whatever the free space."""
     try:
         stats = os.statvfs(layout.root)
+        touched = os.stat(layout.status_file).st_mtime
     except OSError:
         return None
     free = stats.f_bavail * stats.f_frsize
-    if free >= _STATUS_ROOM_BYTES or not layout.writer_state() or process_state(pid) in (*GONE, "T", "t"):
+    if free >= _STATUS_ROOM_BYTES or time.time() - touched > stale_after_s(interval_s):
+        return None
+    if not layout.writer_state() or process_state(pid) in (*GONE, "T", "t"):
         return None
     return (
         f"the daemon (pid {pid}) runs but cannot write its status: the cache's filesystem is full "
@@ -141,7 +148,7 @@ def read_report(
     health, reasons = judge(document, age, interval_s)
     is_here = document["host"] == socket.gethostname()
     if is_here and document["state"] != "stopped" and age > stale_after_s(interval_s):
-        full = _filesystem_full(layout, int(document["pid"]))
+        full = _filesystem_full(layout, int(document["pid"]), interval_s)
         why = full or _why_stale(layout, int(document["pid"]), check_pid=check_pid)
         if why is not None:
             reasons = (stale_reason(age, interval_s, why),)

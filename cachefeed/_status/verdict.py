@@ -6,12 +6,15 @@ Exit statuses of ``cachefeed status`` (one invocation, without ``--watch``), dec
 
 ====  ==========================================================================================================
 0     running: the daemon is alive, its heartbeat is fresh, state "running", no degraded reasons
-2     degraded: alive, but state "degraded" or degraded reasons listed (the reasons are printed)
+2     degraded: alive, but state "degraded" or degraded reasons listed (the reasons are printed); or alive (it
+      holds the lock and touches the file) with a stale document on a filesystem too full to write it
 3     not running: no status file (no daemon ever ran here: the cache's content is read from the directory),
-      state "stopped", a stale heartbeat, or the daemon's pid is gone (same host only)
+      state "stopped", a stale heartbeat (but for the full filesystem above), or the daemon's pid is gone (same
+      host only)
 4     status unreadable: status.json is corrupt, half-written, of another version or shape, or not readable
 5     not ready: alive, but "starting" (not ready yet) or "stopping"
-64    usage error: the command line could not be parsed (e.g. neither ``--cache-dir`` nor ``--config``)
+64    usage error: the command line could not be parsed (e.g. neither ``--cache-dir`` nor ``--config``), or a
+      value in it was refused
 66    no such cache: the directory does not exist or is not a cachefeed cache
 78    bad ``--config`` file
 1     any other error

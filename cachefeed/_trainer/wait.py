@@ -189,8 +189,9 @@ def wait_for_cache(
     Raises:
         NoSuchCacheError: not there after ``timeout_s``; at once where the path is a file, a directory that
             holds a cache in a subdirectory (the parent of ``cache.dir`` given for it: the error names the cache),
-            or a directory of other files (a dataset's root, say: ``CacheLayout.foreign_entries``). An empty
-            directory may still become a cache: it is waited for.
+            or whatever the daemon would refuse as its cache.dir (``CacheLayout.refusal``: a symbolic link, a path
+            below a file, a directory of other files such as a dataset's root). An empty directory may still
+            become a cache: it is waited for.
     """
     started = time.monotonic()
     shown = 0.0
@@ -200,21 +201,15 @@ def wait_for_cache(
             return
         except NoSuchCacheError as exc:
             waited = time.monotonic() - started
-            if layout.root.exists() and not layout.root.is_dir():
-                raise  # a file where the cache should be: waiting would not help
             inside = _caches_inside(layout.root)
             if inside:
                 raise NoSuchCacheError(
                     f"{layout.root} is not a cachefeed cache, but {', '.join(map(str, inside))} "
                     f"{'is' if len(inside) == 1 else 'are'}: give the cache directory (the daemon's cache.dir)"
                 ) from None
-            foreign = layout.foreign_entries()
-            if foreign:
-                listed = ", ".join(map(repr, foreign[:3])) + (", ..." if len(foreign) > 3 else "")
-                raise NoSuchCacheError(
-                    f"{layout.root} is not a cachefeed cache: it holds {listed}, where a cache holds CACHEDIR.TAG "
-                    "and segments/ (made by the daemon): give the daemon's cache.dir"
-                ) from None
+            why = layout.refusal()  # the daemon's own rule: what it would refuse, no trainer waits for
+            if why is not None:
+                raise NoSuchCacheError(f"{layout.root} is not a cachefeed cache and cannot become one: {why}") from None
             if waited > timeout_s:
                 raise NoSuchCacheError(f"{exc} (waited {timeout_s:g}s for the daemon to create it)") from None
             if progress is not None and (not shown or waited - shown >= _PLAIN_EVERY_S):

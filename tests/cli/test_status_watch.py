@@ -17,7 +17,7 @@ from tests.support.cli import CLI, one_line, run_cli
 
 
 def dataset_dir(tmp_path: Path) -> tuple[Path, str]:
-    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train").mkdir(parents=True)
     (tmp_path / "data" / "000.npy").write_bytes(b"x")
     return tmp_path / "data", "{path} is not a cachefeed cache (no CACHEDIR.TAG or segments/)"
 

@@ -190,8 +190,10 @@ def test_a_full_filesystem_is_named_by_status_and_ingest_resumes_when_room_comes
 
             # Not even the status file can be written now: the reader says why a live daemon writes none.
             fill_up(more_ballast)
-            time.sleep(6.0)  # past the heartbeat's limit: max(5 s, 5 x status.interval)
-            shown = status_cli(cache_dir)
+            deadline = time.monotonic() + 60  # past the heartbeat's limit (max(5 s, 5 x status.interval)) and on
+            while "cannot write its status" not in " ".join((shown := status_cli(cache_dir)).stdout.split()):
+                assert time.monotonic() < deadline, shown.stdout
+                time.sleep(0.5)
             assert shown.returncode == 2, shown.stdout  # degraded, not "not running": it runs
             assert "cannot write its status: the cache's filesystem is full" in " ".join(shown.stdout.split())
 

@@ -109,11 +109,15 @@ def test_a_directory_that_holds_other_files_and_no_cache_is_refused_at_once(tmp_
         EpochLoaderFactory(dataset, batch_size=8, wait_timeout_s=60, progress=None)
     assert time.monotonic() - started < 5
     message = str(raised.value)
-    assert str(dataset) in message and "is not a cachefeed cache" in message
-    assert "'labels.csv'" in message and "CACHEDIR.TAG" in message and "segments/" in message
-    # a fresh filesystem's mount point, or a cache a daemon is creating: it may still become a cache
-    for name, made in (("mounted", "lost+found"), ("being-made", "segments")):
-        (tmp_path / name / made).mkdir(parents=True)
+    assert str(dataset) in message and "is not a cachefeed cache and cannot become one" in message
+    assert "(labels.csv, train/)" in message, message
+    # a fresh filesystem's mount point, a cache a daemon is creating, a README beside it: it may become a cache
+    for name, made in (("mounted", "lost+found"), ("being-made", "segments"), ("readme", "README")):
+        if made == "README":
+            (tmp_path / name).mkdir()
+            (tmp_path / name / made).write_text("the cache of this node")
+        else:
+            (tmp_path / name / made).mkdir(parents=True)
         with pytest.raises(NoSuchCacheError, match=r"waited 0\.2s"):
             EpochLoaderFactory(tmp_path / name, batch_size=8, wait_timeout_s=0.2, progress=None)
 
