@@ -184,6 +184,24 @@ def _wait_running(daemon: subprocess.Popen[bytes], cache_dir: Path, log_path: Pa
         time.sleep(0.1)
 
 
+def _check_listed(cache_dir: Path, remote: str, pattern: str, timeout_s: float = 60.0) -> None:
+    """A ``--remote`` that lists no objects (a typo in the URL or the pattern) is a usage error now, rather than a
+    trainer that waits minutes for samples that never come. A listing that fails or takes longer is left to the
+    trainer's wait, whose progress line names the daemon's reason."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        document = _status_document(cache_dir)
+        listing = None if document is None else document["remote"]
+        if listing is not None and listing["last_listed_at"]:
+            if listing["objects_listed"] == 0:
+                raise UsageError(
+                    f"--remote {safe_url(remote)!r} lists no objects matching --pattern {pattern!r}: check the URL "
+                    "and the pattern"
+                )
+            return
+        time.sleep(0.1)
+
+
 def _wait_for_reads(cache_dir: Path, epochs: int, timeout_s: float = 10.0) -> None:
     """Give the daemon a moment to apply the last epochs' read receipts (at most twice a second) before the
     status is shown, so it counts every epoch the demo read."""
@@ -322,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
                 start_new_session=True,
             )
             _wait_running(daemon, cache_dir, log_path)
+        if args.remote:
+            _check_listed(cache_dir, args.remote, args.pattern)
         _train(args, cache_dir)
         _wait_for_reads(cache_dir, args.epochs)
         from cachefeed._status.render import render_human

@@ -62,11 +62,13 @@ LATEST = "LATEST"
 
 def default_out(url: str) -> str:
     """Where ``catalog build`` writes by default: next to the data, ``<url>.cfcatalog``."""
-    stripped = url.rstrip("/")
-    _, _, path = stripped.partition("://")
-    if not path or "/" not in path:
+    scheme, sep, rest = url.partition("://")
+    path = (rest if sep else url).strip("/")
+    if sep and scheme != "file" and "/" not in path:  # s3://bucket
         raise ConfigError(f"{url}: the data is a whole bucket: name where the catalog goes with --out")
-    return f"{stripped}.cfcatalog"
+    if not path:  # a plain path or file:// at a filesystem's root
+        raise ConfigError(f"{url}: the data is a filesystem's root: name where the catalog goes with --out")
+    return f"{url.rstrip('/')}.cfcatalog"
 
 
 def _generations(text: str) -> list[str]:

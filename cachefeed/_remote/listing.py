@@ -77,7 +77,7 @@ class Pager:
                 if not isinstance(error, RemoteTransientError) or attempt + 1 >= config.max_attempts:
                     raise error from None
                 delay = backoff_delay(attempt, config.backoff_base_s, config.backoff_max_s, self.remote.rng)
-                logger.warning("listing failed (%s); retrying in %.2fs", error, delay)
+                logger.debug("listing failed (%s); retrying in %.2fs", error, delay)  # the catalog warns if it gives up
                 time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -56,6 +56,10 @@ def _plural(value: float, noun: str) -> str:
     return f"{int(value):,} {noun}" + ("" if int(value) == 1 else "s")
 
 
+def _passes(value: float) -> str:
+    return f"{int(value):,} pass" + ("" if int(value) == 1 else "es")
+
+
 def _rate(value: float) -> str:
     return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
 
@@ -205,7 +209,7 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     when = f"listed {format_duration(max(0.0, now - listed_at))} ago" if listed_at else "not listed yet"
     out.add(
         "listing",
-        f"{_count(remote['objects_listed'])} objects, {when}, {_count(remote['passes_completed'])} passes done, "
+        f"{_count(remote['objects_listed'])} objects, {when}, {_passes(remote['passes_completed'])} done, "
         f"{_count(remote['list_errors_total'])} failed",
     )
     if "list_requests_total" in remote:

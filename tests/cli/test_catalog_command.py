@@ -184,3 +184,15 @@ def test_a_url_cachefeed_cannot_use_is_a_usage_error() -> None:
     ]:
         result = run_cli("catalog", "build", url)
         assert result.returncode == 64 and message in one_line(result.stderr)
+
+
+def test_a_plain_local_path_is_built_next_to_its_data(tmp_path: Path) -> None:
+    """``catalog build /data/train`` (no file://) was refused as "a whole bucket"."""
+    data = tmp_path / "train"
+    data.mkdir()
+    (data / "000.npy").write_bytes(b"x" * 64)
+    result = run_cli("catalog", "build", str(data))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "train.cfcatalog" / "LATEST").is_file(), sorted(p.name for p in tmp_path.iterdir())
+    root = run_cli("catalog", "build", "file:///")
+    assert root.returncode == 64 and "the data is a filesystem's root" in one_line(root.stderr)

@@ -115,3 +115,18 @@ def test_a_demo_stopped_by_sigterm_stops_its_daemon_and_removes_its_files(tmp_pa
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{pid}"), "the daemon outlived its demo"
     assert not list(tmp_path.glob("cachefeed-demo-*")), "the demo removed what it created"
+
+
+def test_a_demo_remote_that_lists_nothing_is_a_usage_error_at_once(tmp_path: Path) -> None:
+    """``--remote file:///missing`` (or a pattern matching nothing) waited 300 s for segments, then failed."""
+    import time
+
+    (tmp_path / "empty").mkdir()
+    for remote in (tmp_path / "empty", tmp_path / "missing"):
+        started = time.monotonic()
+        result = run_demo(tmp_path, "--remote", remote.as_uri(), "--decode", "npy")
+        assert result.returncode == 64, result.stderr[-2000:]
+        assert f"--remote '{remote.as_uri()}' lists no objects matching --pattern '**'" in result.stderr
+        assert "Traceback" not in result.stderr
+        assert time.monotonic() - started < 60
+    assert not list(tmp_path.glob("cachefeed-demo-*")), "the demo removed what it created"
