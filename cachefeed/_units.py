@@ -52,7 +52,8 @@ def parse_size(value: object, *, minimum: int = 0) -> int:
             if size >= minimum:
                 return size
         elif match:
-            meant = next((unit for unit in _SIZE_UNITS if unit and unit.lower() == match.group(2).lower()), None)
+            lower = match.group(2).lower()  # "10gb" or "8g": the unit meant, in its one spelling
+            meant = next((unit for unit in _SIZE_UNITS if unit and unit.lower() in (lower, lower + "ib")), None)
             hint = f" (did you mean {match.group(1)}{meant}?)" if meant else ""
             raise ValueError(f"unknown unit {match.group(2)!r}{hint}: expected {bound}: {SIZE_FORMS}")
     raise ValueError(f"expected {bound}: {SIZE_FORMS}")

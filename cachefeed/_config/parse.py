@@ -35,6 +35,7 @@ from cachefeed._config.schema import (
 )
 from cachefeed._errors import ConfigError
 from cachefeed._images import require_pillow
+from cachefeed._units import format_bytes
 
 __all__ = ["BUDGET_FORMULA", "load_config", "minimum_max_bytes", "parse_config"]
 
@@ -279,7 +280,8 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
         if turnover is None:
             shown = f"its default ({DEFAULT_TURNOVER_PERCENT}%, at least {percent:g}% in a small cache)"
         raise ConfigError(
-            f"{source}: cache.max_bytes = {max_bytes} bytes is below the minimum of {minimum} bytes for "
+            f"{source}: cache.max_bytes = {max_bytes} bytes ({format_bytes(max_bytes)}) is below the minimum of "
+            f"{minimum} bytes ({format_bytes(minimum)}) for "
             f"cache.segment_bytes = {segment_bytes}, sampler.processes = {processes} and cache.turnover = {shown}: "
             f"{BUDGET_FORMULA}: raise max_bytes, or lower segment_bytes or turnover"
         )

@@ -455,7 +455,8 @@ def test_sizes_are_parsed_to_bytes(text: str | int, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "meant"), [("8mb", "8MB"), ("8 MB", None), ("8Mb", "8MB"), ("8g", None), ("8gib", "8GiB"), (" 8MB", None)]
+    ("text", "meant"),
+    [("8mb", "8MB"), ("8 MB", None), ("8Mb", "8MB"), ("8g", "8GiB"), ("8G", "8GiB"), ("8gib", "8GiB"), (" 8MB", None)],
 )
 def test_a_size_has_one_spelling_per_unit(text: str, meant: str | None) -> None:
     message = rejected({"cache.max_bytes": text, "cache.segment_bytes": "1MiB"})
@@ -671,7 +672,7 @@ def test_a_budget_at_the_readmes_minimum_is_accepted_and_one_byte_less_refused_n
     }
     assert parse_config(document({**overrides, "cache.max_bytes": least}), env={}).cache.max_bytes == least
     message = rejected({**overrides, "cache.max_bytes": least - 1})
-    assert f"cache.max_bytes = {least - 1} bytes is below the minimum of {least} bytes" in message
+    assert f"cache.max_bytes = {least - 1} bytes (" in message and f"is below the minimum of {least} bytes (" in message
     assert BUDGET_FORMULA in message
 
 
