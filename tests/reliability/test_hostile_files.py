@@ -11,6 +11,7 @@ directories) either is replaced without being followed or makes the daemon refus
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from cachefeed._cache.store import CacheStore
@@ -178,7 +180,11 @@ def test_planted_symlinks_fifos_and_foreign_files_are_never_followed_or_served(
 def test_a_fifo_named_like_a_snapshot_lock_does_not_hang_the_daemon(tmp_path: Path) -> None:
     remote = tmp_path / "remote"
     remote.mkdir()
-    (remote / "one.bin").write_bytes(b"x" * 64)  # an empty remote is degraded ("lists 0 objects"), never running
+    # An empty remote is degraded ("lists 0 objects"), and so is one whose only object cannot be decoded (every
+    # listed object refused): one valid object, so that a daemon that does not hang says "running".
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(8, np.uint8))
+    (remote / "one.npy").write_bytes(buffer.getvalue())
     cache_dir = tmp_path / "cache"
     (cache_dir / "snapshots").mkdir(parents=True)
     os.mkfifo(cache_dir / "snapshots" / "trap.lock")
@@ -234,7 +240,11 @@ def test_hostile_entries_where_the_daemon_keeps_its_own_files(tmp_path: Path, ca
     before = tree_listing(tmp_path / "outside")
     remote = tmp_path / "remote"
     remote.mkdir()
-    (remote / "one.bin").write_bytes(b"x" * 64)  # an empty remote is degraded ("lists 0 objects"), never running
+    # An empty remote is degraded ("lists 0 objects"), and so is one whose only object cannot be decoded (every
+    # listed object refused): one valid object, so that a daemon that does not hang says "running".
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(8, np.uint8))
+    (remote / "one.npy").write_bytes(buffer.getvalue())
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
     make_root_case(case, cache_dir, world)
