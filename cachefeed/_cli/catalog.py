@@ -11,7 +11,6 @@ value on the command line that is refused exits 64 (``UsageError``); a bad ``--c
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -98,10 +97,7 @@ def _build(args: argparse.Namespace) -> int:
         if not args.allow_empty and local_root is not None and not os.path.exists(local_root):
             return _nothing_listed(config, local_root)
         made_out = local_root is not None and not remote.listing_fs().exists(out)
-        # A listing of no objects has the digest of a writer that wrote nothing: ``unless`` it, publish_listing
-        # removes the new generation again and leaves LATEST as it was.
-        unless = "" if args.allow_empty else _empty_listing_digest()
-        name, objects, _ = publish_listing(remote, out, unless=unless)
+        name, objects, _ = publish_listing(remote, out, allow_empty=args.allow_empty)
         if not name and not objects:
             if made_out:
                 _remove_empty_dir(remote, out)
@@ -122,14 +118,6 @@ def _local_root(remote: Remote) -> str | None:
     from fsspec.implementations.local import LocalFileSystem
 
     return remote.root if isinstance(remote.listing_fs(), LocalFileSystem) else None
-
-
-def _empty_listing_digest() -> str:
-    """The digest ``publish_listing`` returns for a listing of no objects: that of a writer with no block written
-    (the header is not part of it)."""
-    from cachefeed._daemon.catalog_file import CatalogWriter, restart_header
-
-    return CatalogWriter(io.BytesIO(), restart_header("", "", 0, 1)).digest
 
 
 def _remove_empty_dir(remote: Remote, out: str) -> None:

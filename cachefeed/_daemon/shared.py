@@ -89,10 +89,12 @@ def publish_listing(
     on_progress: Callable[[int], None] | None = None,
     on_page: Callable[[list[RemoteObject]], None] | None = None,
     unless: str = "",
+    allow_empty: bool = True,
 ) -> tuple[str, int, str]:
     """``publish``, handing each listed page to ``on_page`` too; returns (the generation's name, its objects, its
-    digest). When the digest is ``unless`` (the listing is the one published last) the new generation is deleted
-    and LATEST is left as it is: the name returned is ""."""
+    digest). When the digest is ``unless`` (the listing is the one published last), or the listing holds no
+    object and not ``allow_empty`` (``catalog build``: a typo'd URL would empty every reader's listing), the new
+    generation is deleted and LATEST is left as it is: the name returned is ""."""
     fs = remote.listing_fs()
     root = fs._strip_protocol(out).rstrip("/")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
@@ -116,7 +118,7 @@ def publish_listing(
     except BaseException:
         _remove_quietly(fs, f"{root}/{name}")  # closing the file may have stored what was written: never named
         raise
-    if unless and writer.digest == unless:
+    if (unless and writer.digest == unless) or (not allow_empty and writer.objects == 0):
         _remove(fs, f"{root}/{name}")
         return "", writer.objects, writer.digest
     try:

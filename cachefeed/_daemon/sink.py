@@ -265,8 +265,8 @@ class SegmentSink:
                 try:
                     records.append(encode(sample))
                 except Exception as exc:
-                    key = printable(str(sample.get("__key__")))
-                    raise DecodeError(f"{key}: cannot be stored: {type(exc).__name__}: {printable(str(exc))}") from exc
+                    name = printable(str(sample.get("__key__")))  # not ``key``: the object's, above
+                    raise DecodeError(f"{name}: cannot be stored: {type(exc).__name__}: {printable(str(exc))}") from exc
         except DecodeError as exc:
             self._on_failed(item, "decode", str(exc))
             return None
