@@ -37,7 +37,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TextIO
 
@@ -54,6 +54,7 @@ __all__ = [
     "LOG_LEVELS",
     "OneLineFormatter",
     "RedactingFilter",
+    "RepeatedWarnings",
     "add_secrets",
     "redact",
     "setup_logging",
@@ -199,3 +200,47 @@ def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
     logging.getLogger("cachefeed.uncaught").critical(
         "uncaught exception in thread %s", name, exc_info=(args.exc_type, args.exc_value, args.exc_traceback)
     )
+
+
+class RepeatedWarnings:
+    """Warnings that come once per object and may come for every object: a decoder that does not fit the
+    bucket's format fails on each of its objects, and a warning apiece would bury everything else in the journal.
+
+    The first ``first`` of each kind are logged as they come. After that each one is logged at DEBUG only, and a
+    WARNING says how many more there were, with the last of them: at most once per ``every_s`` (``warn`` says it
+    when the next one comes, ``flush`` when called, which the owner does periodically and before it exits).
+    Not thread-safe: one owner (the sampler's event loop).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        first: int = 5,
+        every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger, self._first, self._every_s, self._clock = logger, first, every_s, clock
+        self._seen: dict[str, int] = {}
+        self._held: dict[str, tuple[int, str, float]] = {}  # kind -> (held since the last summary, last one, since)
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        seen = self._seen[kind] = self._seen.get(kind, 0) + 1
+        if seen <= self._first:
+            self._logger.warning(message, *args)
+            if seen == self._first:
+                self._logger.warning("more like the last are counted from here on, not logged one by one")
+            return
+        self._logger.debug(message, *args)
+        count, _, since = self._held.get(kind, (0, "", self._clock()))
+        self._held[kind] = (count + 1, message % args if args else message, since)
+        self.flush(only_due=True)
+
+    def flush(self, *, only_due: bool = False) -> None:
+        """Say how many were held back, for every kind (``only_due``: those held for ``every_s`` or longer)."""
+        now = self._clock()
+        for kind, (count, last, since) in list(self._held.items()):
+            if only_due and now - since < self._every_s:
+                continue
+            del self._held[kind]
+            self._logger.warning("%d more like this in %.0fs, the last: %s", count, now - since, last)

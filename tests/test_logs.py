@@ -18,6 +18,7 @@ import pytest
 from cachefeed._logs import (
     CHATTY_LOGGERS,
     RedactingFilter,
+    RepeatedWarnings,
     add_secrets,
     redact,
     setup_logging,
@@ -248,3 +249,38 @@ def test_the_remote_and_the_logs_scrub_the_same_url_and_options_alike(restore_lo
     assert logged.startswith("remote.url = 'nosuchproto://***@host/***/***/run/token=***'")
     for value in (key, secret, "t0k3nvalue"):
         assert value not in logged
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_warning_that_repeats_per_object_is_logged_a_few_times_then_counted(caplog: pytest.LogCaptureFixture) -> None:
+    logger, clock = logging.getLogger("cachefeed.test.repeated"), _Clock()
+    repeated = RepeatedWarnings(logger, first=3, every_s=60.0, clock=clock)
+    with caplog.at_level(logging.DEBUG, logger=logger.name):
+        for i in range(10):
+            repeated.warn("decode", "object quarantined (decode) s3://b/%d: not an npy file", i)
+            clock.now += 1.0
+        repeated.warn("too_large", "object quarantined (too_large) s3://b/big")  # another kind: its own first ones
+        clock.now += 60.0
+        repeated.warn("decode", "object quarantined (decode) s3://b/%d: not an npy file", 10)  # due: the summary
+        repeated.warn("decode", "object quarantined (decode) s3://b/%d: not an npy file", 11)
+        repeated.flush()  # the owner's exit: nothing held back is left unsaid
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings[:4] == [
+        "object quarantined (decode) s3://b/0: not an npy file",
+        "object quarantined (decode) s3://b/1: not an npy file",
+        "object quarantined (decode) s3://b/2: not an npy file",
+        "more like the last are counted from here on, not logged one by one",
+    ]
+    assert warnings[4] == "object quarantined (too_large) s3://b/big"
+    assert warnings[5] == "8 more like this in 67s, the last: object quarantined (decode) s3://b/10: not an npy file"
+    assert warnings[6] == "1 more like this in 0s, the last: object quarantined (decode) s3://b/11: not an npy file"
+    assert len(warnings) == 7
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len(debug) == 9  # each one held back is still in the log at debug level

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from cachefeed._config import RemoteConfig
+from cachefeed._config import Config, RemoteConfig
 from cachefeed._config.parse import load_config
 from cachefeed._errors import EX_NOINPUT, EX_USAGE, ConfigError, UsageError
 from cachefeed._scrub import safe_url
@@ -46,19 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    loaded = load_config(args.config) if args.config else None  # a bad --config file: ConfigError, exit 78
     try:
-        return _build(args)
+        return _build(args, loaded)
     except ConfigError as exc:
-        if args.config:
-            raise  # the file's values may be at fault: exit 78
-        raise UsageError(str(exc)) from None  # every value came from the command line (URL, --pattern, --out ...)
+        if loaded is not None and not (args.url or args.pattern or args.storage_options):
+            raise  # every value came from the file: exit 78
+        message = str(exc) if args.url is None else str(exc).removeprefix("remote.url = ")  # the URL typed, no key
+        raise UsageError(message) from None  # the command line named (some of) them: exit 64
 
 
-def _build(args: argparse.Namespace) -> int:
+def _build(args: argparse.Namespace, loaded: Config | None) -> int:
     from cachefeed._daemon.shared import default_out, publish_listing
     from cachefeed._remote import Remote
 
-    loaded = load_config(args.config) if args.config else None
     remote_config = loaded.remote if loaded is not None else RemoteConfig()
     url = args.url or remote_config.url
     if not url:

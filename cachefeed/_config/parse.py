@@ -278,11 +278,14 @@ def _check_cross_field(sections: dict[str, dict[str, object]], source: str) -> N
     if max_bytes < minimum:
         shown = f"{percent:g}% = {turnover_bytes} bytes" if percent is not None else f"{turnover_bytes} bytes"
         if turnover is None:
-            shown = f"its default ({DEFAULT_TURNOVER_PERCENT}%, at least {percent:g}% in a small cache)"
+            shown = (
+                f"its default ({DEFAULT_TURNOVER_PERCENT}% of max_bytes, or as little as {percent:g}% in a small cache)"
+            )
         raise ConfigError(
             f"{source}: cache.max_bytes = {max_bytes} bytes ({format_bytes(max_bytes)}) is below the minimum of "
             f"{minimum} bytes ({format_bytes(minimum)}) for "
-            f"cache.segment_bytes = {segment_bytes}, sampler.processes = {processes} and cache.turnover = {shown}: "
+            f"cache.segment_bytes = {segment_bytes} bytes ({format_bytes(segment_bytes)}), sampler.processes = "
+            f"{processes} and cache.turnover = {shown}: "
             f"{BUDGET_FORMULA}: raise max_bytes, or lower segment_bytes or turnover"
         )
     cache["turnover_bytes"] = turnover_bytes

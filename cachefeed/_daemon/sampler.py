@@ -48,7 +48,7 @@ from cachefeed._daemon.protocol import (
 from cachefeed._daemon.sink import SegmentSink, SinkSettings
 from cachefeed._daemon.wire import Channel, Message
 from cachefeed._errors import ChannelClosed, RemoteError
-from cachefeed._logs import get_logger, setup_logging
+from cachefeed._logs import RepeatedWarnings, get_logger, setup_logging
 from cachefeed._remote import Remote, RemoteObject, RemoteStats
 from cachefeed._sched import yield_to_training
 from cachefeed._scrub import secrets_from_options
@@ -159,6 +159,7 @@ class Sampler:
         self._objects_total = 0
         self._samples_total = 0
         self._is_draining = False
+        self._repeated = RepeatedWarnings(log)  # a decoder that fails on every object: a few lines, then counts
         self._loop: asyncio.AbstractEventLoop | None = None
         self._finished: asyncio.Future[int] | None = None
 
@@ -242,6 +243,7 @@ class Sampler:
                 self._send(Exiting(_failure(self._sink.error, "the segment writer")))
                 self._abandon("segment writer failed", code=1)
                 return
+            self._repeated.flush(only_due=True)
             stats = _summed([remote.stats for remote in self._remotes])
             self._send(Stats(stats, self._objects_total, self._samples_total, self._sink.qsize()))
             await asyncio.sleep(_STATS_INTERVAL_S)
@@ -290,9 +292,11 @@ class Sampler:
 
     def _failed(self, item: WorkItem, kind: str, message: str) -> None:
         url, message = self._remotes[item.source].url_of(item.path), printable(message)
-        log.warning("object quarantined (%s) %s: %s", kind, url, message)
         if kind in ("decode", "too_large"):  # what status lists; "error" objects are tried again
+            self._repeated.warn(kind, "object quarantined (%s) %s: %s", kind, url, message)
             self._send(Quarantined(url, None, kind, message[:_REASON_CHARS]))
+        else:
+            log.warning("object failed (%s), to be fetched again: %s: %s", kind, url, message)
         self._send(Failed(item.oid, kind, message))
         self._give_credit(1)
         self._flush_if_idle()
@@ -305,7 +309,7 @@ class Sampler:
         url = self._remotes[item.source].url_of(item.path)
         for name, why in skipped:
             key, reason = printable(name), printable(why)
-            log.warning("sample left out of %s: %s: %s", url, key, reason)
+            self._repeated.warn("sample", "sample left out of %s: %s: %s", url, key, reason)
             self._send(Quarantined(url, key, "sample", reason[:_REASON_CHARS]))
 
     # -- endings --------------------------------------------------------------------------------------------
@@ -345,6 +349,7 @@ class Sampler:
         self._finish(code)
 
     def _finish(self, code: int) -> None:
+        self._repeated.flush()
         if self._finished is not None and not self._finished.done():
             self._finished.set_result(code)
 

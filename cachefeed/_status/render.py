@@ -123,9 +123,10 @@ def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
     return text
 
 
-def _bound(cache: Mapping[str, Any]) -> str:
-    """What bounds ingest, for the ingest line ("" when a document predates it or nothing is known yet)."""
-    bound = cache.get("ingest_bound")
+def _bound(cache: Mapping[str, Any], *, is_gone: bool) -> str:
+    """What bounds ingest, for the ingest line ("" when a document predates it, nothing is known yet, or the
+    daemon that wrote it is gone: nothing is ingesting)."""
+    bound = None if is_gone else cache.get("ingest_bound")
     return {"remote": "; remote-bound", "trainer": "; trainer-bound"}.get(str(bound), "")
 
 
@@ -173,7 +174,7 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     out.add(
         "ingest",
         f"{format_bytes(ingest['bytes_per_s'])}/s, {_rate(ingest['samples_per_s'])} samples/s, "
-        f"{_rate(ingest['objects_per_s'])} objects/s{_bound(cache)}",
+        f"{_rate(ingest['objects_per_s'])} objects/s{_bound(cache, is_gone=is_gone)}",
     )
     out.add(
         "",
@@ -218,14 +219,15 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
             f"{_count(remote['list_requests_total'])} requests, {remote['list_requests_per_hour']:.0f} per hour "
             f"(refresh every {format_duration(remote['refresh_interval_s'])})",
         )
+    # Failed requests on the requests line, not a line of their own: "errors 0" beside quarantined objects read
+    # as "nothing went wrong" (a decode failure is the data's, counted on the lines below).
+    kinds = ", ".join(f"{_clean(kind, 24)} {_count(n)}" for kind, n in sorted(remote["errors_by_kind"].items()))
     out.add(
         "requests",
         f"{_count(remote['requests_total'])} requests, {_count(remote['retries_total'])} retries, "
+        f"{_count(remote['errors_total'])} failed{f' ({kinds})' if kinds else ''}, "
         f"{format_bytes(remote['bytes_total'])} downloaded",
     )
-    kinds = ", ".join(f"{_clean(kind, 24)} {_count(n)}" for kind, n in sorted(remote["errors_by_kind"].items()))
-    errors = _count(remote["errors_total"]) + (f" ({kinds})" if kinds else "")
-    out.add("errors", errors)
     not_cached = remote["not_cached"]
     reasons = ", ".join(f"{_clean(reason, 24)} {_count(n)}" for reason, n in sorted(not_cached.items()))
     total = _count(sum(not_cached.values()))

@@ -186,6 +186,18 @@ def test_a_url_cachefeed_cannot_use_is_a_usage_error() -> None:
         assert result.returncode == 64 and message in one_line(result.stderr)
 
 
+def test_a_bad_url_on_the_command_line_is_a_usage_error_even_with_a_config(tmp_path: Path) -> None:
+    """The URL the user just typed is at fault (64), not the config file; the file's own URL is the file's (78)."""
+    config = tmp_path / "daemon.toml"
+    config.write_text(f'[remote]\nurl = "s3://bucket"\n[cache]\ndir = "{tmp_path / "cache"}"\nmax_bytes = "4GiB"\n')
+    typed = run_cli("catalog", "build", "foo://x/y", "--config", str(config))
+    assert one_line(typed.stderr) == "cachefeed catalog: 'foo://x/y': Protocol not known: foo"
+    assert typed.returncode == 64
+    config.write_text(config.read_text().replace("s3://bucket", "foo://x/y"))
+    from_file = run_cli("catalog", "build", "--config", str(config))
+    assert from_file.returncode == 78 and "remote.url = 'foo://x/y': Protocol not known: foo" in from_file.stderr
+
+
 def test_a_plain_local_path_is_built_next_to_its_data(tmp_path: Path) -> None:
     """``catalog build /data/train`` (no file://) was refused as "a whole bucket"."""
     data = tmp_path / "train"

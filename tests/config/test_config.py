@@ -218,9 +218,14 @@ CROSS_FIELD = [
     pytest.param(
         {"cache.max_bytes": "100MiB"},
         {},
-        # the default turnover (67%, at least 50% in a small cache) binds before the four segments' floor
+        # the default turnover (67%, or as little as 50% in a small cache) binds before the four segments' floor
         # (269484032): at 50% the epoch room holds two
-        ["cache.max_bytes = 104857600 bytes", "below the minimum of 270532607 bytes", "its default (67%, at least 50%"],
+        [
+            "cache.max_bytes = 104857600 bytes",
+            "below the minimum of 270532607 bytes",
+            "its default (67% of max_bytes, or as little as 50% in a small cache)",
+            "cache.segment_bytes = 67108864 bytes (64.0 MiB)",
+        ],
         id="budget-below-an-epoch-room-of-two-segments",
     ),
     pytest.param(

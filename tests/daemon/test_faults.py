@@ -134,3 +134,20 @@ def test_a_failing_remote_degrades_then_recovers(bucket: Any, fault_proxy: Fault
         what="every object cached once the remote recovers",
     )
     assert sorted(s["__key__"] for _, s in cache_samples(proc.cache_dir)) == sorted(uploaded)
+
+
+def test_a_decoder_that_fails_on_every_object_logs_a_few_lines_and_a_count(bucket: Any, daemon: StartDaemon) -> None:
+    """A wrong decoder (or a bucket of another format) fails on each object: the log names the first few per
+    sampler, then counts the rest, and the lines and the counts add up to the objects on the server."""
+    upload_arrays(bucket, BUCKET, 4, 1024)
+    bad = 24
+    for i in range(bad):
+        bucket.put_object(Bucket=BUCKET, Key=f"obj-bad-{i:03d}.npy", Body=b"this is not an npy file")
+    proc = daemon(sections={"sampler": {"processes": 2}})
+    proc.wait_status(lambda d: d["remote"]["quarantined_total"] == bad, timeout_s=60, what=f"{bad} quarantined")
+    assert proc.stop() == 0
+    lines = [line for line in proc.stderr().splitlines() if " WARNING " in line]
+    named = [line for line in lines if "object quarantined (decode)" in line and "more like this in" not in line]
+    counted = [int(line.split("]: ", 1)[1].split()[0]) for line in lines if "more like this in" in line]
+    assert len(named) <= 2 * 5, named  # five per sampler at most
+    assert len(named) + sum(counted) == bad, lines

@@ -202,7 +202,7 @@ def test_running_daemon_human_output_fits_80_columns(tmp_path: Path, capsys: pyt
         "s3://bucket/prefix",
         "12,345 objects, listed 1m20s ago, 3 passes done, 1 failed",
         "123,456 requests, 1,234 retries",
-        "56 (forbidden 3, transient 53)",
+        "56 failed (forbidden 3, transient 53)",
         "3 listed objects not cached (decode 2, too_large 1)",
         "up 2h01m",
     ):
@@ -680,6 +680,29 @@ def test_render_shows_the_echo_factor_and_what_bounds_ingest(tmp_path: Path) -> 
     write_status(layout, document)
     out = " ".join(render_human(read_report(layout.root)).split())
     assert "-bound" not in out and "health RUNNING" in out
+
+
+def test_a_gone_daemon_is_not_called_remote_bound(tmp_path: Path) -> None:
+    """What bounded ingest is the running daemon's news: once the daemon is gone, nothing ingests."""
+    layout = make_cache(tmp_path / "cache")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    write_status(layout, make_document(layout.root, pid=child.pid))
+    out = " ".join(render_human(read_report(layout.root)).split())
+    assert "gone (pid" in out and "-bound" not in out
+
+
+def test_failed_requests_are_on_the_requests_line_not_an_errors_line_of_their_own(tmp_path: Path) -> None:
+    """ "errors 0" beside quarantined objects read as "nothing went wrong": failed requests are a figure of the
+    requests line, and objects left out have lines of their own."""
+    layout = make_cache(tmp_path / "cache")
+    document = make_document(layout.root)
+    document["remote"].update(errors_total=3, errors_by_kind={"timeout": 2, "http_5xx": 1})
+    write_status(layout, document)
+    lines = render_human(read_report(layout.root)).splitlines()
+    requests = [line for line in lines if line.strip().startswith("requests")]
+    assert len(requests) == 1 and "3 failed (http_5xx 1, timeout 2)" in requests[0], requests
+    assert not [line for line in lines if line.strip().startswith("errors")], lines
 
 
 def test_a_usage_error_has_its_own_exit_status_apart_from_degraded(capsys: pytest.CaptureFixture[str]) -> None:
