@@ -59,6 +59,7 @@ import os
 import secrets
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -169,6 +170,7 @@ class Snapshot:
         self._passed: set[str] = set()  # published segments its growth does not take (read, or being read)
         self._load(manifest)
         self.job = str(manifest.get("job", ""))
+        self.ranks = int(manifest.get("ranks", 0))  # type: ignore[call-overload]  # how many local ranks split it
         self.nonce = str(manifest.get("nonce", ""))
         named = manifest.get("sources", [])
         self.sources: dict[int, tuple[str, float]] = {
@@ -202,6 +204,7 @@ class Snapshot:
         snap_id: str,
         *,
         job: str = "",
+        ranks: int = 0,
         reading: Collection[str] = (),
         growing: bool = False,
         wants: int | None = None,
@@ -209,7 +212,8 @@ class Snapshot:
         """Pin the segments published right now, at most the daemon's epoch room of them, least-read first
         (``room.py``: the segments of every live snapshot, and those ``reading`` names, count one pending read each;
         receipts the daemon has not applied yet count as applied), for ``job``. If another process of that job
-        created ``snap_id`` first, join it (``SnapshotError`` if another job did).
+        created ``snap_id`` first, join it (``SnapshotError`` if another job did). ``ranks``: how many local ranks
+        split it (0: not said), which every joiner must say alike (``join``).
 
         ``growing``: the snapshot stays open and its creator adds segments published later, up to the room
         (``grow``; NOTE [ Growing snapshots ]).
@@ -230,7 +234,7 @@ class Snapshot:
                 if not _link_lock(partial, lock_path, layout.snapshots / snap_id):
                     os.close(fd)
                     fd = -1
-                    return cls.join(root, snap_id, job=job)
+                    return cls.join(root, snap_id, job=job, ranks=ranks)
             finally:
                 os.unlink(partial)
             directory = layout.snapshots / snap_id
@@ -257,6 +261,7 @@ class Snapshot:
                 "segments": entries,
                 "sources": named,
                 "job": job,
+                "ranks": ranks,
                 "nonce": secrets.token_hex(8),
                 "fresh": fresh,
             }
@@ -285,8 +290,12 @@ class Snapshot:
         timeout_s: float = 60.0,
         job: str | None = None,
         nonce: str | None = None,
+        ranks: int = 0,
+        stop: threading.Event | None = None,
     ) -> Snapshot:
-        """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``.
+        """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``, or
+        until ``stop`` is set (then ``SnapshotError`` at once: a factory closing does not wait out the join of an
+        epoch prepared ahead that its creator will never make).
 
         A snapshot that is there but whose lock another process holds exclusively is waited for up to
         ``BUSY_WAIT_S``, or ``timeout_s`` if longer: the daemon's sweep takes that lock for a moment to learn that
@@ -298,7 +307,9 @@ class Snapshot:
         ``job``/``nonce``, when given, must match the MANIFEST's: a snapshot of another job, or another snapshot
         of the same name, is never joined (``SnapshotError``; the pin taken to check is dropped). A join with the
         ``nonce`` is a resume's: it takes the snapshot back from the daemon's keeping (removes ``LEFT``, see the
-        NOTE), so that the resumed job's last releaser removes it."""
+        NOTE), so that the resumed job's last releaser removes it. ``ranks``, when given, must match the number of
+        local ranks its creator split it among: a rank given another ``world_size`` would read a split of its own,
+        serving some samples twice and others never (``SnapshotError``, naming both)."""
         layout = _checked_layout(root, snap_id)
         lock_path = layout.snapshots / f"{snap_id}.lock"
         manifest_path = layout.snapshots / snap_id / MANIFEST
@@ -318,11 +329,19 @@ class Snapshot:
                             f"snapshot {snap_id!r} belongs to {what} {theirs!r}, not {mine!r}: "
                             "it is not this job's snapshot, so it is not joined"
                         )
+                if ranks and snapshot.ranks and ranks != snapshot.ranks:
+                    snapshot.release()
+                    raise SnapshotError(
+                        f"snapshot {snap_id!r} is split among {snapshot.ranks} local ranks by the rank that created "
+                        f"it, and this rank counts {ranks}: give every rank of the job the same world_size"
+                    )
                 if nonce is not None:
                     with contextlib.suppress(OSError):  # not there, or not ours to remove: its releaser decides
                         (snapshot.directory / LEFT).unlink(missing_ok=True)
                 return snapshot
             now = time.monotonic()
+            if stop is not None and stop.is_set():
+                raise SnapshotError(f"stopped waiting for snapshot {snap_id!r}: the trainer is closing")
             if pinned is _BUSY and now > busy_deadline:
                 raise SnapshotError(
                     f"snapshot {snap_id!r} in {layout.snapshots} stayed locked by another process for "
@@ -335,9 +354,14 @@ class Snapshot:
             if pinned is None and now > deadline:
                 raise SnapshotError(
                     f"snapshot {snap_id!r} did not appear in {layout.snapshots} within {timeout_s:g}s: "
-                    "is the rank that creates it (local rank 0) running?"
+                    "is the rank that creates it (local rank 0) running, and in step with this one? Ranks without "
+                    "torch.distributed must read the same epoch at the same time: a rank an epoch behind finds that "
+                    "epoch released by the others"
                 )
-            time.sleep(0.02)
+            if stop is not None:
+                stop.wait(0.02)
+            else:
+                time.sleep(0.02)
 
     # -- growing (NOTE [ Growing snapshots ]) ------------------------------------------------------------------
 

@@ -20,7 +20,14 @@ Contract:
 * **Pass boundary.** A pass is completed when all its objects were drawn *and* resolved (done, failed or
   skipped); only then does the next pass start, so an object is never in two passes at once. A pass that drew
   nothing (everything is already cached) or cached nothing (every object failed) is followed by a wait
-  (``idle_backoff``) instead of spinning; an eviction or a catalog change ends the wait early.
+  (``idle_backoff``) instead of spinning; an eviction ends the wait early (objects a listing adds need no new
+  pass: they join the current one and are drawn at once, wait or not).
+* **Counted passes.** ``passes_completed`` counts the passes that drew something, and the first pass over a
+  complete listing of the remote even if it drew nothing: a daemon restarted on a cache that already holds every
+  listed object (``adopt``) has visited everything the remote lists once its first pass ends, and trainers wait
+  for that (``passes_completed >= 1``: the first, growing, epoch ends). Later passes that draw nothing repeat
+  what is known and are not counted. A pass that ends before the first listing of the remote is complete (over
+  the restart catalog alone) is not counted; the end of that listing ends the wait of an idle pass early.
 * **Skips.** An object is not drawn while it is in flight, while any of its samples is still cached (some
   segment holding one is published and not yet evicted: the cache never holds the same sample twice), after a
   404/403 (dropped until the listing shows a new version; a 401/403 also until SIGHUP, ``retry_forbidden``),
@@ -142,6 +149,8 @@ class SamplingPlan:
         self._is_waiting = False
         self._idle_backoff_s = _IDLE_BACKOFF_MIN_S
         self._is_changed = False
+        self._skipped_this_pass = 0  # objects of this pass skipped because they are cached
+        self._is_remote_listed = False  # a listing of the remote (not the restart catalog) is complete
         self.revision = 0  # changes whenever the owned catalog does (what the restart catalog keeps)
 
     # -- the catalog ----------------------------------------------------------------------------------------
@@ -224,9 +233,11 @@ class SamplingPlan:
             rejoined = known[back_in]
         joined_oids = np.concatenate([np.arange(oids.start, oids.stop, dtype=np.uint32), rejoined.astype(np.uint32)])
         if len(joined_oids):
+            # No ``_is_changed``: they join the current pass and are drawn at once, wait or not. Ending an idle
+            # wait for them would only start another pass when they are cached already (adopted at a restart):
+            # one more pass of skips per page of a listing.
             self.revision += 1
             self._queue.extend(pass_order([(hashes, joined_oids)], _pass_seed(self.seed, self._pass)))
-            self._is_changed = True
         return len(joined_oids)
 
     def listed_oids(self) -> npt.NDArray[np.intp]:
@@ -252,6 +263,9 @@ class SamplingPlan:
         self._owned = int(np.count_nonzero(self._seen.view >= self._complete))
         if not is_restored:
             self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
+            if not self._is_remote_listed and not self.counters.passes_completed:
+                self._is_changed = True  # an idle pass over it ends now, counted ("Counted passes")
+            self._is_remote_listed = True
         self.table.trim()
         self._seen.trim()
         self._live.trim()
@@ -272,6 +286,7 @@ class SamplingPlan:
                 return True
         if self._live.data[oid] and oid not in self._cut:
             self.counters.skipped_cached_total += 1
+            self._skipped_this_pass += 1
             return True
         return False
 
@@ -326,15 +341,20 @@ class SamplingPlan:
                 self._idle_backoff_s = min(_IDLE_BACKOFF_MAX_S, self._idle_backoff_s * 2)
             if now < self._not_before:
                 return False
-        if self._drawn_this_pass > 0:
+        # "Counted passes": one that drew something, or the first over a complete listing (all cached: a restart)
+        if self._drawn_this_pass > 0 or (self._is_remote_listed and not self.counters.passes_completed):
             self.counters.passes_completed += 1
             log.info(
-                "pass %d completed: %d objects drawn, %d done", self._pass, self._drawn_this_pass, self._done_this_pass
+                "pass %d completed: %d objects drawn, %d done, %d cached already",
+                self._pass,
+                self._drawn_this_pass,
+                self._done_this_pass,
+                self._skipped_this_pass,
             )
         self._pass += 1
         self._is_changed = self._is_waiting = False
         self._failed_this_pass.clear()
-        self._drawn_this_pass = self._done_this_pass = 0
+        self._drawn_this_pass = self._done_this_pass = self._skipped_this_pass = 0
         self._queue, self._head = deque(), 0  # (empty by now) freed before the next pass is laid out
         seen, complete = self._seen.data, self._complete
         runs, seed = self.table.runs(), _pass_seed(self.seed, self._pass)

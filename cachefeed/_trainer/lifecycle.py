@@ -148,6 +148,7 @@ class Epochs:
         # Set while no handover is under way: teardown steps wait for it (``_after_handover``).
         self._handover_over = threading.Event()
         self._handover_over.set()
+        self._closing = threading.Event()  # set by ``close``: a join waiting for another rank's snapshot gives up
 
     # -- what the factory asks --------------------------------------------------------------------------------
 
@@ -179,6 +180,7 @@ class Epochs:
             if self._closed:
                 return
             self._closed = True
+            self._closing.set()  # an epoch prepared ahead may wait for a snapshot its creator will never make
             self._handover_over.set()
             reading = self.current
             keep = (
@@ -406,11 +408,20 @@ class Epochs:
             is_first, self.has_built = not self.has_built, True
         waited = 0.0
         join_timeout = plan.join_timeout_s
-        grows = is_first and self._resume is None and self._can_grow()
-        wants = self._later_wants() if not is_first and plan.ranks.is_creator else None
         if is_first and self.pool is not None:
             self.pool.start()  # forked while the cache fills, not after
-        if grows and plan.ranks.is_creator:
+        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
+        skip_batches = resume.batches_consumed if resume is not None else 0
+        # An exact resume pins the interrupted epoch's own snapshot: its samples are fixed and cached, so nothing
+        # below waits for the cache (a restart after a crash early in training waited for the first fill, and
+        # failed where that took longer than wait_timeout_s).
+        snapshot = resumed_snapshot(plan.layout.root, resume) if resume is not None else None
+        is_exact_resume = snapshot is not None
+        grows = is_first and self._resume is None and self._can_grow()
+        wants = self._later_wants() if not is_first and plan.ranks.is_creator else None
+        if is_exact_resume:
+            pass  # its samples are fixed and cached: nothing to wait for
+        elif grows and plan.ranks.is_creator:
             need = max(1, plan.num_workers) * plan.ranks.local_world_size  # a segment for every worker to read
             wait_for_segments(plan.layout, need, timeout_s=plan.wait_timeout_s, progress=plan.progress)
             waited = time.perf_counter() - started
@@ -436,20 +447,29 @@ class Epochs:
         elif is_first:
             join_timeout += plan.wait_timeout_s
         snap_id = snapshot_name(plan.run_id, plan.job, epoch)
-        resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
-        skip_batches = resume.batches_consumed if resume is not None else 0
-        snapshot = resumed_snapshot(plan.layout.root, resume) if resume is not None else None
-        is_exact_resume = snapshot is not None
         if snapshot is not None:
             snap_id = snapshot.snap_id
         elif plan.ranks.is_creator:
             with self._lock:
                 reading = self._last_names()  # the epoch being read now: its receipt is pending
             snapshot = Snapshot.create(
-                plan.layout.root, snap_id, job=plan.job, reading=reading, growing=grows, wants=wants
+                plan.layout.root,
+                snap_id,
+                job=plan.job,
+                ranks=plan.ranks.local_world_size,
+                reading=reading,
+                growing=grows,
+                wants=wants,
             )
         else:
-            snapshot = Snapshot.join(plan.layout.root, snap_id, timeout_s=join_timeout, job=plan.job)
+            snapshot = Snapshot.join(
+                plan.layout.root,
+                snap_id,
+                timeout_s=join_timeout,
+                job=plan.job,
+                ranks=plan.ranks.local_world_size,
+                stop=self._closing,
+            )
         dataset: SnapshotDataset | None = None
         growing: GrowingEpoch | None = None
         pid = os.getpid()

@@ -205,6 +205,18 @@ class EpochLoaderFactory:
         seed = _integer("seed", seed, 0)
         samples_per_epoch = None if samples_per_epoch is None else _integer("samples_per_epoch", samples_per_epoch, 1)
         epochs = None if epochs is None else _integer("epochs", epochs, 0)
+        rank = None if rank is None else _integer("rank", rank, 0)  # "1" straight from os.environ: told here
+        world_size = None if world_size is None else _integer("world_size", world_size, 1)
+        if rank is not None and world_size is not None and rank >= world_size:
+            raise ValueError(
+                f"rank must be below world_size (ranks count from 0), got rank={rank}, world_size={world_size}"
+            )
+        for flag, given in (("shuffle", shuffle), ("drop_last", drop_last), ("verify", verify)):
+            if not isinstance(given, bool | np.bool_):  # "False" is true: it shuffled
+                raise TypeError(f"{flag} must be True or False, got {given!r} ({type(given).__name__})")
+        for hook, function in (("transform", transform), ("collate_fn", collate_fn)):
+            if function is not None and not callable(function):  # else it failed at the first batch
+                raise TypeError(f"{hook} must be a function (or None), got {function!r} ({type(function).__name__})")
         grows_first = min_samples is None  # the first epoch starts on a growing set (``growing.py``)
         if min_samples is None:  # what the first epoch waits for where it cannot grow (several nodes, sources)
             min_samples = samples_per_epoch or DEFAULT_MIN_FILL
@@ -212,8 +224,13 @@ class EpochLoaderFactory:
         self.min_fill = parse_fill(min_samples) if isinstance(min_samples, str) else None
         if isinstance(min_samples, int) and min_samples < 0:
             raise ValueError(f"min_samples must be >= 0 or a fill level such as '75%', got {min_samples}")
-        if wait_timeout_s <= 0 or join_timeout_s <= 0:
-            raise ValueError("the timeouts must be > 0")
+        timeouts: tuple[tuple[str, object], ...] = (
+            ("wait_timeout_s", wait_timeout_s),
+            ("join_timeout_s", join_timeout_s),
+        )
+        for timeout, seconds in timeouts:
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+                raise ValueError(f"{timeout} must be a number of seconds > 0, got {seconds!r}")
         if prepare_at is not None and not 0.0 <= prepare_at <= 1.0:
             raise ValueError(f"prepare_at must be a fraction between 0 and 1 (or None), got {prepare_at}")
         if num_workers and transform is not None:

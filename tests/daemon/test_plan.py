@@ -203,6 +203,69 @@ def test_objects_held_by_recovered_segments_are_not_fetched_again() -> None:
     assert plan.cached_segments() == {4}
 
 
+def test_a_pass_over_objects_all_held_by_recovered_segments_is_counted_once_and_idle_passes_are_paced() -> None:
+    """A daemon restarted on a cache that holds everything: its first pass draws nothing, and is a pass all the
+    same (trainers wait for ``passes_completed >= 1``); the passes after it neither count nor spin."""
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    listing = objects(6)
+    plan.adopt(1, [Source(o.path, o.etag) for o in listing[:3]])
+    plan.adopt(2, [Source(o.path, o.etag) for o in listing[3:]])
+    plan.update_catalog(listing)
+    assert plan.next(10) == []  # nothing fetched again
+    assert plan.counters.passes_completed == 1
+    assert plan.counters.drawn_total == 0
+    for _ in range(100):
+        assert plan.next(10) == []
+    assert plan.pass_index <= 2  # not one pass per call
+    clock.now += 100
+    assert plan.next(10) == []
+    assert plan.counters.passes_completed == 1  # an idle pass after it repeats what is known
+    assert plan.counters.skipped_cached_total >= 2 * len(listing)
+    plan.evicted([1])  # evicted: those come back, in a pass that counts
+    clock.now += 100
+    again = plan.next(10)
+    assert sorted(obj.path for _, obj in again) == [o.path for o in listing[:3]]
+    plan.done([oid for oid, _ in again], 3)
+    clock.now += 100
+    plan.next(10)
+    assert plan.counters.passes_completed == 2
+
+
+def test_an_idle_pass_over_the_restart_catalog_alone_counts_only_once_the_remote_is_listed() -> None:
+    """The restart catalog is what the remote listed before the restart; the remote may list more now."""
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    listing = objects(4)
+    plan.adopt(1, [Source(o.path, o.etag) for o in listing])
+    plan.update_page(plan.fold(listing))
+    plan.end_listing(is_restored=True)
+    for _ in range(3):
+        assert plan.next(10) == []
+        clock.now += 100
+    assert plan.counters.passes_completed == 0
+    plan.update_catalog(listing)  # the remote lists the same: the wait ends, the pass is counted at once
+    assert plan.next(10) == []
+    assert plan.counters.passes_completed == 1
+
+
+def test_pages_of_cached_objects_do_not_start_a_pass_each() -> None:
+    """A first listing in pages whose objects are all cached (adopted): each page joins the current pass, whose
+    idle wait it does not end (a pass of skips per page, every one over all the objects so far)."""
+    clock = Clock()
+    plan = SamplingPlan(clock=clock)
+    listing = objects(50)
+    plan.adopt(1, [Source(o.path, o.etag) for o in listing])
+    for start in range(0, 50, 10):
+        assert plan.update_page(plan.fold(listing[start : start + 10])) == 10
+        assert plan.next(10) == []
+    assert plan.pass_index == 0
+    assert plan.counters.skipped_cached_total == 50
+    plan.end_listing()
+    assert plan.next(10) == []
+    assert plan.counters.passes_completed == 1
+
+
 def test_a_recovered_segment_evicted_before_the_first_listing_is_forgotten() -> None:
     plan = SamplingPlan()
     listing = objects(2)

@@ -6,6 +6,7 @@ import io
 import logging
 import multiprocessing
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -337,6 +338,22 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
     for name, value in (("batch_size", 32.5), ("seed", None), ("num_workers", "2"), ("samples_per_epoch", 100.0)):
         with pytest.raises(ValueError, match=f"{name} must be an integer >= ., got {value!r}"):
             EpochLoaderFactory(root, **{"batch_size": 4, name: value})  # type: ignore[arg-type]
+    # rank="1" (from os.environ) failed in a comparison naming no argument; world_size=2.0 deep in a slice; the
+    # rest were accepted: "False" shuffled, transform=3 failed at the first batch, a timeout of 0 named no key
+    for options, error, message in (
+        ({"rank": "1", "world_size": 2}, ValueError, "rank must be an integer >= 0, got '1' (str)"),
+        ({"rank": True, "world_size": 2}, ValueError, "rank must be an integer >= 0, got True (bool)"),
+        ({"rank": 0, "world_size": 2.0}, ValueError, "world_size must be an integer >= 1, got 2.0 (float)"),
+        ({"rank": 2, "world_size": 2}, ValueError, "rank must be below world_size .* got rank=2, world_size=2"),
+        ({"shuffle": "False"}, TypeError, "shuffle must be True or False, got 'False' (str)"),
+        ({"drop_last": "yes"}, TypeError, "drop_last must be True or False, got 'yes' (str)"),
+        ({"transform": 3}, TypeError, "transform must be a function (or None), got 3 (int)"),
+        ({"collate_fn": "x"}, TypeError, "collate_fn must be a function (or None), got 'x' (str)"),
+        ({"wait_timeout_s": 0}, ValueError, "wait_timeout_s must be a number of seconds > 0, got 0"),
+        ({"join_timeout_s": "5"}, ValueError, "join_timeout_s must be a number of seconds > 0, got '5'"),
+    ):
+        with pytest.raises(error, match=re.escape(message) if "*" not in message else message):
+            EpochLoaderFactory(root, batch_size=4, run_id="t", progress=None, **options)  # type: ignore[arg-type]
     with EpochLoaderFactory(root, batch_size=4, progress=None) as factory:
         for epoch in (-1, 1.0, "3"):
             with pytest.raises(ValueError, match=f"epoch must be an integer >= 0, got {epoch!r}"):
@@ -373,6 +390,41 @@ def test_a_failed_background_build_is_raised_by_the_next_loader_call(tmp_path: P
                 factory.loader(1)
     finally:
         rank0.release()
+
+
+def test_closing_a_rank_does_not_wait_out_the_join_of_an_epoch_its_creator_will_never_make(tmp_path: Path) -> None:
+    """DDP without ``epochs=``: rank 1 prepares epoch 1 ahead and waits for local rank 0's snapshot of it, but rank 0
+    stops after epoch 0 (the loop ends, early stopping, a time limit). Closing rank 1's factory gave up that wait
+    only after ``join_timeout_s`` (300 s by default): the job hung at exit."""
+    root = build_cache(tmp_path / "c", 40)
+    rank0 = Snapshot.create(root, rank_snapshot("t", 0), job=RANKS_JOB)  # local rank 0 pins epoch 0, never epoch 1
+    try:
+        factory = EpochLoaderFactory(root, batch_size=4, run_id="t", rank=1, world_size=2, join_timeout_s=120)
+        keys = [k for batch in factory.loader(0) for k in check_batch(batch)]
+        assert len(keys) == 20
+        assert factory._epochs._prepared is not None, "epoch 1 is being prepared in the background"
+        started = time.monotonic()
+        factory.close()
+        assert time.monotonic() - started < 10.0
+    finally:
+        rank0.release()
+    assert live_snapshot_locks(root) == []
+
+
+def test_a_rank_given_another_world_size_is_refused_instead_of_reading_a_split_of_its_own(tmp_path: Path) -> None:
+    """Rank 0 with world_size=2 and rank 1 with world_size=3 (a typo, a launcher's variable read wrongly): rank 1
+    read a third of the epoch where rank 0 read a half, 62 samples twice and 129 never, and nothing said so."""
+    root = build_cache(tmp_path / "c", 40)
+    rank0 = Snapshot.create(root, rank_snapshot("t", 0), job=RANKS_JOB, ranks=2)  # local rank 0, of two
+    try:
+        with EpochLoaderFactory(root, batch_size=4, run_id="t", rank=1, world_size=3, join_timeout_s=10) as factory:
+            with pytest.raises(
+                SnapshotError, match=r"split among 2 local ranks .* this rank counts 3: give every rank"
+            ):
+                factory.loader(0)
+    finally:
+        rank0.release()
+    assert live_snapshot_locks(root) == []
 
 
 def test_a_trainer_started_with_the_daemon_waits_for_the_cache_to_appear(tmp_path: Path) -> None:

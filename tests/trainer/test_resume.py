@@ -17,9 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.store import CacheStore
 from cachefeed._testing.local_s3 import free_port
 from cachefeed._trainer import EpochLoaderFactory
+from cachefeed._trainer.wait import fill_reached
+from tests.status.test_status import make_document, write_status
 from tests.support.cache_helpers import cache_config
 from tests.support.child_env import REPO, child_env
 from tests.trainer.test_loader import build_cache, check_batch
@@ -156,6 +159,38 @@ def test_a_loop_stopped_by_ctrl_c_resumes_exactly_where_a_daemon_runs(
     finally:
         if daemon is not None:
             daemon.close()
+
+
+def test_an_exact_resume_does_not_wait_for_the_cache_to_fill(tmp_path: Path) -> None:
+    """A trainer killed early in training, while the daemon still fills the cache: its restart resumes the kept
+    snapshot (fixed samples, all cached) at once. It waited for the first epoch's default fill (75%) instead, and
+    failed where that took longer than ``wait_timeout_s``."""
+    root = build_cache(tmp_path / "c", SAMPLES)
+    daemon = CacheStore(cache_config(root, snapshot_grace_s=300.0))  # holds the cache, as a running daemon does
+    try:
+        progress = tmp_path / "progress.json"
+        code = (
+            f"from tests.trainer.test_resume import interrupted_trainer_main as m; m({str(root)!r}, {str(progress)!r})"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr, result.stderr[-2000:]
+        saved = json.loads(progress.read_text())
+        # The daemon's word: 10% full, still fetching (neither paced nor done), its heartbeat fresh.
+        layout = CacheLayout(root)
+        document = make_document(root, cache__fill=0.1, cache__is_paced=False, remote__passes_completed=0)
+        write_status(layout, document)
+        assert not fill_reached(layout, 0.75, SAMPLES).ready, "a fresh job would wait for the fill"
+        with EpochLoaderFactory(
+            root, batch_size=BATCH, run_id="job-restarted", progress=None, epochs=1, wait_timeout_s=5.0
+        ) as factory:
+            epoch = factory.load_state_dict(saved["state"])
+            rest = [key for batch in factory.loader(epoch) for key in check_batch(batch)]
+        assert not set(rest) & set(saved["keys"]), "the rest of the same epoch: no sample twice"
+        assert sorted(saved["keys"] + rest) == sorted(f"k{i}" for i in range(SAMPLES))
+    finally:
+        daemon.close()
 
 
 def test_after_the_grace_the_epoch_resumes_on_a_fresh_snapshot_and_says_so(
