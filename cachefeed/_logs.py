@@ -229,7 +229,11 @@ class RepeatedWarnings:
         if seen <= self._first:
             self._logger.warning(message, *args)
             if seen == self._first:
-                self._logger.warning("more like the last are counted from here on, not logged one by one")
+                self._logger.warning(
+                    "further %r warnings are counted, not logged one by one (each at debug level): a count every %.0fs",
+                    kind,
+                    self._every_s,
+                )
             return
         self._logger.debug(message, *args)
         count, _, since = self._held.get(kind, (0, "", self._clock()))
@@ -243,4 +247,4 @@ class RepeatedWarnings:
             if only_due and now - since < self._every_s:
                 continue
             del self._held[kind]
-            self._logger.warning("%d more like this in %.0fs, the last: %s", count, now - since, last)
+            self._logger.warning("%d more %r warnings in %.0fs, the last: %s", count, kind, now - since, last)

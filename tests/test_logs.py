@@ -276,11 +276,17 @@ def test_a_warning_that_repeats_per_object_is_logged_a_few_times_then_counted(ca
         "object quarantined (decode) s3://b/0: not an npy file",
         "object quarantined (decode) s3://b/1: not an npy file",
         "object quarantined (decode) s3://b/2: not an npy file",
-        "more like the last are counted from here on, not logged one by one",
+        "further 'decode' warnings are counted, not logged one by one (each at debug level): a count every 60s",
     ]
     assert warnings[4] == "object quarantined (too_large) s3://b/big"
-    assert warnings[5] == "8 more like this in 67s, the last: object quarantined (decode) s3://b/10: not an npy file"
-    assert warnings[6] == "1 more like this in 0s, the last: object quarantined (decode) s3://b/11: not an npy file"
+    assert (
+        warnings[5]
+        == "8 more 'decode' warnings in 67s, the last: object quarantined (decode) s3://b/10: not an npy file"
+    )
+    assert (
+        warnings[6]
+        == "1 more 'decode' warnings in 0s, the last: object quarantined (decode) s3://b/11: not an npy file"
+    )
     assert len(warnings) == 7
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert len(debug) == 9  # each one held back is still in the log at debug level

@@ -156,6 +156,25 @@ def test_source_tables_are_checked_key_by_key(tmp_path: Path) -> None:
     assert [s.tag for s in config.inputs()] == [source_tag("a"), source_tag("b")]
 
 
+def test_a_pass_is_done_when_every_source_completed_one_not_the_first_of_them(tmp_path: Path) -> None:
+    """Trainers read ``passes_completed >= 1`` as "everything the remote lists was visited": a small source done
+    (or one whose objects were all cached already at a restart) must not say so while another still fetches."""
+    from cachefeed._daemon.sources import Inputs
+
+    config = parse_config(
+        {
+            "cache": {"dir": str(tmp_path / "c"), "max_bytes": "1GiB"},
+            "source": [{"name": "a", "url": "file:///a"}, {"name": "b", "url": "file:///b"}],
+        }
+    )
+    inputs = Inputs(config)
+    a, b = (entry.plan.counters for entry in inputs.inputs)
+    a.passes_completed, a.skipped_cached_total, b.skipped_cached_total = 1, 5, 7
+    assert inputs.counters.passes_completed == 0 and inputs.counters.skipped_cached_total == 12
+    b.passes_completed = 3
+    assert inputs.counters.passes_completed == 1
+
+
 def test_eviction_takes_from_the_source_above_its_share_and_spares_the_one_below(tmp_path: Path) -> None:
     from cachefeed._cache.writer import CacheWriter
     from cachefeed._testing.samples import make_sample

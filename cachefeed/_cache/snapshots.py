@@ -354,9 +354,8 @@ class Snapshot:
             if pinned is None and now > deadline:
                 raise SnapshotError(
                     f"snapshot {snap_id!r} did not appear in {layout.snapshots} within {timeout_s:g}s: "
-                    "is the rank that creates it (local rank 0) running, and in step with this one? Ranks without "
-                    "torch.distributed must read the same epoch at the same time: a rank an epoch behind finds that "
-                    "epoch released by the others"
+                    "is the rank that creates it (local rank 0) running, and reading the same epoch as this one? "
+                    "(a rank an epoch behind the others finds that epoch released)"
                 )
             if stop is not None:
                 stop.wait(0.02)

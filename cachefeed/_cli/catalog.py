@@ -50,10 +50,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _build(args, loaded)
     except ConfigError as exc:
-        if loaded is not None and not (args.url or args.pattern or args.storage_options):
-            raise  # every value came from the file: exit 78
+        if loaded is not None and args.url is None:
+            raise  # the URL came from the file: exit 78
         message = str(exc) if args.url is None else str(exc).removeprefix("remote.url = ")  # the URL typed, no key
-        raise UsageError(message) from None  # the command line named (some of) them: exit 64
+        raise UsageError(message) from None  # the URL was typed: exit 64
 
 
 def _build(args: argparse.Namespace, loaded: Config | None) -> int:

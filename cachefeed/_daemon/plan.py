@@ -26,8 +26,11 @@ Contract:
   complete listing of the remote even if it drew nothing: a daemon restarted on a cache that already holds every
   listed object (``adopt``) has visited everything the remote lists once its first pass ends, and trainers wait
   for that (``passes_completed >= 1``: the first, growing, epoch ends). Later passes that draw nothing repeat
-  what is known and are not counted. A pass that ends before the first listing of the remote is complete (over
-  the restart catalog alone) is not counted; the end of that listing ends the wait of an idle pass early.
+  what is known and are not counted. A pass that draws nothing and ends before the first listing of the remote is
+  complete (over the restart catalog alone) is not counted; the end of that listing ends the wait of an idle pass
+  early. A pass that draws something is counted whenever it ends: on a cold start whose fetches outrun a listing of
+  many pages, that can be before the listing's last page (its objects join the next pass). With several sources
+  the status reports the passes every source completed (``Inputs.counters``).
 * **Skips.** An object is not drawn while it is in flight, while any of its samples is still cached (some
   segment holding one is published and not yet evicted: the cache never holds the same sample twice), after a
   404/403 (dropped until the listing shows a new version; a 401/403 also until SIGHUP, ``retry_forbidden``),

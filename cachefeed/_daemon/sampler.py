@@ -183,6 +183,7 @@ class Sampler:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             for remote in self._remotes:
                 await remote.aclose()
+            self._repeated.flush()  # what the writer reported while it stopped, after ``_finish``'s flush
 
     async def _warm_up(self) -> None:
         """Build the HTTP client before asking for work: loading botocore's models takes a second or more, and

@@ -389,15 +389,18 @@ class Epochs:
         total = snapshot.samples
         room = read_room(self.plan.layout.root) if self.plan.layout.has_writer() else None
         pinned = sum(os.lstat(path).st_blocks * 512 for path in snapshot.paths)
+        document = read_report(self.plan.layout.root).document
         if room is not None and pinned and snapshot.samples:
             total = max(total, room * snapshot.samples // pinned)
-        else:
-            document = read_report(self.plan.layout.root).document
-            if document is not None:
-                cache = document["cache"]
-                fill, samples = float(cache.get("fill", 0.0)), int(cache.get("samples", 0))
-                if fill > 0.01:
-                    total = max(total, round(samples / min(1.0, fill)))
+        elif document is not None:
+            cache = document["cache"]
+            fill, samples = float(cache.get("fill", 0.0)), int(cache.get("samples", 0))
+            if fill > 0.01:
+                total = max(total, round(samples / min(1.0, fill)))
+        if document is not None and document["remote"]["passes_completed"] >= 1:
+            # The daemon fetched everything the remote lists: the epoch grows to what is cached at most (a dataset
+            # smaller than the room said 609 batches for an epoch of 25).
+            total = max(snapshot.samples, min(total, int(document["cache"].get("samples", total))))
         return total // self.plan.ranks.local_world_size
 
     def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
@@ -418,7 +421,7 @@ class Epochs:
         snapshot = resumed_snapshot(plan.layout.root, resume) if resume is not None else None
         is_exact_resume = snapshot is not None
         grows = is_first and self._resume is None and self._can_grow()
-        wants = self._later_wants() if not is_first and plan.ranks.is_creator else None
+        wants = self._later_wants() if not is_first and plan.ranks.is_creator and not is_exact_resume else None
         if is_exact_resume:
             pass  # its samples are fixed and cached: nothing to wait for
         elif grows and plan.ranks.is_creator:

@@ -207,7 +207,7 @@ class EpochLoaderFactory:
         epochs = None if epochs is None else _integer("epochs", epochs, 0)
         rank = None if rank is None else _integer("rank", rank, 0)  # "1" straight from os.environ: told here
         world_size = None if world_size is None else _integer("world_size", world_size, 1)
-        if rank is not None and world_size is not None and rank >= world_size:
+        if rank is not None and world_size is not None and rank >= world_size:  # RankInfo's rule, before the wait
             raise ValueError(
                 f"rank must be below world_size (ranks count from 0), got rank={rank}, world_size={world_size}"
             )
@@ -229,7 +229,7 @@ class EpochLoaderFactory:
             ("join_timeout_s", join_timeout_s),
         )
         for timeout, seconds in timeouts:
-            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+            if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not float(seconds) > 0:
                 raise ValueError(f"{timeout} must be a number of seconds > 0, got {seconds!r}")
         if prepare_at is not None and not 0.0 <= prepare_at <= 1.0:
             raise ValueError(f"prepare_at must be a fraction between 0 and 1 (or None), got {prepare_at}")

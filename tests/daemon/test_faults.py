@@ -147,7 +147,7 @@ def test_a_decoder_that_fails_on_every_object_logs_a_few_lines_and_a_count(bucke
     proc.wait_status(lambda d: d["remote"]["quarantined_total"] == bad, timeout_s=60, what=f"{bad} quarantined")
     assert proc.stop() == 0
     lines = [line for line in proc.stderr().splitlines() if " WARNING " in line]
-    named = [line for line in lines if "object quarantined (decode)" in line and "more like this in" not in line]
-    counted = [int(line.split("]: ", 1)[1].split()[0]) for line in lines if "more like this in" in line]
+    named = [line for line in lines if "object quarantined (decode)" in line and "warnings in" not in line]
+    counted = [int(line.split("]: ", 1)[1].split()[0]) for line in lines if "'decode' warnings in" in line]
     assert len(named) <= 2 * 5, named  # five per sampler at most
     assert len(named) + sum(counted) == bad, lines

@@ -19,7 +19,8 @@ from tests.trainer.test_loader import build_cache, check_batch
 
 REPO = Path(__file__).resolve().parents[2]
 # The snapshot's job id (``<run_id>-<job>-e<epoch>``) differs per run: the lines are compared without it.
-EPOCH_LINE = re.compile(r"rank \d+ epoch \d+: \d+ batches of \d+ samples, snapshot \S+?-e\d{6}")
+# Greedy: a random job id may itself hold "e" and six digits ("e8729759753e"), where a lazy match stopped.
+EPOCH_LINE = re.compile(r"rank \d+ epoch \d+: \d+ batches of \d+ samples, snapshot \S+-e\d{6}")
 JOB_ID = re.compile(r"-[0-9a-f]{12}-e(\d{6})")
 
 

@@ -400,11 +400,13 @@ def test_closing_a_rank_does_not_wait_out_the_join_of_an_epoch_its_creator_will_
     rank0 = Snapshot.create(root, rank_snapshot("t", 0), job=RANKS_JOB)  # local rank 0 pins epoch 0, never epoch 1
     try:
         factory = EpochLoaderFactory(root, batch_size=4, run_id="t", rank=1, world_size=2, join_timeout_s=120)
-        keys = [k for batch in factory.loader(0) for k in check_batch(batch)]
-        assert len(keys) == 20
-        assert factory._epochs._prepared is not None, "epoch 1 is being prepared in the background"
-        started = time.monotonic()
-        factory.close()
+        try:
+            keys = [k for batch in factory.loader(0) for k in check_batch(batch)]
+            assert len(keys) == 20
+            assert factory._epochs._prepared is not None, "epoch 1 is being prepared in the background"
+        finally:
+            started = time.monotonic()
+            factory.close()
         assert time.monotonic() - started < 10.0
     finally:
         rank0.release()
@@ -415,15 +417,11 @@ def test_a_rank_given_another_world_size_is_refused_instead_of_reading_a_split_o
     """Rank 0 with world_size=2 and rank 1 with world_size=3 (a typo, a launcher's variable read wrongly): rank 1
     read a third of the epoch where rank 0 read a half, 62 samples twice and 129 never, and nothing said so."""
     root = build_cache(tmp_path / "c", 40)
-    rank0 = Snapshot.create(root, rank_snapshot("t", 0), job=RANKS_JOB, ranks=2)  # local rank 0, of two
-    try:
+    with EpochLoaderFactory(root, batch_size=4, run_id="t", rank=0, world_size=2, progress=None) as rank0:
+        next(iter(rank0.loader(0)))  # local rank 0, of two, made epoch 0's snapshot
         with EpochLoaderFactory(root, batch_size=4, run_id="t", rank=1, world_size=3, join_timeout_s=10) as factory:
-            with pytest.raises(
-                SnapshotError, match=r"split among 2 local ranks .* this rank counts 3: give every rank"
-            ):
+            with pytest.raises(SnapshotError, match=r"split among 2 local ranks .* this rank counts 3: give every"):
                 factory.loader(0)
-    finally:
-        rank0.release()
     assert live_snapshot_locks(root) == []
 
 
