@@ -8,7 +8,6 @@ sampler is killed at twice that, a death like a crash's. The witness is what the
 from __future__ import annotations
 
 import ctypes
-import io
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import start_daemon
+from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
 from tests.support.child_env import child_env
 
@@ -46,9 +46,7 @@ def test_an_object_that_kills_or_hangs_its_sampler_is_quarantined_and_the_rest_i
     remote = tmp_path / "remote"
     remote.mkdir()
     for i in range(OBJECTS):
-        buffer = io.BytesIO()
-        np.save(buffer, np.full(16, i, np.int32))
-        (remote / f"{i:03d}.npy").write_bytes(buffer.getvalue())
+        (remote / f"{i:03d}.npy").write_bytes(npy_bytes(np.full(16, i, np.int32)))
     cache_dir = tmp_path / "cache"
     config = tmp_path / "crash.toml"
     config.write_text(

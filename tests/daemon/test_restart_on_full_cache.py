@@ -11,7 +11,6 @@ files (nothing fetched again), and a training loop's first epoch that ends with 
 
 from __future__ import annotations
 
-import io
 import re
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon
+from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
 
 OBJECTS = 50
@@ -34,9 +34,7 @@ def remote(tmp_path: Path) -> Path:
     directory = tmp_path / "remote"
     directory.mkdir()
     for i in range(OBJECTS):
-        buffer = io.BytesIO()
-        np.save(buffer, np.full(16, i, np.int32))
-        (directory / f"{i:03d}.npy").write_bytes(buffer.getvalue())
+        (directory / f"{i:03d}.npy").write_bytes(npy_bytes(np.full(16, i, np.int32)))
     return directory
 
 
