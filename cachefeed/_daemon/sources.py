@@ -243,15 +243,20 @@ class Inputs:
 
     @property
     def counters(self) -> PlanCounters:
-        """The plans' counters, summed; but ``passes_completed`` is the passes every source completed (the least):
-        trainers read ``>= 1`` as "everything the remote lists was visited", and one source done (a small one, or
-        one whose objects were all cached at a restart) must not say so while another still fetches."""
+        """The plans' counters, summed; but ``passes_completed`` is the passes every source completed (which see)."""
         total = PlanCounters()
         for entry in self.inputs:
             for item in fields(PlanCounters):
                 setattr(total, item.name, getattr(total, item.name) + getattr(entry.plan.counters, item.name))
-        total.passes_completed = min((entry.plan.counters.passes_completed for entry in self.inputs), default=0)
+        total.passes_completed = self.passes_completed
         return total
+
+    @property
+    def passes_completed(self) -> int:
+        """The passes every source completed (the least): trainers read ``>= 1`` as "everything the remote lists
+        was visited", and one source done (a small one, or one whose objects were all cached at a restart) must not
+        say so while another still fetches."""
+        return min((entry.plan.counters.passes_completed for entry in self.inputs), default=0)
 
     @property
     def pass_index(self) -> int:

@@ -714,7 +714,7 @@ class Supervisor:
         ``status.interval``: a growing epoch ends when the daemon can fill no further, and its trainer learns it
         here (at a 1 s interval the handover after a growing first epoch took 0.2-0.3 s, at once ~1 ms)."""
         store = self._require_store()
-        passes = self.inputs.counters.passes_completed  # every source's (the least)
+        passes = self.inputs.passes_completed  # every source's (the least)
         return passes, store.is_paced, store.is_backpressured
 
     def _status_line(self) -> str:

@@ -398,8 +398,8 @@ class Epochs:
             if fill > 0.01:
                 total = max(total, round(samples / min(1.0, fill)))
         if document is not None and document["remote"]["passes_completed"] >= 1:
-            # The daemon fetched everything the remote lists: the epoch grows to what is cached at most (a dataset
-            # smaller than the room said 609 batches for an epoch of 25).
+            # The daemon fetched everything the remote lists: the epoch grows to what is cached at most (for a
+            # dataset smaller than the room, len() said the room's worth of batches, many times the epoch's).
             total = max(snapshot.samples, min(total, int(document["cache"].get("samples", total))))
         return total // self.plan.ranks.local_world_size
 
