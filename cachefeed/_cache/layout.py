@@ -38,7 +38,6 @@ from cachefeed._errors import CacheUnusableError, NoSuchCacheError
 
 __all__ = [
     "DAEMON_RESTART_WINDOW_S",
-    "FOREIGN_BYTES_ALLOWED",
     "SEGMENT_NAME",
     "SNAPSHOT_ENTRY_BYTES",
     "SNAPSHOT_FIXED_BYTES",
@@ -54,15 +53,14 @@ __all__ = [
 
 SEGMENT_NAME = re.compile(r"^[0-9a-f]{16}\.seg$")
 SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-# What may share a directory that becomes a cache (``CacheLayout.refusal``): at most this many bytes of files that
-# are not the cache's (a README a deployment tool writes, a mount root's quota files), and no directory.
-FOREIGN_BYTES_ALLOWED = 1 << 20
 _LOOKED_AT = 64  # entries of a directory looked at to judge it (a dataset's root may hold millions)
-# The names the layout uses (the properties below), the read ledger's (``reads.LEDGER_NAME``) and a fresh
-# filesystem's mount point's; restart catalogs are ``catalog-*.cfcat`` (``CacheLayout._is_own``).
+# The names the layout uses (the properties below), the read ledger's (``reads.LEDGER_NAME``), and those a
+# filesystem itself keeps at its mount point (a fresh one's ``lost+found``, quota files): what may be in a directory
+# that becomes a cache (``CacheLayout.refusal``); restart catalogs are ``catalog-*.cfcat`` (``CacheLayout._is_own``).
 _OWN_NAMES = frozenset(
     {"segments", "tmp", "snapshots", "lock", "status.json", "CACHEDIR.TAG", "sources.json", "made_with.json"}
-    | {"budget.json", "classes.json", "reads", "lost+found"}
+    | {"budget.json", "classes.json", "reads"}
+    | {"lost+found", "aquota.user", "aquota.group", "quota.user", "quota.group"}
 )
 DAEMON_RESTART_WINDOW_S = 300.0  # a daemon whose status is this fresh is restarting, not gone (had_writer_within)
 _TMP_NAME = re.compile(r"^[0-9a-f]{16}\.tmp$")
@@ -286,11 +284,11 @@ class CacheLayout:
         yet (the daemon creates it), it is a cache or one being made, or it is a directory the daemon may take.
 
         Never a cache: a path that is a file or a symbolic link, or lies below a file; a directory of other things
-        (a dataset's root, a home): one that holds a directory, or more than ``FOREIGN_BYTES_ALLOWED`` of files,
-        besides the cache's own names (``_is_own``). The daemon would charge them to its budget and evict around
-        them, and a cleanup of the cache would take them. A few small files (a README a deployment tool writes, a
-        mount root's quota files) are allowed. At most 64 entries are looked at. One rule for the daemon
-        (``create``: exit 73), a trainer's wait for the cache and ``cachefeed status --watch``."""
+        (a dataset's root, however small, a home): one that holds any entry besides the cache's own names and a
+        mount point's (``_is_own``). The daemon would charge them to its budget and evict around them, a cleanup of
+        the cache would take them, and a trainer pointed at the dataset's root would wait for a cache there. An
+        empty directory, or one cachefeed wrote, may become one. At most ``_LOOKED_AT`` entries are looked at. One
+        rule for the daemon (``create``: exit 73), a trainer's wait for the cache and ``cachefeed status --watch``."""
         try:
             info = os.lstat(self.root)
         except FileNotFoundError:
@@ -304,21 +302,18 @@ class CacheLayout:
             return _not_a_directory(info)
         if self.tag_file.exists():
             return None  # a cache (whatever else someone put in it since)
-        others, foreign_bytes, more = [], 0, False
+        others, more = [], False
         try:
             with os.scandir(self.root) as entries:
                 for count, entry in enumerate(entries):
                     if count >= _LOOKED_AT:
                         more = True
                         break
-                    if self._is_own(entry.name):
-                        continue
-                    is_dir = entry.is_dir(follow_symlinks=False)
-                    others.append(entry.name + ("/" if is_dir else ""))
-                    foreign_bytes += 0 if is_dir else entry.stat(follow_symlinks=False).st_size
+                    if not self._is_own(entry.name):
+                        others.append(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else ""))
         except OSError:
             return None
-        if not any(name.endswith("/") for name in others) and foreign_bytes <= FOREIGN_BYTES_ALLOWED:
+        if not others:
             return None
         others.sort()
         shown = ", ".join(others[:3]) + (" and more" if more or len(others) > 3 else "")
@@ -329,7 +324,7 @@ class CacheLayout:
 
     def _is_own(self, name: str) -> bool:
         """A name the cache's layout uses (any of them: a cache being made, or one whose segments/ was removed), a
-        hidden name, or ``lost+found`` (a fresh filesystem's mount point)."""
+        hidden name, or one a filesystem keeps at its mount point (``lost+found``, quota files)."""
         return name in _OWN_NAMES or name.startswith(".") or (name.startswith("catalog-") and name.endswith(".cfcat"))
 
     def _mode_of(self, directory: Path, dir_mode: int) -> int:

@@ -20,7 +20,9 @@ Joining (another rank, same epoch): wait for ``MANIFEST``, open ``<id>.lock``, t
 that the path still names the inode we locked (a remover may have unlinked it between our open and our lock).
 A lock held exclusively is not a missing snapshot: the holder is a remover or the daemon's sweep probing a kept
 one, so a joiner waits until it lets go (``BUSY_WAIT_S``, or its own timeout if longer), then joins or finds the
-snapshot gone.
+snapshot gone. A creator that finds the name taken joins too, but where the lock goes away while it waits (the last
+holder removed the snapshot) it makes the snapshot anew under that name (``create``): a trainer going back to an
+epoch whose snapshot its own teardown was removing waited out its timeout for a snapshot nobody would make again.
 
 Removal: whoever gets ``flock(LOCK_EX | LOCK_NB)`` on ``<id>.lock`` knows nobody else holds the snapshot: it
 hands the epoch's read receipt to the daemon if a rank recorded what it served (NOTE [ Read receipts ] in
@@ -40,6 +42,19 @@ it leaves it to the daemon's sweep, which keeps an unheld snapshot for ``cache.s
 (``join`` with the checkpoint's ``nonce``) removes ``LEFT``: from then on the resumed job's last releaser removes
 the snapshot as usual. ``LEFT`` is written before the pin is dropped, and a releaser reads it only once it holds the
 lock exclusively, so it cannot miss the mark of a rank that left before it.
+
+Rank claims: the local ranks sharing a snapshot split it (MANIFEST ``ranks``), each reading its own share, so two
+processes given the same rank (a launcher that set no ``RANK``/``LOCAL_RANK``: both default to 0) would read the
+same share twice and another share never. A trainer claims its local rank ``k`` as it pins (``create``/``join``
+with ``rank=k``): ``<id>/RANK.<k>``, opened (created if need be) and locked ``flock(LOCK_EX | LOCK_NB)``, its
+holder's pid and host written in it for messages. A claim another process holds refuses the pin
+(``RankClaimedError``, naming the holder); the creator claims before it writes ``MANIFEST``, so a joiner given its
+rank is the one refused. A claim belongs to a process, not to a pin: its pins of one snapshot share one locked
+descriptor (``_take_claim``: a factory that goes back to an epoch before its earlier build of it is released).
+The kernel drops a claim with its holder, as a pin: a restarted or resumed rank (a new process) takes a dead one's
+claim over, whatever pid the file names. A claim is dropped before the pin (``release``, ``leave_for_resume``), so
+only a pin holder holds one; a forked child closes its copies at the fork, so they do not outlive the parent's
+release. Claim files live in ``<id>/`` and go with it; a process that may not write there reads unclaimed.
 
 Ownership: the MANIFEST names the *job* that created the snapshot (``job``, a nonce the job's ranks agree on,
 ``_trainer/partition.py``) and carries a nonce of the snapshot's own (``nonce``). ``join`` refuses a snapshot of
@@ -96,16 +111,42 @@ from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._fsutil import atomic_write, open_regular_for_write, remove_tree
 
-__all__ = ["Snapshot", "SnapshotInfo", "live_snapshots", "pinned_inodes", "sweep_stale", "sweep_unwatched"]
+__all__ = [
+    "RankClaimedError",
+    "Snapshot",
+    "SnapshotInfo",
+    "live_snapshots",
+    "pinned_inodes",
+    "sweep_stale",
+    "sweep_unwatched",
+]
 
 MANIFEST = "MANIFEST"
 LEFT = "LEFT"  # in ``<id>/``: a rank left this snapshot for a resume (NOTE, "Leaving for a resume")
+RANK_CLAIM = "RANK."  # in ``<id>/``, + the local rank: a process reads that rank's share (NOTE, "Rank claims")
 
 Pick = Callable[[list[Candidate], int | None, int], list[int]]
 """A snapshot's choice of segments: ``pick(candidates, room, linked)`` gives the sequence numbers it takes of
 ``candidates`` within ``room`` bytes (None: no limit), ``linked`` samples being linked already (``_link_picks``)."""
 PARTIAL_GRACE_S = 60.0
 BUSY_WAIT_S = 30.0  # how long ``Snapshot.join`` waits on a snapshot whose lock another process holds exclusively
+CREATE_JOIN_S = 60.0  # how long ``Snapshot.create`` waits for a snapshot of its name that another process makes
+
+
+class RankClaimedError(SnapshotError):
+    """Another live process reads local rank ``rank`` of snapshot ``snap_id`` (NOTE, "Rank claims"); ``holder``
+    says who (``"pid N on HOST"``). The pin taken to claim it is dropped."""
+
+    def __init__(self, snap_id: str, rank: int, ranks: int, holder: str) -> None:
+        self.snap_id, self.rank, self.ranks, self.holder = snap_id, rank, ranks, holder
+        of = f" of {ranks}" if ranks else ""
+        super().__init__(
+            f"local rank {rank}{of} of snapshot {snap_id!r} is read by {holder} already: two processes given the "
+            "same rank read the same share, and another share never. Give each process its own rank"
+        )
+
+    def __reduce__(self) -> tuple[type[RankClaimedError], tuple[str, int, int, str]]:
+        return type(self), (self.snap_id, self.rank, self.ranks, self.holder)
 
 
 class _Busy:
@@ -155,6 +196,7 @@ class Snapshot:
         self.directory = layout.snapshots / snap_id
         self._lock_fd: int | None = lock_fd
         self._owner_pid = os.getpid()
+        self._claim: _ClaimKey | None = None  # this process's rank claim, if it made one (NOTE, "Rank claims")
         self.names: tuple[str, ...] = ()
         self.counts: tuple[int, ...] = ()
         self.reads: tuple[int, ...] = ()
@@ -205,6 +247,7 @@ class Snapshot:
         *,
         job: str = "",
         ranks: int = 0,
+        rank: int | None = None,
         reading: Collection[str] = (),
         growing: bool = False,
         wants: int | None = None,
@@ -212,8 +255,10 @@ class Snapshot:
         """Pin the segments published right now, at most the daemon's epoch room of them, least-read first
         (``room.py``: the segments of every live snapshot, and those ``reading`` names, count one pending read each;
         receipts the daemon has not applied yet count as applied), for ``job``. If another process of that job
-        created ``snap_id`` first, join it (``SnapshotError`` if another job did). ``ranks``: how many local ranks
-        split it (0: not said), which every joiner must say alike (``join``).
+        created ``snap_id`` first, join it (``SnapshotError`` if another job did); if that snapshot is being removed
+        (its last holder releasing it), make it anew once it is gone (NOTE, "Joining"). ``ranks``: how many local
+        ranks split it (0: not said), which every joiner must say alike (``join``). ``rank``: claim this local rank
+        of it (NOTE, "Rank claims"), before its MANIFEST is written: a joiner given the same rank is refused.
 
         ``growing``: the snapshot stays open and its creator adds segments published later, up to the room
         (``grow``; NOTE [ Growing snapshots ]).
@@ -223,23 +268,22 @@ class Snapshot:
         ``grow`` then takes only unread segments and, closing short of ``wants``, tops the snapshot up with the
         least-read ones in a last generation (``topup_from``)."""
         layout = _checked_layout(root, snap_id)
-        lock_path = layout.snapshots / f"{snap_id}.lock"
-        partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
-        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        deadline = time.monotonic() + CREATE_JOIN_S
+        while (fd := _new_lock(layout, snap_id)) is None:
+            left = max(0.0, deadline - time.monotonic())
+            joined = cls._join(layout, snap_id, timeout_s=left, job=job, ranks=ranks, rank=rank, creating=True)
+            if joined is not None:
+                return joined
+        claim: _ClaimKey | None = None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            owner = {"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
-            os.write(fd, json.dumps(owner).encode())
-            try:
-                if not _link_lock(partial, lock_path, layout.snapshots / snap_id):
-                    os.close(fd)
-                    fd = -1
-                    return cls.join(root, snap_id, job=job, ranks=ranks)
-            finally:
-                os.unlink(partial)
             directory = layout.snapshots / snap_id
             remove_tree(directory)  # a directory without its lock is garbage (see the NOTE)
             directory.mkdir(mode=0o750)
+            if rank is not None:
+                claimed = _take_claim(directory, rank)
+                if isinstance(claimed, str):  # nobody can have claimed a directory just made: not ours after all
+                    raise RankClaimedError(snap_id, rank, ranks, claimed)
+                claim = claimed
             pending = _pending_reads(layout, reading)  # before the receipts: see _pending_reads
             reads = reads_with_receipts(layout.root, layout.snapshots)
             named_sources = read_sources(layout.sources_file)
@@ -273,11 +317,14 @@ class Snapshot:
                 manifest["open"] = sum(int(entry[1]) for entry in entries) < wants  # type: ignore[call-overload]
             atomic_write(directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
             snapshot = cls(layout, snap_id, fd, manifest)
+            snapshot._claim, claim = claim, None
             if wants is not None:  # what it did not take now, its growth never takes
                 snapshot._passed = {name for name, _info in listed}.difference(chosen)
             fd = -1
             return snapshot
         finally:
+            if claim is not None:
+                _drop_claim(claim)
             if fd >= 0:
                 os.close(fd)
 
@@ -291,6 +338,7 @@ class Snapshot:
         job: str | None = None,
         nonce: str | None = None,
         ranks: int = 0,
+        rank: int | None = None,
         stop: threading.Event | None = None,
     ) -> Snapshot:
         """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``, or
@@ -309,8 +357,32 @@ class Snapshot:
         ``nonce`` is a resume's: it takes the snapshot back from the daemon's keeping (removes ``LEFT``, see the
         NOTE), so that the resumed job's last releaser removes it. ``ranks``, when given, must match the number of
         local ranks its creator split it among: a rank given another ``world_size`` would read a split of its own,
-        serving some samples twice and others never (``SnapshotError``, naming both)."""
+        serving some samples twice and others never (``SnapshotError``, naming both). ``rank``: claim this local
+        rank of it (NOTE, "Rank claims"); ``RankClaimedError`` if another live process holds that claim."""
         layout = _checked_layout(root, snap_id)
+        joined = cls._join(
+            layout, snap_id, timeout_s=timeout_s, job=job, nonce=nonce, ranks=ranks, rank=rank, stop=stop
+        )
+        if joined is None:  # only a creator's join gives up on a free name
+            raise SnapshotError(f"snapshot {snap_id!r} is not in {layout.snapshots}")
+        return joined
+
+    @classmethod
+    def _join(
+        cls,
+        layout: CacheLayout,
+        snap_id: str,
+        *,
+        timeout_s: float,
+        job: str | None = None,
+        nonce: str | None = None,
+        ranks: int = 0,
+        rank: int | None = None,
+        stop: threading.Event | None = None,
+        creating: bool = False,
+    ) -> Snapshot | None:
+        """``join``'s wait and pin. ``creating``: a creator's, which found the name taken: None as soon as the name
+        is free (no ``<id>.lock``: its last holder removed it), so that the creator makes it anew."""
         lock_path = layout.snapshots / f"{snap_id}.lock"
         manifest_path = layout.snapshots / snap_id / MANIFEST
         started = time.monotonic()
@@ -320,25 +392,9 @@ class Snapshot:
             pinned = _try_pin(lock_path, manifest_path)
             was_busy = was_busy or pinned is _BUSY
             if isinstance(pinned, tuple):
-                fd, manifest = pinned
-                snapshot = cls(layout, snap_id, fd, manifest)
-                for what, mine, theirs in (("job", job, snapshot.job), ("nonce", nonce, snapshot.nonce)):
-                    if mine is not None and mine != theirs:
-                        snapshot.release()
-                        raise SnapshotError(
-                            f"snapshot {snap_id!r} belongs to {what} {theirs!r}, not {mine!r}: "
-                            "it is not this job's snapshot, so it is not joined"
-                        )
-                if ranks and snapshot.ranks and ranks != snapshot.ranks:
-                    snapshot.release()
-                    raise SnapshotError(
-                        f"snapshot {snap_id!r} is split among {snapshot.ranks} local ranks by the rank that created "
-                        f"it, and this rank counts {ranks}: give every rank of the job the same world_size"
-                    )
-                if nonce is not None:
-                    with contextlib.suppress(OSError):  # not there, or not ours to remove: its releaser decides
-                        (snapshot.directory / LEFT).unlink(missing_ok=True)
-                return snapshot
+                return cls._pinned(layout, snap_id, pinned, job=job, nonce=nonce, ranks=ranks, rank=rank)
+            if creating and pinned is None and not os.path.lexists(lock_path):
+                return None
             now = time.monotonic()
             if stop is not None and stop.is_set():
                 raise SnapshotError(f"stopped waiting for snapshot {snap_id!r}: the trainer is closing")
@@ -361,6 +417,46 @@ class Snapshot:
                 stop.wait(0.02)
             else:
                 time.sleep(0.02)
+
+    @classmethod
+    def _pinned(
+        cls,
+        layout: CacheLayout,
+        snap_id: str,
+        pinned: tuple[int, dict[str, object]],
+        *,
+        job: str | None,
+        nonce: str | None,
+        ranks: int,
+        rank: int | None,
+    ) -> Snapshot:
+        """The joined snapshot, once ``job``, ``nonce`` and ``ranks`` match and ``rank`` is claimed (``join``); else
+        the pin is dropped and ``SnapshotError`` (``RankClaimedError``) says why."""
+        fd, manifest = pinned
+        snapshot = cls(layout, snap_id, fd, manifest)
+        for what, mine, theirs in (("job", job, snapshot.job), ("nonce", nonce, snapshot.nonce)):
+            if mine is not None and mine != theirs:
+                snapshot.release()
+                raise SnapshotError(
+                    f"snapshot {snap_id!r} belongs to {what} {theirs!r}, not {mine!r}: "
+                    "it is not this job's snapshot, so it is not joined"
+                )
+        if ranks and snapshot.ranks and ranks != snapshot.ranks:
+            snapshot.release()
+            raise SnapshotError(
+                f"snapshot {snap_id!r} is split among {snapshot.ranks} local ranks by the rank that created "
+                f"it, and this rank counts {ranks}: give every rank of the job the same world_size"
+            )
+        if rank is not None:
+            claimed = _take_claim(snapshot.directory, rank)
+            if isinstance(claimed, str):  # before LEFT goes: a refused resume does not take the snapshot back
+                snapshot.release()
+                raise RankClaimedError(snap_id, rank, ranks or snapshot.ranks, claimed)
+            snapshot._claim = claimed
+        if nonce is not None:
+            with contextlib.suppress(OSError):  # not there, or not ours to remove: its releaser decides
+                (snapshot.directory / LEFT).unlink(missing_ok=True)
+        return snapshot
 
     # -- growing (NOTE [ Growing snapshots ]) ------------------------------------------------------------------
 
@@ -523,7 +619,9 @@ class Snapshot:
         write_served(self.directory, served, self.samples)
 
     def release(self) -> None:
-        """Drop this process's pin. The last holder removes the snapshot (idempotent)."""
+        """Drop this process's pin, and its rank claim first (NOTE, "Rank claims"). The last holder removes the
+        snapshot (idempotent)."""
+        self._unclaim()
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
             return
@@ -544,7 +642,9 @@ class Snapshot:
 
         Other ranks holding the snapshot release it as usual, but the last of them does not remove it: ``LEFT``
         marks it (NOTE, "Leaving for a resume"). Where the mark cannot be written, the pin is dropped all the same
-        (the snapshot then goes with its last holder, and a resume reads a fresh one: its warning says so)."""
+        (the snapshot then goes with its last holder, and a resume reads a fresh one: its warning says so). The rank
+        claim goes first: the resumed rank, in this process or another, claims it again."""
+        self._unclaim()
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
             return
@@ -554,6 +654,11 @@ class Snapshot:
             pass
         finally:
             os.close(fd)
+
+    def _unclaim(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            _drop_claim(claim)
 
     def _remove_if_last(self, fd: int) -> None:
         """Remove the snapshot if this holder is the last and no rank left it for a resume (module docstring,
@@ -687,6 +792,26 @@ def _candidates(
             Candidate(segment_seq(name), allocated_bytes(info), level, 0, name in pending, samples, untouched)
         )
     return candidates
+
+
+def _new_lock(layout: CacheLayout, snap_id: str) -> int | None:
+    """A born-locked ``<id>.lock`` (NOTE: made as a partial, locked shared, then linked), owned by this process: its
+    descriptor, or None where a live snapshot has that name (join it)."""
+    lock_path = layout.snapshots / f"{snap_id}.lock"
+    partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
+        os.write(fd, json.dumps(owner).encode())
+        if not _link_lock(partial, lock_path, layout.snapshots / snap_id):
+            return None
+        linked, fd = fd, -1
+        return linked
+    finally:
+        os.unlink(partial)
+        if fd >= 0:
+            os.close(fd)
 
 
 def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:
@@ -835,6 +960,106 @@ def _leave_receipt(directory: Path) -> None:
     except (OSError, ValueError, TypeError, AttributeError, IndexError):
         return  # an incomplete snapshot was never read
     emit_receipt(directory, segments, nonce)
+
+
+# -- rank claims (NOTE, "Rank claims") -----------------------------------------------------------------------------
+
+_ClaimKey = tuple[int, int]  # a claim file's (st_dev, st_ino): one per claim while anyone holds it open
+_claims: dict[_ClaimKey, list[int]] = {}  # this process's claims: [the locked descriptor, its pins that share it]
+_claims_lock = threading.RLock()  # reentrant: a Snapshot collected while this thread holds it drops its claim
+
+
+def _take_claim(directory: Path, rank: int) -> _ClaimKey | str | None:
+    """Claim local rank ``rank`` of the snapshot in ``directory`` for this process: the claim's key (this process
+    may hold it already: another of its pins shares it), who holds it where another live process does (``"pid N on
+    HOST"``), or None where this process may not claim there (it reads unclaimed)."""
+    fd = _open_claim(directory / f"{RANK_CLAIM}{rank}")
+    if fd is None:
+        return None
+    info = os.fstat(fd)
+    key = (info.st_dev, info.st_ino)
+    with _claims_lock:
+        held = _claims.get(key)
+        if held is not None:
+            held[1] += 1
+            os.close(fd)
+            return key
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _claim_holder(fd)
+            os.close(fd)
+            return holder
+        _claims[key] = [fd, 1]
+    with contextlib.suppress(OSError):  # a claim file of another user's, opened read-only: it names nobody
+        owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, owner, 0)
+    return key
+
+
+def _open_claim(path: Path) -> int | None:
+    """The claim file at ``path``, made if need be; read-only where it is another user's; None where it cannot be
+    opened or is not a regular file (planted)."""
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o640)
+    except PermissionError:
+        try:
+            fd = os.open(path, os.O_RDONLY | flags)
+        except OSError:
+            return None
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _claim_holder(fd: int) -> str:
+    """Who holds the claim open on ``fd``, as its file says."""
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {int(owner['pid'])} on {owner['host']}"
+    except (OSError, ValueError, TypeError, KeyError):
+        return "another process"  # claimed a moment ago: its pid is not written yet
+
+
+def _drop_claim(key: _ClaimKey) -> None:
+    """One pin of this process no longer needs its claim: the last one closes the claim's descriptor (the kernel
+    drops the lock with it). A forked child's claims were closed at the fork: nothing to do."""
+    with _claims_lock:
+        held = _claims.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _claims[key]
+    os.close(held[0])
+
+
+def _claims_before_fork() -> None:
+    _claims_lock.acquire()
+
+
+def _claims_in_parent() -> None:
+    _claims_lock.release()
+
+
+def _claims_in_child() -> None:
+    """A forked child closes its copies of the parent's claims: a copy would hold the claim after the parent let
+    it go (a rank that goes back to an epoch, or restarts, would find its own rank taken)."""
+    global _claims_lock
+    for fd, _pins in _claims.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _claims.clear()
+    _claims_lock = threading.RLock()  # the parent's is held by the forking thread
+
+
+os.register_at_fork(before=_claims_before_fork, after_in_parent=_claims_in_parent, after_in_child=_claims_in_child)
 
 
 # -- the daemon's side ------------------------------------------------------------------------------------------

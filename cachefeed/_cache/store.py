@@ -94,7 +94,7 @@ from cachefeed._cache.layout import (
 )
 from cachefeed._cache.reads import ReadLedger, SampleReads
 from cachefeed._cache.records import SegmentReader, Source
-from cachefeed._cache.room import epoch_room, write_room
+from cachefeed._cache.room import epoch_room, read_room, write_room
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
 from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
@@ -114,6 +114,10 @@ ECHO_WINDOW = 64  # evicted segments the echo factor is measured over
 TOPPED_UP_SHARE = 0.25  # ingest is remote-bound when more than this share of the newest snapshot was read already
 _HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
 _LOCK_WAIT_S = 5.0  # how long a starting daemon waits for readers, or a gone daemon's samplers, to let go of the lock
+# After a write the filesystem refused for lack of space, grants wait this long, doubling with each further refusal
+# until a segment is published, up to the most (``refused_write``).
+_REFUSED_HOLD_S = 1.0
+_REFUSED_HOLD_MAX_S = 60.0
 
 
 def _lock_holder(fd: int) -> str:
@@ -180,6 +184,15 @@ def _gone_holder(fd: int) -> int | None:
     if who is None or who.host != socket.gethostname() or who.pid <= 0 or process_state(who.pid) not in GONE:
         return None
     return who.pid
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells one version of a small file from another without reading it: inode, size, mtime; None if gone."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
@@ -284,11 +297,16 @@ class CacheStore:
         self._is_backpressured = False
         self._is_paced = False
         self._is_out_of_space = False
+        self._is_refused = False  # a writer's write was refused for lack of space, and there is no room yet
+        self._refusals = 0  # refusals since the last segment published (``refused_write``)
+        self._refused_until = 0.0  # grants wait until then (monotonic)
         self._newest_pin: tuple[float, int, int] | None = None  # (created, samples, fresh) of the newest snapshot
         self.write_problems: dict[str, str] = {}  # what could not be written to the cache, and why (status says)
         self._room_written = False
+        self._room_identity: tuple[int, int, int] | None = None  # budget.json as this store last wrote it
         self._lock_fd = self._take_lock()
         try:
+            self._warn_if_room_lost()
             self._recover()  # its pin scan writes budget.json
             if not self._room_written:
                 self._write_room()
@@ -451,7 +469,35 @@ class CacheStore:
             self._cannot_write("budget.json", exc, "trainers size their epochs without it")
             return
         self._room_written = True
+        self._room_identity = _identity(self.layout.budget_file)
         self.write_problems.pop("budget.json", None)
+
+    def _keep_room(self) -> None:
+        """At each sweep: ``budget.json`` changed since this store wrote it (damaged, removed or replaced behind the
+        daemon's back) is written again, with a warning where trainers could not read it (``_warn_if_room_lost``)."""
+        if not self._room_written or _identity(self.layout.budget_file) == self._room_identity:
+            return
+        self._warn_if_room_lost()
+        self._write_room()
+
+    def _warn_if_room_lost(self) -> None:
+        """Warn where trainers cannot read ``budget.json`` (at start, and when ``_keep_room`` finds it changed): a
+        damaged file, or one gone after this store wrote it. Why it matters: a trainer without the room pins every
+        segment (``room.read_room``), which leaves fresh samples no turnover room (rule B), so ingest stalls behind
+        the epoch's pins. The file is the config's (``max_bytes``, ``turnover``): writing it again loses nothing. A
+        readable file of other values is a previous config's (written again at start), not a fault; no file at
+        start is a new cache's."""
+        path = self.layout.budget_file
+        if read_room(self.layout.root) is not None:
+            return
+        if not os.path.lexists(path) and self._room_identity is None:
+            return
+        log.warning(
+            "%s is %s: trainers would pin every cached segment, leaving fresh samples no turnover room; it is "
+            "written again from the config (cache.max_bytes, cache.turnover)",
+            path,
+            "damaged" if os.path.lexists(path) else "gone",
+        )
 
     def _cannot_write(self, what: str, exc: OSError, meanwhile: str) -> None:
         """Record that ``what`` could not be written (logged once per reason: a full disk is met at every scan)."""
@@ -551,10 +597,12 @@ class CacheStore:
         self._rescan_pins()
 
     def sweep(self) -> list[str]:
-        """Remove snapshots whose holders died (rate-limited to once a second). Returns removed ids."""
+        """Remove snapshots whose holders died, and write ``budget.json`` again if it changed behind the store's back
+        (``_keep_room``); at most once a second. Returns removed ids."""
         if time.monotonic() - self._swept_at < _SWEEP_INTERVAL_S:
             return []
         self._swept_at = time.monotonic()
+        self._keep_room()
         seen_free = set(self._free_since)
         self._free_seen_now = set()
         removed = sweep_stale(self.layout, keep=self._keep_for_resume)
@@ -585,8 +633,37 @@ class CacheStore:
     @property
     def is_out_of_space(self) -> bool:
         """The last grant waited for free space on the cache's filesystem: it is at ``min_free_bytes`` (or full)
-        and the cache holds nothing it may evict to make room (what it holds is pinned, or it holds nothing)."""
-        return self._is_out_of_space
+        and the cache holds nothing it may evict to make room (what it holds is pinned, or it holds nothing); or
+        a writer's write was refused for lack of space since the filesystem last had room (``refused_write``)."""
+        return self._is_out_of_space or self._is_refused
+
+    def refused_write(self, reason: str) -> None:
+        """A writer's write into its grant was refused for lack of space (ENOSPC or EDQUOT: ``reason``): the
+        filesystem filled after the grant, with files that are not the cache's. Its segment is gone (aborted, its
+        objects fetched again). Like a grant that finds no room: ``is_out_of_space`` (status says the filesystem
+        is full) until the filesystem has room for a segment above ``min_free_bytes`` (``enforce``), whatever
+        else ingest waits for (a paced cache too: the free-space check comes after the budget's). Grants wait
+        meanwhile, for a hold that doubles with each refusal until a segment is published: where the filesystem
+        shows room but refuses writes (a quota, no inodes left), the objects of a refused segment are fetched
+        again at that pace rather than in a loop."""
+        if not self.is_out_of_space:
+            log.warning("%s (a write was refused: %s)", self.out_of_space_reason(), reason)
+        hold = min(_REFUSED_HOLD_MAX_S, _REFUSED_HOLD_S * 2**self._refusals)
+        self._is_refused = True
+        self._refusals += 1
+        self._refused_until = time.monotonic() + hold
+
+    def _recheck_refused(self) -> None:
+        """A refused write's ``is_out_of_space`` ends once its hold is over and the filesystem has room for a
+        segment above ``min_free_bytes`` (outstanding grants counted as unwritten, as for a grant) and an inode
+        for its file."""
+        if not self._is_refused or time.monotonic() < self._refused_until:
+            return
+        if self._has_free_space(self.config.segment_bytes) and not self._is_out_of_inodes():
+            self._is_refused = False
+            log.info(
+                "the cache's filesystem has room again (%s free): fetching resumes", format_bytes(self._free_bytes())
+            )
 
     @property
     def reserved_bytes(self) -> int:
@@ -629,6 +706,8 @@ class CacheStore:
                 f"a segment of {need} bytes cannot fit a cache of {self.config.max_bytes} bytes "
                 f"(turnover {self.config.turnover_bytes}): the sample is too large for this cache"
             )
+        if time.monotonic() < self._refused_until:
+            return None  # a write was refused for lack of space a moment ago (``refused_write``)
         self._maybe_rescan_pins()
         why = self._make_room(need)
         if why:
@@ -644,7 +723,7 @@ class CacheStore:
             self._is_paced, self._is_backpressured, self._is_out_of_space = True, False, False
             return None
         if why == "free":
-            if not self._is_out_of_space:
+            if not self.is_out_of_space:
                 log.warning("%s", self.out_of_space_reason())
             self._is_paced, self._is_backpressured, self._is_out_of_space = False, False, True
             return None
@@ -663,12 +742,18 @@ class CacheStore:
 
     def out_of_space_reason(self) -> str:
         """What ``is_out_of_space`` means, in words for the log and status, with what to do."""
+        inodes = ", no inode left for a file" if self._is_out_of_inodes() else ""
         return (
-            f"the cache's filesystem is full: {format_bytes(self._free_bytes())} free at {self.layout.root} "
+            f"the cache's filesystem is full: {format_bytes(self._free_bytes())} free{inodes} at {self.layout.root} "
             f"(cache.min_free_bytes = {format_bytes(self.config.min_free_bytes)}), and the cache holds nothing it may "
             "evict: fetching waits for space; free space on that filesystem, or lower cache.max_bytes to what it "
             "can hold"
         )
+
+    def _is_out_of_inodes(self) -> bool:
+        """Whether the filesystem has a limit on files (a tmpfs's ``nr_inodes``) and none is left."""
+        stats = os.statvfs(self.layout.root)
+        return stats.f_files > 0 and stats.f_favail == 0
 
     def _has_free_space(self, need: int) -> bool:
         unwritten = self.reserved_bytes  # conservative: counts grants as if none of their bytes were written yet
@@ -836,10 +921,12 @@ class CacheStore:
         return len(gone)
 
     def enforce(self) -> None:
-        """Periodic upkeep: sweep stale snapshots, refresh pins, and keep the budget as metadata grows."""
+        """Periodic upkeep: sweep stale snapshots, refresh pins, keep the budget as metadata grows, and see whether
+        a filesystem that refused a write has room again."""
         self.sweep()
         self._maybe_rescan_pins()
         self._evict_to_fit(0)
+        self._recheck_refused()
 
     # -- publication ----------------------------------------------------------------------------------------
 
@@ -866,6 +953,7 @@ class CacheStore:
             fsync_dir(self.layout.segments)
         segment = PublishedSegment(grant.seq, name, allocated_bytes(info), samples, info.st_ino, time.time(), tag)
         self._add_published(segment)
+        self._refusals = 0  # the filesystem takes whole segments again: a later refusal holds briefly
         self.counters.published_segments += 1
         self.counters.published_samples += samples
         self.counters.published_bytes += segment.nbytes
@@ -901,12 +989,23 @@ class CacheStore:
 
     @property
     def ingest_bound(self) -> str | None:
-        """What limits fresh samples, judged on the newest closed snapshot a trainer made (``room.py``: unread segments
-        first, then the least-read): "remote" when more than ``TOPPED_UP_SHARE`` of it had been read already (fresh
-        samples did not fill the epoch's room, so it was topped up and samples are read again: the remote is slower
-        than training), "trainer" otherwise (the epoch read mostly fresh samples, and ingest waits for training).
-        None before the first snapshot of a daemon-held cache. Pacing alone cannot tell: at each handover two
-        snapshots pin the budget for a moment, and a remote-bound daemon paces then too."""
+        """What limits fresh samples now: "remote" (slower than training), "trainer" (ingest waits for training), or
+        None where nothing compares the two. The contract, state by state:
+
+        * no live snapshot (no trainer reads the cache: none ran yet, or all have gone): None, whatever an earlier
+          trainer's epochs showed; an idle daemon fills its budget and is then paced, bound by nobody's reads.
+        * paced (the last grant waited for reads) while a snapshot lives: "trainer", by definition.
+        * otherwise judged on the newest closed snapshot a trainer made (``room.py``: unread segments first, then
+          the least-read): "remote" when more than ``TOPPED_UP_SHARE`` of it had been read already (fresh samples
+          did not fill the epoch's room, so it was topped up and samples are read again), "trainer" otherwise (the
+          epoch read mostly fresh samples); None before the first such snapshot.
+
+        A paced moment of a remote-bound daemon (two snapshots pinning the budget at a handover) says "trainer" for
+        that moment: ingest does wait for reads then."""
+        if self._live_snapshots == 0:
+            return None
+        if self._is_paced:
+            return "trainer"
         if self._newest_pin is None:
             return None
         _created, samples, fresh = self._newest_pin
@@ -931,7 +1030,7 @@ class CacheStore:
             is_backpressured=self._is_backpressured,
             unread_samples=self._samples_below(1),
             is_paced=self._is_paced,
-            is_out_of_space=self._is_out_of_space,
+            is_out_of_space=self.is_out_of_space,
             waiting_for_reads_samples=(self._samples_below(self.config.evict_after_reads) if self._is_paced else 0),
             max_reads=max(self._levels.values(), default=0),
             sample_reads=sum(reads.total for reads in self._reads.values()),

@@ -10,6 +10,11 @@ The exit status (one invocation, without ``--watch``) is the verdict: the table 
 ``Health``; the staleness rule and the pid check are there too. The reading is ``_status/report.py``, the output
 ``_status/render.py``; this module only parses the command line and prints.
 
+With ``--json`` stdout is JSON whatever the command can answer: where there is no report to give (no cache at the
+path, exit 66; a directory this user cannot read, 4; a bad ``--config``, 78) it is the error's document
+(``render.error_json``: ``health`` with that exit status and the error as its reason, ``cache.dir``, ``error``), and
+the error's line is on stderr as without ``--json``. Only a command line argparse refuses (64) prints no JSON.
+
 ``--watch`` re-reads the file every SECONDS (a poll: the heartbeat age changes every second anyway). On a terminal
 each frame replaces the last (cursor home, clear); otherwise frames follow each other, and with ``--json`` each is
 one line (NDJSON). A cache that does not exist yet is reported and watched for, and so is a directory holding
@@ -35,7 +40,7 @@ from pathlib import Path
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._config import load_config
 from cachefeed._errors import EX_USAGE, CachefeedError, ConfigError, NoSuchCacheError
-from cachefeed._status.render import render_human, to_json
+from cachefeed._status.render import error_json, render_human, to_json
 from cachefeed._status.report import read_report
 from cachefeed._status.verdict import Health
 
@@ -76,28 +81,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    interval_s: float | None = None
+    """One reading (or ``--watch``); with ``--json`` an error it can answer is a JSON document too (``_answer``)."""
+    cache_dir: Path | None = args.cache_dir
+    try:
+        cache_dir, interval_s = _where(args)
+        if args.watch is not None:
+            return _watch(cache_dir, interval_s, period_s=args.watch, as_json=args.json)
+        report = read_report(cache_dir, interval_s=interval_s)
+    except CachefeedError as exc:
+        if not args.json:
+            raise  # one line on stderr and the error's exit status (``_cli/__init__.py``)
+        return _answer(exc, cache_dir, indent=None if args.watch is not None else 2)
+    _write(json.dumps(to_json(report), indent=2) + "\n" if args.json else render_human(report))
+    return int(report.health)
+
+
+def _where(args: argparse.Namespace) -> tuple[Path, float | None]:
+    """The cache directory, and the daemon's status interval where ``--config`` gives it. Raises ConfigError."""
     if args.config:
         config = load_config(args.config)
-        cache_dir, interval_s = config.cache.dir, config.status.interval_s
-    else:
-        cache_dir = args.cache_dir
-    if args.watch is not None:
-        return _watch(cache_dir, interval_s, period_s=args.watch, as_json=args.json)
-    report = read_report(cache_dir, interval_s=interval_s)
-    text = json.dumps(to_json(report), indent=2) + "\n" if args.json else render_human(report)
+        return config.cache.dir, config.status.interval_s
+    return Path(args.cache_dir), None
+
+
+def _answer(error: CachefeedError, cache_dir: Path | None, *, indent: int | None) -> int:
+    """``--json`` where there is no report (no cache at the path, a bad ``--config``...): the error's document on
+    stdout (``render.error_json``: a script always reads JSON), its line on stderr, and its exit status."""
+    print(f"cachefeed status: {error}", file=sys.stderr)
+    _write(json.dumps(error_json(cache_dir, error), indent=indent) + "\n")
+    return error.exit_code
+
+
+def _write(text: str) -> None:
+    """Print ``text`` on stdout; a reader that went away ends the output quietly (module docstring)."""
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except BrokenPipeError:
         _silence_stdout()
-    return int(report.health)
 
 
 def _may_become_cache(cache_dir: Path) -> bool:
     """Whether a path that is no cache yet may still become one while ``--watch`` waits: what the daemon would not
-    refuse as its cache.dir (``CacheLayout.refusal``: a path that does not exist yet, an empty directory, one with
-    a few small files). A file, a symbolic link or a directory of other things never becomes one."""
+    refuse as its cache.dir (``CacheLayout.refusal``: a path that does not exist yet, an empty directory, one a
+    starting daemon is making). A file, a symbolic link or a directory holding other files (any at all) never
+    becomes one."""
     return CacheLayout(cache_dir).refusal() is None
 
 
@@ -125,8 +153,8 @@ def _watch(cache_dir: Path, interval_s: float | None, *, period_s: float, as_jso
                 verdict = int(report.health)
             except CachefeedError as exc:
                 if isinstance(exc, NoSuchCacheError) and not _may_become_cache(cache_dir):
-                    raise  # waiting cannot help: one line on stderr, exit 66, as without --watch
-                text = json.dumps({"error": str(exc)}) + "\n" if as_json else f"cachefeed status: {exc}\n"
+                    raise  # waiting cannot help: as without --watch (one line on stderr, exit 66; --json: a frame)
+                text = json.dumps(error_json(cache_dir, exc)) + "\n" if as_json else f"cachefeed status: {exc}\n"
                 verdict = exc.exit_code
             if is_tty:
                 sys.stdout.write(_HOME_CLEAR + text)

@@ -15,7 +15,8 @@ One job per module:
 * ``fields.py``: the field parsers, one raw TOML value to one typed value or ``ValueError``;
 * ``schema.py``: ``SCHEMA`` and ``SOURCE_SCHEMA``, every key with its field, parser and doc; names are validated
   against the registries that define them (eviction policies, compressions, decoders, label rules, log levels);
-* ``parse.py``: ``parse_config`` and ``load_config``, with the cross-field checks;
+* ``parse.py``: ``parse_config`` and ``load_config``, with the cross-field checks; ``changed_keys`` (what an edit of
+  the file changed, for the daemon's SIGHUP);
 * ``writer.py``: ``toml_text``, for configs that programs generate.
 """
 
@@ -31,7 +32,7 @@ from cachefeed._config.model import (
     SourceConfig,
     StatusConfig,
 )
-from cachefeed._config.parse import load_config, parse_config
+from cachefeed._config.parse import changed_keys, load_config, parse_config
 from cachefeed._config.schema import EVICTION_POLICIES, SCHEMA, SOURCE_SCHEMA
 from cachefeed._config.writer import toml_text
 
@@ -47,6 +48,7 @@ __all__ = [
     "SamplerConfig",
     "SourceConfig",
     "StatusConfig",
+    "changed_keys",
     "load_config",
     "parse_config",
     "toml_text",

@@ -16,6 +16,7 @@ from cachefeed._cache.sources import source_tag
 
 __all__ = [
     "DEFAULT_PROCESSES",
+    "NO_FILE",
     "Config",
     "LogConfig",
     "NodeConfig",
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 DEFAULT_PROCESSES = 2
+NO_FILE = "<memory>"  # ``Config.source`` of a config parsed from a document in memory, read from no file
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +117,7 @@ class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    source: str = "<memory>"
+    source: str = NO_FILE
     sources: tuple[SourceConfig, ...] = ()  # [[source]] tables; empty: the single [remote] form
 
     def inputs(self) -> tuple[SourceConfig, ...]:

@@ -23,7 +23,7 @@ from cachefeed._cache.settings import (
     default_turnover,
 )
 from cachefeed._cache.sources import MAX_SOURCES
-from cachefeed._config.model import DEFAULT_PROCESSES, Config, SourceConfig
+from cachefeed._config.model import DEFAULT_PROCESSES, NO_FILE, Config, SourceConfig
 from cachefeed._config.schema import (
     REMOVED,
     REQUIRED,
@@ -37,7 +37,7 @@ from cachefeed._errors import ConfigError
 from cachefeed._images import require_pillow
 from cachefeed._units import format_bytes
 
-__all__ = ["BUDGET_FORMULA", "load_config", "minimum_max_bytes", "parse_config"]
+__all__ = ["BUDGET_FORMULA", "changed_keys", "load_config", "minimum_max_bytes", "parse_config"]
 
 
 def _unknown(kind: str, name: str, known: list[str]) -> str:
@@ -73,9 +73,7 @@ def _env_default(
     return default, f"the default of {key}"
 
 
-def parse_config(
-    document: Mapping[str, Any], *, source: str = "<memory>", env: Mapping[str, str] | None = None
-) -> Config:
+def parse_config(document: Mapping[str, Any], *, source: str = NO_FILE, env: Mapping[str, str] | None = None) -> Config:
     """Validate a parsed TOML document and return the frozen Config. Raises ConfigError (one line)."""
     env = os.environ if env is None else env
     sections: dict[str, dict[str, object]] = {name: {} for name in SCHEMA}
@@ -147,6 +145,30 @@ def parse_config(
         _check_decoder(entry.decode or str(sections["sampler"].get("decode", "npy")), f"source[{index}].decode", source)
     built = {name: SECTION_TYPES[name](**values) for name, values in sections.items()}
     return Config(**built, source=source, sources=tuple(sources))
+
+
+def changed_keys(running: Config, edited: Config) -> list[str]:
+    """The keys whose parsed values differ between two configs, as a file writes them (``cache.max_bytes``,
+    ``source[1].weight``; ``[[source]] tables`` where their number differs), in ``SCHEMA``'s order.
+
+    Parsed values, not text: a comment or a ``64MiB`` written ``67108864`` changes nothing, and a default that
+    follows another key moves with it (``cache.turnover`` with ``cache.max_bytes``). Only names, never values: some
+    keys may hold credentials (``SECRET_KEYS``)."""
+    changed = [
+        f"{section}.{key}"
+        for section, keys in SCHEMA.items()
+        for key, (field_name, _parser, _doc) in keys.items()
+        if getattr(getattr(running, section), field_name) != getattr(getattr(edited, section), field_name)
+    ]
+    if len(running.sources) != len(edited.sources):
+        return [*changed, "[[source]] tables"]
+    for index, (before, after) in enumerate(zip(running.sources, edited.sources, strict=True)):
+        changed += [
+            f"source[{index}].{key}"
+            for key, (field_name, _parser, _doc) in SOURCE_SCHEMA.items()
+            if getattr(before, field_name) != getattr(after, field_name)
+        ]
+    return changed
 
 
 # ``[remote]`` keys that say what one listing reads: with ``[[source]]`` tables each source sets its own

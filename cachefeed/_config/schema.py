@@ -135,7 +135,8 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
         "stuck_after": (
             "stuck_after_s",
             fields.positive_duration,
-            "a pinned snapshot unread, or one object being written, this long: degraded (10m; a writer killed at 2x)",
+            "a pinned snapshot unread, one object being written, or fetched while ingest waits, this long: degraded "
+            "(10m; a writer, or a silent sampler, killed at 2x)",
         ),
         "metrics_port": ("metrics_port", fields.port, "Prometheus HTTP port on metrics_address, 0 = off (0)"),
         "metrics_address": (

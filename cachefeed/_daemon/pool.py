@@ -4,6 +4,22 @@ Each ``SamplerHandle`` holds one sampler's process, its end of the protocol sock
 undo if it dies: the objects assigned and not done, and the grants outstanding (see NOTE [ Supervisor-sampler
 protocol ] in ``protocol.py``). The pool does not touch the plan or the store itself: ``reap`` returns the handles
 that died, and the supervisor re-queues and aborts for them before calling ``schedule_restart``.
+
+Silence (``_check_heartbeat``). A running sampler's event loop sends ``Stats`` every second, whatever its fetches
+and its writer thread do: fetches are asynchronous (a local file is read on a worker thread), decoding runs on the
+writer thread. So a sampler that sends nothing has stopped as a whole: SIGSTOP or a debugger, a machine that gives
+it no CPU, a hang that holds the interpreter (a native decoder that never releases the GIL). Meanwhile the objects
+assigned to it are fetched by nobody else, and a pass ends only once they are done (``plan.py``), so ingest stops at
+the end of the pass. Silent for ``SILENT_REPORT_S`` (thirty missed heartbeats; ``status.stuck_after`` where
+that is shorter), the sampler makes the daemon degraded, named with how long and how many objects it holds. It is
+killed on the stuck-decode rule's time (``Supervisor._watch_writers``), twice ``status.stuck_after`` (its objects
+are re-queued, a death while writing counts for the object it decodes, NOTE [ Supervisor-sampler protocol ]): a
+decoder that holds the GIL is silence too, and is given the same time as one that does not; a slow fetch never
+silences the loop, so it is never killed for it. The fixed timeout this replaced did both wrong: it said nothing
+for a minute while ingest waited, and it killed a decoder the stuck-decode rule lets run. A sampler still
+starting (nothing heard since its spawn: a fresh interpreter's imports, its client's warm-up) holds no object, work
+being sent only against its credit: its silence holds up nothing, and it is given ``_START_TIMEOUT_S``, or the
+rule's time where that is longer.
 """
 
 from __future__ import annotations
@@ -29,7 +45,8 @@ __all__ = ["SamplerHandle", "SamplerPool", "SamplerState"]
 log = get_logger(__name__)
 
 _SEND_TIMEOUT_S = 5.0
-_HEARTBEAT_TIMEOUT_S = 60.0
+_START_TIMEOUT_S = 60.0  # a starting sampler's first message (module docstring, "Silence")
+SILENT_REPORT_S = 30.0  # a running sampler sends Stats every second: this much silence is reported (at most)
 _HEALTHY_AFTER_S = 30.0  # a sampler up this long has its restart backoff reset
 
 
@@ -55,6 +72,7 @@ class SamplerHandle:
     credits: int = 0
     assigned: dict[int, int] = field(default_factory=dict)  # oid -> its listed size, until done, failed or re-queued
     assigned_bytes: int = 0  # the sum of ``assigned``'s sizes (``assign`` and ``settle`` keep it)
+    assigned_at: dict[int, float] = field(default_factory=dict)  # oid -> time.monotonic() it was assigned
     stats: dict[str, Any] = field(default_factory=dict)  # the latest Stats message's remote counters
     objects_total: int = 0
     base_objects_total: int = 0  # objects of earlier incarnations
@@ -62,24 +80,30 @@ class SamplerHandle:
     exit_reason: str = ""  # why this life is ending, where known before its exit status: then its last_error
     writer_heard_at: float = 0.0  # time.time() of the last message its writer thread sent (grants, done, failed)
     hung: str = ""  # why its writer looks hung (``Supervisor._watch_writers``), for status; "" when it does not
+    silent: str = ""  # why it looks stopped (nothing heard for ``status.stuck_after``), for status; "" when it does not
+    holding_up: str = ""  # why ingest waits for the objects it holds (``Supervisor._watch_held``); "" when it does not
     started_at: float = 0.0
     last_heard: float = 0.0
     restart_at: float = 0.0
     backoff_s: float = 0.0
     is_drained: bool = False
+    is_killed: bool = False  # killed for its silence (``_check_heartbeat``): not again until it is reaped
 
     def assign(self, objects: list[tuple[int, int]]) -> None:
         """``(oid, size)`` of objects sent to this sampler: assigned until done, failed or re-queued."""
+        now = time.monotonic()
         for oid, listed in objects:
             size = max(listed, 0)  # -1: a manifest that gives no size
             self.assigned_bytes += size - self.assigned.get(oid, 0)
             self.assigned[oid] = size
+            self.assigned_at[oid] = now
 
     def settle(self, oids: list[int]) -> list[int]:
         """Those of ``oids`` this sampler was assigned, no longer assigned (done, failed, or to re-queue)."""
         settled = [oid for oid in oids if oid in self.assigned]
         for oid in settled:
             self.assigned_bytes -= self.assigned.pop(oid)
+            self.assigned_at.pop(oid, None)
         return settled
 
     @property
@@ -99,6 +123,7 @@ class SamplerPool:
         make_init: builds the ``Init`` message for sampler ``index``.
         lock_fd: the cache writer lock, inherited by every sampler.
         backoff_s / backoff_max_s: first and largest restart delay.
+        stuck_after_s: ``status.stuck_after``: how long a running sampler may say nothing (module docstring).
     """
 
     def __init__(
@@ -109,12 +134,14 @@ class SamplerPool:
         lock_fd: int,
         backoff_s: float,
         backoff_max_s: float,
+        stuck_after_s: float,
     ) -> None:
         self.handles = [SamplerHandle(index, backoff_s=backoff_s) for index in range(count)]
         self._make_init = make_init
         self._lock_fd = lock_fd
         self._backoff_s = backoff_s
         self._backoff_max_s = backoff_max_s
+        self._stuck_after_s = stuck_after_s
         self.retired_stats: list[dict[str, Any]] = []  # remote counters of dead incarnations
 
     def __iter__(self) -> Iterator[SamplerHandle]:
@@ -165,7 +192,8 @@ class SamplerPool:
         handle.objects_total = 0
         handle.started_at = handle.last_heard = now
         handle.is_drained = False
-        handle.exit_reason = ""
+        handle.exit_reason = handle.silent = ""
+        handle.is_killed = False
         how = "forked" if isinstance(process, ForkedProcess) else "a fresh interpreter"
         log.info("started sampler %d (pid %d, %s)", handle.index, process.pid, how)
         self.send(handle, self._make_init(handle.index))
@@ -200,10 +228,7 @@ class SamplerPool:
         for handle in self.handles:
             if handle.channel is None or handle.process is None:
                 continue
-            if now - handle.last_heard > _HEARTBEAT_TIMEOUT_S:
-                log.warning("sampler %d silent for %.0fs: killing it", handle.index, now - handle.last_heard)
-                handle.exit_reason = "heartbeat timeout"
-                self.kill(handle)
+            self._check_heartbeat(handle, now)
             is_lost = lost is not None and handle.index in lost
             if handle.process.poll() is None and not is_lost:
                 continue
@@ -211,9 +236,41 @@ class SamplerPool:
             died.append(handle)
         return died
 
+    def _check_heartbeat(self, handle: SamplerHandle, now: float) -> None:
+        """Say (``handle.silent``, logged once) and kill (once) a sampler that has sent nothing for too long (module
+        docstring, "Silence")."""
+        silent, limit, was = now - handle.last_heard, self._stuck_after_s, handle.silent
+        handle.silent = ""
+        if handle.is_killed:
+            return
+        if handle.state is SamplerState.STARTING:
+            if silent > max(_START_TIMEOUT_S, 2 * limit):
+                log.warning("sampler %d sent nothing in %.0fs since it started: killing it", handle.index, silent)
+                self._kill_silent(handle, f"sent nothing in {silent:.0f}s since it started")
+            return
+        if silent <= min(limit, SILENT_REPORT_S):
+            return
+        if silent > 2 * limit:
+            log.error("sampler %d (pid %d) has sent nothing for %.0fs: killing it", handle.index, handle.pid, silent)
+            self._kill_silent(handle, f"silent for {silent:.0f}s (status.stuck_after = {limit:g}s)")
+            return
+        handle.silent = (
+            f"sampler {handle.index} (pid {handle.pid}) has sent nothing for {silent:.0f}s (it reports every "
+            f"second): stopped (SIGSTOP, a debugger) or hung; the {len(handle.assigned)} objects assigned to it are "
+            "fetched by no other sampler, and ingest stops at the end of the pass until they are done. It is killed "
+            f"once silent for {2 * limit:g}s (twice status.stuck_after)"
+        )
+        if not was:
+            log.warning("%s", handle.silent)
+
+    def _kill_silent(self, handle: SamplerHandle, reason: str) -> None:
+        handle.exit_reason = handle.exit_reason or reason  # what it said before it went silent, if anything
+        handle.is_killed = True
+        self.kill(handle)
+
     def _close(self, handle: SamplerHandle) -> None:
         process, channel = handle.process, handle.channel
-        handle.channel = None
+        handle.channel, handle.silent = None, ""
         if channel is not None:
             handle.exit_reason = _last_words(channel) or handle.exit_reason
             channel.close()

@@ -32,16 +32,25 @@ Sampler -> supervisor:
 * ``Done``: objects that produced no sample (done without a segment).
 * ``Failed``: one object could not be cached: ``kind`` is a ``RemoteError.kind`` (``not_found``, ``forbidden``,
   ``changed``, ``transient``, ``error``), ``decode`` (quarantined) or ``too_large``.
+* ``Refused(oids, reason)``: the cache's filesystem refused a write into a granted segment (full, or over a
+  quota: it filled after the grant, with another user's files). Not a failure of the sampler nor of any object:
+  the writer thread drops that segment (its grant given back, its file deleted, ``Abort``) and goes on; ``oids``
+  are the objects whose samples were in it, and the one it had in hand, none of them done. Sent by the writer
+  thread, before its next ``Reserve``. The supervisor re-queues them and tells the store, which says the
+  filesystem is full until it has room again and holds grants a while (``CacheStore.refused_write``); the sampler
+  gives back the credit of the one in hand (the others' were given).
 * ``Quarantined``: what was left out, for ``cachefeed status`` to name (the object's URL, the sample's
   ``__key__`` or None for the whole object, the kind and the reason): an object quarantined (``decode``,
   ``too_large``, besides its ``Failed``), or one sample of an object whose other samples are cached (a tar member
   that failed to decode: ``kind = "sample"``). Informational: it changes nothing in the plan.
 * ``Stats``: cumulative counters of this sampler process (remote requests, retries, errors by kind, bytes,
-  objects), about once a second; doubles as the heartbeat.
+  objects), about once a second; doubles as the heartbeat: a sampler silent for ``status.stuck_after`` is
+  named in status, and killed at twice that (``pool.py``, "Silence").
 * ``Drained``: the answer to ``Drain``, sent last.
 * ``Exiting(reason)``: sent last by a sampler that exits on a failure of its own (its writer thread died: a
-  cache filesystem that fails writes, a bug), so that ``cachefeed status`` names the cause (the sampler's
-  ``last_error``) rather than its exit status. Best effort: a sampler that crashes sends nothing.
+  cache filesystem that fails writes for another cause than space, ``Refused``; a bug), so that ``cachefeed
+  status`` names the cause (the sampler's ``last_error``) rather than its exit status. Best effort: a sampler that
+  crashes sends nothing.
 
 Beside the socket, the object being decoded: a sampler that dies leaves no message, so its writer thread keeps the
 id of the object its decoder and preprocess are working on in ``tmp/sampler-<index>.writing`` (8 bytes,
@@ -86,6 +95,7 @@ __all__ = [
     "Failed",
     "Init",
     "Quarantined",
+    "Refused",
     "Stats",
     "Work",
     "WorkItem",
@@ -170,6 +180,14 @@ class Failed(Message):
     oid: int
     kind: str
     error: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Refused(Message):
+    TAG: ClassVar[str] = "refused"
+    oids: list[int]
+    reason: str
 
 
 @message

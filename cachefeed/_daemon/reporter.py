@@ -6,7 +6,9 @@ Prometheus exporter the same document. Called from the supervisor's main loop on
 
 Degraded reasons:
 
-* a sampler is restarting (it died; its backoff has not elapsed);
+* a sampler is restarting (it died; its backoff has not elapsed), writes one object for longer than
+  ``status.stuck_after`` (``Supervisor._watch_writers``), has sent nothing for that long (``pool.py``,
+  "Silence"), or holds objects that long while ingest waits for them (``Supervisor._watch_held``);
 * the latest listing attempt failed (the previous listing stays in force);
 * nearly every remote request of the last ``RATE_WINDOW_S`` seconds failed (at least a few requests).
 """
@@ -106,7 +108,7 @@ class StatusReporter:
             {
                 "index": h.index,
                 "pid": h.pid if h.is_alive else None,
-                "state": h.state.value,
+                "state": "silent" if h.silent else h.state.value,  # running, but nothing heard (pool.py)
                 "restarts": h.restarts,
                 "objects_total": h.base_objects_total + h.objects_total,
                 "last_error": h.last_error or None,
@@ -208,6 +210,7 @@ class StatusReporter:
             if h.state is SamplerState.RESTARTING
         ]
         reasons += [h.hung for h in self._pool.handles if h.hung]
+        reasons += [h.silent or h.holding_up for h in self._pool.handles if h.silent or h.holding_up]
         catalog = self._inputs.catalog_state()
         if catalog.is_failing:
             reasons.append(f"listing the remote fails: {catalog.last_error}")

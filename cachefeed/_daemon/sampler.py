@@ -41,6 +41,7 @@ from cachefeed._daemon.protocol import (
     Failed,
     Init,
     Quarantined,
+    Refused,
     Stats,
     Work,
     WorkItem,
@@ -154,6 +155,7 @@ class Sampler:
             on_handled=self._handled_threadsafe,
             on_failed=self._failed_threadsafe,
             on_skipped=self._skipped_threadsafe,
+            on_refused=self._refused_threadsafe,
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._objects_total = 0
@@ -312,6 +314,29 @@ class Sampler:
             key, reason = printable(name), printable(why)
             self._repeated.warn("sample", "sample left out of %s: %s: %s", url, key, reason)
             self._send(Quarantined(url, key, "sample", reason[:_REASON_CHARS]))
+
+    def _refused_threadsafe(self, oids: list[int], reason: str, item: WorkItem | None) -> None:
+        """The cache's filesystem refused the segment being written (``sink.py``, "A full filesystem"): no
+        traceback, no exit. ``Refused`` goes from the writer thread, as its ``Abort`` did, before its next
+        ``Reserve``: the store holds grants before that one is answered. The supervisor re-queues ``oids``; the
+        loop says so and frees the slot of the object in hand."""
+        try:
+            self._channel.send(Refused(oids, reason[:_REASON_CHARS]))
+        except ChannelClosed:
+            return  # the supervisor is gone: the loop ends us
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._refused, len(oids), reason, item)
+
+    def _refused(self, lost: int, reason: str, item: WorkItem | None) -> None:
+        self._repeated.warn(
+            "no_space",
+            "the cache's filesystem refused a segment (%s): dropped; its %d objects are fetched again once there "
+            "is room",
+            reason,
+            lost,
+        )
+        if item is not None:
+            self._give_credit(1)
 
     # -- endings --------------------------------------------------------------------------------------------
 

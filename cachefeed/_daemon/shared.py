@@ -1,6 +1,6 @@
 """The shared catalog: one lister publishes catalog generations to the object store; every node reads the newest.
 
-``cachefeed catalog build URL [--out DIR]`` (``publish``) lists the remote once and writes a catalog file
+``cachefeed catalog build URL [--out DIR]`` (``publish_listing``) lists the remote once and writes a catalog file
 (``catalog_file.py``, every object, node 0 of 1) as a new generation under ``DIR`` (default ``<URL>.cfcatalog``,
 next to the data). Daemons with ``remote.catalog = DIR`` (``SharedCatalog``) read the newest generation instead
 of listing, keeping the objects their node owns. The object store is the only coordination point: no service,
@@ -52,7 +52,7 @@ from cachefeed._remote import Remote, RemoteObject
 from cachefeed._remote.listing import Pager
 from cachefeed._scrub import safe_url
 
-__all__ = ["KEEP", "Publisher", "SharedCatalog", "default_out", "publish", "publish_listing"]
+__all__ = ["KEEP", "Publisher", "SharedCatalog", "default_out", "publish_listing"]
 
 log = get_logger(__name__)
 
@@ -75,13 +75,6 @@ def _generations(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip().startswith("gen-")]
 
 
-def publish(remote: Remote, out: str, *, on_progress: Callable[[int], None] | None = None) -> tuple[str, int]:
-    """List ``remote`` once and publish the listing as a new generation under ``out``; returns the generation's
-    name and the objects it holds. See the module docstring for the protocol."""
-    name, objects, _ = publish_listing(remote, out, on_progress=on_progress)
-    return name, objects
-
-
 def publish_listing(
     remote: Remote,
     out: str,
@@ -91,7 +84,8 @@ def publish_listing(
     unless: str = "",
     allow_empty: bool = True,
 ) -> tuple[str, int, str]:
-    """``publish``, handing each listed page to ``on_page`` too; returns (the generation's name, its objects, its
+    """List ``remote`` once and publish the listing as a new generation under ``out`` (the module docstring says
+    the protocol), handing each listed page to ``on_page`` too; returns (the generation's name, its objects, its
     digest). When the digest is ``unless`` (the listing is the one published last), or the listing holds no
     object and not ``allow_empty`` (``catalog build``: a typo'd URL would empty every reader's listing), the new
     generation is deleted and LATEST is left as it is: the name returned is ""."""

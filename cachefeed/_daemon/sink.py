@@ -24,6 +24,13 @@ supervisor as ``spanning`` (NOTE [ Grant protocol ]), so the plan never draws an
 samples is cached. An object drawn again after a crash cut it short comes with ``WorkItem.skip``: its first
 ``skip`` samples are cached, and only the rest are written.
 
+A full filesystem: a write into a granted segment that the filesystem refuses for lack of space
+(``REFUSED_ERRNOS``: it filled after the grant, with another user's files) is no failure of the writer. The segment
+is dropped (``CacheWriter.abort``: its file deleted, its grant given back) and the thread goes on; the objects whose
+samples were in it, and the one in hand, go to ``on_refused`` (the sampler sends ``Refused``, NOTE [
+Supervisor-sampler protocol ]): they are fetched again once the store has room. Any other write error ends the
+thread (``error``), and the sampler with it.
+
 Flushing: a segment is published when full (once another sample as large as the last would not fit: at the end
 of the object that filled it, not when the next object arrives), when the sampler has nothing in flight
 (``request_flush``: the tail of a pass, a trickle of new objects), when no body arrived for ``idle_flush_s`` (a slow
@@ -33,6 +40,7 @@ remote still reaches the cache quickly), when it is ``max_age_s`` old, or when i
 
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 import time
@@ -54,6 +62,7 @@ __all__ = ["SegmentSink", "SinkSettings"]
 log = get_logger(__name__)
 
 _FLUSH = "flush"
+REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # a full filesystem, a quota: no room, nothing broken
 
 
 def _writable(sample: Sample) -> Sample:
@@ -84,7 +93,9 @@ class SegmentSink:
 
     Callbacks: ``on_handled(item, samples)`` when an object's samples are all in the writer (its slot is free;
     ``samples == 0`` means done without a segment), ``on_failed(item, kind, message)`` when it cannot be cached,
-    ``on_skipped(item, [(key, reason)])`` before ``on_handled`` when the decoder left some of its samples out.
+    ``on_skipped(item, [(key, reason)])`` before ``on_handled`` when the decoder left some of its samples out,
+    ``on_refused(oids, reason, item)`` when the filesystem refused the open segment (module docstring): ``oids``
+    lost their samples with it; ``item``, the object in hand (not handled, its slot still taken), or None.
     ``names[source](path)`` gives an object's ``(key, url)``: the key its decoder is called with, and ``__url__``.
     """
 
@@ -99,6 +110,7 @@ class SegmentSink:
         preprocess: Callable[[Sample], Sample] | None,
         on_handled: Callable[[WorkItem, int], None],
         on_failed: Callable[[WorkItem, str, str], None],
+        on_refused: Callable[[list[int], str, WorkItem | None], None],
         on_skipped: Callable[[WorkItem, list[tuple[str, str]]], None] | None = None,
     ) -> None:
         self._provider = provider
@@ -110,6 +122,7 @@ class SegmentSink:
         self._preprocess = preprocess
         self._on_handled = on_handled
         self._on_failed = on_failed
+        self._on_refused = on_refused
         self._queue: queue.SimpleQueue[tuple[WorkItem, bytes] | str | None] = queue.SimpleQueue()
         self._stop = threading.Event()  # interrupts a wait for room
         self._is_hard_stop = False
@@ -117,6 +130,8 @@ class SegmentSink:
         self._writing_fd = -1  # the file the supervisor reads after a crash: the object being written (protocol.py)
         self._writing: WorkItem | None = None  # the object being added, once a sample of it is in the open segment
         self._cut = 0  # its samples added before the one being added now (its first ``skip`` included)
+        self._in_hand: WorkItem | None = None  # the object taken from the queue and not handled or failed yet
+        self._opened_at = 0.0  # when the open segment got its first sample
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -164,7 +179,6 @@ class SegmentSink:
             else SegmentRamp(settings.segment_bytes, settings.published_bytes, settings.writers),
         )
         writer.before_publish = lambda: self._name_spanning(writer)
-        opened_at = 0.0
         if settings.writing_path:
             self._writing_fd = open_writing(settings.writing_path)
         try:
@@ -173,28 +187,14 @@ class SegmentSink:
                 try:
                     entry = self._queue.get(timeout=timeout)
                 except queue.Empty:
-                    writer.flush()  # idle: publish what we have
-                    continue
+                    entry = _FLUSH  # idle: publish what we have
                 if entry is None or self._stop.is_set():
                     break
-                if isinstance(entry, str):  # _FLUSH
-                    writer.flush()
-                    continue
-                item, body = entry
-                tag = self._tags[item.source]
-                if writer.source != tag:
-                    writer.flush()  # one source per segment
-                    writer.source = tag
-                if not writer.pending_samples:
-                    opened_at = time.monotonic()
-                self._write_object(writer, item, body)
-                too_old = writer.pending_samples and time.monotonic() - opened_at > settings.max_age_s
-                if too_old or writer.is_full or len(self._provider.completed) >= settings.max_objects:
-                    writer.flush()
+                self._step(writer, entry)
             if self._is_hard_stop:
                 writer.abort()
             else:
-                writer.flush()
+                self._step(writer, _FLUSH)
         except (WriterStopped, ChannelClosed) as exc:
             log.info("segment writer stopping: %s", exc)
             writer.abort()
@@ -202,6 +202,47 @@ class SegmentSink:
             self.error = exc
             log.exception("segment writer failed")
             writer.abort()
+
+    def _step(self, writer: CacheWriter, entry: tuple[WorkItem, bytes] | str) -> None:
+        """Write one queued object (or publish the open segment: ``_FLUSH``); a write the filesystem refuses for
+        lack of space drops the open segment (``_refused``), any other error ends the thread."""
+        try:
+            if isinstance(entry, str):
+                writer.flush()
+            else:
+                self._take(writer, *entry)
+        except OSError as exc:
+            if exc.errno not in REFUSED_ERRNOS:
+                raise
+            self._refused(writer, exc)
+
+    def _take(self, writer: CacheWriter, item: WorkItem, body: bytes) -> None:
+        """Write ``item`` into the open segment, publishing it first where it holds another source, and after
+        where it is full, old or names enough objects (module docstring, "Flushing")."""
+        self._in_hand = item
+        tag = self._tags[item.source]
+        if writer.source != tag:
+            writer.flush()  # one source per segment
+            writer.source = tag
+        if not writer.pending_samples:
+            self._opened_at = time.monotonic()
+        self._write_object(writer, item, body)
+        self._in_hand = None  # handled or failed: reported
+        settings = self._settings
+        too_old = writer.pending_samples and time.monotonic() - self._opened_at > settings.max_age_s
+        if too_old or writer.is_full or len(self._provider.completed) >= settings.max_objects:
+            writer.flush()
+
+    def _refused(self, writer: CacheWriter, exc: OSError) -> None:
+        """The filesystem refused a write for lack of space: drop the open segment and report what it held, with
+        the object in hand, to be fetched again (module docstring, "A full filesystem")."""
+        writer.abort()
+        lost = self._provider.completed
+        self._provider.completed, self._provider.spanning = [], []
+        item, self._in_hand, self._writing = self._in_hand, None, None
+        if item is not None:
+            lost.append(item.oid)
+        self._on_refused(lost, str(exc.strerror or exc), item)
 
     def _name_spanning(self, writer: CacheWriter) -> None:
         """A segment is cut inside the samples of the object being written: it names that object too."""

@@ -100,9 +100,9 @@ def build_status(
     ``cache.fill`` (published bytes as a fraction of what the daemon fills to without readers:
     ``max_bytes`` less metadata; trainers' ``min_samples="75%"`` waits on it), ``cache.echo_factor`` (reads per
     sample of the samples of the last 64 evicted segments: the echo the two speeds set, ``CacheStore.echo_factor``),
-    ``cache.ingest_bound``/``cache.is_remote_bound`` ("remote" when ingest did not wait for reads during the last
-    complete epoch, so epochs re-read the least-read samples; "trainer" when it did; null before two epochs or
-    free-running: ``CacheStore.ingest_bound``), ``cache.epochs_total``
+    ``cache.ingest_bound``/``cache.is_remote_bound`` ("remote" when fresh samples did not fill the newest epoch,
+    so epochs re-read the least-read samples; "trainer" when ingest waits for reads; null while no trainer reads
+    and before a trainer's first epoch: ``CacheStore.ingest_bound`` states the rule), ``cache.epochs_total``
     (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch served
     them) and ``evicted.epochs_per_sample`` (epochs that served an evicted sample, on average; None before the first
     eviction). The read contract (NOTE [ Read receipts ] in ``_cache/reads.py``): ``cache.is_paced`` (ingest waits

@@ -12,8 +12,13 @@ Lifecycle (what a test or systemd observes)::
 * Samplers and what happens when one dies: NOTE [ Supervisor-sampler protocol ] in ``protocol.py``.
 * Drain on SIGTERM: no new work; each sampler is told to drain; after ``DRAIN_TIMEOUT_S`` stragglers are
   SIGKILLed and their grants aborted. A second SIGTERM/SIGINT kills at once. Nothing partial is ever published.
-* ``degraded`` while a sampler is down (restarting), while listing fails, or while nearly every remote request
-  of the last seconds failed; the reasons are listed in the status document.
+* ``degraded`` while a sampler is down (restarting), hung writing one object (``_watch_writers``), silent
+  (``pool.py``, "Silence") or holding objects ingest waits for (``_watch_held``), all after ``status.stuck_after``;
+  while listing fails, the cache's filesystem is full, or nearly every remote request of the last seconds failed;
+  the reasons are listed in the status document.
+* SIGHUP lists the remote at once (objects refused with 401/403 are tried again) and reads the config file again:
+  it applies no setting, and logs one line naming the keys an edit changed (they take effect at a restart), or why
+  the file no longer loads (``_check_config_file``).
 
 Not thread-safe: everything runs on the main thread, except the catalog's listing thread (see ``catalog.py``) and
 the thread that writes the restart catalog (``catalog_file.py``; it only reads the table, ``ObjectTable.blocks``).
@@ -31,6 +36,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +49,8 @@ from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.sources import changed_settings, read_made_with, write_made_with
 from cachefeed._cache.store import CacheStore
 from cachefeed._codecs import get_decoder, get_preprocess
-from cachefeed._config import Config
+from cachefeed._config import Config, changed_keys, load_config
+from cachefeed._config.model import NO_FILE
 from cachefeed._daemon.catalog import ListingEnd
 from cachefeed._daemon.catalog_file import (
     MAX_SHARE,
@@ -65,6 +72,7 @@ from cachefeed._daemon.protocol import (
     Failed,
     Init,
     Quarantined,
+    Refused,
     Stats,
     Work,
     WorkItem,
@@ -133,6 +141,7 @@ class Supervisor:
         self._object_bytes = 0  # the largest object of the last draw: how many objects fill a sampler's room
         self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
         self._saver: threading.Thread | None = None  # writes the restart catalog (catalog_file.py)
+        self._is_starved = False  # the last ``_assign`` had a sampler with credit and nothing to draw
 
     # -- signals: handlers only set flags (and the wakeup fd wakes the loop) -----------------------------------
 
@@ -216,6 +225,7 @@ class Supervisor:
                     lock_fd=store.lock_fd,
                     backoff_s=config.sampler.restart_backoff_s,
                     backoff_max_s=config.sampler.restart_backoff_max_s,
+                    stuck_after_s=config.status.stuck_after_s,
                 )
                 return self._serve()
             finally:
@@ -351,6 +361,7 @@ class Supervisor:
             )
             for catalog in self.inputs.catalogs():
                 catalog.refresh_now()
+            self._check_config_file()
         for entry in self.inputs.inputs:
             for item in entry.catalog.take() if entry.catalog is not None else ():
                 if isinstance(item, ListingEnd):
@@ -372,6 +383,33 @@ class Supervisor:
                     entry.is_joining = True
         self._assign()
 
+    def _check_config_file(self) -> None:
+        """SIGHUP applies no setting: the daemon runs on the config it started with. It reads the file again and
+        logs one line, at warning, where the file differs from what runs: the keys whose values changed, which take
+        effect only after a restart; or why the file no longer loads (a restart would then exit 78), the daemon
+        running on. Nothing where the file is unchanged, or where the config came from no file."""
+        source = self.config.source
+        if source == NO_FILE:  # a config parsed in memory (tests): no file to read again
+            return
+        try:
+            edited = load_config(source)
+        except (ConfigError, OSError) as exc:
+            why = exc if isinstance(exc, ConfigError) else f"{source}: cannot read it ({exc.strerror or exc})"
+            log.warning(
+                "SIGHUP: the config file no longer loads (%s): a restart would fail (exit 78); the daemon runs on "
+                "the settings it started with: fix the file before restarting",
+                why,
+            )
+            return
+        changed = changed_keys(self.config, edited)
+        if changed:
+            log.warning(
+                "SIGHUP: the config file %s was edited: %s changed, which take effect only after a restart of the "
+                "daemon (SIGHUP applies no setting; it runs on the settings it started with)",
+                source,
+                ", ".join(changed),
+            )
+
     # -- the restart catalog (catalog_file.py) ------------------------------------------------------------------
 
     def _restart_header(self, entry: Input) -> CatalogHeader:
@@ -381,9 +419,14 @@ class Supervisor:
     def _drop_remade(self, store: CacheStore) -> None:
         """Evict the cached samples of each source that were made under other settings than the config's (another
         URL, pattern, decoder, image size, label, preprocess or node share: ``made_with.json``, ``_cache/sources.py``),
-        naming what changed; then record the settings they are made with from now on."""
+        naming what changed; then record the settings they are made with from now on. A record that is there but
+        cannot be read (``_made_with_damage``) says nothing of what the cached samples are: they are evicted, with a
+        warning, as if every setting had changed (``_drop_unknown``)."""
         path = store.layout.made_with_file
         before, now = read_made_with(path), self.inputs.made_with()
+        damage = _made_with_damage(path, before)
+        if damage:
+            self._drop_unknown(store, path, damage, set(now))
         for tag, settings in now.items():
             changes = changed_settings(before[tag], settings) if tag in before else []  # none recorded: a new cache
             if changes:
@@ -406,6 +449,20 @@ class Supervisor:
             write_made_with(path, now, mode=self.config.cache.file_mode)
         except OSError as exc:  # the next start compares with the settings an earlier one recorded
             log.warning("could not record the settings the cache's samples are made with in %s: %s", path, exc)
+
+    def _drop_unknown(self, store: CacheStore, path: Path, damage: str, tags: set[int]) -> None:
+        """``made_with.json`` is damaged: the settings the cached samples were made with are unknown. Keeping them
+        could serve samples of a remote, pattern, decoder or share the config no longer names (an edit made while
+        the record was damaged goes unseen), which a kept cache promises never to do; evicting them costs one
+        refill. So the configured sources' cached samples are evicted, and the record is written again."""
+        dropped = store.drop_tags(tags)
+        log.warning(
+            "%s is damaged (%s): the settings the cache's samples were made with are unknown, so %s; it is written "
+            "again from the config",
+            path,
+            damage,
+            f"its {dropped} cached segments are evicted and fetched again" if dropped else "nothing cached is kept",
+        )
 
     def _restore_catalogs(self, store: CacheStore) -> None:
         """Each source's restart catalog streams into the plan first, in the listing thread (``catalog.py``), so
@@ -466,6 +523,7 @@ class Supervisor:
         cached = self._require_store().samples_by_source() if self.inputs.is_named else {}
         classes = self._classes
         cap = max(_ASSIGNED_BYTES_MIN, _ASSIGNED_SEGMENTS * self.config.cache.segment_bytes)
+        self._is_starved = False  # a sampler with credit drew nothing (``_watch_held``)
         for handle in handles:
             items: list[WorkItem] = []
             exhausted = False
@@ -500,6 +558,7 @@ class Supervisor:
             if items:
                 pool.send(handle, Work(items))
             if exhausted:
+                self._is_starved = True
                 return
 
     def _upkeep(self) -> None:
@@ -507,6 +566,7 @@ class Supervisor:
         store.enforce()
         self._check_evictions()
         self._watch_writers()
+        self._watch_held()
 
     def _watch_writers(self) -> None:
         """A sampler's heartbeat comes from its event loop, so a writer thread stuck inside a decoder or preprocess
@@ -540,6 +600,34 @@ class Supervisor:
                     "a decoder or preprocess that hangs? It is killed at twice that"
                 )
 
+    def _watch_held(self) -> None:
+        """Objects a sampler has held longer than ``status.stuck_after`` while ingest waits for them make the daemon
+        degraded, naming the sampler and the oldest object. Ingest waits for them when a sampler with credit finds
+        nothing to draw (``_is_starved``): a pass ends only once all its objects are done (``plan.py``), so the
+        others idle. What holds them without a sign from the sampler is a fetch that does not return (a stalled
+        network mount under a ``file://`` remote, which ``remote.read_timeout`` does not bound) or one that is
+        merely slow (a large object through a rate cap). Neither is a reason to kill: the slow one would start over,
+        and the stalled mount stalls whichever sampler reads the object next; so unlike a hung writer or a silent
+        sampler (``pool.py``, "Silence"), which are named first and not twice, it is only said. While the store
+        makes writers wait (paced, back-pressure, a full filesystem), what they hold waits for room, not for them."""
+        limit, now, store = self.config.status.stuck_after_s, time.monotonic(), self._require_store()
+        is_waiting_for_room = store.is_paced or store.is_backpressured or store.is_out_of_space
+        for handle in self._require_pool().live():
+            was, handle.holding_up = handle.holding_up, ""
+            if not self._is_starved or is_waiting_for_room or handle.hung or handle.silent or not handle.assigned_at:
+                continue
+            gid, since = min(handle.assigned_at.items(), key=lambda entry: entry[1])
+            if now - since <= limit:
+                continue
+            handle.holding_up = (
+                f"ingest waits for sampler {handle.index}: the other samplers have nothing to fetch until the "
+                f"{len(handle.assigned)} objects it holds are done (a pass ends only then); it has held "
+                f"{self._url_of(gid)} for {now - since:.0f}s (status.stuck_after = {limit:g}s): a fetch that does "
+                "not return (a stalled network mount: bound it at the mount, NFS soft,timeo=) or a very slow one"
+            )
+            if not was:
+                log.warning("%s", handle.holding_up)
+
     def _check_evictions(self) -> None:
         store = self._require_store()
         counters = store.counters
@@ -556,7 +644,7 @@ class Supervisor:
     def _dispatch(self, handle: SamplerHandle, message: Message) -> None:
         pool = self._require_pool()
         grants = self._require_grants()
-        if isinstance(message, Reserve | Publish | Abort | Done | Failed | Quarantined):
+        if isinstance(message, Reserve | Publish | Abort | Done | Failed | Quarantined | Refused):
             handle.writer_heard_at = time.time()  # its writer thread is alive (a wait for room re-asks every 0.1 s)
         if isinstance(message, Credit):
             handle.credits += message.n
@@ -578,6 +666,8 @@ class Supervisor:
             catalog = self.inputs.split(message.oid)[0].catalog
             if message.kind == "changed" and catalog is not None:
                 catalog.refresh_now()
+        elif isinstance(message, Refused):
+            self._refused(handle, message)
         elif isinstance(message, Quarantined):
             self.quarantine.add(message.url, message.key, message.kind, message.reason)
         elif isinstance(message, Stats):
@@ -589,6 +679,14 @@ class Supervisor:
             handle.exit_reason = message.reason
         else:
             log.warning("sampler %d sent an unexpected %s message", handle.index, type(message).__name__)
+
+    def _refused(self, handle: SamplerHandle, message: Refused) -> None:
+        """The cache's filesystem refused a sampler's segment for lack of space (NOTE [ Supervisor-sampler protocol
+        ]): the objects it held are fetched again, re-queued rather than failed (nothing is wrong with them), and
+        the store says the filesystem is full and holds grants a while (``CacheStore.refused_write``), as when a
+        grant finds no room: the same degraded reason, and fetching resumes once there is room."""
+        self.inputs.requeue(handle.settle(message.oids))
+        self._require_store().refused_write(message.reason)
 
     def _publish(self, handle: SamplerHandle, message: Publish) -> None:
         pool = self._require_pool()
@@ -621,7 +719,7 @@ class Supervisor:
         writing = self._require_store().layout.writing_file(handle.index)
         culprit = read_writing(str(writing))
         writing.unlink(missing_ok=True)  # the next sampler in this slot names its own
-        handle.writer_heard_at, handle.hung = 0.0, ""
+        handle.writer_heard_at, handle.hung, handle.holding_up = 0.0, "", ""
         unfinished = handle.settle(sorted(handle.assigned))
         expected = handle.is_drained or self._is_draining  # a stop's exit: not the object's doing
         if culprit in unfinished and not expected:
@@ -765,3 +863,21 @@ class Supervisor:
         if self._pool is None:
             raise RuntimeError("the sampler pool is not set up")
         return self._pool
+
+
+def _made_with_damage(path: Path, read: dict[int, dict[str, Any]]) -> str:
+    """Why the ``made_with.json`` at ``path`` cannot be trusted, or "" where it can: what ``read_made_with`` gave
+    (``read``) is the record, or there is no record (a new cache, or one from before the file existed: nothing to
+    compare with). The daemon always records at least one source, so a file that is there and yields none is
+    damaged: not a regular file, unreadable, or not the JSON the daemon writes."""
+    if read:
+        return ""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        return f"cannot look at it: {exc.strerror or exc}"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    return "not the record the daemon writes" if info.st_size else "empty"

@@ -341,10 +341,14 @@ class Remote:
         if key in _WARM_SESSIONS:
             return True
 
+        from cachefeed._remote.models import session
         from cachefeed._remote.tls import prepare_tls
 
         async def build() -> Any:
             fs = self._fs_class(**self._options, asynchronous=True, loop=asyncio.get_running_loop())
+            made_by_s3fs = getattr(fs, "kwargs", None)  # what s3fs would give the AioSession it makes
+            if getattr(fs, "session", None) is None and isinstance(made_by_s3fs, dict):
+                fs.session = session(**made_by_s3fs)  # NOTE [ botocore's models, loaded once and plainly ]
             await fs.set_session()
             try:
                 await prepare_tls(fs.s3)  # NOTE [ One TLS context ]: the samplers forked next inherit it

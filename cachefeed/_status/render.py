@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from cachefeed._errors import EX_USAGE, CachefeedError, ConfigError, NoSuchCacheError
 from cachefeed._status.directory import DirectorySummary
 from cachefeed._status.report import StatusReport
 from cachefeed._status.schema import STATUS_VERSION
 from cachefeed._status.verdict import Health
 from cachefeed._units import format_bytes, format_duration
 
-__all__ = ["WIDTH", "render_human", "to_json"]
+__all__ = ["WIDTH", "error_json", "render_human", "to_json"]
 
 
 def to_json(report: StatusReport) -> dict[str, Any]:
@@ -30,6 +32,29 @@ def to_json(report: StatusReport) -> dict[str, Any]:
         return {**report.document, "heartbeat_age_s": round(report.heartbeat_age_s or 0.0, 3), "health": health}
     directory = report.directory.as_dict() if report.directory is not None else {"dir": str(report.cache_dir)}
     return {"version": STATUS_VERSION, "state": None, "heartbeat_age_s": None, "health": health, "cache": directory}
+
+
+# What ``health.status`` says where ``cachefeed status`` has no report to give, by exit code: a verdict's name, or
+# the error's (``_errors``; the table is in ``_status/verdict.py``)
+_ERROR_STATUSES = {
+    **{int(health): health.name.lower() for health in Health},
+    NoSuchCacheError.exit_code: "no_such_cache", ConfigError.exit_code: "bad_config", EX_USAGE: "usage_error",
+}  # fmt: skip
+
+
+def error_json(cache_dir: Path | None, error: CachefeedError) -> dict[str, Any]:
+    """The ``--json`` document where there is no report: ``error`` stopped the command (no cache at ``cache_dir``,
+    a directory this user cannot read, a bad ``--config``, whose cache dir is then unknown: ``cache_dir`` None).
+
+    The shape of ``to_json`` without a document (``state`` and ``heartbeat_age_s`` null, ``health`` with the exit
+    status and the error as its one reason, ``cache.dir``), plus ``error``: the line printed on stderr too."""
+    code = error.exit_code
+    health = {"status": _ERROR_STATUSES.get(code, "error"), "exit_status": code, "reasons": [str(error)]}
+    where = None if cache_dir is None else str(cache_dir)
+    return {
+        "version": STATUS_VERSION, "state": None, "heartbeat_age_s": None, "health": health, "cache": {"dir": where},
+        "error": str(error),
+    }  # fmt: skip
 
 
 # -- the human rendering (80 columns) ---------------------------------------------------------------------------
@@ -123,11 +148,36 @@ def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
     return text
 
 
+def _no_trainer(cache: Mapping[str, Any]) -> bool:
+    """Whether no trainer reads the cache: no snapshot is pinned (the daemon's rule: ``CacheStore.ingest_bound``
+    judges nothing then)."""
+    return not cache["snapshots"]
+
+
 def _bound(cache: Mapping[str, Any], *, is_gone: bool) -> str:
-    """What bounds ingest, for the ingest line ("" when a document predates it, nothing is known yet, or the
-    daemon that wrote it is gone: nothing is ingesting)."""
-    bound = None if is_gone else cache.get("ingest_bound")
+    """What bounds ingest, for the ingest line: the document's ``ingest_bound``, or that no trainer reads ("" when
+    a document predates it, nothing is known yet, or the daemon that wrote it is gone: nothing is ingesting)."""
+    if is_gone:
+        return ""
+    bound = cache.get("ingest_bound")
+    if bound is None and "ingest_bound" in cache and _no_trainer(cache):
+        return "; no trainer reading"
     return {"remote": "; remote-bound", "trainer": "; trainer-bound"}.get(str(bound), "")
+
+
+def _paced(cache: Mapping[str, Any]) -> str:
+    """The paced line: what ingest waits for. With a trainer, normal; without one, what an idle daemon does."""
+    waiting = _count(cache["waiting_for_reads_samples"])
+    each = f"each segment goes after {_plural(cache['evict_after_reads'], 'epoch read')}"
+    if _no_trainer(cache):
+        return (
+            f"paced: no trainer is reading (no snapshot): fetching waits until training reads {waiting} cached "
+            f"samples ({each}); normal for a daemon with no trainer"
+        )
+    return (
+        f"paced: waiting for trainers to read {waiting} samples ({each}); normal while training reads slower than "
+        "the remote delivers"
+    )
 
 
 def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: float, *, is_gone: bool) -> None:
@@ -154,13 +204,7 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     per_sample = f" of {format_bytes(cache['bytes'] // cache['samples'])}" if cache["samples"] else ""
     out.add("fill", f"{fill}, {samples} samples{per_sample}, {_plural(cache['segments'], 'segment')}")
     if cache["is_paced"]:
-        out.add(
-            "",
-            f"paced: waiting for trainers to read {_count(cache['waiting_for_reads_samples'])} samples "
-            f"(each segment goes after {_plural(cache['evict_after_reads'], 'epoch read')}); normal while "
-            "training reads slower than the remote delivers",
-            indent=2,
-        )
+        out.add("", _paced(cache), indent=2)
     if cache["is_backpressured"]:
         out.add("", "BACK-PRESSURE: the cache is full of pinned data, fetching waits", indent=2)
     if cache.get("is_out_of_space"):

@@ -154,14 +154,16 @@ STATUS_SCHEMA: dict[str, Any] = {
             Metric("cachefeed_echo_factor", "gauge", "Reads per sample of the last 64 evicted segments."),
             is_omittable=True,
         ),
-        "ingest_bound": Omittable(OPT_STR),  # "remote", "trainer" or null (before two epochs; free-running)
+        # "remote", "trainer" (always while paced with a trainer), or null: no trainer reads (no snapshot), or none
+        # of its epochs judged yet (CacheStore.ingest_bound states the rule)
+        "ingest_bound": Omittable(OPT_STR),
         "is_remote_bound": Scalar(
             (bool, int, type(None)),
             Metric(
                 "cachefeed_ingest_remote_bound",
                 "gauge",
                 "1 when fresh samples arrive slower than training reads (epochs re-read the least-read), 0 when "
-                "ingest waits for training.",
+                "ingest waits for training; absent while no trainer reads.",
             ),
             is_omittable=True,
         ),

@@ -20,6 +20,9 @@ Exit statuses of ``cachefeed status`` (one invocation, without ``--watch``), dec
 1     any other error
 ====  ==========================================================================================================
 
+With ``--json`` each of them but 64 comes with one JSON document on stdout: the report (``render.to_json``), or
+where there is none the error's (``render.error_json``), whose ``health.exit_status`` is the exit status.
+
 Staleness: the heartbeat (``updated_at``) is stale when older than ``max(5 s, 5 x status.interval)``; the interval
 is read from ``--config`` when given, else from the document's optional ``interval_s``, else 1 s. On the daemon's
 host (``host`` equals this host name) a pid that is gone or a zombie also means "not running", unless the document

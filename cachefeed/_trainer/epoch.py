@@ -9,7 +9,10 @@ this epoch consumed) is recorded before its pin is dropped (NOTE [ Read receipts
 
 Consumption is what the loop received: a look-ahead wrapper (``DevicePrefetcher``, or the caller's own) that takes
 batches from an ``EpochLoader``'s iterator before it yields them calls ``hold(+1)`` on that iterator for each batch
-it takes and ``hold(-1)`` as it yields one, so ``state_dict()`` never counts a batch the loop has not seen.
+it takes and ``hold(-1)`` as it yields one, so ``state_dict()`` never counts a batch the loop has not seen. An epoch
+resumed from a checkpoint counts on from it (``position``): the batches the checkpoint says earlier runs consumed
+(``resumed_batches``, whichever snapshot the epoch resumed on) plus those this run's loop received, so that a run
+resumed twice in one epoch skips what all earlier runs served.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class EpochState:
         indices: npt.NDArray[np.int64],
         *,
         credited: npt.NDArray[np.int64] | None = None,
+        resumed_batches: int = 0,
         new_samples: int,
         new_segments: int,
         wait_for_samples_s: float,
@@ -117,6 +121,7 @@ class EpochState:
         self.dataset = dataset
         self.indices = indices
         self.credited = credited if credited is not None else indices[:0]  # served by an earlier run of the epoch
+        self.resumed_batches = resumed_batches  # consumed by earlier runs of the epoch, as its checkpoint says
         self.rank_samples = len(indices)
         self.new_samples = new_samples
         self.previous: frozenset[str] = frozenset()  # the previous epoch's segments (a growing epoch counts its new)
@@ -146,6 +151,7 @@ class EpochState:
         self._inners: dict[int, Iterator[Any]] = {}
         self._lock = threading.Lock()
         self._released = False
+        self.unpinned = threading.Event()  # set once its release is done: its pin and rank claim dropped
         self._final_skipped: int | None = None
 
     @property
@@ -249,6 +255,12 @@ class EpochState:
         """The training loop has received ``batches`` batches of this iteration (training thread)."""
         self.batches_consumed = batches
         self.batches_received = max(self.batches_received, batches)
+
+    @property
+    def position(self) -> int:
+        """Where the training loop is in the epoch, in batches, as ``state_dict()`` counts it (module docstring):
+        those earlier runs consumed (``resumed_batches``) plus those this iteration received."""
+        return self.resumed_batches + self.batches_consumed
 
     @property
     def is_complete(self) -> bool:

@@ -23,6 +23,12 @@ Transitions, who runs them and on which thread:
   is a snapshot of what is cached, least-read first.
 * **activate** (training thread: ``loader(e)``, ``dataset(e)``, ``share(e)``): takes the prepared epoch, waiting
   only if its build is late (or builds it now), makes it *current* and retires every other epoch.
+* **build again** (a loop that goes back to an epoch it retired: ``loader(0)``, ``loader(1)``, ``loader(0)``): the
+  earlier build's release is finished first, on the building thread (or waited for, where the teardown thread
+  runs it), so that its pin and rank claim are gone; the epoch is then read anew like any epoch: on a fresh
+  snapshot of what is cached (its order from ``(seed, epoch)``, its reads counted by a receipt of its own), or on
+  the same one where another rank of the job still holds it (``_settle``). A resumed epoch too, whole: its first
+  build spent the resume (``_resumed``).
 * **retire** (training thread): hands the epoch to the *teardown thread*; the training thread never joins a
   process or unlinks a file.
 * **grow** (the creator's *grower thread*, while a growing epoch is built, fed or current): links published
@@ -44,6 +50,7 @@ several nodes, every rank's build thread joins one all-reduce per epoch (``plan.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -60,7 +67,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.room import read_room
-from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.snapshots import RankClaimedError, Snapshot
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
@@ -170,10 +177,11 @@ class Epochs:
     def close(self, *, interrupted: bool = False) -> None:
         """Release every epoch (prepared ones included) and stop both threads. Idempotent.
 
-        ``interrupted``: the loop left by an exception (Ctrl-C included). The epoch it was reading, if it took a
-        batch of it and did not finish it, is left to the daemon as a dead trainer's is
-        (``Snapshot.leave_for_resume``; a growing one stays open, ``Grower.abandon``): a restart from the loop's
-        last ``state_dict()`` resumes it exactly within ``cache.snapshot_grace``, during which it holds its room.
+        ``interrupted``: the loop left by an exception (Ctrl-C included). The epoch it was reading, if a checkpoint
+        taken now names a place inside it (the loop took a batch of it, or resumed it after some: ``position``), is
+        left to the daemon as a dead trainer's is (``Snapshot.leave_for_resume``; a growing one stays open,
+        ``Grower.abandon``): a restart from the loop's last ``state_dict()`` resumes it exactly within
+        ``cache.snapshot_grace``, during which it holds its room.
         What it served is recorded first, so its reads count even if nothing resumes it. Without a daemon (a
         static cache) it is released as usual."""
         with self._lock:
@@ -187,7 +195,7 @@ class Epochs:
                 reading
                 if interrupted
                 and reading is not None
-                and reading.batches_consumed > 0  # a checkpoint inside it may name it
+                and reading.position > 0  # a checkpoint inside it may name it
                 and not reading.is_complete
                 and self.plan.layout.has_writer()
                 else None
@@ -251,6 +259,13 @@ class Epochs:
         inners = state.mark_released()
         if inners is None:
             return
+        try:
+            self._tear_down(state, inners, leave_for_resume=leave_for_resume)
+        finally:
+            state.unpinned.set()
+
+    def _tear_down(self, state: EpochState, inners: list[Iterator[Any]], *, leave_for_resume: bool) -> None:
+        """``_release``'s steps, for an epoch just marked released."""
         growing = state.growing
         if growing is not None:
             if growing.grower is not None and leave_for_resume:
@@ -403,8 +418,37 @@ class Epochs:
             total = max(snapshot.samples, min(total, int(document["cache"].get("samples", total))))
         return total // self.plan.ranks.local_world_size
 
+    def _settle(self, epoch: int) -> None:
+        """Finish the release of an earlier build of ``epoch`` that was retired (module docstring, "build again"),
+        here or by waiting for the teardown thread's under way. A build that found that build's pin joined it
+        (a second pass over samples whose reads were on record already) or, where its release was removing the
+        snapshot, waited for it: what it got depended on the moment."""
+        with self._lock:
+            earlier = self._retired.get(epoch)
+        if earlier is not None:
+            self._release(earlier)  # a no-op where the teardown thread took it first
+            earlier.unpinned.wait()
+
+    @contextlib.contextmanager
+    def _claiming(self, epoch: int) -> Iterator[None]:
+        """Pins of ``epoch`` inside claim this rank (NOTE [ Snapshot pinning protocol ], "Rank claims"): one another
+        live process holds is refused, saying which rank this process was given and what to check."""
+        try:
+            yield
+        except RankClaimedError as exc:
+            ranks = self.plan.ranks
+            raise SnapshotError(
+                f"epoch {epoch}: another process ({exc.holder}) already reads the share of rank={ranks.rank} "
+                f"(local rank {ranks.local_rank} of {ranks.local_world_size} on this node, world_size="
+                f"{ranks.world_size}): two processes were given the same rank, and both would read that share "
+                "while another is never read. Give each process its own rank: pass rank= (0 to world_size - 1, "
+                "different in every process), or check that the launcher sets RANK and LOCAL_RANK for each process "
+                "(torchrun does; without them every process defaults to rank 0)"
+            ) from None
+
     def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
         """Pin ``epoch``'s snapshot and build its state (and loader). Runs on the build or the training thread."""
+        self._settle(epoch)
         started = time.perf_counter()
         plan = self.plan
         with self._lock:
@@ -418,7 +462,10 @@ class Epochs:
         # An exact resume pins the interrupted epoch's own snapshot: its samples are fixed and cached, so nothing
         # below waits for the cache (a restart after a crash early in training waited for the first fill, and
         # failed where that took longer than wait_timeout_s).
-        snapshot = resumed_snapshot(plan.layout.root, resume) if resume is not None else None
+        snapshot = None
+        if resume is not None:
+            with self._claiming(epoch):
+                snapshot = resumed_snapshot(plan.layout.root, resume, rank=plan.ranks.local_rank)
         is_exact_resume = snapshot is not None
         grows = is_first and self._resume is None and self._can_grow()
         wants = self._later_wants() if not is_first and plan.ranks.is_creator and not is_exact_resume else None
@@ -452,27 +499,8 @@ class Epochs:
         snap_id = snapshot_name(plan.run_id, plan.job, epoch)
         if snapshot is not None:
             snap_id = snapshot.snap_id
-        elif plan.ranks.is_creator:
-            with self._lock:
-                reading = self._last_names()  # the epoch being read now: its receipt is pending
-            snapshot = Snapshot.create(
-                plan.layout.root,
-                snap_id,
-                job=plan.job,
-                ranks=plan.ranks.local_world_size,
-                reading=reading,
-                growing=grows,
-                wants=wants,
-            )
         else:
-            snapshot = Snapshot.join(
-                plan.layout.root,
-                snap_id,
-                timeout_s=join_timeout,
-                job=plan.job,
-                ranks=plan.ranks.local_world_size,
-                stop=self._closing,
-            )
+            snapshot = self._pin(epoch, snap_id, growing=grows, wants=wants, join_timeout=join_timeout)
         dataset: SnapshotDataset | None = None
         growing: GrowingEpoch | None = None
         pid = os.getpid()
@@ -502,6 +530,7 @@ class Epochs:
                 dataset,
                 indices,
                 credited=credited,
+                resumed_batches=skip_batches,
                 new_samples=sum(c for _n, c in fresh),
                 new_segments=len(fresh),
                 wait_for_samples_s=waited,
@@ -524,6 +553,8 @@ class Epochs:
             snapshot.release()
             raise
         state.build_s = time.perf_counter() - started - waited
+        if resume is not None:
+            self._resumed(resume)
         self._learn_build(state.build_s, background=background)
         log.info(
             "epoch %d: snapshot %s, %d samples (%d new), %d for this rank, built in %.3fs%s",
@@ -536,6 +567,40 @@ class Epochs:
             " in the background" if background else "",
         )
         return state
+
+    def _resumed(self, point: ResumePoint) -> None:
+        """``point``'s epoch was built resuming it: the resume is spent. A later build of that epoch (a loop that goes
+        back to it, module docstring's "build again") reads it anew, whole, rather than resuming it again."""
+        with self._lock:
+            if self._resume is point:
+                self._resume = None
+
+    def _pin(self, epoch: int, snap_id: str, *, growing: bool, wants: int | None, join_timeout: float) -> Snapshot:
+        """Pin ``epoch``'s snapshot ``snap_id`` and claim this rank in it: local rank 0 creates it, the others join."""
+        plan = self.plan
+        with self._claiming(epoch):
+            if not plan.ranks.is_creator:
+                return Snapshot.join(
+                    plan.layout.root,
+                    snap_id,
+                    timeout_s=join_timeout,
+                    job=plan.job,
+                    ranks=plan.ranks.local_world_size,
+                    rank=plan.ranks.local_rank,
+                    stop=self._closing,
+                )
+            with self._lock:
+                reading = self._last_names()  # the epoch being read now: its receipt is pending
+            return Snapshot.create(
+                plan.layout.root,
+                snap_id,
+                job=plan.job,
+                ranks=plan.ranks.local_world_size,
+                rank=plan.ranks.local_rank,
+                reading=reading,
+                growing=growing,
+                wants=wants,
+            )
 
     def _build_in_background(self, epoch: int) -> EpochState:
         """The build thread's build of the next epoch, with prompt GIL hand-offs (``gil.py``): beside a training
@@ -658,7 +723,7 @@ class Epochs:
         samples = quota if quota is not None else state.snapshot.samples // self.plan.ranks.local_world_size
         full, rest = divmod(samples, self.plan.batch_size)
         total = full + (1 if rest and not self.plan.drop_last else 0)
-        if self._due(state.batches_consumed, total):
+        if self._due(state.position, total):  # a resumed epoch's total counts the batches earlier runs consumed
             self._prepare(epoch + 1)
 
     def _due(self, consumed: int, total: int) -> bool:

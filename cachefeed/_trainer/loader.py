@@ -90,7 +90,7 @@ from cachefeed._trainer.partition import (
     snapshot_name,
 )
 from cachefeed._trainer.pool import ARENA_BYTES, WorkerPool
-from cachefeed._trainer.resume import checkpoint, resume_point
+from cachefeed._trainer.resume import ResumePoint, checkpoint, pending_checkpoint, resume_point
 from cachefeed._trainer.wait import (
     parse_fill,
     wait_for_cache,
@@ -320,6 +320,7 @@ class EpochLoaderFactory:
             ),
             self._pool,
         )
+        self._loaded: tuple[int, ResumePoint | None] | None = None  # ``load_state_dict``'s place (``state_dict``)
         # Nothing the epochs or the pool hold refers back to this factory, so dropping it collects it: then its
         # workers stop and its pins go. Not at exit: a process that ends drops its pins as a killed one's.
         self._finalizer = weakref.finalize(self, _close_dropped, self._epochs, self._pool)
@@ -331,6 +332,8 @@ class EpochLoaderFactory:
         """The loader of ``epoch`` (prepared in the background if the previous epoch ran through this factory).
 
         Moving to an epoch retires every other one (its workers stop and its pin is released, off this thread).
+        Asking for an epoch again after moving on from it (going back) reads it anew, as any epoch: on a fresh
+        snapshot of what is cached, or on the one another rank of the job still holds (``lifecycle.py``).
         """
         epoch = _integer("epoch", epoch, 0)
         started = time.perf_counter()
@@ -429,16 +432,22 @@ class EpochLoaderFactory:
         the snapshot the epoch reads (its name and nonce) and every setting that decides the epoch's order and
         this rank's share (``resume.py``). Save it together with the model, after the step on the last batch.
         Once the loop has received every batch of the epoch, it names the next epoch, at its start: a checkpoint
-        saved at the end of an epoch resumes with the next one, not with an empty rerun of the finished one.
+        saved at the end of an epoch resumes with the next one, not with an empty rerun of the finished one. A
+        resumed epoch counts the batches its checkpoint says were consumed plus those received since; after
+        ``load_state_dict``, until the loop starts iterating an epoch, the state is the loaded one's place.
         """
         state = self._epochs.current
-        if state is not None and state.is_complete:
+        if state is None and self._loaded is not None:
+            return pending_checkpoint(*self._loaded, self._settings(None))
+        if state is None:
+            return checkpoint(epoch=0, batches_consumed=0, snapshot=None, settings=self._settings(None))
+        if state.is_complete:
             return checkpoint(epoch=state.epoch + 1, batches_consumed=0, snapshot=None, settings=self._settings(None))
         return checkpoint(
-            epoch=state.epoch if state is not None else 0,
-            batches_consumed=state.batches_consumed if state is not None else 0,
-            snapshot=state.snapshot if state is not None else None,
-            settings=self._settings(state.snapshot if state is not None else None),
+            epoch=state.epoch,
+            batches_consumed=state.position,
+            snapshot=state.snapshot,
+            settings=self._settings(state.snapshot),
         )
 
     def _settings(self, snapshot: Snapshot | None) -> dict[str, Any]:
@@ -473,6 +482,7 @@ class EpochLoaderFactory:
             raise RuntimeError("load_state_dict must be called before the first loader()")
         if resume is not None:
             self._epochs.resume_at(resume)
+        self._loaded = (epoch, resume)  # what state_dict() says until the loop starts iterating an epoch
         return epoch
 
     @property

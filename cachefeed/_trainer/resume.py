@@ -5,11 +5,13 @@ The state is a plain, picklable dict (store it in a torch checkpoint next to the
     {"version": 2, "epoch": 3, "batches_consumed": 120, "snapshot_id": "run-1a2b3c4d5e6f-e000003",
      "snapshot_nonce": "9f...", "settings": {"seed": 0, "batch_size": 256, "samples_per_epoch": None, ...}}
 
-``batches_consumed`` counts the batches the training loop *received* (a batch a look-ahead such as
-``DevicePrefetcher`` holds but has not yielded is not consumed). ``settings`` holds everything that decides an
-epoch's order and this rank's share of it (``SETTINGS``): the seed, the batch size, ``samples_per_epoch``,
-``shuffle``, ``drop_last``, the ranks (global and local world sizes, and this rank) and the daemon's sources with
-their weights.
+``batches_consumed`` counts the batches of the epoch the training loop *received* (a batch a look-ahead such as
+``DevicePrefetcher`` holds but has not yielded is not consumed), in every run of it: a resumed epoch counts on from
+its checkpoint's, so a run resumed twice in one epoch skips what both earlier runs consumed. After
+``load_state_dict``, until the loop starts iterating an epoch, the state is the loaded one's place
+(``pending_checkpoint``). ``settings`` holds everything that decides an epoch's order and this rank's share of it
+(``SETTINGS``): the seed, the batch size, ``samples_per_epoch``, ``shuffle``, ``drop_last``, the ranks (global and
+local world sizes, and this rank) and the daemon's sources with their weights.
 
 Resuming epoch ``e`` after ``k`` batches, with the same settings: if the daemon still keeps the epoch's snapshot (it
 keeps a dead trainer's snapshot for ``cache.snapshot_grace``), the factory joins that very snapshot (its nonce must
@@ -30,16 +32,16 @@ lockstep, so the state only differs in ``rank``, which is not compared.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cachefeed._cache.layout import CacheLayout
-from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache.snapshots import RankClaimedError, Snapshot
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 
-__all__ = ["SETTINGS", "ResumePoint", "checkpoint", "resume_point", "resumed_snapshot"]
+__all__ = ["SETTINGS", "ResumePoint", "checkpoint", "pending_checkpoint", "resume_point", "resumed_snapshot"]
 
 log = get_logger(__name__)
 
@@ -61,13 +63,15 @@ _REQUIRED = ("version", "epoch", "batches_consumed", "snapshot_id", "snapshot_no
 @dataclass(frozen=True, slots=True)
 class ResumePoint:
     """Where a checkpointed run stopped. ``is_exact``: the settings match, so the epoch's own snapshot may be
-    joined; False (``strict=False`` over changed settings) always takes a fresh snapshot."""
+    joined; False (``strict=False`` over changed settings) always takes a fresh snapshot. ``settings``: the
+    checkpoint's own."""
 
     epoch: int
     snapshot_id: str
     snapshot_nonce: str
     batches_consumed: int
     is_exact: bool = True
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 def checkpoint(
@@ -82,6 +86,24 @@ def checkpoint(
         "snapshot_id": snapshot.snap_id if snapshot is not None else None,
         "snapshot_nonce": snapshot.nonce if snapshot is not None else None,
         "settings": dict(settings),
+    }
+
+
+def pending_checkpoint(epoch: int, point: ResumePoint | None, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The state dict of a resume the training loop has not moved past yet (``load_state_dict`` returned ``epoch``,
+    and the loop has started iterating no epoch since): the place it resumes, so that a checkpoint saved now
+    resumes there again, not at epoch 0. ``settings``: the factory's; a point taken with ``strict=False`` keeps
+    the checkpoint's (this rank's aside), so that loading it again takes the fresh-snapshot path again rather than
+    joining the interrupted snapshot under settings that order it otherwise."""
+    if point is None:
+        return checkpoint(epoch=epoch, batches_consumed=0, snapshot=None, settings=settings)
+    return {
+        "version": VERSION,
+        "epoch": point.epoch,
+        "batches_consumed": point.batches_consumed,
+        "snapshot_id": point.snapshot_id,
+        "snapshot_nonce": point.snapshot_nonce,
+        "settings": dict(settings) if point.is_exact else {**point.settings, "rank": settings.get("rank")},
     }
 
 
@@ -128,7 +150,8 @@ def resume_point(
             ", ".join(f"{key} {saved.get(key)!r} -> {settings.get(key)!r}" for key in changed),
             consumed,
         )
-    return epoch, ResumePoint(epoch, str(state["snapshot_id"]), str(state["snapshot_nonce"]), consumed, not changed)
+    snapshot = str(state["snapshot_id"]), str(state["snapshot_nonce"])
+    return epoch, ResumePoint(epoch, *snapshot, consumed, not changed, dict(saved))
 
 
 def _normal(value: Any) -> Any:
@@ -140,9 +163,11 @@ def _normal(value: Any) -> Any:
     return value
 
 
-def resumed_snapshot(root: Path, resume: ResumePoint) -> Snapshot | None:
+def resumed_snapshot(root: Path, resume: ResumePoint, *, rank: int | None = None) -> Snapshot | None:
     """The interrupted epoch's own snapshot, if the settings match and the daemon still keeps it; else None (and
-    the log line)."""
+    the log line). ``rank``: the local rank it claims (NOTE [ Snapshot pinning protocol ], "Rank claims"); one that
+    another live process reads is ``RankClaimedError``, never a fresh snapshot: that process would read the same
+    share of it."""
     if not resume.is_exact:
         return None
     try:
@@ -151,7 +176,9 @@ def resumed_snapshot(root: Path, resume: ResumePoint) -> Snapshot | None:
                 f"its snapshot {resume.snapshot_id!r} is gone (released by a trainer that closed its factory, or "
                 "removed after cache.snapshot_grace)"
             )
-        snapshot = Snapshot.join(root, resume.snapshot_id, timeout_s=0.5, nonce=resume.snapshot_nonce)
+        snapshot = Snapshot.join(root, resume.snapshot_id, timeout_s=0.5, nonce=resume.snapshot_nonce, rank=rank)
+    except RankClaimedError:
+        raise
     except SnapshotError as exc:
         log.warning(
             "resuming epoch %d on a fresh snapshot: %s (a dead trainer's snapshot is kept for "

@@ -4,6 +4,7 @@ file, a directory of other things, a path below a file) exits 66 at once with on
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -43,7 +44,11 @@ def test_watch_exits_66_at_once_on_a_path_that_cannot_become_a_cache(
     )
     assert result.returncode == 66
     assert one_line(result.stderr) == "cachefeed status: " + message.format(path=path)
-    assert result.stdout == ""
+    if as_json:  # a script reads JSON whatever the command can answer: one frame saying so
+        frame = json.loads(result.stdout)
+        assert frame["health"]["exit_status"] == 66 and frame["error"] == message.format(path=path)
+    else:
+        assert result.stdout == ""
 
 
 def test_without_watch_a_path_below_a_file_is_one_line_too(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cachefeed._config import RemoteConfig, toml_text
-from cachefeed._daemon.shared import publish
+from cachefeed._daemon.shared import publish_listing
 from cachefeed._remote import Remote
 from cachefeed._testing.daemon import BUCKET, StartDaemon, start_daemon, write_config
 from cachefeed._testing.inventory import write_inventory, write_key_list
@@ -138,7 +138,7 @@ def test_sources_from_a_manifest_and_from_a_shared_catalog_are_cached_whole_with
     options = storage_options(fault_proxy.endpoint)
     remote = Remote(RemoteConfig(url=f"s3://{BUCKET}/b", storage_options=options))
     try:
-        publish(remote, f"s3://{INVENTORY_BUCKET}/b.cfcatalog")
+        publish_listing(remote, f"s3://{INVENTORY_BUCKET}/b.cfcatalog")
     finally:
         remote.close()
     fault_proxy.set_rules(NO_LIST)

@@ -16,7 +16,7 @@ import pytest
 
 from cachefeed._config import RemoteConfig
 from cachefeed._daemon.catalog_file import CatalogFileError
-from cachefeed._daemon.shared import SharedCatalog, publish
+from cachefeed._daemon.shared import SharedCatalog, publish_listing
 from cachefeed._errors import RemoteTransientError
 from cachefeed._remote import Remote
 from cachefeed._testing.daemon import BUCKET, DaemonProcess, start_daemon, wait_while_running, write_config
@@ -125,7 +125,7 @@ def test_a_damaged_generation_is_refused_by_name_and_the_one_in_force_stays(
     config = RemoteConfig(url=f"s3://{BUCKET}/", storage_options=storage_options(fault_proxy.endpoint))
     remote = Remote(config)
     try:
-        good, _ = publish(remote, f"s3://{CATALOGS}/train")
+        good, _, _ = publish_listing(remote, f"s3://{CATALOGS}/train")
         reader = SharedCatalog(remote, f"s3://{CATALOGS}/train", rank=0, count=1)
         assert reader(lambda page: None) == 300
         whole = bucket.get_object(Bucket=CATALOGS, Key=f"train/{good}")["Body"].read()
@@ -153,7 +153,7 @@ def test_a_generation_read_through_a_reset_and_a_500_lists_every_object(
     )
     remote = Remote(config)
     try:
-        publish(remote, f"s3://{CATALOGS}/train")
+        publish_listing(remote, f"s3://{CATALOGS}/train")
         fault_proxy.set_rules(
             [
                 Rule("reset", op="GetObject", key="gen-", body_fraction=0.5, max_count=1),
@@ -235,7 +235,7 @@ def test_a_listing_that_fails_part_way_publishes_nothing(s3: LocalS3, bucket: An
     remote = Remote(config)
     try:
         with pytest.raises(RemoteTransientError):
-            publish(remote, f"s3://{CATALOGS}/train")
+            publish_listing(remote, f"s3://{CATALOGS}/train")
     finally:
         remote.close()
     assert fault_proxy.counts().fault("error500") == 2

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cachefeed._cache.layout import FOREIGN_BYTES_ALLOWED, CacheLayout
+from cachefeed._cache.layout import CacheLayout
 from cachefeed._testing.daemon import BUCKET, StartDaemon, daemon_argv, wait_for
 from cachefeed._testing.samples import upload_arrays
 
@@ -176,9 +176,9 @@ def test_a_file_or_a_symlink_at_cache_dir_exits_73_saying_which_and_what_to_do(t
 def test_a_cache_dir_that_holds_other_files_is_refused_with_exit_73_and_they_stay(tmp_path: Path) -> None:
     """``cache.dir`` pointed at the user's own directory (a dataset's root): it was accepted, its files charged to
     the budget and shown as data "pinned" by epochs that did not exist, and nothing was ever fetched. Now a
-    directory that holds a directory, or more than ``FOREIGN_BYTES_ALLOWED`` of files, is refused, naming what is
-    there, which stays untouched. A few small files (a README a deployment tool writes, a mount root's quota
-    files and ``lost+found``) are not: the daemon takes such a directory."""
+    directory that holds anything but the cache's own names is refused, naming what is there, which stays
+    untouched (a small one too: ``tests/daemon/test_cache_dir_of_its_own.py``). A mount root's ``lost+found`` and
+    quota files are the filesystem's: the daemon takes such a directory."""
     mine = tmp_path / "my-dataset"
     (mine / "images").mkdir(parents=True)
     for name in ("train.csv", "notes.txt", "README"):
@@ -188,14 +188,13 @@ def test_a_cache_dir_that_holds_other_files_is_refused_with_exit_73_and_they_sta
     assert sorted(p.name for p in mine.iterdir()) == ["README", "images", "notes.txt", "train.csv"], "untouched"
     big = tmp_path / "big"
     big.mkdir()
-    (big / "weights.bin").write_bytes(bytes(FOREIGN_BYTES_ALLOWED + 1))
+    (big / "weights.bin").write_bytes(bytes(2 << 20))
     assert "holds files that are not a cachefeed cache (weights.bin)" in refused_cache_dir(tmp_path, big)
     mount_root = tmp_path / "ssd"
     (mount_root / "lost+found").mkdir(parents=True)
     (mount_root / "aquota.user").write_bytes(bytes(8 << 10))
-    (mount_root / "README").write_text("the cachefeed cache of this node")
     CacheLayout(mount_root).create()
-    assert (mount_root / "CACHEDIR.TAG").is_file(), "a few small files share the directory"
+    assert (mount_root / "CACHEDIR.TAG").is_file(), "a mount root's own files share the directory"
 
 
 def test_second_daemon_on_the_same_cache_exits_75_naming_the_first(bucket: Any, daemon: StartDaemon) -> None:

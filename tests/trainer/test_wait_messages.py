@@ -111,11 +111,12 @@ def test_a_directory_that_holds_other_files_and_no_cache_is_refused_at_once(tmp_
     message = str(raised.value)
     assert str(dataset) in message and "is not a cachefeed cache and cannot become one" in message
     assert "(labels.csv, train/)" in message, message
-    # a fresh filesystem's mount point, a cache a daemon is creating, a README beside it: it may become a cache
-    for name, made in (("mounted", "lost+found"), ("being-made", "segments"), ("readme", "README")):
-        if made == "README":
+    # a fresh filesystem's mount point, a cache a daemon is creating, a mount root's quota file: it may become a
+    # cache (any other file, however small, may not: tests/daemon/test_cache_dir_of_its_own.py)
+    for name, made in (("mounted", "lost+found"), ("being-made", "segments"), ("quota", "aquota.user")):
+        if made == "aquota.user":
             (tmp_path / name).mkdir()
-            (tmp_path / name / made).write_text("the cache of this node")
+            (tmp_path / name / made).write_bytes(bytes(8 << 10))
         else:
             (tmp_path / name / made).mkdir(parents=True)
         with pytest.raises(NoSuchCacheError, match=r"waited 0\.2s"):

@@ -1,0 +1,148 @@
+"""Two processes given the same rank: a launcher that set no ``RANK``/``LOCAL_RANK``, so both default to rank 0 of
+``world_size=2``. Each read the same half of every epoch's snapshot and nothing said so: half the samples were read
+twice, the other half never. Now the second is refused before it serves a batch, naming the rank, the world size
+and what to check; the first reads its share undisturbed (NOTE [ Snapshot pinning protocol ], "Rank claims").
+
+Real components: a daemon (``python -m cachefeed daemon``) on a ``file://`` remote, and two trainer processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachefeed._cache.snapshots import Snapshot
+from cachefeed._config import toml_text
+from cachefeed._testing.daemon import DaemonProcess, start_daemon, wait_for
+from cachefeed._testing.samples import npy_bytes
+from tests.support.child_env import REPO, child_env
+from tests.trainer.test_loader import build_cache
+
+OBJECTS = 120
+BATCH = 10
+
+
+def trainer_main(cache_dir: str, out: str, wait_for_file: str | None) -> None:
+    """Read epoch 0 as rank 0 of 2 (explicit ``rank=``/``world_size=``); write the keys received and the error, if
+    any, to ``out``. With ``wait_for_file``: after the first batch, hold the epoch until that file exists."""
+    from cachefeed import EpochLoaderFactory
+    from cachefeed._errors import SnapshotError
+    from cachefeed._fsutil import atomic_write
+
+    keys: list[str] = []
+    error = None
+    try:
+        with EpochLoaderFactory(
+            cache_dir, batch_size=BATCH, rank=0, world_size=2, run_id="job", progress=None, epochs=1
+        ) as factory:
+            for batch in factory.loader(0):
+                keys += [str(key) for key in batch["__key__"]]
+                if wait_for_file is not None and len(keys) == BATCH:
+                    atomic_write(out + ".reading", b"")
+                    deadline = time.monotonic() + 60
+                    while not Path(wait_for_file).exists() and time.monotonic() < deadline:
+                        time.sleep(0.02)
+    except SnapshotError as exc:
+        error = str(exc)
+    atomic_write(out, json.dumps({"keys": keys, "error": error}).encode())
+
+
+def start_trainer(cache_dir: Path, out: Path, wait_for_file: Path | None = None) -> subprocess.Popen[bytes]:
+    waiting = str(wait_for_file) if wait_for_file is not None else None
+    code = (
+        "from tests.trainer.test_duplicate_rank import trainer_main; "
+        f"trainer_main({str(cache_dir)!r}, {str(out)!r}, {waiting!r})"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env())
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A daemon that cached a ``file://`` remote of ``OBJECTS`` .npy files (object ``i`` holds ``i``)."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(OBJECTS):
+        (remote / f"{i:03d}.npy").write_bytes(npy_bytes(np.full(16, i, np.int32)))
+    config = tmp_path / "daemon.toml"
+    config.write_text(
+        toml_text(
+            {
+                "remote": {"url": remote.as_uri(), "refresh_interval": "1h"},
+                "cache": {
+                    "dir": str(tmp_path / "cache"),
+                    "max_bytes": "64MiB",
+                    "segment_bytes": "4KiB",
+                    "fsync": False,
+                },
+                "sampler": {"processes": 1, "concurrency": 4, "decode": "npy"},
+                "status": {"interval": "200ms"},
+            }
+        )
+    )
+    process = start_daemon(config, tmp_path / "cache", tmp_path / "daemon.err")
+    try:
+        process.wait_status(lambda d: d["cache"]["samples"] >= OBJECTS, timeout_s=60, what="the remote cached")
+        yield process
+    finally:
+        process.stop()
+
+
+def test_a_second_process_given_the_same_rank_is_refused_before_it_serves_a_batch(
+    tmp_path: Path, daemon: DaemonProcess
+) -> None:
+    first_out, second_out = tmp_path / "first.json", tmp_path / "second.json"
+    first = start_trainer(daemon.cache_dir, first_out, wait_for_file=second_out)
+    try:
+        wait_for(Path(f"{first_out}.reading").exists, timeout_s=60, what="the first process to read epoch 0")
+        started = time.monotonic()
+        second = start_trainer(daemon.cache_dir, second_out)
+        assert second.wait(timeout=60) == 0
+        refused_in = time.monotonic() - started
+        assert first.wait(timeout=60) == 0
+    finally:
+        first.kill()
+    refused = json.loads(second_out.read_text())
+    read = json.loads(first_out.read_text())
+    assert refused["keys"] == [], "the second process served no batch"
+    error = refused["error"]
+    assert error is not None, f"the second process read {len(refused['keys'])} samples, the first's share"
+    assert f"pid {first.pid} on" in error, error
+    for told in ("rank=0", "world_size=2", "RANK and LOCAL_RANK"):
+        assert told in error, error
+    assert refused_in < 30, f"refused at once, not after a timeout ({refused_in:.0f}s, a process start included)"
+    assert len(read["keys"]) == len(set(read["keys"])) == OBJECTS // 2, "the first read its share, undisturbed"
+
+
+def test_a_rank_goes_back_to_its_epoch_though_a_child_it_forked_lives_on(tmp_path: Path) -> None:
+    """A forked child (a DataLoader worker of the user's own, say) inherits its parent's descriptors, the rank
+    claim's too: that copy would keep the claim after the parent released it, and the rank, going back to the
+    epoch, would be refused as a duplicate of itself."""
+    root = build_cache(tmp_path / "c", 50)
+    reading = Snapshot.create(root, "run-e000000", ranks=2, rank=0)
+    other_rank = Snapshot.join(root, "run-e000000", ranks=2, rank=1)  # keeps the snapshot while rank 0 is away
+    forked_r, forked_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # its at-fork hooks have run once fork returns here: it says so, then lives on
+        os.write(forked_w, b"1")
+        time.sleep(30)
+        os._exit(0)
+    os.close(forked_w)
+    try:
+        assert os.read(forked_r, 1) == b"1"  # not before: the parent would race the child's hooks
+        os.close(forked_r)
+        reading.release()
+        again = Snapshot.join(root, "run-e000000", ranks=2, rank=0, timeout_s=1.0)
+        again.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        other_rank.release()
