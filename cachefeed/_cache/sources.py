@@ -83,13 +83,24 @@ def write_made_with(
     atomic_write(path, json.dumps(document, indent=1, sort_keys=True).encode(), mode=mode)
 
 
-def read_made_with(path: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
-    """What ``write_made_with`` wrote; ``{}`` without the file (a cache from before it, or new) or if unreadable."""
+def read_made_with(path: str | os.PathLike[str]) -> tuple[dict[int, dict[str, Any]], str]:
+    """What ``write_made_with`` wrote, and "" ; or ``{}`` and why the file says nothing: "" without it (a cache from
+    before it, or new: nothing to compare with), else the damage (unreadable, not a regular file, empty, or not the
+    record the daemon writes, which always names a source)."""
     try:
-        document = json.loads(read_regular(path, _MAX_MADE_WITH_BYTES))  # a planted FIFO never blocks the start
-        return {int(tag): dict(values) for tag, values in document["sources"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
+        raw = read_regular(path, _MAX_MADE_WITH_BYTES)  # a planted FIFO never blocks the start
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as exc:
+        return {}, f"cannot be read: {exc.strerror or exc}"
+    try:
+        document = json.loads(raw)
+        record = {int(tag): dict(values) for tag, values in document["sources"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        record = {}
+    if record:
+        return record, ""
+    return {}, "not the record the daemon writes" if raw else "empty"
 
 
 def changed_settings(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

@@ -994,18 +994,15 @@ class CacheStore:
 
         * no live snapshot (no trainer reads the cache: none ran yet, or all have gone): None, whatever an earlier
           trainer's epochs showed; an idle daemon fills its budget and is then paced, bound by nobody's reads.
-        * paced (the last grant waited for reads) while a snapshot lives: "trainer", by definition.
         * otherwise judged on the newest closed snapshot a trainer made (``room.py``: unread segments first, then
           the least-read): "remote" when more than ``TOPPED_UP_SHARE`` of it had been read already (fresh samples
           did not fill the epoch's room, so it was topped up and samples are read again), "trainer" otherwise (the
-          epoch read mostly fresh samples); None before the first such snapshot.
+          epoch read mostly fresh samples: a daemon paced by a slow trainer); None before the first such snapshot.
 
-        A paced moment of a remote-bound daemon (two snapshots pinning the budget at a handover) says "trainer" for
-        that moment: ingest does wait for reads then."""
+        Not whether ingest is paced at this moment: a remote-bound daemon is paced for a moment at each handover
+        (two snapshots pin the budget), and the verdict, its metric and the alerts built on them would flap."""
         if self._live_snapshots == 0:
             return None
-        if self._is_paced:
-            return "trainer"
         if self._newest_pin is None:
             return None
         _created, samples, fresh = self._newest_pin

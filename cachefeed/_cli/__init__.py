@@ -62,13 +62,18 @@ def _version() -> str:
     return __version__
 
 
+def report_error(command: str, error: CachefeedError) -> int:
+    """A user's error, as every command reports it: one line on stderr naming the command; its exit status."""
+    print(f"cachefeed {command}: {error}", file=sys.stderr)
+    return error.exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     try:
         return int(args._run(args))
     except CachefeedError as exc:
-        print(f"cachefeed {args.command}: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return report_error(args.command, exc)
     except KeyboardInterrupt:
         return 130

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from cachefeed._cache.layout import CacheLayout
+from cachefeed._cli import report_error
 from cachefeed._config import load_config
 from cachefeed._errors import EX_USAGE, CachefeedError, ConfigError, NoSuchCacheError
 from cachefeed._status.render import error_json, render_human, to_json
@@ -107,9 +108,8 @@ def _where(args: argparse.Namespace) -> tuple[Path, float | None]:
 def _answer(error: CachefeedError, cache_dir: Path | None, *, indent: int | None) -> int:
     """``--json`` where there is no report (no cache at the path, a bad ``--config``...): the error's document on
     stdout (``render.error_json``: a script always reads JSON), its line on stderr, and its exit status."""
-    print(f"cachefeed status: {error}", file=sys.stderr)
     _write(json.dumps(error_json(cache_dir, error), indent=indent) + "\n")
-    return error.exit_code
+    return report_error("status", error)
 
 
 def _write(text: str) -> None:

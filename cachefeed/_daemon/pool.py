@@ -10,12 +10,14 @@ and its writer thread do: fetches are asynchronous (a local file is read on a wo
 writer thread. So a sampler that sends nothing has stopped as a whole: SIGSTOP or a debugger, a machine that gives
 it no CPU, a hang that holds the interpreter (a native decoder that never releases the GIL). Meanwhile the objects
 assigned to it are fetched by nobody else, and a pass ends only once they are done (``plan.py``), so ingest stops at
-the end of the pass. Silent for ``SILENT_REPORT_S`` (thirty missed heartbeats; ``status.stuck_after`` where
-that is shorter), the sampler makes the daemon degraded, named with how long and how many objects it holds. It is
-killed on the stuck-decode rule's time (``Supervisor._watch_writers``), twice ``status.stuck_after`` (its objects
-are re-queued, a death while writing counts for the object it decodes, NOTE [ Supervisor-sampler protocol ]): a
-decoder that holds the GIL is silence too, and is given the same time as one that does not; a slow fetch never
-silences the loop, so it is never killed for it. The fixed timeout this replaced did both wrong: it said nothing
+the end of the pass. Silent for ``status.stuck_after``, but at least ``SILENT_MIN_S`` and at most
+``SILENT_MAX_S`` (ten to thirty missed heartbeats: a loaded machine or a long GC pause delays a few, and a short
+``stuck_after`` set to catch stuck trainers must not make a healthy sampler degraded), the sampler makes the daemon
+degraded, named with how long and how many objects it holds. It is killed on the stuck-decode rule's time
+(``Supervisor._watch_writers``), twice ``status.stuck_after``, but not before ``KILL_MIN_S`` (its objects are
+re-queued, a death while writing counts for the object it decodes, NOTE [ Supervisor-sampler protocol ]): a decoder
+that holds the GIL is silence too, and is given the same time as one that does not; a slow fetch never silences
+the loop, so it is never killed for it. The fixed timeout this replaced did both wrong: it said nothing
 for a minute while ingest waited, and it killed a decoder the stuck-decode rule lets run. A sampler still
 starting (nothing heard since its spawn: a fresh interpreter's imports, its client's warm-up) holds no object, work
 being sent only against its credit: its silence holds up nothing, and it is given ``_START_TIMEOUT_S``, or the
@@ -46,7 +48,9 @@ log = get_logger(__name__)
 
 _SEND_TIMEOUT_S = 5.0
 _START_TIMEOUT_S = 60.0  # a starting sampler's first message (module docstring, "Silence")
-SILENT_REPORT_S = 30.0  # a running sampler sends Stats every second: this much silence is reported (at most)
+# A running sampler sends Stats every second: silence is reported after status.stuck_after within these bounds, and
+# killed after twice status.stuck_after, not before KILL_MIN_S (module docstring, "Silence")
+SILENT_MIN_S, SILENT_MAX_S, KILL_MIN_S = 10.0, 30.0, 20.0
 _HEALTHY_AFTER_S = 30.0  # a sampler up this long has its restart backoff reset
 
 
@@ -244,13 +248,14 @@ class SamplerPool:
         if handle.is_killed:
             return
         if handle.state is SamplerState.STARTING:
-            if silent > max(_START_TIMEOUT_S, 2 * limit):
+            if silent > max(_START_TIMEOUT_S, 2 * limit):  # no object held yet: silence holds up nothing
                 log.warning("sampler %d sent nothing in %.0fs since it started: killing it", handle.index, silent)
                 self._kill_silent(handle, f"sent nothing in {silent:.0f}s since it started")
             return
-        if silent <= min(limit, SILENT_REPORT_S):
+        if silent <= min(max(limit, SILENT_MIN_S), SILENT_MAX_S):
             return
-        if silent > 2 * limit:
+        kill_after = max(2 * limit, KILL_MIN_S)
+        if silent > kill_after:
             log.error("sampler %d (pid %d) has sent nothing for %.0fs: killing it", handle.index, handle.pid, silent)
             self._kill_silent(handle, f"silent for {silent:.0f}s (status.stuck_after = {limit:g}s)")
             return
@@ -258,7 +263,7 @@ class SamplerPool:
             f"sampler {handle.index} (pid {handle.pid}) has sent nothing for {silent:.0f}s (it reports every "
             f"second): stopped (SIGSTOP, a debugger) or hung; the {len(handle.assigned)} objects assigned to it are "
             "fetched by no other sampler, and ingest stops at the end of the pass until they are done. It is killed "
-            f"once silent for {2 * limit:g}s (twice status.stuck_after)"
+            f"once silent for {kill_after:g}s (twice status.stuck_after, at least {KILL_MIN_S:g}s)"
         )
         if not was:
             log.warning("%s", handle.silent)

@@ -44,8 +44,8 @@ Sampler -> supervisor:
   ``too_large``, besides its ``Failed``), or one sample of an object whose other samples are cached (a tar member
   that failed to decode: ``kind = "sample"``). Informational: it changes nothing in the plan.
 * ``Stats``: cumulative counters of this sampler process (remote requests, retries, errors by kind, bytes,
-  objects), about once a second; doubles as the heartbeat: a sampler silent for ``status.stuck_after`` is
-  named in status, and killed at twice that (``pool.py``, "Silence").
+  objects), about once a second; doubles as the heartbeat: a sampler silent for long is named in status, and
+  killed later (``pool.py``, "Silence", says how long).
 * ``Drained``: the answer to ``Drain``, sent last.
 * ``Exiting(reason)``: sent last by a sampler that exits on a failure of its own (its writer thread died: a
   cache filesystem that fails writes for another cause than space, ``Refused``; a bug), so that ``cachefeed

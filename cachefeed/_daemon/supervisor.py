@@ -36,7 +36,6 @@ import multiprocessing.connection
 import os
 import signal
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -420,11 +419,10 @@ class Supervisor:
         """Evict the cached samples of each source that were made under other settings than the config's (another
         URL, pattern, decoder, image size, label, preprocess or node share: ``made_with.json``, ``_cache/sources.py``),
         naming what changed; then record the settings they are made with from now on. A record that is there but
-        cannot be read (``_made_with_damage``) says nothing of what the cached samples are: they are evicted, with a
-        warning, as if every setting had changed (``_drop_unknown``)."""
+        cannot be read (``read_made_with`` says why) says nothing of what the cached samples are: they are evicted,
+        with a warning naming why, as if every setting had changed (``_drop_unknown``)."""
         path = store.layout.made_with_file
-        before, now = read_made_with(path), self.inputs.made_with()
-        damage = _made_with_damage(path, before)
+        (before, damage), now = read_made_with(path), self.inputs.made_with()
         if damage:
             self._drop_unknown(store, path, damage, set(now))
         for tag, settings in now.items():
@@ -863,21 +861,3 @@ class Supervisor:
         if self._pool is None:
             raise RuntimeError("the sampler pool is not set up")
         return self._pool
-
-
-def _made_with_damage(path: Path, read: dict[int, dict[str, Any]]) -> str:
-    """Why the ``made_with.json`` at ``path`` cannot be trusted, or "" where it can: what ``read_made_with`` gave
-    (``read``) is the record, or there is no record (a new cache, or one from before the file existed: nothing to
-    compare with). The daemon always records at least one source, so a file that is there and yields none is
-    damaged: not a regular file, unreadable, or not the JSON the daemon writes."""
-    if read:
-        return ""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return ""
-    except OSError as exc:
-        return f"cannot look at it: {exc.strerror or exc}"
-    if not stat.S_ISREG(info.st_mode):
-        return "not a regular file"
-    return "not the record the daemon writes" if info.st_size else "empty"

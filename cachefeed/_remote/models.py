@@ -7,10 +7,11 @@ NOTE [ botocore's models, loaded once and plainly ]
     after it inherit what it loaded. Two parts of that load cost more than the data calls for:
 
     * botocore's ``JSONFileLoader`` parses every file into ``OrderedDict`` objects (``object_pairs_hook``), built in
-      Python one pair at a time: several times slower than ``json.loads``'s own dicts, and about three times their
-      memory. Since Python 3.7 a plain ``dict`` keeps the file's order, and botocore reads the loaded data only as
-      mappings (nothing in it calls ``move_to_end`` or ``popitem(last=False)``), so ``PlainJSONFileLoader`` parses
-      into plain dicts. ``tests/remote/test_models.py`` checks that both give the same data in the same order.
+      Python one pair at a time: slower than ``json.loads``'s own dicts, and larger (the benchmark below prints the
+      warm-up's CPU with each loader). Since Python 3.7 a plain ``dict`` keeps the file's order, and botocore reads
+      the loaded data only as mappings (nothing in it calls ``move_to_end`` or ``popitem(last=False)``), so
+      ``PlainJSONFileLoader`` parses into plain dicts. ``tests/remote/test_models.py`` checks that both give the
+      same data in the same order.
     * Before loading a service's model, ``Loader.load_service_model`` checks that botocore knows the service by
       listing every service directory it ships and each one's API versions: hundreds of directory listings and
       thousands of ``stat`` calls, for the one name asked. ``ModelLoader.list_available_services`` answers ``in``
@@ -18,7 +19,7 @@ NOTE [ botocore's models, loaded once and plainly ]
       and lists every service only when something reads the whole list (botocore's error for an unknown name,
       ``Session.get_available_services``).
 
-    ``python -m benchmarks.first_request`` prints what a first client costs with and without this loader. Only
+    ``python -m benchmarks.first_request`` prints what the supervisor's warm-up costs with and without this loader. Only
     the sessions cachefeed makes use it: a user's own ``storage_options["session"]`` is used as given, and a
     sampler started as a fresh interpreter lets s3fs build its session, as before. Where botocore's loader changes
     shape (no ``JSONFileLoader.load_file``, no ``Loader.list_available_services``), ``session`` returns botocore's

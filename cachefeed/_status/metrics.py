@@ -44,7 +44,7 @@ __all__ = ["STATES", "MetricsExporter", "StatusCollector", "render_metrics"]
 logger = get_logger(__name__)
 
 STATES = ("starting", "running", "degraded", "stopping", "stopped")
-SAMPLER_STATES = ("starting", "running", "restarting", "stopped")
+SAMPLER_STATES = ("starting", "running", "silent", "restarting", "stopped")
 TEXTFILE_MODE = 0o644  # node-exporter runs as its own user
 
 # (section, key, metric name, kind, help): declared with the document's fields in _status/schema.py.

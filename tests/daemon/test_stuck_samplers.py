@@ -2,8 +2,8 @@
 stalled network mount under a ``file://`` remote) held up all ingest: the other samplers finished the pass and
 then waited for its objects, since a pass ends only once every object drawn is done. Status said ``running``, the
 sampler ``running``, exit 0, whatever ``status.stuck_after``; a stopped sampler was killed after a fixed 60 s, a
-stuck fetch never. Now a sampler silent for ``status.stuck_after`` makes the daemon degraded, named, with what it
-holds, and is killed at twice that (the stuck-decode rule's times), so its objects are fetched by another; a fetch
+stuck fetch never. Now a silent sampler makes the daemon degraded, named, with what it holds, and is killed later
+(``pool.py``, "Silence": the stuck-decode rule's times, within floors), so its objects are fetched by another; a fetch
 that does not return is named once ingest waits for it, and not killed (a slow fetch must not be, and another
 sampler would stall on a dead mount too). Witnesses: ``cachefeed status`` and what the training loop receives."""
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from cachefeed._config import toml_text
+from cachefeed._daemon.pool import KILL_MIN_S, SILENT_MIN_S
 from cachefeed._testing.daemon import DaemonProcess, start_daemon
 from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
@@ -59,7 +60,7 @@ def values_served(cache_dir: Path) -> list[int]:
         return sorted(int(batch["data"][0][0]) for batch in factory.loader(0))
 
 
-def test_a_stopped_sampler_is_named_within_stuck_after_and_killed_at_twice_that_so_ingest_goes_on(
+def test_a_stopped_sampler_is_named_then_killed_so_that_ingest_goes_on(
     tmp_path: Path,
 ) -> None:
     remote = tmp_path / "remote"
@@ -77,7 +78,7 @@ def test_a_stopped_sampler_is_named_within_stuck_after_and_killed_at_twice_that_
         stopped_at = time.monotonic()
         doc = daemon.wait_status(
             lambda d: any("has sent nothing for" in reason for reason in d["degraded_reasons"]),
-            timeout_s=STUCK_AFTER_S + 10,
+            timeout_s=SILENT_MIN_S + 10,  # stuck_after is shorter than the floor
             what="the stopped sampler named in status",
         )
         (reason,) = [r for r in doc["degraded_reasons"] if "has sent nothing for" in r]
@@ -101,7 +102,7 @@ def test_a_stopped_sampler_is_named_within_stuck_after_and_killed_at_twice_that_
                 pass
         daemon.stop()
     assert served == list(range(OBJECTS)), "each object's sample once, those the stopped sampler held included"
-    assert waited < 30, f"ingest waited {waited:.0f}s for a stopped sampler"
+    assert waited < KILL_MIN_S + 15, f"ingest waited {waited:.0f}s for a stopped sampler"
     assert f"sampler 0 (pid {victim}) has sent nothing for" in daemon.stderr()
 
 
