@@ -68,8 +68,10 @@ _TMP_NAME = re.compile(r"^[0-9a-f]{16}\.tmp$")
 # (ext4: 8 bytes + the 20-byte name, in leaf blocks an htree split may leave half empty) and its MANIFEST entry
 # (msgpack [name, count, reads, tag] <= 37 bytes); per snapshot its directory's first and index blocks, the
 # MANIFEST's last partial block and source table (at most MAX_SOURCES x ~80 bytes, _cache/sources.py), the lock file
-# and the READ mark. Measured on ext4 with 9,000 segments: see tests/cache/test_bound.py, which fails if either
-# constant is too small.
+# and the READ mark. Its rank claims (RANK.<k>, one per local rank, however many: _cache/snapshots.py) are empty
+# files, an inode and a directory entry each with no data block, so the charge does not depend on the rank count,
+# which the daemon does not know. Measured on ext4 with 9,000 segments, and with few segments pinned by several
+# local ranks: see tests/cache/test_bound.py, which fails if either constant is too small.
 SNAPSHOT_ENTRY_BYTES = 128
 SNAPSHOT_FIXED_BYTES = 32 << 10
 _TAG = (

@@ -46,15 +46,21 @@ lock exclusively, so it cannot miss the mark of a rank that left before it.
 Rank claims: the local ranks sharing a snapshot split it (MANIFEST ``ranks``), each reading its own share, so two
 processes given the same rank (a launcher that set no ``RANK``/``LOCAL_RANK``: both default to 0) would read the
 same share twice and another share never. A trainer claims its local rank ``k`` as it pins (``create``/``join``
-with ``rank=k``): ``<id>/RANK.<k>``, opened (created if need be) and locked ``flock(LOCK_EX | LOCK_NB)``, its
-holder's pid and host written in it for messages. A claim another process holds refuses the pin
-(``RankClaimedError``, naming the holder); the creator claims before it writes ``MANIFEST``, so a joiner given its
-rank is the one refused. A claim belongs to a process, not to a pin: its pins of one snapshot share one locked
-descriptor (``_take_claim``: a factory that goes back to an epoch before its earlier build of it is released).
-The kernel drops a claim with its holder, as a pin: a restarted or resumed rank (a new process) takes a dead one's
-claim over, whatever pid the file names. A claim is dropped before the pin (``release``, ``leave_for_resume``), so
-only a pin holder holds one; a forked child closes its copies at the fork, so they do not outlive the parent's
-release. Claim files live in ``<id>/`` and go with it; a process that may not write there reads unclaimed.
+with ``rank=k``): ``<id>/RANK.<k>``, opened (created if need be) and locked ``flock(LOCK_EX | LOCK_NB)``. The file
+stays empty: an inode and a directory entry, no data block, so the snapshot's disk charge (``layout.py``,
+``SNAPSHOT_FIXED_BYTES``) holds however many local ranks claim; who holds a claim is asked of the kernel's lock
+table (``/proc/locks``: each flock's pid and inode), for messages. A claim another process holds is tried again
+for up to ``CLAIM_WAIT_S`` (a rank restarted while its predecessor is still exiting, in CUDA or NCCL teardown,
+holding it; a true duplicate keeps it, so the wait costs that one only time), then refuses the pin
+(``RankClaimedError``, naming the holder and the wait); the creator claims before it writes ``MANIFEST``, so a
+joiner given its rank is the one refused. A claim belongs to a process, not to a pin: its pins of one snapshot
+share one locked descriptor (``_take_claim``: a factory that goes back to an epoch before its earlier build of it is
+released). The kernel drops a claim with its holder, as a pin: a restarted or resumed rank (a new process) takes a
+dead one's claim over. A claim is dropped before the pin (``release``, ``leave_for_resume``), so only a pin holder
+holds one; a forked child closes its copies at the fork, so they do not outlive the parent's release: a claim's
+descriptor is opened, locked and recorded, and closed, under the one lock the at-fork hooks take, so no fork copies
+one the child does not know of. Claim files live in ``<id>/`` and go with it; a process that may not write there
+reads unclaimed.
 
 Ownership: the MANIFEST names the *job* that created the snapshot (``job``, a nonce the job's ranks agree on,
 ``_trainer/partition.py``) and carries a nonce of the snapshot's own (``nonce``). ``join`` refuses a snapshot of
@@ -110,8 +116,10 @@ from cachefeed._cache.room import Candidate, choose, read_room, top_up, unread_f
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._fsutil import atomic_write, open_regular_for_write, remove_tree
+from cachefeed._logs import get_logger
 
 __all__ = [
+    "CLAIM_WAIT_S",
     "RankClaimedError",
     "Snapshot",
     "SnapshotInfo",
@@ -131,22 +139,36 @@ Pick = Callable[[list[Candidate], int | None, int], list[int]]
 PARTIAL_GRACE_S = 60.0
 BUSY_WAIT_S = 30.0  # how long ``Snapshot.join`` waits on a snapshot whose lock another process holds exclusively
 CREATE_JOIN_S = 60.0  # how long ``Snapshot.create`` waits for a snapshot of its name that another process makes
+CLAIM_WAIT_S = 10.0  # how long a pin tries again a rank claim another process holds (NOTE, "Rank claims")
+_CLAIM_POLL_S = 0.05  # how often it tries
+
+log = get_logger(__name__)
 
 
 class RankClaimedError(SnapshotError):
     """Another live process reads local rank ``rank`` of snapshot ``snap_id`` (NOTE, "Rank claims"); ``holder``
-    says who (``"pid N on HOST"``). The pin taken to claim it is dropped."""
+    says who (``"pid N on HOST"``, or ``"another process"`` where the kernel does not say), ``waited_s`` how long
+    it held the claim while this process tried again (``held_for``). The pin taken to claim it is dropped."""
 
-    def __init__(self, snap_id: str, rank: int, ranks: int, holder: str) -> None:
-        self.snap_id, self.rank, self.ranks, self.holder = snap_id, rank, ranks, holder
+    def __init__(self, snap_id: str, rank: int, ranks: int, holder: str, waited_s: float = 0.0) -> None:
+        self.snap_id, self.rank, self.ranks, self.holder, self.waited_s = snap_id, rank, ranks, holder, waited_s
         of = f" of {ranks}" if ranks else ""
         super().__init__(
-            f"local rank {rank}{of} of snapshot {snap_id!r} is read by {holder} already: two processes given the "
-            "same rank read the same share, and another share never. Give each process its own rank"
+            f"local rank {rank}{of} of snapshot {snap_id!r} is read by {holder} already{self.held_for}: two "
+            "processes given the same rank read the same share, and another share never. Give each process its "
+            "own rank"
         )
 
-    def __reduce__(self) -> tuple[type[RankClaimedError], tuple[str, int, int, str]]:
-        return type(self), (self.snap_id, self.rank, self.ranks, self.holder)
+    @property
+    def held_for(self) -> str:
+        """How long the holder kept the claim while this process waited, for messages (empty: it did not wait)."""
+        if self.waited_s < _CLAIM_POLL_S:  # one try
+            return ""
+        waited = f"{self.waited_s:.0f}" if self.waited_s >= 1 else f"{self.waited_s:.1g}"
+        return f", held by it for the last {waited} s (not a predecessor still exiting)"
+
+    def __reduce__(self) -> tuple[type[RankClaimedError], tuple[str, int, int, str, float]]:
+        return type(self), (self.snap_id, self.rank, self.ranks, self.holder, self.waited_s)
 
 
 class _Busy:
@@ -251,6 +273,7 @@ class Snapshot:
         reading: Collection[str] = (),
         growing: bool = False,
         wants: int | None = None,
+        claim_wait_s: float = CLAIM_WAIT_S,
     ) -> Snapshot:
         """Pin the segments published right now, at most the daemon's epoch room of them, least-read first
         (``room.py``: the segments of every live snapshot, and those ``reading`` names, count one pending read each;
@@ -258,7 +281,8 @@ class Snapshot:
         created ``snap_id`` first, join it (``SnapshotError`` if another job did); if that snapshot is being removed
         (its last holder releasing it), make it anew once it is gone (NOTE, "Joining"). ``ranks``: how many local
         ranks split it (0: not said), which every joiner must say alike (``join``). ``rank``: claim this local rank
-        of it (NOTE, "Rank claims"), before its MANIFEST is written: a joiner given the same rank is refused.
+        of it (NOTE, "Rank claims"), before its MANIFEST is written: a joiner given the same rank is refused. A
+        snapshot of that name joined claims as ``join`` does, waiting up to ``claim_wait_s`` for a claim held.
 
         ``growing``: the snapshot stays open and its creator adds segments published later, up to the room
         (``grow``; NOTE [ Growing snapshots ]).
@@ -271,7 +295,16 @@ class Snapshot:
         deadline = time.monotonic() + CREATE_JOIN_S
         while (fd := _new_lock(layout, snap_id)) is None:
             left = max(0.0, deadline - time.monotonic())
-            joined = cls._join(layout, snap_id, timeout_s=left, job=job, ranks=ranks, rank=rank, creating=True)
+            joined = cls._join(
+                layout,
+                snap_id,
+                timeout_s=left,
+                job=job,
+                ranks=ranks,
+                rank=rank,
+                claim_wait_s=claim_wait_s,
+                creating=True,
+            )
             if joined is not None:
                 return joined
         claim: _ClaimKey | None = None
@@ -281,8 +314,8 @@ class Snapshot:
             directory.mkdir(mode=0o750)
             if rank is not None:
                 claimed = _take_claim(directory, rank)
-                if isinstance(claimed, str):  # nobody can have claimed a directory just made: not ours after all
-                    raise RankClaimedError(snap_id, rank, ranks, claimed)
+                if isinstance(claimed, _Held):  # nobody can have claimed a directory just made: not ours after all
+                    raise RankClaimedError(snap_id, rank, ranks, _claim_holder(claimed.key))
                 claim = claimed
             pending = _pending_reads(layout, reading)  # before the receipts: see _pending_reads
             reads = reads_with_receipts(layout.root, layout.snapshots)
@@ -340,6 +373,7 @@ class Snapshot:
         ranks: int = 0,
         rank: int | None = None,
         stop: threading.Event | None = None,
+        claim_wait_s: float = CLAIM_WAIT_S,
     ) -> Snapshot:
         """Pin the existing snapshot ``snap_id`` (created by another rank), waiting for it up to ``timeout_s``, or
         until ``stop`` is set (then ``SnapshotError`` at once: a factory closing does not wait out the join of an
@@ -358,10 +392,19 @@ class Snapshot:
         NOTE), so that the resumed job's last releaser removes it. ``ranks``, when given, must match the number of
         local ranks its creator split it among: a rank given another ``world_size`` would read a split of its own,
         serving some samples twice and others never (``SnapshotError``, naming both). ``rank``: claim this local
-        rank of it (NOTE, "Rank claims"); ``RankClaimedError`` if another live process holds that claim."""
+        rank of it (NOTE, "Rank claims"); a claim another live process holds is tried again for up to
+        ``claim_wait_s`` (its holder may be a predecessor still exiting), then ``RankClaimedError``."""
         layout = _checked_layout(root, snap_id)
         joined = cls._join(
-            layout, snap_id, timeout_s=timeout_s, job=job, nonce=nonce, ranks=ranks, rank=rank, stop=stop
+            layout,
+            snap_id,
+            timeout_s=timeout_s,
+            job=job,
+            nonce=nonce,
+            ranks=ranks,
+            rank=rank,
+            stop=stop,
+            claim_wait_s=claim_wait_s,
         )
         if joined is None:  # only a creator's join gives up on a free name
             raise SnapshotError(f"snapshot {snap_id!r} is not in {layout.snapshots}")
@@ -379,6 +422,7 @@ class Snapshot:
         ranks: int = 0,
         rank: int | None = None,
         stop: threading.Event | None = None,
+        claim_wait_s: float = CLAIM_WAIT_S,
         creating: bool = False,
     ) -> Snapshot | None:
         """``join``'s wait and pin. ``creating``: a creator's, which found the name taken: None as soon as the name
@@ -392,7 +436,8 @@ class Snapshot:
             pinned = _try_pin(lock_path, manifest_path)
             was_busy = was_busy or pinned is _BUSY
             if isinstance(pinned, tuple):
-                return cls._pinned(layout, snap_id, pinned, job=job, nonce=nonce, ranks=ranks, rank=rank)
+                claiming = _Claiming(rank, claim_wait_s, stop)
+                return cls._pinned(layout, snap_id, pinned, job=job, nonce=nonce, ranks=ranks, claiming=claiming)
             if creating and pinned is None and not os.path.lexists(lock_path):
                 return None
             now = time.monotonic()
@@ -428,10 +473,10 @@ class Snapshot:
         job: str | None,
         nonce: str | None,
         ranks: int,
-        rank: int | None,
+        claiming: _Claiming,
     ) -> Snapshot:
-        """The joined snapshot, once ``job``, ``nonce`` and ``ranks`` match and ``rank`` is claimed (``join``); else
-        the pin is dropped and ``SnapshotError`` (``RankClaimedError``) says why."""
+        """The joined snapshot, once ``job``, ``nonce`` and ``ranks`` match and ``claiming`` claimed its rank
+        (``join``); else the pin is dropped and ``SnapshotError`` (``RankClaimedError``) says why."""
         fd, manifest = pinned
         snapshot = cls(layout, snap_id, fd, manifest)
         for what, mine, theirs in (("job", job, snapshot.job), ("nonce", nonce, snapshot.nonce)):
@@ -447,12 +492,11 @@ class Snapshot:
                 f"snapshot {snap_id!r} is split among {snapshot.ranks} local ranks by the rank that created "
                 f"it, and this rank counts {ranks}: give every rank of the job the same world_size"
             )
-        if rank is not None:
-            claimed = _take_claim(snapshot.directory, rank)
-            if isinstance(claimed, str):  # before LEFT goes: a refused resume does not take the snapshot back
-                snapshot.release()
-                raise RankClaimedError(snap_id, rank, ranks or snapshot.ranks, claimed)
-            snapshot._claim = claimed
+        try:  # before LEFT goes: a refused resume does not take the snapshot back
+            snapshot._claim = claiming.claim(snapshot.directory, snap_id, ranks or snapshot.ranks)
+        except SnapshotError:
+            snapshot.release()
+            raise
         if nonce is not None:
             with contextlib.suppress(OSError):  # not there, or not ours to remove: its releaser decides
                 (snapshot.directory / LEFT).unlink(missing_ok=True)
@@ -966,19 +1010,76 @@ def _leave_receipt(directory: Path) -> None:
 
 _ClaimKey = tuple[int, int]  # a claim file's (st_dev, st_ino): one per claim while anyone holds it open
 _claims: dict[_ClaimKey, list[int]] = {}  # this process's claims: [the locked descriptor, its pins that share it]
-_claims_lock = threading.RLock()  # reentrant: a Snapshot collected while this thread holds it drops its claim
+# Held while a claim's descriptor is opened, locked and recorded, or closed, and by the at-fork hooks: a fork never
+# copies a claim's descriptor that ``_claims`` does not name. Reentrant: a Snapshot collected while this thread
+# holds it drops its claim.
+_claims_lock = threading.RLock()
 
 
-def _take_claim(directory: Path, rank: int) -> _ClaimKey | str | None:
-    """Claim local rank ``rank`` of the snapshot in ``directory`` for this process: the claim's key (this process
-    may hold it already: another of its pins shares it), who holds it where another live process does (``"pid N on
-    HOST"``), or None where this process may not claim there (it reads unclaimed)."""
-    fd = _open_claim(directory / f"{RANK_CLAIM}{rank}")
-    if fd is None:
-        return None
-    info = os.fstat(fd)
-    key = (info.st_dev, info.st_ino)
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """``_take_claim``'s answer for a claim another live process holds: its file's key, for ``_claim_holder``."""
+
+    key: _ClaimKey
+
+
+@dataclass(frozen=True, slots=True)
+class _Claiming:
+    """What a pin claims (NOTE, "Rank claims"): local rank ``rank`` (None: none), tried again for up to ``wait_s``
+    while another process holds it, or until ``stop`` is set."""
+
+    rank: int | None
+    wait_s: float = CLAIM_WAIT_S
+    stop: threading.Event | None = None
+
+    def claim(self, directory: Path, snap_id: str, ranks: int) -> _ClaimKey | None:
+        """Claim ``rank`` of snapshot ``snap_id`` in ``directory`` (split among ``ranks``, for messages): the
+        claim's key, or None where nothing is claimed (no rank; a directory this process may not write). While
+        another process holds it, the wait is logged once and the claim tried every ``_CLAIM_POLL_S``; once
+        ``wait_s`` passed, ``RankClaimedError`` names the holder and the wait. ``stop`` set: ``SnapshotError``."""
+        if self.rank is None:
+            return None
+        started, said = time.monotonic(), False
+        while True:
+            claimed = _take_claim(directory, self.rank)
+            if not isinstance(claimed, _Held):
+                return claimed
+            waited = time.monotonic() - started
+            if waited >= self.wait_s:
+                raise RankClaimedError(snap_id, self.rank, ranks, _claim_holder(claimed.key), waited)
+            if not said:
+                said = True
+                log.warning(
+                    "local rank %d of snapshot %r is held by %s: waiting up to %.0f s for it to let go (a rank "
+                    "restarted while its predecessor exits), else this process is refused as a second one given "
+                    "that rank",
+                    self.rank,
+                    snap_id,
+                    _claim_holder(claimed.key),
+                    self.wait_s,
+                )
+            self._pause(min(_CLAIM_POLL_S, self.wait_s - waited), snap_id)
+
+    def _pause(self, seconds: float, snap_id: str) -> None:
+        """Sleep ``seconds`` between two tries; ``SnapshotError`` at once where ``stop`` is set meanwhile."""
+        if self.stop is None:
+            time.sleep(seconds)
+        elif self.stop.wait(seconds):
+            raise SnapshotError(
+                f"stopped waiting for local rank {self.rank} of snapshot {snap_id!r}: the trainer is closing"
+            )
+
+
+def _take_claim(directory: Path, rank: int) -> _ClaimKey | _Held | None:
+    """Claim local rank ``rank`` of the snapshot in ``directory`` for this process, once: the claim's key (this
+    process may hold it already: another of its pins shares it), ``_Held`` where another live process holds it, or
+    None where this process may not claim there (it reads unclaimed). All under ``_claims_lock``: no fork happens
+    between the open and the record (NOTE, "Rank claims")."""
     with _claims_lock:
+        opened = _open_claim(directory / f"{RANK_CLAIM}{rank}")
+        if opened is None:
+            return None
+        fd, key = opened
         held = _claims.get(key)
         if held is not None:
             held[1] += 1
@@ -987,20 +1088,15 @@ def _take_claim(directory: Path, rank: int) -> _ClaimKey | str | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _claim_holder(fd)
             os.close(fd)
-            return holder
+            return _Held(key)
         _claims[key] = [fd, 1]
-    with contextlib.suppress(OSError):  # a claim file of another user's, opened read-only: it names nobody
-        owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, owner, 0)
-    return key
+        return key
 
 
-def _open_claim(path: Path) -> int | None:
-    """The claim file at ``path``, made if need be; read-only where it is another user's; None where it cannot be
-    opened or is not a regular file (planted)."""
+def _open_claim(path: Path) -> tuple[int, _ClaimKey] | None:
+    """The claim file at ``path``, made (empty) if need be, and its key; read-only where it is another user's; None
+    where it cannot be opened or is not a regular file (planted)."""
     flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o640)
@@ -1011,24 +1107,50 @@ def _open_claim(path: Path) -> int | None:
             return None
     except OSError:
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         return None
-    return fd
+    return fd, (info.st_dev, info.st_ino)
 
 
-def _claim_holder(fd: int) -> str:
-    """Who holds the claim open on ``fd``, as its file says."""
+def _claim_holder(key: _ClaimKey) -> str:
+    """Who holds the claim whose file is ``key``, as the kernel's lock table says (``/proc/locks``): ``"pid N on
+    HOST"``; ``"another process"`` where it does not say (no procfs, a holder outside this pid namespace, a lock of
+    another host on a network filesystem)."""
     try:
-        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"pid {int(owner['pid'])} on {owner['host']}"
-    except (OSError, ValueError, TypeError, KeyError):
-        return "another process"  # claimed a moment ago: its pid is not written yet
+        with open("/proc/locks", encoding="ascii", errors="replace") as table:
+            pids = _exclusive_flockers(table.read().splitlines(), key)
+    except OSError:
+        return "another process"
+    if len(pids) != 1 or 0 in pids:
+        return "another process"
+    return f"pid {pids.pop()} on {socket.gethostname()}"
+
+
+def _exclusive_flockers(lines: list[str], key: _ClaimKey) -> set[int]:
+    """The pids that ``/proc/locks`` ``lines`` say hold ``flock(LOCK_EX)`` on the file ``key`` (``1: FLOCK ADVISORY
+    WRITE <pid> <major>:<minor>:<inode> 0 EOF``; waiters, ``->``, are not holders). A filesystem whose ``st_dev``
+    is not the device the table names (a btrfs subvolume's) is matched on the inode alone."""
+    same_device: set[int] = set()
+    same_inode: set[int] = set()
+    device = f"{os.major(key[0]):02x}:{os.minor(key[0]):02x}"
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1:4] != ["FLOCK", "ADVISORY", "WRITE"] or not fields[4].isdigit():
+            continue
+        where, _, inode = fields[5].rpartition(":")
+        if inode == str(key[1]):
+            same_inode.add(int(fields[4]))
+            if where == device:
+                same_device.add(int(fields[4]))
+    return same_device or same_inode
 
 
 def _drop_claim(key: _ClaimKey) -> None:
     """One pin of this process no longer needs its claim: the last one closes the claim's descriptor (the kernel
-    drops the lock with it). A forked child's claims were closed at the fork: nothing to do."""
+    drops the lock with it), under ``_claims_lock`` as it was opened. A forked child's claims were closed at the
+    fork: nothing to do."""
     with _claims_lock:
         held = _claims.get(key)
         if held is None:
@@ -1037,7 +1159,7 @@ def _drop_claim(key: _ClaimKey) -> None:
         if held[1] > 0:
             return
         del _claims[key]
-    os.close(held[0])
+        os.close(held[0])
 
 
 def _claims_before_fork() -> None:

@@ -67,7 +67,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.room import read_room
-from cachefeed._cache.snapshots import RankClaimedError, Snapshot
+from cachefeed._cache.snapshots import CLAIM_WAIT_S, RankClaimedError, Snapshot
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
@@ -432,7 +432,8 @@ class Epochs:
     @contextlib.contextmanager
     def _claiming(self, epoch: int) -> Iterator[None]:
         """Pins of ``epoch`` inside claim this rank (NOTE [ Snapshot pinning protocol ], "Rank claims"): one another
-        live process holds is refused, saying which rank this process was given and what to check."""
+        live process still holds after ``_claim_wait_s`` is refused, saying which rank this process was given, how
+        long it waited and what to check."""
         try:
             yield
         except RankClaimedError as exc:
@@ -440,10 +441,10 @@ class Epochs:
             raise SnapshotError(
                 f"epoch {epoch}: another process ({exc.holder}) already reads the share of rank={ranks.rank} "
                 f"(local rank {ranks.local_rank} of {ranks.local_world_size} on this node, world_size="
-                f"{ranks.world_size}): two processes were given the same rank, and both would read that share "
-                "while another is never read. Give each process its own rank: pass rank= (0 to world_size - 1, "
-                "different in every process), or check that the launcher sets RANK and LOCAL_RANK for each process "
-                "(torchrun does; without them every process defaults to rank 0)"
+                f"{ranks.world_size}){exc.held_for}: two processes were given the same rank, and both would read "
+                "that share while another is never read. Give each process its own rank: pass rank= (0 to "
+                "world_size - 1, different in every process), or check that the launcher sets RANK and LOCAL_RANK "
+                "for each process (torchrun does; without them every process defaults to rank 0)"
             ) from None
 
     def _build(self, epoch: int, *, with_loader: bool, background: bool) -> EpochState:
@@ -465,7 +466,9 @@ class Epochs:
         snapshot = None
         if resume is not None:
             with self._claiming(epoch):
-                snapshot = resumed_snapshot(plan.layout.root, resume, rank=plan.ranks.local_rank)
+                snapshot = resumed_snapshot(
+                    plan.layout.root, resume, rank=plan.ranks.local_rank, claim_wait_s=self._claim_wait_s()
+                )
         is_exact_resume = snapshot is not None
         grows = is_first and self._resume is None and self._can_grow()
         wants = self._later_wants() if not is_first and plan.ranks.is_creator and not is_exact_resume else None
@@ -588,6 +591,7 @@ class Epochs:
                     ranks=plan.ranks.local_world_size,
                     rank=plan.ranks.local_rank,
                     stop=self._closing,
+                    claim_wait_s=self._claim_wait_s(),
                 )
             with self._lock:
                 reading = self._last_names()  # the epoch being read now: its receipt is pending
@@ -600,7 +604,13 @@ class Epochs:
                 reading=reading,
                 growing=growing,
                 wants=wants,
+                claim_wait_s=self._claim_wait_s(),
             )
+
+    def _claim_wait_s(self) -> float:
+        """How long a pin waits for this rank's claim while another process holds it (a predecessor still exiting,
+        NOTE [ Snapshot pinning protocol ], "Rank claims"): ``CLAIM_WAIT_S``, or ``join_timeout_s`` if shorter."""
+        return min(CLAIM_WAIT_S, self.plan.join_timeout_s)
 
     def _build_in_background(self, epoch: int) -> EpochState:
         """The build thread's build of the next epoch, with prompt GIL hand-offs (``gil.py``): beside a training

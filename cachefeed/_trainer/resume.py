@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefeed._cache.layout import CacheLayout
-from cachefeed._cache.snapshots import RankClaimedError, Snapshot
+from cachefeed._cache.snapshots import CLAIM_WAIT_S, RankClaimedError, Snapshot
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 
@@ -163,11 +163,13 @@ def _normal(value: Any) -> Any:
     return value
 
 
-def resumed_snapshot(root: Path, resume: ResumePoint, *, rank: int | None = None) -> Snapshot | None:
+def resumed_snapshot(
+    root: Path, resume: ResumePoint, *, rank: int | None = None, claim_wait_s: float = CLAIM_WAIT_S
+) -> Snapshot | None:
     """The interrupted epoch's own snapshot, if the settings match and the daemon still keeps it; else None (and
-    the log line). ``rank``: the local rank it claims (NOTE [ Snapshot pinning protocol ], "Rank claims"); one that
-    another live process reads is ``RankClaimedError``, never a fresh snapshot: that process would read the same
-    share of it."""
+    the log line). ``rank``: the local rank it claims (NOTE [ Snapshot pinning protocol ], "Rank claims"), waiting
+    up to ``claim_wait_s`` for a predecessor still exiting to let go of it; one that another live process still
+    reads then is ``RankClaimedError``, never a fresh snapshot: that process would read the same share of it."""
     if not resume.is_exact:
         return None
     try:
@@ -176,7 +178,9 @@ def resumed_snapshot(root: Path, resume: ResumePoint, *, rank: int | None = None
                 f"its snapshot {resume.snapshot_id!r} is gone (released by a trainer that closed its factory, or "
                 "removed after cache.snapshot_grace)"
             )
-        snapshot = Snapshot.join(root, resume.snapshot_id, timeout_s=0.5, nonce=resume.snapshot_nonce, rank=rank)
+        snapshot = Snapshot.join(
+            root, resume.snapshot_id, timeout_s=0.5, nonce=resume.snapshot_nonce, rank=rank, claim_wait_s=claim_wait_s
+        )
     except RankClaimedError:
         raise
     except SnapshotError as exc:

@@ -1,7 +1,9 @@
 """Two processes given the same rank: a launcher that set no ``RANK``/``LOCAL_RANK``, so both default to rank 0 of
 ``world_size=2``. Each read the same half of every epoch's snapshot and nothing said so: half the samples were read
 twice, the other half never. Now the second is refused before it serves a batch, naming the rank, the world size
-and what to check; the first reads its share undisturbed (NOTE [ Snapshot pinning protocol ], "Rank claims").
+and what to check; the first reads its share undisturbed (NOTE [ Snapshot pinning protocol ], "Rank claims"). A
+rank restarted while its predecessor still exits is not such a second process: it waits for the claim
+(``CLAIM_WAIT_S``), saying so, and reads its share.
 
 Real components: a daemon (``python -m cachefeed daemon``) on a ``file://`` remote, and two trainer processes.
 """
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachefeed._cache.snapshots import Snapshot
+from cachefeed._cache import snapshots
+from cachefeed._cache.snapshots import CLAIM_WAIT_S, Snapshot
 from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon, wait_for
 from cachefeed._testing.samples import npy_bytes
@@ -56,13 +60,19 @@ def trainer_main(cache_dir: str, out: str, wait_for_file: str | None) -> None:
     atomic_write(out, json.dumps({"keys": keys, "error": error}).encode())
 
 
-def start_trainer(cache_dir: Path, out: Path, wait_for_file: Path | None = None) -> subprocess.Popen[bytes]:
+def start_trainer(
+    cache_dir: Path, out: Path, wait_for_file: Path | None = None, stderr: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """``trainer_main`` in a process of its own; its stderr (its log) to the file ``stderr`` if given."""
     waiting = str(wait_for_file) if wait_for_file is not None else None
     code = (
         "from tests.trainer.test_duplicate_rank import trainer_main; "
         f"trainer_main({str(cache_dir)!r}, {str(out)!r}, {waiting!r})"
     )
-    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env())
+    if stderr is None:
+        return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env())
+    with open(stderr, "wb") as err:
+        return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env(), stderr=err)
 
 
 @pytest.fixture
@@ -99,14 +109,19 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
 def test_a_second_process_given_the_same_rank_is_refused_before_it_serves_a_batch(
     tmp_path: Path, daemon: DaemonProcess
 ) -> None:
-    first_out, second_out = tmp_path / "first.json", tmp_path / "second.json"
+    first_out, second_out, second_log = tmp_path / "first.json", tmp_path / "second.json", tmp_path / "second.log"
     first = start_trainer(daemon.cache_dir, first_out, wait_for_file=second_out)
     try:
         wait_for(Path(f"{first_out}.reading").exists, timeout_s=60, what="the first process to read epoch 0")
-        started = time.monotonic()
-        second = start_trainer(daemon.cache_dir, second_out)
+        second = start_trainer(daemon.cache_dir, second_out, stderr=second_log)
+        wait_for(
+            lambda: "waiting up to" in second_log.read_text() or second.poll() is not None,
+            timeout_s=60,
+            what="the second process to find its rank claimed",
+        )
+        found_claimed = time.monotonic()
         assert second.wait(timeout=60) == 0
-        refused_in = time.monotonic() - started
+        refused_in = time.monotonic() - found_claimed
         assert first.wait(timeout=60) == 0
     finally:
         first.kill()
@@ -118,7 +133,8 @@ def test_a_second_process_given_the_same_rank_is_refused_before_it_serves_a_batc
     assert f"pid {first.pid} on" in error, error
     for told in ("rank=0", "world_size=2", "RANK and LOCAL_RANK"):
         assert told in error, error
-    assert refused_in < 30, f"refused at once, not after a timeout ({refused_in:.0f}s, a process start included)"
+    assert f"for the last {CLAIM_WAIT_S:.0f} s" in error, error
+    assert refused_in < 2 * CLAIM_WAIT_S, f"refused once the claim's wait is over, not a timeout ({refused_in:.0f}s)"
     assert len(read["keys"]) == len(set(read["keys"])) == OBJECTS // 2, "the first read its share, undisturbed"
 
 
@@ -145,4 +161,82 @@ def test_a_rank_goes_back_to_its_epoch_though_a_child_it_forked_lives_on(tmp_pat
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+        other_rank.release()
+
+
+def test_a_rank_restarted_while_its_predecessor_still_exits_waits_for_its_claim_and_reads_its_share(
+    tmp_path: Path, daemon: DaemonProcess
+) -> None:
+    """A scheduler restarts a rank while the old process, in its CUDA/NCCL teardown, still holds the rank's claim:
+    the new one was refused at once as a second process given that rank. It now waits for the claim, saying so in
+    its log, and reads the share once the old one is gone."""
+    old_out, new_out, new_log = tmp_path / "old.json", tmp_path / "new.json", tmp_path / "new.log"
+    old = start_trainer(daemon.cache_dir, old_out, wait_for_file=tmp_path / "never")
+    try:
+        wait_for(Path(f"{old_out}.reading").exists, timeout_s=60, what="the old process to read epoch 0")
+        new = start_trainer(daemon.cache_dir, new_out, stderr=new_log)
+        try:
+            wait_for(
+                lambda: "waiting up to" in new_log.read_text() or new.poll() is not None,
+                timeout_s=60,
+                what="the new process to wait for the old one's claim",
+            )
+            old.kill()  # its exit ends: the kernel drops its claim
+            old.wait(timeout=60)
+            assert new.wait(timeout=60) == 0
+        finally:
+            new.kill()
+    finally:
+        old.kill()
+    restarted = json.loads(new_out.read_text())
+    assert restarted["error"] is None, restarted["error"]
+    assert f"pid {old.pid} on" in new_log.read_text(), "the wait names the process it waits for"
+    keys = restarted["keys"]
+    assert len(keys) == len(set(keys)) == OBJECTS // 2, "the restarted rank read its share"
+
+
+def test_a_fork_while_a_rank_takes_its_claim_leaves_the_child_no_copy_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork on another thread (a DataLoader worker started while the next epoch is built) between the claim file's
+    open and its record gave the child a copy of the claim that its at-fork hook did not know to close: the child
+    held the claim after the parent released it, and the rank, going back to the epoch, was refused as a duplicate
+    of itself. The fork is made to happen while the claim is being taken (from inside its open)."""
+    root = build_cache(tmp_path / "c", 50)
+    other_rank = Snapshot.create(root, "run-e000000", ranks=2, rank=1)  # keeps the snapshot while rank 0 is away
+    forked_r, forked_w = os.pipe()
+    children: list[int] = []
+    forking = threading.Thread(target=lambda: children.append(fork_child()))
+    open_claim = snapshots._open_claim
+
+    def fork_child() -> int:
+        child = os.fork()
+        if child == 0:  # its at-fork hooks have run: it says so, then lives on
+            os.write(forked_w, b"1")
+            time.sleep(30)
+            os._exit(0)
+        return child
+
+    def opened_while_a_thread_forks(path: Path) -> object:
+        opened = open_claim(path)
+        forking.start()
+        forking.join(timeout=1.0)  # a fork the claim's lock holds back goes on once the claim is recorded
+        return opened
+
+    monkeypatch.setattr(snapshots, "_open_claim", opened_while_a_thread_forks)
+    try:
+        reading = Snapshot.join(root, "run-e000000", ranks=2, rank=0)
+        monkeypatch.undo()
+        assert os.read(forked_r, 1) == b"1"  # the child's hooks ran: the claim is the parent's alone, or copied
+        reading.release()
+        again = Snapshot.join(root, "run-e000000", ranks=2, rank=0, timeout_s=1.0, claim_wait_s=1.0)
+        again.release()
+    finally:
+        if forking.ident is not None:
+            forking.join()
+        for child in children:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        os.close(forked_r)
+        os.close(forked_w)
         other_rank.release()
