@@ -238,7 +238,11 @@ def test_an_epoch_killed_twice_and_resumed_on_a_fresh_snapshot_keeps_its_step_co
         assert len(set(rest)) == len(rest), "the fresh snapshot's rest of the epoch, each sample once"
 
 
-@pytest.mark.parametrize("exit_at", ["loaded", "loader", "iter", "ctrl-c"])
+@pytest.mark.parametrize(
+    "exit_at",
+    # "loader" and "iter" walk the path "loaded" does, a step later: in the slow run only (-m slow)
+    ["loaded", pytest.param("loader", marks=pytest.mark.slow), pytest.param("iter", marks=pytest.mark.slow), "ctrl-c"],
+)
 def test_a_checkpoint_saved_before_the_resumed_runs_first_batch_resumes_where_it_was_loaded(
     tmp_path: Path, exit_at: str
 ) -> None:
