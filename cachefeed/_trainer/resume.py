@@ -172,11 +172,19 @@ def resumed_snapshot(
     reads then is ``RankClaimedError``, never a fresh snapshot: that process would read the same share of it."""
     if not resume.is_exact:
         return None
+    layout = CacheLayout(root)
+    # Who removes a stopped trainer's snapshot: the daemon, after its grace; without one, the trainer itself as it
+    # stops by an exception (Ctrl-C), as it would on a normal close (``Epochs.close``)
+    removed = (
+        "or removed after cache.snapshot_grace"
+        if layout.has_writer()
+        else "or stopped by an exception (Ctrl-C): no daemon runs on this cache to keep it"
+    )
     try:
-        if not (CacheLayout(root).snapshots / resume.snapshot_id).exists():  # no rank is creating it: do not wait
+        if not (layout.snapshots / resume.snapshot_id).exists():  # no rank is creating it: do not wait
             raise SnapshotError(
-                f"its snapshot {resume.snapshot_id!r} is gone (released by a trainer that closed its factory, or "
-                "removed after cache.snapshot_grace)"
+                f"its snapshot {resume.snapshot_id!r} is gone (released by a trainer that closed its factory, "
+                f"{removed})"
             )
         snapshot = Snapshot.join(
             root, resume.snapshot_id, timeout_s=0.5, nonce=resume.snapshot_nonce, rank=rank, claim_wait_s=claim_wait_s
@@ -185,8 +193,8 @@ def resumed_snapshot(
         raise
     except SnapshotError as exc:
         log.warning(
-            "resuming epoch %d on a fresh snapshot: %s (a dead trainer's snapshot is kept for "
-            "cache.snapshot_grace); the epoch skips its first %d batches but reads other samples than before",
+            "resuming epoch %d on a fresh snapshot: %s; the epoch skips its first %d batches but reads other samples "
+            "than before",
             resume.epoch,
             exc,
             resume.batches_consumed,

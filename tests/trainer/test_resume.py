@@ -208,6 +208,27 @@ def test_after_the_grace_the_epoch_resumes_on_a_fresh_snapshot_and_says_so(
     assert f"its snapshot {saved['state']['snapshot_id']!r} is gone" in warning, "not: is the creating rank running?"
 
 
+def test_a_resume_on_a_cache_no_daemon_keeps_says_why_its_snapshot_is_gone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A static cache: no daemon keeps a stopped trainer's snapshot, and Ctrl-C releases it. The warning named
+    ``cache.snapshot_grace``, a setting such a cache does not have."""
+    root = build_cache(tmp_path / "c", SAMPLES)
+    assert not CacheLayout(root).has_writer()
+    keys: list[str] = []
+    with pytest.raises(KeyboardInterrupt), EpochLoaderFactory(root, batch_size=BATCH, run_id="static") as factory:
+        for batch in factory.loader(0):
+            keys += check_batch(batch)
+            state = factory.state_dict()
+            if len(keys) >= 3 * BATCH:
+                raise KeyboardInterrupt
+    with caplog.at_level(logging.WARNING):
+        rest = resume(root, {"state": state, "keys": keys})
+    assert len(rest) == SAMPLES - len(keys), "the step count stays right"
+    (warning,) = [r.getMessage() for r in caplog.records if "resuming epoch 0 on a fresh snapshot" in r.getMessage()]
+    assert "snapshot_grace" not in warning and "no daemon runs on this cache to keep it" in warning, warning
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_checkpoint_saved_at_the_end_of_an_epoch_resumes_with_the_next_one(tmp_path: Path, workers: int) -> None:
     """The loop received every batch of epoch 0 and saved: resuming ran epoch 0 again, empty, and with it the
