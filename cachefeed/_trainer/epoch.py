@@ -57,7 +57,8 @@ class EpochStats:
     Attributes:
         epoch, snapshot_id: which epoch, over which snapshot.
         samples, segments: in the snapshot (the whole node's view).
-        new_samples, new_segments: in segments that the previous epoch's snapshot did not have (all, the first time).
+        new_samples, new_segments: in segments that the previous epoch's snapshot did not have: all, for the first
+            epoch this factory builds (a resumed run's too: it does not know the snapshot the killed run read before).
         rank_samples, batches: this rank's share and its planned number of batches.
         batches_served: batches handed to the training loop so far.
         skipped_corrupt: records that failed verification and were left out of their batch.
