@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_write", "fsync_dir", "remove_tree"]
+__all__ = ["atomic_write", "file_version", "fsync_dir", "remove_tree"]
 
 
 def atomic_write(
@@ -71,6 +71,16 @@ def open_regular_for_write(path: str | os.PathLike[str], mode: int) -> int:
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", str(path))
     return fd
+
+
+def file_version(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
+    """What tells one version of a small file from another without reading it (an atomic rewrite gives it a new
+    inode): inode, size and mtime; None if it cannot be looked at. Never follows a symlink."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -115,7 +115,7 @@ from cachefeed._cache.records import segment_trailer
 from cachefeed._cache.room import Candidate, choose, read_room, top_up, unread_first
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
-from cachefeed._fsutil import atomic_write, open_regular_for_write, remove_tree
+from cachefeed._fsutil import atomic_write, file_version, open_regular_for_write, remove_tree
 from cachefeed._logs import get_logger
 
 __all__ = [
@@ -611,9 +611,8 @@ class Snapshot:
             return False
         path = self.directory / MANIFEST
         try:
-            info = os.stat(path)
-            seen = (info.st_ino, info.st_size, info.st_mtime_ns)
-            if seen == self._manifest_stat:
+            seen = file_version(path)
+            if seen is not None and seen == self._manifest_stat:
                 return False
             manifest = msgpack.unpackb(path.read_bytes(), raw=False)
         except (OSError, ValueError) as exc:

@@ -98,7 +98,7 @@ from cachefeed._cache.room import epoch_room, read_room, write_room
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
 from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
 from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
-from cachefeed._fsutil import fsync_dir, remove_tree
+from cachefeed._fsutil import file_version, fsync_dir, remove_tree
 from cachefeed._logs import get_logger
 from cachefeed._procs import GONE, process_state
 from cachefeed._units import format_bytes
@@ -184,15 +184,6 @@ def _gone_holder(fd: int) -> int | None:
     if who is None or who.host != socket.gethostname() or who.pid <= 0 or process_state(who.pid) not in GONE:
         return None
     return who.pid
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    """What tells one version of a small file from another without reading it: inode, size, mtime; None if gone."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def _round_up(n: int, unit: int = PAGE_BYTES) -> int:
@@ -469,13 +460,13 @@ class CacheStore:
             self._cannot_write("budget.json", exc, "trainers size their epochs without it")
             return
         self._room_written = True
-        self._room_identity = _identity(self.layout.budget_file)
+        self._room_identity = file_version(self.layout.budget_file)
         self.write_problems.pop("budget.json", None)
 
     def _keep_room(self) -> None:
         """At each sweep: ``budget.json`` changed since this store wrote it (damaged, removed or replaced behind the
         daemon's back) is written again, with a warning where trainers could not read it (``_warn_if_room_lost``)."""
-        if not self._room_written or _identity(self.layout.budget_file) == self._room_identity:
+        if not self._room_written or file_version(self.layout.budget_file) == self._room_identity:
             return
         self._warn_if_room_lost()
         self._write_room()
