@@ -63,36 +63,63 @@ _STATS_INTERVAL_S = 1.0
 _EXIT_GRACE_S = 5.0
 _REASON_CHARS = 500  # a reason sent to the supervisor (a quarantine, an exit: status shows it) is cut to this length
 FIRST_FETCHES = 1  # fetches in flight at a sampler's start; one more per completed fetch (FetchWindow)
+WINDOW_PATIENCE_S = 5.0  # with nothing completed for this long, the window opens by one all the same (FetchWindow)
 
 
 class FetchWindow:
     """How many fetches may be in flight: ``first`` at the start, one more each time a fetch completes (a slow
-    start, as TCP's: the window doubles per round trip), up to ``limit`` (``sampler.concurrency``).
+    start, as TCP's: the window doubles per round trip), up to ``limit`` (``sampler.concurrency``); and one more
+    each ``patience_s`` in which no fetch completed while one waits for a slot.
 
-    Why: objects arrive whole before they are decoded, and the remote's bandwidth is shared by every request in
-    flight; a sampler that asked for ``limit`` shards at once would get the first one complete only when about all
-    of them are, so a cold trainer's first segment would wait for ``limit`` objects instead of one. The window
-    reaches ``limit`` after a few completions, so steady ingest is unchanged. Used as ``async with window:``.
+    Why the slow start: objects arrive whole before they are decoded, and the remote's bandwidth is shared by every
+    request in flight; a sampler that asked for ``limit`` shards at once would get the first one complete only when
+    about all of them are, so a cold trainer's first segment would wait for ``limit`` objects instead of one. The
+    window reaches ``limit`` after a few completions, so steady ingest is unchanged.
+
+    Why the patience: a window that opens only on completions stays shut behind a fetch that never completes (a
+    stalled mount under ``file://``, a server that stops sending): with the first fetch stuck, the sampler would
+    fetch none of the other objects it holds, for as long as the fetch hangs. The patience lets one more in each
+    ``patience_s`` instead; it costs a cold start nothing where an object arrives within it. Used as
+    ``async with window:``.
     """
 
-    def __init__(self, first: int, limit: int) -> None:
+    def __init__(self, first: int, limit: int, *, patience_s: float = WINDOW_PATIENCE_S) -> None:
         if limit < 1 or first < 1:
             raise ValueError(f"first and limit must be at least 1, got {first!r} and {limit!r}")
+        if patience_s <= 0:
+            raise ValueError(f"patience_s must be positive, got {patience_s!r}")
         self.limit = limit
         self.size = min(first, limit)
         self.active = 0
+        self.patience_s = patience_s
         self._changed = asyncio.Condition()
+        self._opened_at = time.monotonic()  # the last completion, opening or start from idle: patience counts from it
 
     async def __aenter__(self) -> None:
         async with self._changed:
-            await self._changed.wait_for(lambda: self.active < self.size)
+            while self.active >= self.size:
+                left = self._opened_at + self.patience_s - time.monotonic()
+                if left <= 0:  # nothing completed for the patience: let one more in (one per patience, not per waiter)
+                    self._open()
+                    continue
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except TimeoutError:
+                    pass
+            if self.active == 0:  # idle until now: the patience counts from this fetch, not from the last one
+                self._opened_at = time.monotonic()
             self.active += 1
 
     async def __aexit__(self, *exc: object) -> None:
         async with self._changed:
             self.active -= 1
-            self.size = min(self.limit, self.size + 1)
-            self._changed.notify_all()
+            self._open()
+
+    def _open(self) -> None:
+        """One more fetch may be in flight (up to ``limit``); the caller holds the condition."""
+        self.size = min(self.limit, self.size + 1)
+        self._opened_at = time.monotonic()
+        self._changed.notify_all()
 
 
 def die_with_parent(parent_pid: int) -> bool:
