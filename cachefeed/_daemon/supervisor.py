@@ -353,6 +353,7 @@ class Supervisor:
         pool.restart_due()
         if self.should_refresh:
             self.should_refresh = False
+            self._check_config_file()  # first: its line is in the log before the listing's (tests wait on that)
             refused = sum(entry.plan.retry_forbidden() for entry in self.inputs.inputs)
             log.info(
                 "SIGHUP: listing the remote now%s",
@@ -360,7 +361,6 @@ class Supervisor:
             )
             for catalog in self.inputs.catalogs():
                 catalog.refresh_now()
-            self._check_config_file()
         for entry in self.inputs.inputs:
             for item in entry.catalog.take() if entry.catalog is not None else ():
                 if isinstance(item, ListingEnd):
