@@ -28,7 +28,9 @@ snapshot (its last holder, or the daemon's sweep once its holders died: NOTE [ S
 1. A rank, before it releases its pin, writes ``snapshots/<id>/served.<pid>.<rand>`` atomically: a bitmap over
    the snapshot's sample indices (segments in MANIFEST order) of the samples it served. Nothing served, nothing
    written. A rank killed before it writes leaves nothing: its samples count as unread (kept longer, never evicted
-   early); a job resumed from a checkpoint credits the batches the checkpoint says were consumed.
+   early); a job resumed from a checkpoint credits the batches the checkpoint says were consumed. The bitmap covers
+   the whole snapshot whatever share the rank served, so each record takes ``served_record_bytes`` of the cache,
+   and the daemon charges them ahead for every rank of every live snapshot (``store.py``, the budget).
 2. The remover, holding the snapshot's lock exclusively: (a) unless ``<id>/RECEIPT`` exists, takes the union of the
    served files into one receipt (per segment: its name, sample count and a bitmap of its served samples) and
    writes it atomically as ``<id>/RECEIPT`` (nothing served: no receipt); (b) unlinks the served files; (c) renames
@@ -82,6 +84,7 @@ __all__ = [
     "encode_reads",
     "read_counts",
     "reads_with_receipts",
+    "served_record_bytes",
     "write_served",
 ]
 
@@ -147,8 +150,25 @@ def decode_reads(samples: int, level: int, above: bytes) -> npt.NDArray[np.int64
 # -- the trainer's side: what a rank served, and the receipt of a removed snapshot ----------------------------------
 
 
+# What msgpack puts around a served record's bitmap, at most: a 2-entry map (1 byte), its keys "samples" (8) and
+# "bits" (5), the sample count as a uint64 (9) and the bitmap's bin32 header (5). ``write_served`` writes that
+# document and no other; ``served_record_bytes`` counts on it.
+_SERVED_FRAME_BYTES = 28
+
+
+def served_record_bytes(samples: int, block_bytes: int = 1) -> int:
+    """The most one rank's served record (``write_served``) of a snapshot of ``samples`` samples takes on disk: its
+    bitmap, one bit per sample of the whole snapshot whatever share the rank served, and the msgpack around it,
+    rounded up to ``block_bytes``, the filesystem's allocation unit (1: the file's size). The one owner of the
+    rule: the store charges it ahead for each rank that has yet to write (``store.py``, the budget), and
+    ``tests/cache/test_bound.py`` checks the writer against it."""
+    nbytes = _SERVED_FRAME_BYTES + (samples + 7) // 8
+    return -(-nbytes // block_bytes) * block_bytes
+
+
 def write_served(directory: Path, served: npt.NDArray[np.int64], samples: int, *, mode: int = 0o640) -> None:
-    """Record that this rank served the snapshot's samples ``served`` (indices into its ``samples``) (step 1)."""
+    """Record that this rank served the snapshot's samples ``served`` (indices into its ``samples``) (step 1): one
+    file of at most ``served_record_bytes(samples)`` bytes, whatever the share."""
     if len(served) == 0:
         return
     mask = np.zeros(samples, dtype=bool)

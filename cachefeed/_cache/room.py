@@ -36,11 +36,14 @@ that fit beside it, and each epoch would bring at most that room of new samples:
   within what is left of the room). Ties there go newest first: every candidate has been read (the unread ones are
   in the snapshot already), so any may be evicted at any moment, and the default policy evicts the oldest first;
   taking the oldest, the top-up would race the eviction for each segment it links.
-* A cache whose published set fits the room is pinned whole, as before; a static cache (no daemon holding the
-  writer lock) has no room: every segment is pinned.
+* A cache whose published set fits the room is pinned whole, as before; a static cache has no room: every segment
+  is pinned. A cache is static when no daemon holds its writer lock nor wrote its status within
+  ``DAEMON_RESTART_WINDOW_S`` (``room_now``): a daemon restarting (systemd's restart delay, a crash loop) keeps its
+  room, or an epoch begun meanwhile would pin the whole cache and the daemon, back, could turn nothing over until
+  that epoch ended.
 
 The daemon's store writes the room into ``budget.json`` at start (``write_room``, the only writer); trainers read it
-when they create a snapshot (``read_room``). The store relies on the rule: since no snapshot pins more than the room,
+when they create a snapshot (``room_now``). The store relies on the rule: since no snapshot pins more than the room,
 it never caps the published set below the budget (``store.py``, rule B).
 """
 
@@ -52,11 +55,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.layout import DAEMON_RESTART_WINDOW_S, CacheLayout
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES
 from cachefeed._fsutil import atomic_write
 
-__all__ = ["Candidate", "choose", "epoch_room", "read_room", "top_up", "unread_first", "write_room"]
+__all__ = ["Candidate", "choose", "epoch_room", "read_room", "room_now", "top_up", "unread_first", "write_room"]
 
 _VERSION = 1
 
@@ -85,6 +88,12 @@ def read_room(root: str | os.PathLike[str]) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return room if room > 0 else None
+
+
+def room_now(layout: CacheLayout) -> int | None:
+    """The room a snapshot taken now keeps: the daemon's (``read_room``) where a daemon holds the cache or held it
+    within ``DAEMON_RESTART_WINDOW_S`` (restarting); None, pin everything, on a static cache."""
+    return read_room(layout.root) if layout.had_writer_within(DAEMON_RESTART_WINDOW_S) else None
 
 
 @dataclass(frozen=True, slots=True)

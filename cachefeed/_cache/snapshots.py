@@ -103,6 +103,7 @@ from cachefeed._cache.layout import (
 )
 from cachefeed._cache.reads import (
     RECEIPT_SUFFIX,
+    SERVED_PREFIX,
     Counts,
     decode_reads,
     emit_receipt,
@@ -112,7 +113,7 @@ from cachefeed._cache.reads import (
     write_served,
 )
 from cachefeed._cache.records import segment_trailer
-from cachefeed._cache.room import Candidate, choose, read_room, top_up, unread_first
+from cachefeed._cache.room import Candidate, choose, room_now, top_up, unread_first
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._fsutil import atomic_write, file_version, open_regular_for_write, remove_tree
@@ -191,6 +192,8 @@ class SnapshotInfo:
     active_at: float = 0.0  # when a holder last showed progress (``Snapshot.touch``: the lock file's mtime)
     fresh: int | None = None  # samples no epoch had read (nor was reading) when it was made; None: not recorded
     is_open: bool = False  # still growing (NOTE [ Growing snapshots ]): its samples and fresh ones may change
+    ranks: int = 0  # how many local ranks split it (its MANIFEST's ``ranks``; 0: not said)
+    served_records: int = 0  # ranks' records of what they served in its directory (``live_snapshots``' count_records)
 
 
 class Snapshot:
@@ -321,7 +324,7 @@ class Snapshot:
             reads = reads_with_receipts(layout.root, layout.snapshots)
             named_sources = read_sources(layout.sources_file)
             listed = layout.list_segments()
-            room = read_room(layout.root) if layout.has_writer() else None
+            room = room_now(layout)
             if wants is None:
                 weights = {e.tag: e.weight for e in named_sources}
                 candidates = _room_candidates(layout, listed, reads, pending, weights if room is not None else {})
@@ -517,7 +520,7 @@ class Snapshot:
         if not self.is_open:
             return 0
         have = set(self.names)
-        room = read_room(self.layout.root) if self.layout.has_writer() else None
+        room = room_now(self.layout)
         if room and self._grown_bytes is None:  # once: later looks add what they link
             self._grown_bytes = sum(allocated_bytes(os.lstat(self.directory / name)) for name in self.names)
         pinned = self._grown_bytes or 0
@@ -1276,8 +1279,12 @@ def pinned_inodes(layout: CacheLayout) -> dict[int, int]:
     return found
 
 
-def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
-    """Complete snapshots and their owners, for status (does not take any lock)."""
+def live_snapshots(layout: CacheLayout, *, count_records: bool = False) -> list[SnapshotInfo]:
+    """Complete snapshots and their owners, for status and the daemon's pin scan (does not take any lock).
+
+    ``count_records``: count each one's served records (``served.*``, NOTE [ Read receipts ] in ``reads.py``), for
+    the budget's charge of those its ranks have yet to write (``store.py``): one listing of its directory, names
+    only, no file read (the daemon's scan runs twice a second); else ``served_records`` is 0."""
     infos: list[SnapshotInfo] = []
     for lock_name, _info in list_regular(layout.snapshots, SNAPSHOT_ID):
         if not lock_name.endswith(".lock"):
@@ -1301,6 +1308,18 @@ def live_snapshots(layout: CacheLayout) -> list[SnapshotInfo]:
                 active_at=active_at,
                 fresh=int(manifest["fresh"]) if isinstance(manifest.get("fresh"), int) else None,
                 is_open=bool(manifest.get("open", False)),
+                ranks=int(manifest["ranks"]) if isinstance(manifest.get("ranks"), int) else 0,
+                served_records=_served_records(layout.snapshots / snap_id) if count_records else 0,
             )
         )
     return infos
+
+
+def _served_records(directory: Path) -> int:
+    """The served records in a snapshot's ``directory``, by name (a record being written is a ``.partial`` still,
+    not counted: the charge for it stands until it is in place and measured)."""
+    try:
+        with os.scandir(directory) as entries:
+            return sum(1 for entry in entries if entry.name.startswith(SERVED_PREFIX))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0  # removed since its MANIFEST was read

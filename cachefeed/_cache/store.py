@@ -7,7 +7,7 @@ process). It owns every decision that changes what is published; segment *bytes*
 The budget (what ``tests/cache/test_bound.py`` checks by sampling the directory's real size with thousands of
 segments and two live snapshots)::
 
-    published + pinned_only + reserved + metadata + next_snapshot <= max_bytes - METADATA_RESERVE_BYTES
+    published + pinned_only + reserved + metadata + records + next_snapshot <= max_bytes - METADATA_RESERVE_BYTES
 
 * ``published``: allocated bytes of ``segments/*.seg``;
 * ``pinned_only``: segments already evicted from ``segments/`` but still linked by a live snapshot;
@@ -16,10 +16,25 @@ segments and two live snapshots)::
 * ``metadata``: the allocated bytes of everything else (directories and their blocks, snapshot links'
   directories, MANIFESTs, locks, marks, receipts, the read ledger, status.json), measured at every pin scan
   (``layout.metadata_bytes``; twice a second and before any grant that would not fit);
-* ``next_snapshot = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES x published segments + 2 x published samples / 8``
-  (32 KiB + 128 B per segment + two bits per sample: the MANIFEST's reads bitmap and one rank's record of what it
-  served, NOTE [ Read receipts ]): the room one more snapshot takes, charged before a trainer creates it, so
-  pinning the next epoch between two scans (the handover) cannot push the directory over;
+* ``records``: the records of what they served (NOTE [ Read receipts ]) that live snapshots' ranks have yet to
+  write: per snapshot, ``max(ranks, 1)`` (its MANIFEST's; 0, not said, counts as one rank) less the records in its
+  directory, times ``served_record_bytes(its samples)`` (``reads.py``, the one owner of the rule: a bitmap over the
+  whole snapshot, rounded up to the filesystem's block). Counted at every pin scan from the names in each
+  snapshot's directory, no file read; the records present are in ``metadata``. A job's ranks end an epoch within
+  the same moment, so their records land between two scans: 8 local ranks over a million samples write 1 MiB at
+  once, which the reserve alone held only by chance. A rank that records twice (its epoch served more after its
+  first record) before the others wrote theirs takes one record's bytes from the reserve until the next scan;
+* ``next_snapshot = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES x published segments + published samples / 8 +
+  R x served_record_bytes(published samples)``: the room one more snapshot takes (32 KiB + 128 B per segment, its
+  MANIFEST's reads bitmap, the records of its ``R`` ranks), charged before a trainer creates it, so pinning the
+  next epoch between two scans (the handover) cannot push the directory over. Its records are charged here, and
+  not only from the first scan after it is made (``records``), because a cache that cannot evict by then (paced:
+  nothing unpinned has been read enough, as through the epoch after a warm-up) could make no room for them before
+  they land (until the epoch ends, only its release makes segments evictable), and a record written before that
+  scan would fall in the reserve. The daemon cannot know how many ranks will split a snapshot not made yet; a
+  job's next epoch is split as its last, so ``R`` is the most local ranks any snapshot this store has seen was
+  split among (remembered since the start; 1 before any). At 8 ranks that is one byte per published sample,
+  nothing beside samples of a few KiB;
 * ``METADATA_RESERVE_BYTES`` (1 MiB) covers what changes between two scans: status.json and ledger rewrites,
   a receipt, ``segments/`` growing by a block.
 
@@ -28,7 +43,12 @@ trainers create at most one snapshot between two of the daemon's scans (a job's 
 that (several jobs on one node pinning within the same half second, or while writers already wait) each add their
 metadata (32 KiB + 128 B per segment at most) on top of what was charged, inside the 1 MiB reserve: a few such
 snapshots of a few thousand segments fit it; ``tests/cache/test_model.py`` pins at random and checks the real
-size at every step.
+size at every step. One more case leans on the reserve: a snapshot split among more ranks than ``R`` (a job's
+first after the daemon starts) has the records of its other ranks charged from the first scan only, which a cache
+that may evict makes room for at once; one that may evict nothing (paced, nothing read: a job's first epoch on a
+warmed cache) carries them in the reserve, which holds ``(ranks - 1) x samples / 8`` bytes up to about a million
+samples at 8 ranks: beyond that the directory is over by the rest until the epoch's release turns the records into
+its receipt (``tests/cache/test_bound.py`` covers the cases charged).
 With small segments the metadata is a visible share of the budget (4 KiB segments: about 3% per live snapshot);
 with the default 64 MiB segments it is negligible.
 
@@ -92,11 +112,11 @@ from cachefeed._cache.layout import (
     segment_seq,
     write_holder,
 )
-from cachefeed._cache.reads import ReadLedger, SampleReads
+from cachefeed._cache.reads import ReadLedger, SampleReads, served_record_bytes
 from cachefeed._cache.records import SegmentReader, Source
 from cachefeed._cache.room import epoch_room, read_room, write_room
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
-from cachefeed._cache.snapshots import live_snapshots, pinned_inodes, sweep_stale
+from cachefeed._cache.snapshots import SnapshotInfo, live_snapshots, pinned_inodes, sweep_stale
 from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
 from cachefeed._fsutil import file_version, fsync_dir, remove_tree
 from cachefeed._logs import get_logger
@@ -279,7 +299,11 @@ class CacheStore:
         self._samples_by_tag: dict[int, int] = {}  # published samples per source tag, kept as segments come and go
         self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
         self._live_snapshots = 0
+        self._live_ids: list[str] = []  # the live snapshots at the last pin scan (``ingest_bound``)
         self._metadata_bytes = 0  # measured at the last pin scan (see the budget above)
+        self._records_bytes = 0  # served records live snapshots' ranks have yet to write, at the last pin scan
+        self._ranks_seen = 0  # the most local ranks any snapshot seen since the start was split among
+        self._block_bytes = max(1, os.statvfs(self.layout.root).f_frsize)  # the filesystem's allocation unit
         self._free_since: dict[str, float] = {}  # snap_id -> when a sweep first found nobody holding it
         self._free_seen_now: set[str] = set()
         self._pins_scanned_at = 0.0
@@ -432,8 +456,11 @@ class CacheStore:
         by_inode = {segment.inode: seq for seq, segment in self._published.items()}
         self._pinned_published = {by_inode[ino] for ino in found if ino in by_inode}
         self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
-        live = live_snapshots(self.layout)
+        live = live_snapshots(self.layout, count_records=True)
         self._live_snapshots = len(live)
+        self._live_ids = [info.snap_id for info in live]
+        self._records_bytes = sum(self._records_to_come(info) for info in live)
+        self._ranks_seen = max([self._ranks_seen, *(info.ranks for info in live)])
         for info in live:
             if (  # judged once a snapshot is closed: a growing one may still be topped up with read samples
                 info.fresh is not None
@@ -448,6 +475,12 @@ class CacheStore:
         self._evicted_pinned = {n: e for n, e in self._evicted_pinned.items() if e[0] in self._pinned_only}
         self._metadata_bytes = metadata_bytes(self.layout)
         self._pins_scanned_at = time.monotonic()
+
+    def _records_to_come(self, info: SnapshotInfo) -> int:
+        """The bytes of the served records live snapshot ``info``'s ranks have yet to write (``records`` in the
+        budget above): one per rank (at least one) less those in its directory, which are measured already."""
+        missing = max(info.ranks, 1) - info.served_records
+        return max(0, missing) * served_record_bytes(info.samples, self._block_bytes)
 
     def _write_room(self) -> None:
         """``budget.json`` for trainers (``room.py``); where the filesystem refuses (full, say), a warning, status
@@ -662,9 +695,12 @@ class CacheStore:
 
     @property
     def metadata_bytes(self) -> int:
-        """What the budget charges for everything but segment data: measured, plus the next snapshot's room."""
-        room = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published) + 2 * (self.samples + 7) // 8
-        return self._metadata_bytes + room
+        """What the budget charges for everything but segment data: measured, plus the records live snapshots' ranks
+        have yet to write, plus the next snapshot's room (``records`` and ``next_snapshot`` in the budget above)."""
+        samples = self.samples
+        records = max(1, self._ranks_seen) * served_record_bytes(samples, self._block_bytes)
+        room = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published) + (samples + 7) // 8 + records
+        return self._metadata_bytes + self._records_bytes + room
 
     def _data_bytes(self) -> int:
         return self.published_bytes + sum(self._pinned_only.values()) + self.reserved_bytes
@@ -674,7 +710,8 @@ class CacheStore:
         return self._data_bytes() + self._metadata_bytes
 
     def _total(self) -> int:
-        """What decisions charge: ``_used`` plus the room of the next snapshot (see the budget above)."""
+        """What decisions charge: ``_used`` plus what is charged ahead, the records live snapshots' ranks have yet to
+        write and the room of the next snapshot (see the budget above)."""
         return self._data_bytes() + self.metadata_bytes
 
     def _free_bytes(self) -> int:
@@ -983,8 +1020,10 @@ class CacheStore:
         """What limits fresh samples now: "remote" (slower than training), "trainer" (ingest waits for training), or
         None where nothing compares the two. The contract, state by state:
 
-        * no live snapshot (no trainer reads the cache: none ran yet, or all have gone): None, whatever an earlier
-          trainer's epochs showed; an idle daemon fills its budget and is then paced, bound by nobody's reads.
+        * no live snapshot a trainer holds (no trainer reads the cache: none ran yet, or all have gone; a dead
+          trainer's snapshot kept for its job to resume, ``orphaned_snapshots``, is read by nobody): None, whatever
+          an earlier trainer's epochs showed; an idle daemon fills its budget and is then paced, bound by nobody's
+          reads.
         * otherwise judged on the newest closed snapshot a trainer made (``room.py``: unread segments first, then
           the least-read): "remote" when more than ``TOPPED_UP_SHARE`` of it had been read already (fresh samples
           did not fill the epoch's room, so it was topped up and samples are read again), "trainer" otherwise (the
@@ -992,7 +1031,7 @@ class CacheStore:
 
         Not whether ingest is paced at this moment: a remote-bound daemon is paced for a moment at each handover
         (two snapshots pin the budget), and the verdict, its metric and the alerts built on them would flap."""
-        if self._live_snapshots == 0:
+        if all(snap_id in self._free_since for snap_id in self._live_ids):  # none, or only dead trainers' kept
             return None
         if self._newest_pin is None:
             return None

@@ -124,6 +124,7 @@ class StatusReporter:
             usage=store.usage(),
             turnover_bytes=self._config.cache.turnover_bytes,
             snapshots=snapshots,
+            kept_for_resume=frozenset(store.orphaned_snapshots),
             evict_after_reads=self._config.cache.evict_after_reads,
             counters=counters,
             turnover_s=turnover_s,

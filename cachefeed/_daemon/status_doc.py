@@ -79,6 +79,7 @@ def build_status(
     usage: Usage,
     turnover_bytes: int,
     snapshots: Sequence[SnapshotInfo],
+    kept_for_resume: frozenset[str] = frozenset(),
     evict_after_reads: int = 1,
     counters: Counters,
     turnover_s: float | None,
@@ -102,7 +103,8 @@ def build_status(
     sample of the samples of the last 64 evicted segments: the echo the two speeds set, ``CacheStore.echo_factor``),
     ``cache.ingest_bound``/``cache.is_remote_bound`` ("remote" when fresh samples did not fill the newest epoch,
     so epochs re-read the least-read samples; "trainer" when ingest waits for reads; null while no trainer reads
-    and before a trainer's first epoch: ``CacheStore.ingest_bound`` states the rule), ``cache.epochs_total``
+    and before a trainer's first epoch: ``CacheStore.ingest_bound`` states the rule; a snapshot whose trainer died,
+    kept for a resume, is ``kept_for_resume`` in ``cache.snapshots`` and reads nothing), ``cache.epochs_total``
     (epoch snapshots seen), ``evicted.unread_samples_total`` (evicted before any epoch served
     them) and ``evicted.epochs_per_sample`` (epochs that served an evicted sample, on average; None before the first
     eviction). The read contract (NOTE [ Read receipts ] in ``_cache/reads.py``): ``cache.is_paced`` (ingest waits
@@ -166,6 +168,7 @@ def build_status(
                     "owner": snap.owner,
                     "age_s": max(0.0, now - snap.created) if snap.created else 0.0,
                     "idle_s": max(0.0, now - max(snap.created, snap.active_at)),
+                    "kept_for_resume": snap.snap_id in kept_for_resume,
                 }
                 for snap in snapshots
             ],

@@ -149,9 +149,9 @@ def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
 
 
 def _no_trainer(cache: Mapping[str, Any]) -> bool:
-    """Whether no trainer reads the cache: no snapshot is pinned (the daemon's rule: ``CacheStore.ingest_bound``
-    judges nothing then)."""
-    return not cache["snapshots"]
+    """Whether no trainer reads the cache: no snapshot is pinned but those of dead trainers kept for a resume (the
+    daemon's rule: ``CacheStore.ingest_bound`` judges nothing then)."""
+    return all(snap.get("kept_for_resume") for snap in cache["snapshots"])
 
 
 def _bound(cache: Mapping[str, Any], *, is_gone: bool) -> str:
@@ -322,7 +322,8 @@ def _render_snapshots(out: _Text, snapshots: list[dict[str, Any]]) -> None:
         out.add(
             "",
             f"{_clean(snap['id'], 40)}: {_count(snap['samples'])} samples, {_clean(snap['owner'], 40)}, "
-            f"{format_duration(snap['age_s'])} old, idle {format_duration(snap['idle_s'])}",
+            f"{format_duration(snap['age_s'])} old, idle {format_duration(snap['idle_s'])}"
+            + (" (its trainer is gone: kept for a resume)" if snap.get("kept_for_resume") else ""),
             indent=2,
         )
     if len(snapshots) > _MAX_LISTED:

@@ -173,7 +173,17 @@ STATUS_SCHEMA: dict[str, Any] = {
         "sample_reads_total": _counter("cachefeed_cache_sample_reads", "Per sample, epochs that served it, summed."),
         "newest_age_s": _gauge(OPT_NUM, "cachefeed_cache_newest_age_seconds", "Age of the newest published segment."),
         "oldest_age_s": _gauge(OPT_NUM, "cachefeed_cache_oldest_age_seconds", "Age of the oldest published segment."),
-        "snapshots": [{"id": str, "samples": NUM, "segments": NUM, "owner": str, "age_s": NUM, "idle_s": NUM}],
+        "snapshots": [
+            {
+                "id": str,
+                "samples": NUM,
+                "segments": NUM,
+                "owner": str,
+                "age_s": NUM,
+                "idle_s": NUM,
+                "kept_for_resume": Omittable(bool),
+            }
+        ],
     },
     "ingest": {
         **{k: NUM for k in ("bytes_per_s", "samples_per_s", "objects_per_s")},

@@ -66,7 +66,7 @@ import numpy.typing as npt
 from torch.utils.data import DataLoader, Sampler
 
 from cachefeed._cache.layout import CacheLayout
-from cachefeed._cache.room import read_room
+from cachefeed._cache.room import room_now
 from cachefeed._cache.snapshots import CLAIM_WAIT_S, RankClaimedError, Snapshot
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
@@ -402,7 +402,7 @@ class Epochs:
         from cachefeed._status.report import read_report  # the reader of the daemon's document
 
         total = snapshot.samples
-        room = read_room(self.plan.layout.root) if self.plan.layout.has_writer() else None
+        room = room_now(self.plan.layout)
         pinned = sum(os.lstat(path).st_blocks * 512 for path in snapshot.paths)
         document = read_report(self.plan.layout.root).document
         if room is not None and pinned and snapshot.samples:

@@ -1,19 +1,25 @@
 """The hard size bound with thousands of segments: the real directory (every inode, directory blocks, snapshot
 links and manifests included) stays within ``cache.max_bytes`` through a normal handover (two live snapshots), each
-snapshot claimed by every local rank of a node (its ``RANK.<k>`` files, NOTE [ Snapshot pinning protocol ])."""
+snapshot claimed by every local rank of a node (its ``RANK.<k>`` files, NOTE [ Snapshot pinning protocol ]), and
+when every local rank records what it served (a bitmap over the whole snapshot each, NOTE [ Read receipts ])."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from cachefeed._cache.layout import SNAPSHOT_ENTRY_BYTES, SNAPSHOT_FIXED_BYTES, metadata_bytes
+from cachefeed._cache.layout import SNAPSHOT_ENTRY_BYTES, SNAPSHOT_FIXED_BYTES, allocated_bytes, metadata_bytes
+from cachefeed._cache.reads import SERVED_PREFIX, served_record_bytes, write_served
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.store import CacheStore
-from cachefeed._cache.writer import CacheWriter
+from cachefeed._cache.writer import CacheWriter, WriterStopped
 from cachefeed._testing.samples import make_sample
 from tests.support.cache_helpers import cache_config, tree_bytes, write_until_full
 from tests.support.tmpfs import small_tmpfs
@@ -25,11 +31,18 @@ LOCAL_RANKS = 8  # a node of 8 GPUs: each local rank claims its share of every e
 def every_local_rank(root: Path, snap_id: str, ranks: int = LOCAL_RANKS) -> Iterator[Snapshot]:
     """Snapshot ``snap_id`` made by local rank 0 and joined by ranks 1 .. ``ranks`` - 1, each claiming its rank, as
     a node's ranks pin an epoch; the creator's pin is yielded and every pin released at the end."""
-    with contextlib.ExitStack() as pins:
-        created = pins.enter_context(Snapshot.create(root, snap_id, ranks=ranks, rank=0))
+    with pins_of_every_local_rank(root, snap_id, ranks) as pins:
+        yield pins[0]
+
+
+@contextlib.contextmanager
+def pins_of_every_local_rank(root: Path, snap_id: str, ranks: int = LOCAL_RANKS) -> Iterator[list[Snapshot]]:
+    """``every_local_rank``, yielding every rank's pin (rank ``k``'s at index ``k``)."""
+    with contextlib.ExitStack() as stack:
+        pins = [stack.enter_context(Snapshot.create(root, snap_id, ranks=ranks, rank=0))]
         for rank in range(1, ranks):
-            pins.enter_context(Snapshot.join(root, snap_id, ranks=ranks, rank=rank))
-        yield created
+            pins.append(stack.enter_context(Snapshot.join(root, snap_id, ranks=ranks, rank=rank)))
+        yield pins
 
 
 def handover_peak(root: Path, max_bytes: int, **overrides: object) -> tuple[int, int]:
@@ -139,3 +152,148 @@ def test_a_snapshot_of_few_segments_claimed_by_every_local_rank_takes_no_more_th
     assert grew <= charged, (
         f"a snapshot of {segments} segments claimed by {ranks} ranks took {grew:,} bytes, {charged:,} charged"
     )
+
+
+# -- served records (NOTE [ Read receipts ]) -------------------------------------------------------------------------
+
+TINY_SAMPLE = {"__key__": "k", "b": b"x"}  # a 36-byte record: each rank's bitmap is large against the data it covers
+TINY_SEGMENT_BYTES = 4 << 20  # ~116,000 tiny samples a segment
+FILL_BYTES = 64 << 10  # the fill's segments: the cache is full to within one of them
+
+
+def publish_tiny_segments(store: CacheStore, segments: int) -> None:
+    """Publish up to ``segments`` segments of ``TINY_SAMPLE`` records (fewer where the store refuses room): one
+    written record by record, the others copies of its file written into their grants, as a sampler writes them
+    (appending a million records one by one would take seconds)."""
+    with CacheWriter(store, segment_bytes=TINY_SEGMENT_BYTES, fsync=False) as writer:
+        record = writer.encode(TINY_SAMPLE)
+        writer.add_record(record)
+        while not writer.is_full:
+            writer.add_record(record)
+    template = store.layout.segments / store.segments[-1].name
+    for _ in range(segments - 1):
+        grant = store.reserve(template.stat().st_size)
+        if grant is None:
+            return
+        shutil.copyfile(template, grant.path)
+        store.publish(grant)
+
+
+def fill(store: CacheStore, key: int) -> int:
+    """Write one-sample segments of ``FILL_BYTES`` until the cache is full to within one of them: the store refuses
+    room for one (paced: nothing it holds may go unread) or evicts to make room for one (free-running: it turned
+    over). Returns the next key."""
+    full = threading.Event()
+    evicted = store.counters.evicted_segments
+    with (
+        contextlib.suppress(WriterStopped),
+        CacheWriter(store, segment_bytes=FILL_BYTES, fsync=False, stop=full) as writer,
+    ):
+        full.set()  # a refusal ends the fill at once rather than waiting for room
+        while store.counters.evicted_segments == evicted:
+            writer.add(make_sample(f"k{key}", FILL_BYTES - 8192))
+            writer.flush()
+            key += 1
+    return key
+
+
+def record_every_share(pins: list[Snapshot]) -> None:
+    """Each rank records what it served, its share of the snapshot (every ``len(pins)``-th sample), as the ranks of
+    a job do at the end of an epoch, all within the same moment."""
+    for rank, pin in enumerate(pins):
+        pin.record_served(np.arange(rank, pin.samples, len(pins), dtype=np.int64))
+
+
+def test_every_local_rank_recording_what_it_served_stays_within_max_bytes(tmp_path: Path) -> None:
+    """Each rank's record of what it served is a bitmap over the whole snapshot, so 8 local ranks ending an epoch
+    write 8 bits per sample between two of the daemon's scans. Only one rank's record was charged ahead (the next
+    snapshot's room); the rest fell in the 1 MiB reserve, which ~2.8 million samples' records outgrow. The store
+    now charges, at each pin scan, the records a live snapshot's ranks have yet to write. The witness is the
+    directory's real size once every rank has written its record."""
+    root, max_bytes = tmp_path / "c", 112 << 20
+    store = CacheStore(
+        cache_config(root, max_bytes=max_bytes, segment_bytes=TINY_SEGMENT_BYTES, turnover_bytes=12 << 20)
+    )
+    try:
+        publish_tiny_segments(store, 24)
+        with pins_of_every_local_rank(root, "epoch-0") as pins:
+            assert pins[0].samples > 2_500_000, "the scenario needs bitmaps of a few hundred KiB each"
+            store.collect_reads()  # the daemon scans snapshots twice a second
+            fill(store, 0)  # the daemon fetches on: the cache is full, every snapshot's segment pinned
+            assert len(list(pins[0].directory.glob("*.seg"))) == len(pins[0].names), "its segments are all pinned"
+            store.collect_reads()
+            store.enforce()
+            record_every_share(pins)
+            records = sorted(pins[0].directory.glob(f"{SERVED_PREFIX}*"))
+            assert len(records) == LOCAL_RANKS
+            real = tree_bytes(root)
+    finally:
+        store.close()
+    assert real <= max_bytes, f"real size {real:,} is {real - max_bytes:,} bytes over once {LOCAL_RANKS} ranks recorded"
+
+
+def test_two_jobs_recording_at_once_stay_within_max_bytes(tmp_path: Path) -> None:
+    """Two jobs on a node, 8 local ranks each, whose epochs end together: 16 records land between two scans, more
+    than the next snapshot's room charges for. Each live snapshot's records to come are charged from the scan that
+    finds it; the witness is the directory's real size once every rank of both jobs has recorded."""
+    root, max_bytes = tmp_path / "c", 112 << 20
+    store = CacheStore(
+        cache_config(root, max_bytes=max_bytes, segment_bytes=TINY_SEGMENT_BYTES, turnover_bytes=12 << 20)
+    )
+    try:
+        publish_tiny_segments(store, 24)
+        with pins_of_every_local_rank(root, "job-a") as first:
+            store.collect_reads()
+            with pins_of_every_local_rank(root, "job-b") as second:
+                assert min(first[0].samples, second[0].samples) > 2_500_000, "bitmaps of a few hundred KiB each"
+                store.collect_reads()
+                fill(store, 0)
+                store.collect_reads()
+                store.enforce()
+                record_every_share(first)
+                record_every_share(second)
+                real = tree_bytes(root)
+    finally:
+        store.close()
+    assert real <= max_bytes, f"real size {real:,} is {real - max_bytes:,} bytes over once both jobs recorded"
+
+
+def test_a_later_epoch_of_a_job_recording_in_a_paced_cache_stays_within_max_bytes(tmp_path: Path) -> None:
+    """A paced cache (nothing read may go) cannot make room for a snapshot's records once the snapshot is made: the
+    next snapshot's room must have held them. The daemon does not know how many ranks will split a snapshot not made
+    yet, but a job's next epoch is split as its last: the room charges the records of as many ranks as the most any
+    snapshot was split among. The witness is the directory's real size once every rank of the second epoch has
+    recorded."""
+    root, max_bytes = tmp_path / "c", 112 << 20
+    config = cache_config(
+        root, max_bytes=max_bytes, segment_bytes=TINY_SEGMENT_BYTES, turnover_bytes=12 << 20, evict_after_reads=1
+    )
+    store = CacheStore(config)
+    try:
+        key = _write_one(store, 0)
+        with every_local_rank(root, "epoch-0"):  # the job's first epoch, on a cache still filling
+            store.collect_reads()
+        store.collect_reads()
+        publish_tiny_segments(store, 28)
+        fill(store, key)
+        assert store.is_paced, "the cache is full of samples no epoch has read"
+        with pins_of_every_local_rank(root, "epoch-1") as pins:
+            assert pins[0].samples > 2_500_000, "the scenario needs bitmaps of a few hundred KiB each"
+            store.collect_reads()
+            store.enforce()
+            record_every_share(pins)
+            real = tree_bytes(root)
+    finally:
+        store.close()
+    assert real <= max_bytes, f"real size {real:,} is {real - max_bytes:,} bytes over once {LOCAL_RANKS} ranks recorded"
+
+
+@pytest.mark.parametrize("samples", [1, 8 * 255, 8 * 256 + 1, 8 * 65_535, 8 * 65_536 + 1])
+def test_a_served_record_takes_no_more_than_the_store_charges_for_it(tmp_path: Path, samples: int) -> None:
+    """``served_record_bytes`` is what the store charges ahead for each rank's record; the witness is the allocated
+    size of the file ``write_served`` writes, at the sizes where msgpack's headers grow."""
+    write_served(tmp_path, np.arange(0, samples, 2, dtype=np.int64), samples)
+    (record,) = tmp_path.glob(f"{SERVED_PREFIX}*")
+    info = os.lstat(record)
+    assert info.st_size <= served_record_bytes(samples)
+    assert allocated_bytes(info) <= served_record_bytes(samples, os.statvfs(tmp_path).f_frsize)

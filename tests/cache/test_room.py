@@ -1,14 +1,16 @@
 """An epoch's room (``cachefeed/_cache/room.py``): a snapshot pins at most the daemon's epoch room, least-read
 first, counting every live snapshot as read once more and the receipts the daemon has not collected as read; a
-static cache is pinned whole."""
+static cache (no daemon now nor within the restart window) is pinned whole."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import numpy as np
 
-from cachefeed._cache.layout import CacheLayout
+from cachefeed._cache.layout import DAEMON_RESTART_WINDOW_S, CacheLayout
 from cachefeed._cache.room import Candidate, choose, read_room
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.store import CacheStore
@@ -98,6 +100,28 @@ def test_a_static_cache_is_pinned_whole(tmp_path: Path) -> None:
     store.close()  # no daemon holds the cache: nobody keeps a room, so nothing is left out
     with Snapshot.create(root, "static") as snapshot:
         assert len(snapshot.names) == published
+
+
+def test_a_daemon_restarting_keeps_its_room_and_one_gone_for_longer_leaves_a_static_cache(tmp_path: Path) -> None:
+    """Between a daemon's exit and its restart (systemd's restart delay, a crash loop) nobody holds the writer lock.
+    An epoch begun then still pins at most the room: pinned whole, the cache would have nothing to turn over when
+    the daemon is back, until that epoch ended. A daemon whose status is older than the restart window is gone."""
+    root = tmp_path / "c"
+    store = _store(root)
+    write_until_full(store, 0, nbytes=20_000)
+    published = len(store.segments)
+    room = read_room(root)
+    assert room is not None and store.published_bytes > room
+    store.close()
+    layout = CacheLayout(root)
+    layout.status_file.write_text("{}")  # the status a daemon wrote a moment before it stopped
+    with Snapshot.create(root, "restarting") as snapshot:
+        assert _pinned_bytes(snapshot) <= room < store.published_bytes
+        assert len(snapshot.names) < published
+    gone = time.time() - DAEMON_RESTART_WINDOW_S - 60
+    os.utime(layout.status_file, (gone, gone))
+    with Snapshot.create(root, "static") as snapshot:
+        assert len(snapshot.names) == published, "no daemon for longer than the window: a static cache, read whole"
 
 
 def test_weighted_sources_each_get_their_share_of_the_room() -> None:

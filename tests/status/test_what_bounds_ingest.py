@@ -34,6 +34,7 @@ from cachefeed._testing.daemon import DaemonProcess, start_daemon
 from cachefeed._testing.samples import payload
 from cachefeed._testing.witness import sample_keys
 from cachefeed._trainer import EpochLoaderFactory
+from tests.reliability.test_trainers_dying import start_holder
 from tests.status.test_daemon import agreeing_metrics
 from tests.status.test_metrics import value
 from tests.status.test_status import REPO, STATUS_CMD, flat
@@ -169,4 +170,42 @@ def test_status_says_what_bounds_ingest_with_a_fast_trainer_with_none_and_with_a
             assert remote_bound_metric(metrics) == 0
             del batches
     finally:
+        assert daemon.stop() == 0, daemon.stderr()[-4000:]
+
+
+def test_a_dead_trainers_snapshot_kept_for_a_resume_is_no_trainer_reading(shm_dir: Path, tmp_path: Path) -> None:
+    """A trainer SIGKILLed while it holds its epoch: the daemon keeps the snapshot for ``cache.snapshot_grace`` so
+    that its job resumes on it, but nobody reads it. Status said what bounds ingest by that dead trainer's epoch
+    (the snapshot counted as a trainer); now it says no trainer reads, and marks the snapshot as kept."""
+    daemon = start(shm_dir)
+    holder = None
+    try:
+        daemon.wait_status(lambda d: d["cache"]["segments"] >= 2, timeout_s=60, what="the first segments")
+        holder, pinned = start_holder(daemon.cache_dir, "gone", "hold-raw", 0, tmp_path / "holder.err")
+        snap_id = pinned.split()[1]
+        daemon.wait_status(
+            lambda d: d["cache"]["ingest_bound"] is not None and not d["cache"]["snapshots"][0]["kept_for_resume"],
+            timeout_s=30,
+            what="a verdict on the live trainer's epoch",
+        )
+        text, _as_json, _metrics = shown(daemon)
+        assert "no trainer reading" not in text and "kept for a resume" not in text, text
+        holder.kill()
+        holder.wait(timeout=10)
+        daemon.wait_status(
+            lambda d: [s["kept_for_resume"] for s in d["cache"]["snapshots"]] == [True],
+            timeout_s=30,
+            what="the dead trainer's snapshot kept for a resume",
+        )
+        text, as_json, metrics = shown(daemon)
+        assert f"{snap_id}: " in text and "(its trainer is gone: kept for a resume)" in text, text
+        assert "; no trainer reading" in text and "-bound" not in text, text
+        assert as_json["cache"]["ingest_bound"] is None and as_json["cache"]["is_remote_bound"] is None, as_json
+        assert remote_bound_metric(metrics) is None
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(timeout=10)
+            if holder.stdout is not None:
+                holder.stdout.close()
         assert daemon.stop() == 0, daemon.stderr()[-4000:]
