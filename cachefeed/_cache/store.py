@@ -33,8 +33,9 @@ segments and two live snapshots)::
   they land (until the epoch ends, only its release makes segments evictable), and a record written before that
   scan would fall in the reserve. The daemon cannot know how many ranks will split a snapshot not made yet; a
   job's next epoch is split as its last, so ``R`` is the most local ranks any snapshot this store has seen was
-  split among (remembered since the start; 1 before any). At 8 ranks that is one byte per published sample,
-  nothing beside samples of a few KiB;
+  split among (remembered since the start), and at least ``ASSUMED_LOCAL_RANKS`` (8, a node of 8 accelerators),
+  so that a job's first epoch after the daemon starts is covered too. At 8 ranks that is one byte per published
+  sample, nothing beside samples of a few KiB;
 * ``METADATA_RESERVE_BYTES`` (1 MiB) covers what changes between two scans: status.json and ledger rewrites,
   a receipt, ``segments/`` growing by a block.
 
@@ -43,12 +44,12 @@ trainers create at most one snapshot between two of the daemon's scans (a job's 
 that (several jobs on one node pinning within the same half second, or while writers already wait) each add their
 metadata (32 KiB + 128 B per segment at most) on top of what was charged, inside the 1 MiB reserve: a few such
 snapshots of a few thousand segments fit it; ``tests/cache/test_model.py`` pins at random and checks the real
-size at every step. One more case leans on the reserve: a snapshot split among more ranks than ``R`` (a job's
-first after the daemon starts) has the records of its other ranks charged from the first scan only, which a cache
-that may evict makes room for at once; one that may evict nothing (paced, nothing read: a job's first epoch on a
-warmed cache) carries them in the reserve, which holds ``(ranks - 1) x samples / 8`` bytes up to about a million
-samples at 8 ranks: beyond that the directory is over by the rest until the epoch's release turns the records into
-its receipt (``tests/cache/test_bound.py`` covers the cases charged).
+size at every step. One more case leans on the reserve: a snapshot split among more ranks than ``R`` (more than
+8, in a job's first epoch after the daemon starts) has its other ranks' records charged from the first scan only.
+A cache that may evict makes room for them at once; one that may evict nothing (paced, nothing read: a job's first
+epoch on a warmed cache) carries ``(ranks - R) x samples / 8`` bytes in the reserve until the epoch's release turns
+the records into its receipt, and over a large snapshot that can outgrow the reserve (``tests/cache/test_bound.py``
+covers the cases charged).
 With small segments the metadata is a visible share of the budget (4 KiB segments: about 3% per live snapshot);
 with the default 64 MiB segments it is negligible.
 
@@ -132,6 +133,7 @@ _PIN_RESCAN_S = 0.5
 _SWEEP_INTERVAL_S = 1.0
 ECHO_WINDOW = 64  # evicted segments the echo factor is measured over
 TOPPED_UP_SHARE = 0.25  # ingest is remote-bound when more than this share of the newest snapshot was read already
+ASSUMED_LOCAL_RANKS = 8  # the records a snapshot not made yet is charged for, at least (see the budget above)
 _HOLDER_WAIT_S = 1.0  # how long a refused daemon waits for the lock's holder to have written itself
 _LOCK_WAIT_S = 5.0  # how long a starting daemon waits for readers, or a gone daemon's samplers, to let go of the lock
 # After a write the filesystem refused for lack of space, grants wait this long, doubling with each further refusal
@@ -302,7 +304,7 @@ class CacheStore:
         self._live_ids: list[str] = []  # the live snapshots at the last pin scan (``ingest_bound``)
         self._metadata_bytes = 0  # measured at the last pin scan (see the budget above)
         self._records_bytes = 0  # served records live snapshots' ranks have yet to write, at the last pin scan
-        self._ranks_seen = 0  # the most local ranks any snapshot seen since the start was split among
+        self._ranks_seen = ASSUMED_LOCAL_RANKS  # the most local ranks a snapshot was split among, this one at least
         self._block_bytes = max(1, os.statvfs(self.layout.root).f_frsize)  # the filesystem's allocation unit
         self._free_since: dict[str, float] = {}  # snap_id -> when a sweep first found nobody holding it
         self._free_seen_now: set[str] = set()
