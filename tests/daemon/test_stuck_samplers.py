@@ -57,6 +57,30 @@ def start(tmp_path: Path, remote: Path, *, processes: int = 2, **remote_keys: ob
     return start_daemon(config, cache_dir, tmp_path / "daemon.err", env=child_env())
 
 
+class StalledObject:
+    """An object of the remote whose read blocks, as one from a stalled network mount does, until ``release``: a
+    FIFO held open by a writer that never writes (the sampler's read waits, not its open). The remote is then listed
+    through a manifest, ``manifest_uri`` (a FIFO has no size to list)."""
+
+    def __init__(self, remote: Path, name: str, manifest: Path) -> None:
+        self.path = remote / name
+        os.mkfifo(self.path)
+        self._writer = os.open(self.path, os.O_RDWR)
+        manifest.write_text("".join(f"{n}\t{len(npy(0))}\n" for n in sorted(os.listdir(remote))))
+        self.manifest_uri = manifest.as_uri()
+
+    def release(self) -> None:
+        """The mount comes back: the read ends (short, so retried) and the object reads as the last one, OBJECTS."""
+        self.path.unlink()
+        self.path.write_bytes(npy(OBJECTS))
+        self.close()
+
+    def close(self) -> None:
+        if self._writer >= 0:
+            os.close(self._writer)
+            self._writer = -1
+
+
 def values_served(cache_dir: Path) -> list[int]:
     with EpochLoaderFactory(cache_dir, batch_size=1, run_id="stuck", progress=None) as factory:
         return sorted(int(batch["data"][0][0]) for batch in factory.loader(0))
@@ -111,12 +135,8 @@ def test_a_stopped_sampler_is_named_then_killed_so_that_ingest_goes_on(
 def test_a_fetch_that_never_returns_is_named_while_ingest_waits_for_it_and_is_not_killed(tmp_path: Path) -> None:
     remote = tmp_path / "remote"
     write_remote(remote)
-    stuck = remote / "stuck.npy"
-    os.mkfifo(stuck)  # a read of it blocks, as one from a stalled network mount does
-    held_open = os.open(stuck, os.O_RDWR)  # a writer that never writes: the sampler's read waits, not its open
-    manifest = tmp_path / "keys.txt"
-    manifest.write_text("".join(f"{name}\t{len(npy(0))}\n" for name in sorted(os.listdir(remote))))
-    daemon = start(tmp_path, remote, manifest=manifest.as_uri())
+    stuck = StalledObject(remote, "stuck.npy", tmp_path / "keys.txt")
+    daemon = start(tmp_path, remote, manifest=stuck.manifest_uri)
     try:
         doc = daemon.wait_status(
             lambda d: any("ingest waits for sampler" in reason for reason in d["degraded_reasons"]),
@@ -124,18 +144,14 @@ def test_a_fetch_that_never_returns_is_named_while_ingest_waits_for_it_and_is_no
             what="the stuck fetch named in status",
         )
         (reason,) = [r for r in doc["degraded_reasons"] if "ingest waits for sampler" in r]
-        assert re.search(rf"it has held {re.escape(stuck.as_uri())} for \d+s", reason), reason
+        assert re.search(rf"it has held {re.escape(stuck.path.as_uri())} for \d+s", reason), reason
         # every object but the stuck one: the sampler's other fetches go on (its window's patience, next test)
         daemon.wait_status(lambda d: d["cache"]["samples"] == OBJECTS, timeout_s=30, what="the others")
         time.sleep(3 * STUCK_AFTER_S)  # past the silent rule's kill: the sampler is not silent, and not killed
         doc = daemon.wait_status(lambda d: True, timeout_s=5)
         assert [s["restarts"] for s in doc["samplers"]] == [0, 0], doc["samplers"]
         assert doc["state"] == "degraded", doc
-        # The mount comes back: the read ends (short: retried), and the object is cached like any other.
-        stuck.unlink()
-        stuck.write_bytes(npy(OBJECTS))
-        os.close(held_open)
-        held_open = -1
+        stuck.release()  # the object is cached like any other
         daemon.wait_status(
             lambda d: d["cache"]["samples"] == OBJECTS + 1 and d["state"] == "running",
             timeout_s=30,
@@ -143,8 +159,7 @@ def test_a_fetch_that_never_returns_is_named_while_ingest_waits_for_it_and_is_no
         )
         served = values_served(daemon.cache_dir)
     finally:
-        if held_open >= 0:
-            os.close(held_open)
+        stuck.close()
         daemon.stop()
     assert served == list(range(OBJECTS + 1)), "each object's sample once"
 
@@ -159,26 +174,18 @@ def test_a_sampler_whose_first_fetch_never_returns_fetches_the_other_objects(tmp
     name = next(
         n for n in (f"stuck-{j}.npy" for j in range(10_000)) if pass_order_key(str(remote / n), 0, 0) < first_key
     )
-    stuck = remote / name
-    os.mkfifo(stuck)
-    held_open = os.open(stuck, os.O_RDWR)  # a writer that never writes
-    manifest = tmp_path / "keys.txt"
-    manifest.write_text("".join(f"{n}\t{len(npy(0))}\n" for n in sorted(os.listdir(remote))))
-    daemon = start(tmp_path, remote, processes=1, manifest=manifest.as_uri())
+    stuck = StalledObject(remote, name, tmp_path / "keys.txt")
+    daemon = start(tmp_path, remote, processes=1, manifest=stuck.manifest_uri)
     try:
         daemon.wait_status(
             lambda d: d["cache"]["samples"] == OBJECTS,
             timeout_s=WINDOW_PATIENCE_S + 30,
             what="every other object cached while the first fetch hangs",
         )
-        stuck.unlink()
-        stuck.write_bytes(npy(OBJECTS))
-        os.close(held_open)
-        held_open = -1
+        stuck.release()
         daemon.wait_status(lambda d: d["cache"]["samples"] == OBJECTS + 1, timeout_s=30, what="the stuck one too")
         served = values_served(daemon.cache_dir)
     finally:
-        if held_open >= 0:
-            os.close(held_open)
+        stuck.close()
         daemon.stop()
     assert served == list(range(OBJECTS + 1)), "each object's sample once"
