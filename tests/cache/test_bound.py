@@ -11,6 +11,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -161,6 +162,15 @@ TINY_SEGMENT_BYTES = 4 << 20  # ~116,000 tiny samples a segment
 FILL_BYTES = 64 << 10  # the fill's segments: the cache is full to within one of them
 
 
+TINY_MAX_BYTES = 112 << 20  # 28 tiny segments: snapshots of millions of samples, bitmaps of a few hundred KiB
+
+
+def tiny_store(root: Path, **overrides: Any) -> CacheStore:
+    """A store for ``TINY_SAMPLE`` segments: ``TINY_MAX_BYTES``, a turnover of 12 MiB."""
+    settings: dict[str, Any] = {"segment_bytes": TINY_SEGMENT_BYTES, "turnover_bytes": 12 << 20, **overrides}
+    return CacheStore(cache_config(root, max_bytes=TINY_MAX_BYTES, **settings))
+
+
 def publish_tiny_segments(store: CacheStore, segments: int) -> None:
     """Publish up to ``segments`` segments of ``TINY_SAMPLE`` records (fewer where the store refuses room): one
     written record by record, the others copies of its file written into their grants, as a sampler writes them
@@ -210,10 +220,8 @@ def test_every_local_rank_recording_what_it_served_stays_within_max_bytes(tmp_pa
     snapshot's room); the rest fell in the 1 MiB reserve, which ~2.8 million samples' records outgrow. The store
     now charges, at each pin scan, the records a live snapshot's ranks have yet to write. The witness is the
     directory's real size once every rank has written its record."""
-    root, max_bytes = tmp_path / "c", 112 << 20
-    store = CacheStore(
-        cache_config(root, max_bytes=max_bytes, segment_bytes=TINY_SEGMENT_BYTES, turnover_bytes=12 << 20)
-    )
+    root, max_bytes = tmp_path / "c", TINY_MAX_BYTES
+    store = tiny_store(root)
     try:
         publish_tiny_segments(store, 24)
         with pins_of_every_local_rank(root, "epoch-0") as pins:
@@ -236,10 +244,8 @@ def test_two_jobs_recording_at_once_stay_within_max_bytes(tmp_path: Path) -> Non
     """Two jobs on a node, 8 local ranks each, whose epochs end together: 16 records land between two scans, more
     than the next snapshot's room charges for. Each live snapshot's records to come are charged from the scan that
     finds it; the witness is the directory's real size once every rank of both jobs has recorded."""
-    root, max_bytes = tmp_path / "c", 112 << 20
-    store = CacheStore(
-        cache_config(root, max_bytes=max_bytes, segment_bytes=TINY_SEGMENT_BYTES, turnover_bytes=12 << 20)
-    )
+    root, max_bytes = tmp_path / "c", TINY_MAX_BYTES
+    store = tiny_store(root)
     try:
         publish_tiny_segments(store, 24)
         with pins_of_every_local_rank(root, "job-a") as first:
@@ -265,11 +271,8 @@ def test_an_epoch_of_8_ranks_recording_in_a_paced_cache_stays_within_max_bytes(t
     yet, but a job's next epoch is split as its last: the room charges the records of as many ranks as the most any
     snapshot was split among, and of 8 (``ASSUMED_LOCAL_RANKS``) at least, so that a job's first epoch is covered
     too. The witness is the directory's real size once every rank of the epoch has recorded."""
-    root, max_bytes = tmp_path / "c", 112 << 20
-    config = cache_config(
-        root, max_bytes=max_bytes, segment_bytes=TINY_SEGMENT_BYTES, turnover_bytes=12 << 20, evict_after_reads=1
-    )
-    store = CacheStore(config)
+    root, max_bytes = tmp_path / "c", TINY_MAX_BYTES
+    store = tiny_store(root, evict_after_reads=1)
     try:
         key = _write_one(store, 0)
         if epoch == "a later epoch":
