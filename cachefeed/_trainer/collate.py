@@ -36,6 +36,7 @@ __all__ = [
     "RowCollator",
     "Slot",
     "collate_into",
+    "collate_samples",
     "compile_skeleton",
     "place",
     "split",
@@ -81,6 +82,7 @@ def _plan(values: list[Any]) -> Any:
         ):
             return _Stack(values)
     elif isinstance(first, Mapping) and type(first) is dict:
+        _check_same_fields(values)
         return {key: _plan([value[key] for value in values]) for key in first}
     elif isinstance(first, str | bytes):
         return list(values)
@@ -90,6 +92,40 @@ def _plan(values: list[Any]) -> Any:
             transposed = [_plan(list(column)) for column in zip(*values, strict=True)]
             return transposed if type(first) is list else tuple(transposed)
     return default_collate(values)
+
+
+def _check_same_fields(values: list[Any]) -> None:
+    """Every sample of a batch has the first one's fields, or a ``ValueError`` that names two samples and what
+    differs. ``default_collate`` keys the batch by the *first* sample's fields: a later sample with a field fewer
+    failed with a bare ``KeyError``, one with a field more lost it without a word, so the same data failed or not by
+    where the shuffle put a sample (a webdataset shard with a stray member, shards of ``.jpg`` beside shards of
+    ``.png``)."""
+    first = values[0]
+    fields = first.keys()
+    for value in values:
+        if type(value) is dict and value.keys() == fields:
+            continue
+        other = value.keys() if isinstance(value, Mapping) else None
+        raise ValueError(
+            f"the samples of one batch have different fields: {_named(first)} has {sorted(map(str, fields))}, "
+            + (f"{_named(value)} has {sorted(map(str, other))}" if other is not None else f"{_named(value)} is a "
+               f"{type(value).__name__}")
+            + ": give every sample the same fields (a transform= that renames or drops them; for webdataset shards, "
+            "the same member extensions in every sample), or pass a collate_fn= that handles them"
+        )  # fmt: skip
+
+
+def collate_samples(samples: list[Any]) -> Any:
+    """``default_collate``, with its samples' fields checked first (``_check_same_fields``): the collate function
+    of an in-process epoch (``num_workers=0``) where the caller gave none, so that it fails as a worker's does."""
+    if samples and type(samples[0]) is dict:
+        _check_same_fields(samples)
+    return default_collate(samples)
+
+
+def _named(sample: Any) -> str:
+    key = sample.get("__key__") if isinstance(sample, Mapping) else None
+    return f"sample {key!r}" if isinstance(key, str) else "one sample"
 
 
 def _sizes(tree: Any, out: list[int]) -> None:

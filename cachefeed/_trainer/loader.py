@@ -76,6 +76,7 @@ from cachefeed._cache.snapshots import Snapshot, sweep_unwatched
 from cachefeed._cache.sources import read_sources
 from cachefeed._labels import read_classes
 from cachefeed._logs import get_logger
+from cachefeed._trainer.collate import collate_samples
 from cachefeed._trainer.compat import LoaderSettings, pin_memory_in_effect
 from cachefeed._trainer.dataset import SnapshotDataset, Transform
 from cachefeed._trainer.epoch import EpochLoader, EpochStats
@@ -132,7 +133,8 @@ class EpochLoaderFactory:
         transform: per-sample function run in the workers; with workers it must pickle (each epoch's dataset goes
             to the workers pickled, whatever the start method): a module-level function or a ``functools.partial``
             of one, not a lambda or a local function (refused here, naming it).
-        collate_fn: batches samples (default ``torch.utils.data.default_collate``).
+        collate_fn: batches samples (default ``torch.utils.data.default_collate``; a batch whose samples have
+            different fields is refused with a ValueError naming them, where torch would key it by the first).
         verify: check every record's checksum when reading (a failing record is skipped, never served); False
             checks nothing of a record's bytes, not even which key it holds.
         samples_per_epoch: every epoch is exactly this many samples of the node's snapshot (split equally among
@@ -271,7 +273,7 @@ class EpochLoaderFactory:
         self.seed = seed
         self.drop_last = drop_last
         self.transform = transform
-        self.collate_fn = collate_fn or default_collate
+        self.collate_fn = collate_fn or collate_samples  # default_collate, the fields checked (as in the workers)
         self.verify = verify
         self.samples_per_epoch = samples_per_epoch
         self.min_samples = min_samples
