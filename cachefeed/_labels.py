@@ -49,6 +49,7 @@ class ClassIndex:
         self._file_mode = file_mode
         self.classes: list[str] = read_classes(path) if path.exists() else []
         self._index = {name: i for i, name in enumerate(self.classes)}
+        self._said_one_class = False
 
     def update(self, paths: Iterable[str]) -> list[str]:
         """Add the classes of a listing that are not indexed yet (sorted, after the known ones); save if any.
@@ -78,6 +79,21 @@ class ClassIndex:
             else:
                 log.info("%d classes from the listing (%s)", len(new), ", ".join(new[:10]) + ("..." * (len(new) > 10)))
         return new
+
+    def check_listing(self) -> None:
+        """After a whole listing: a single class labels every sample 0, which is what ``"parent"`` gives a flat
+        layout or webdataset shards in one directory (their label is usually a member, ``cls``). Said once, as a
+        warning naming the class: the config is valid (a one-class dataset exists), but most likely not meant."""
+        if len(self.classes) != 1 or self._said_one_class:
+            return
+        self._said_one_class = True
+        log.warning(
+            "sampler.label = %r found one class in the whole listing, %r: every sample gets label 0. The label is "
+            "the index of each object's directory (<root>/<class>/<name>); webdataset shards usually carry theirs as "
+            "a member (.cls), which is a field of its own: remove sampler.label, or lay the objects out by class",
+            self.rule,
+            self.classes[0],
+        )
 
     def label(self, path: str) -> int:
         """The index of ``path``'s class (KeyError if the listing that holds it was not given to ``update``)."""

@@ -167,7 +167,7 @@ def test_two_nodes_build_the_same_class_index_and_label_their_own_share_by_it(tm
             assert daemon.stop() == 0
 
 
-def test_webdataset_shards_decode_their_images_in_the_daemon(tmp_path: Path) -> None:
+def test_webdataset_shards_decode_their_images_in_the_daemon_and_a_one_class_label_is_warned_of(tmp_path: Path) -> None:
     shards = tmp_path / "shards"
     shards.mkdir()
     for shard in range(2):
@@ -184,9 +184,15 @@ def test_webdataset_shards_decode_their_images_in_the_daemon(tmp_path: Path) -> 
                     info = tarfile.TarInfo(name)
                     info.size = len(payload)
                     archive.addfile(info, io.BytesIO(payload))
-    daemon = daemon_on(tmp_path, shards, {"decode": "tar", "decode_images": True, "image_size": [24, 32]})
+    daemon = daemon_on(
+        tmp_path, shards, {"decode": "tar", "decode_images": True, "image_size": [24, 32], "label": "parent"}
+    )
     try:
         daemon.wait_status(lambda d: d["cache"]["samples"] == 12, timeout_s=60, what="both shards cached")
+        # label = "parent" over shards in one directory: one class, every label 0; valid, but not what was meant
+        (said,) = [line for line in daemon.stderr().splitlines() if "found one class" in line]
+        assert "sampler.label = 'parent' found one class in the whole listing, 'shards'" in said, said
+        assert "every sample gets label 0" in said and "(.cls)" in said, said
         with EpochLoaderFactory(daemon.cache_dir, batch_size=1, run_id="wds", progress=None) as factory:
             seen = 0
             for batch in factory.loader(0):  # one sample a batch: members are "jpg" in some samples, "png" in others

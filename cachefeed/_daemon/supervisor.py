@@ -365,6 +365,8 @@ class Supervisor:
             for item in entry.catalog.take() if entry.catalog is not None else ():
                 if isinstance(item, ListingEnd):
                     entry.is_joining = False
+                    if self._classes is not None:
+                        self._classes.check_listing()
                     entry.plan.end_listing(is_restored=item.is_restored)
                     if item.is_restored:  # what the file holds already (0 objects: it failed, write it again)
                         entry.catalog_revision = entry.plan.revision if item.objects else -1
