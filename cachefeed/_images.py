@@ -121,6 +121,8 @@ def _decode_pillow(body: bytes, key: str, size: tuple[int, int] | None, image_mo
     except (image_module.DecompressionBombError, image_module.DecompressionBombWarning) as exc:
         raise DecodeError(f"{key}: refused as a decompression bomb: {exc}") from exc
     except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, struct.error... for bad data
+        if isinstance(exc, image_module.UnidentifiedImageError):  # its text names our BytesIO: "<... at 0x7f...>"
+            raise DecodeError(f"{key}: not a readable image: no image format Pillow reads") from exc
         raise DecodeError(f"{key}: not a readable image: {type(exc).__name__}: {exc}") from exc
     return pixels
 
