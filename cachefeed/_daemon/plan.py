@@ -116,11 +116,19 @@ class SamplingPlan:
     """The sampling plan of one node. See the module docstring for the contract."""
 
     def __init__(
-        self, *, seed: int = 0, rank: int = 0, count: int = 1, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        count: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "",
     ) -> None:
+        """``name``: the source's, where sources are named (its log lines say whose pass ended)."""
         if not 0 <= rank < count:
             raise ValueError(f"rank {rank} must be in [0, {count})")
         self.seed = seed
+        self._of = f" of source {name!r}" if name else ""
         self.rank = rank
         self.count = count
         self.counters = PlanCounters()
@@ -348,8 +356,9 @@ class SamplingPlan:
         if self._drawn_this_pass > 0 or (self._is_remote_listed and not self.counters.passes_completed):
             self.counters.passes_completed += 1
             log.info(
-                "pass %d completed: %d objects drawn, %d done, %d cached already",
+                "pass %d%s completed: %d objects drawn, %d done, %d cached already",
                 self._pass,
+                self._of,
                 self._drawn_this_pass,
                 self._done_this_pass,
                 self._skipped_this_pass,

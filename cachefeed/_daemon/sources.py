@@ -77,7 +77,12 @@ class Inputs:
                 source,
                 source.tag if config.sources else 0,
                 weights[index],
-                SamplingPlan(seed=config.sampler.seed, rank=config.node.rank, count=config.node.count),
+                SamplingPlan(
+                    seed=config.sampler.seed,
+                    rank=config.node.rank,
+                    count=config.node.count,
+                    name=source.name if config.sources else "",
+                ),
             )
             for index, source in enumerate(sources)
         ]

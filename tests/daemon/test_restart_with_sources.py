@@ -67,6 +67,7 @@ def restarted(tmp_path: Path) -> Iterator[DaemonProcess]:
         )
     finally:
         assert first.stop() == 0
+    assert "pass 0 of source 'cached' completed: " in first.stderr(), "a named source's pass says whose it is"
     both = config(tmp_path / "both.toml", cache_dir, {"cached": cached, "fresh": fresh}, {"max_bytes_per_s": CAP})
     second = start_daemon(both, cache_dir, tmp_path / "2.err")
     try:
