@@ -245,8 +245,15 @@ STATUS_SCHEMA: dict[str, Any] = {
         "errors_total": NUM,  # exported by kind (_status/metrics.py), with the remainder as "other"
         "errors_by_kind": {str: NUM},
         "quarantined_total": _counter("cachefeed_remote_quarantined_objects", "Objects quarantined."),
-        # samples left out of objects whose other samples are cached (a tar member that failed to decode)
-        "quarantined_samples_total": Omittable(NUM),
+        "quarantined_samples_total": Scalar(
+            NUM,
+            Metric(
+                "cachefeed_remote_quarantined_samples",
+                "counter",
+                "Samples left out of objects whose other samples are cached (a tar member that failed to decode).",
+            ),
+            is_omittable=True,
+        ),
         "not_cached": {str: NUM},
         "objects_failed_total": Omittable(NUM),  # objects that failed once or more (retried in later passes)
         "objects_dropped": Omittable(NUM),  # dropped from the plan now: 404, 403, too large

@@ -37,6 +37,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 def test_metrics_agree_with_the_document(tmp_path: Path) -> None:
     document = make_document(tmp_path)
+    document["remote"]["quarantined_samples_total"] = 7
     samples = parse(render_metrics(document).decode())
     assert value(samples, "cachefeed_cache_bytes") == document["cache"]["bytes"]
     assert value(samples, "cachefeed_cache_max_bytes") == document["cache"]["max_bytes"]
@@ -50,6 +51,7 @@ def test_metrics_agree_with_the_document(tmp_path: Path) -> None:
     assert value(samples, "cachefeed_remote_errors_total", kind="transient") == 53
     assert value(samples, "cachefeed_remote_passes_completed_total") == 3
     assert value(samples, "cachefeed_remote_quarantined_objects_total") == 2
+    assert value(samples, "cachefeed_remote_quarantined_samples_total") == 7, "left-out samples can be alerted on"
     assert value(samples, "cachefeed_sampler_restarts_total", sampler="1") == 2
     assert value(samples, "cachefeed_sampler_objects_total", sampler="0") == 12_345
     assert value(samples, "cachefeed_sampler_state", sampler="1", state="restarting") == 1
