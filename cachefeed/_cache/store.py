@@ -92,6 +92,7 @@ part would need the others' internals.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 import stat
@@ -301,6 +302,7 @@ class CacheStore:
         self._samples_by_tag: dict[int, int] = {}  # published samples per source tag, kept as segments come and go
         self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
         self._live_snapshots = 0
+        self._said_paced = False  # "fetching waits for reads" logged at info already (then at debug)
         self._live_ids: list[str] = []  # the live snapshots at the last pin scan (``ingest_bound``)
         self._metadata_bytes = 0  # measured at the last pin scan (see the budget above)
         self._records_bytes = 0  # served records live snapshots' ranks have yet to write, at the last pin scan
@@ -744,12 +746,18 @@ class CacheStore:
             self._maybe_rescan_pins(force=True)
             why = self._make_room(need)
         if why == "reads":
-            if not self._is_paced:
-                log.info(
+            if not self._is_paced:  # the normal state of a cache a trainer reads: at info once, then at debug
+                log.log(
+                    logging.DEBUG if self._said_paced else logging.INFO,
                     "cache full of samples trainers have not read yet (or of sources below their share): "
-                    "fetching waits for reads (cache.evict_after_reads = %d)",
+                    "fetching waits for reads (cache.evict_after_reads = %d)%s",
                     self.config.evict_after_reads,
+                    ""
+                    if self._said_paced
+                    else "; normal while training reads slower than the remote delivers "
+                    "(said once: `cachefeed status` shows when it is paced)",
                 )
+                self._said_paced = True
             self._is_paced, self._is_backpressured, self._is_out_of_space = True, False, False
             return None
         if why == "free":

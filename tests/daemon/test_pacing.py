@@ -99,6 +99,8 @@ def test_a_slow_trainer_reads_everything_the_daemon_downloads(
     read_bytes = sum(len(keys) for keys in served.epochs) * OBJECT_BYTES
     allowance = MAX_BYTES + IN_FLIGHT_OBJECTS * (OBJECT_BYTES + 4096)
     assert downloaded <= read_bytes + allowance, (downloaded, read_bytes)
+    paced = [line for line in proc.stderr().splitlines() if "fetching waits for reads" in line]
+    assert len(paced) <= 1, f"being paced is the normal state: said once at info, not per epoch: {paced}"
 
 
 def test_a_trainer_faster_than_the_remote_rereads_and_never_waits_while_ingest_runs_at_its_cap(
