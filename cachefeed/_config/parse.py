@@ -95,7 +95,7 @@ def parse_config(document: Mapping[str, Any], *, source: str = NO_FILE, env: Map
             try:
                 sections[section_name][field_name] = parser(raw)
             except ValueError as exc:
-                shown = "<hidden: may hold credentials>" if (section_name, key) in SECRET_KEYS else repr(raw)
+                shown = _shown(raw, is_secret=(section_name, key) in SECRET_KEYS)
                 raise ConfigError(f"{source}: {section_name}.{key} = {shown}: {exc}") from None
     if sources and "url" in sections["remote"]:
         raise ConfigError(
@@ -145,6 +145,14 @@ def parse_config(document: Mapping[str, Any], *, source: str = NO_FILE, env: Map
         _check_decoder(entry.decode or str(sections["sampler"].get("decode", "npy")), f"source[{index}].decode", source)
     built = {name: SECTION_TYPES[name](**values) for name, values in sections.items()}
     return Config(**built, source=source, sources=tuple(sources))
+
+
+def _shown(value: object, *, is_secret: bool) -> str:
+    """A refused value as an error shows it: hidden for a key that may hold credentials (a URL with a key and
+    secret in it), unless it is a ``file:`` URL, a local path, which holds none and which the user needs to see."""
+    if is_secret and not (isinstance(value, str) and value.lower().startswith("file:")):
+        return "<hidden: may hold credentials>"
+    return repr(value)
 
 
 def changed_keys(running: Config, edited: Config) -> list[str]:
@@ -198,7 +206,7 @@ def _parse_sources(raw: object, source: str) -> list[SourceConfig]:
             try:
                 values[field_name] = parser(value)
             except ValueError as exc:
-                shown = "<hidden: may hold credentials>" if key in SOURCE_SECRET_KEYS else repr(value)
+                shown = _shown(value, is_secret=key in SOURCE_SECRET_KEYS)
                 raise ConfigError(f"{source}: {where} = {shown}: {exc}") from None
         for key in ("name", "url"):
             if key not in values:

@@ -702,3 +702,5 @@ def test_a_file_url_with_two_slashes_is_refused_saying_to_use_three() -> None:
     message = rejected({"remote.url": "file://data/train"})
     assert "expected an absolute path after file:// (three slashes: file:///data/train)" in message, message
     assert "relative to the daemon's working directory" in message
+    # a local path holds no credentials: shown, not "<hidden>" beside a message that names it anyway
+    assert "remote.url = 'file://data/train': " in message and "<hidden" not in message, message
