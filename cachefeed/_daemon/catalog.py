@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +43,20 @@ from cachefeed._logs import get_logger
 from cachefeed._remote import Remote, RemoteObject
 from cachefeed._scrub import safe_url
 
-__all__ = ["Catalog", "CatalogState", "ListingEnd", "ListingSource"]
+__all__ = ["Catalog", "CatalogState", "ListingEnd", "ListingSource", "missing_root"]
 
 log = get_logger(__name__)
+
+
+def missing_root(url: str) -> str:
+    """Why a listing of ``url`` matched nothing, where it can be told without a request: a ``file://`` URL whose
+    directory does not exist (a typo reads the same as an empty directory otherwise); "" where it exists or the
+    remote is not local."""
+    scheme, sep, path = url.partition("://")
+    if not sep or scheme.lower() != "file" or os.path.exists(urllib.parse.unquote(path)):
+        return ""
+    return f" ({urllib.parse.unquote(path)} does not exist)"
+
 
 _RETRY_MIN_S = 1.0
 _MIN_EARLY_REFRESH_S = 5.0
@@ -234,8 +247,9 @@ class Catalog:
                 requests = self._remote.stats.list_requests_total - requests_before
                 if not listed and not unchanged:  # status says degraded; the journal says why
                     log.warning(
-                        "listed 0 objects under %s matching %r: nothing to cache (check the URL and the pattern)",
+                        "listed 0 objects under %s%s matching %r: nothing to cache (check the URL and the pattern)",
                         self._safe_url(),
+                        missing_root(self._config.url),
                         self._config.pattern,
                     )
                 else:

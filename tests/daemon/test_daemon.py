@@ -203,11 +203,14 @@ def test_a_remote_that_lists_nothing_makes_the_daemon_degraded_naming_url_and_pa
         doc = proc.wait_status(lambda d: d["degraded_reasons"], timeout_s=30, what="a degraded reason")
         [reason] = doc["degraded_reasons"]
         assert "lists 0 objects" in reason and "'**/*.{jpg,png}'" in reason and "file://" in reason
+        # a directory that does not exist says so (a typo in the URL read the same as an empty directory)
+        assert (f"({data / url_suffix} does not exist)" in reason) == bool(url_suffix), reason
         assert read_report(cache_dir).health is Health.DEGRADED
     finally:
         assert proc.stop() == 0
     [warning] = [line for line in proc.stderr().splitlines() if "listed 0 objects" in line]
     assert " WARNING " in warning and "'**/*.{jpg,png}'" in warning and "file://" in warning, warning
+    assert ("does not exist" in warning) == bool(url_suffix), warning
 
 
 def test_brace_lists_in_the_pattern_select_each_alternative(tmp_path: Path) -> None:
