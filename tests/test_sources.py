@@ -1,5 +1,7 @@
 """Several weighted sources (``[[source]]``): the daemon keeps each source's share of the cache, every epoch gives
-each source its weight's share of its samples (exactly, to the sample), and each sample names its source.
+each source its weight's share of its samples (to the sample where samples must be reused; within a segment's
+samples where a snapshot pins a source short of its share while more of it is cached, so that it repeats none), and
+each sample names its source.
 
 End to end against two ``file://`` remotes with real daemons, real DataLoader workers and, for two nodes, two
 real gloo ranks each reading its own node's cache."""
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,8 @@ import msgpack
 import numpy as np
 import pytest
 
+from cachefeed._cache.records import segment_trailer
+from cachefeed._cache.room import Candidate, choose
 from cachefeed._cache.sources import read_sources, source_tag
 from cachefeed._cache.store import CacheStore
 from cachefeed._codecs import msgpack_default
@@ -47,9 +52,12 @@ def make_source(root: Path, source_id: int, objects: int) -> Path:
     return root
 
 
-def check_batch(batch: dict[str, Any]) -> list[tuple[str, int, int]]:
-    """Verify every sample's bytes and that ``__source__`` names the source it came from; its identities."""
-    names = {source_id: name for name, (source_id, _w, _n) in SOURCES.items()}
+def check_batch(
+    batch: dict[str, Any], sources: dict[str, tuple[int, float, int]] = SOURCES
+) -> list[tuple[str, int, int]]:
+    """Verify every sample's bytes and that ``__source__`` names the source it came from (``sources``: as
+    ``SOURCES``); its identities."""
+    names = {source_id: name for name, (source_id, _w, _n) in sources.items()}
     seen = []
     for row, source in enumerate(batch["__source__"]):
         src, obj, idx = int(batch["src"][row]), int(batch["obj"][row]), int(batch["idx"][row])
@@ -121,6 +129,98 @@ def test_a_weighted_epoch_upsamples_a_small_source_and_never_repeats_a_large_one
     assert set(small.tolist()) == set(range(200, 220)), "a small source is reused whole"
     again = weighted_order(counts, reads, tags, {1: 0.5, 2: 0.5}, 300, seed=3, epoch=0, shuffle=True)
     assert np.array_equal(order, again), "the same seed and epoch give the same order on every rank"
+
+
+def test_a_source_pinned_short_of_its_share_while_it_has_more_cached_is_capped_not_repeated() -> None:
+    """A snapshot pins whole segments, so a source may be pinned a few samples short of its share while the cache
+    holds more of it (MANIFEST ``left_out``): it must not repeat samples while another source has pinned samples the
+    epoch would leave unserved; those take its excess, by weight."""
+    pinned, weights = {1: 61, 2: 27}, {1: 0.7, 2: 0.3}  # the audit's snapshot: 61 + 27 of a 0.7 / 0.3 mix
+    assert source_shares(pinned, weights, 88) == {1: 62, 2: 26}, "not recorded (an old MANIFEST): as before"
+    assert source_shares(pinned, weights, 88, left_out={1, 2}) == {1: 61, 2: 27}
+    assert source_shares(pinned, weights, 80, left_out={1, 2}) == {1: 56, 2: 24}, "a share within its pin: as is"
+    assert source_shares(pinned, weights, 88, left_out={2}) == {1: 62, 2: 26}, "1 is pinned whole: upsampled"
+    # the excess goes by weight to every source with pinned samples to spare (3; 2 has none)
+    assert source_shares({1: 10, 2: 30, 3: 100}, {1: 1, 2: 1, 3: 1}, 90, left_out={1, 2, 3}) == {1: 10, 2: 30, 3: 50}
+    # 2 is one short; 1 has samples to spare; 3 (5 samples, pinned whole) is upsampled by its own weight only
+    assert source_shares({1: 61, 2: 27, 3: 5}, {1: 0.5, 2: 0.3, 3: 0.2}, 93, left_out={1, 2}) == {1: 47, 2: 27, 3: 19}
+    # samples owed beyond the snapshot (samples_per_epoch): nobody has any to spare, repeats by weight as before;
+    # nor does an upsampled source take the repeats of a source left out
+    assert source_shares(pinned, weights, 200, left_out={1, 2}) == {1: 140, 2: 60}
+    assert source_shares({1: 1638, 2: 500}, weights, 5000, left_out={1}) == {1: 3500, 2: 1500}
+    for n in range(1, 160):
+        for available in ({1: 61, 2: 27, 3: 5}, {1: 3, 2: 40, 3: 40}, {1: 100, 2: 1, 3: 9}):
+            for left_out in ({1, 2}, {1, 2, 3}, {3}):
+                shares = source_shares(available, {1: 0.5, 2: 0.3, 3: 0.2}, n, left_out=left_out)
+                assert sum(shares.values()) == n, f"n={n}: {shares}"
+                repeats = [tag for tag in left_out if shares[tag] > available[tag]]
+                unserved = [tag for tag in shares if shares[tag] < available[tag]]
+                assert not (repeats and unserved), f"n={n}, {available}, left out {left_out}: {shares}"
+                reordered = {tag: available[tag] for tag in reversed(available)}
+                assert shares == source_shares(reordered, {3: 0.2, 2: 0.3, 1: 0.5}, n, left_out=sorted(left_out))
+
+
+def test_a_weighted_epoch_of_a_set_size_repeats_no_capped_source_within_what_it_pinned() -> None:
+    counts, tags = (32, 29, 16, 11), (1, 1, 2, 2)  # source 1: 61 samples, source 2: 27
+    reads = np.zeros(88, dtype=np.int64)
+    for n in (88, 70, 40):
+        order = weighted_order(counts, reads, tags, {1: 0.7, 2: 0.3}, n, seed=1, epoch=0, shuffle=True, left_out={1, 2})
+        assert len(order) == n and len(set(order.tolist())) == n, f"samples_per_epoch={n}: a sample repeats"
+    old = weighted_order(counts, reads, tags, {1: 0.7, 2: 0.3}, 88, seed=1, epoch=0, shuffle=True)
+    assert len(set(old.tolist())) == 87, "without the record, the shares are as before (62 of 61: one twice)"
+
+
+def test_the_room_reserves_each_source_its_share_of_samples_not_of_bytes() -> None:
+    """Epochs weigh samples: a source of samples ten times larger needs ten times the bytes for the same share."""
+    small = [Candidate(seq, 100, 0, tag=1, samples=10) for seq in range(10)]  # 10 bytes a sample
+    large = [Candidate(seq, 100, 0, tag=2, samples=1) for seq in range(10, 20)]  # 100 bytes a sample
+    chosen = set(choose(small + large, 1100, {1: 0.5, 2: 0.5}))
+    pinned = Counter({1: 0, 2: 0})
+    for candidate in small + large:
+        if candidate.seq in chosen:
+            pinned[candidate.tag] += candidate.samples
+    assert pinned == {1: 10, 2: 10}, f"equal weights, equal samples: {pinned}"
+    unknown = [Candidate(seq, 100, 0, tag=1 + seq // 10) for seq in range(20)]  # samples not said: bytes, as before
+    assert choose(unknown, 1000, {1: 0.5, 2: 0.5}) == [*range(5), *range(10, 15)]
+
+
+def test_a_snapshot_records_the_sources_it_left_out_and_one_made_before_the_record_reads_as_before(
+    tmp_path: Path,
+) -> None:
+    """MANIFEST ``left_out``: the named sources with segments cached that the snapshot did not pin (checked against
+    the directories); a MANIFEST without it (made before the field) reads as None: no caps, shares as before."""
+    from cachefeed._cache.snapshots import MANIFEST, Snapshot
+    from cachefeed._cache.sources import SourceEntry, write_sources
+    from cachefeed._cache.writer import CacheWriter
+    from cachefeed._fsutil import atomic_write
+    from cachefeed._testing.samples import make_sample
+    from tests.support.cache_helpers import cache_config
+
+    root = tmp_path / "cache"
+    large, small = source_tag("large"), source_tag("small")
+    config = cache_config(root, max_bytes=6 << 20, segment_bytes=64 << 10, turnover_bytes=3 << 20)
+    store = CacheStore(config)  # open: it holds the writer lock, so snapshots keep its room of ~2 MiB
+    try:
+        write_sources(store.layout.sources_file, [SourceEntry("large", large, 0.5), SourceEntry("small", small, 0.5)])
+        writer = CacheWriter(store, segment_bytes=64 << 10, fsync=False)
+        for tag, count in ((large, 800), (small, 40)):  # ~3.2 MB of the large source, ~160 KB of the small one
+            writer.source = tag
+            for n in range(count):
+                writer.add(make_sample(f"{tag}-{n}", 4000))
+            writer.flush()
+        with Snapshot.create(root, "job-e000000") as snapshot:
+            pinned = samples_by_source(snapshot.directory)
+            cached = samples_by_source(root / "segments")
+            assert set(cached[large]) - set(pinned[large]), "the large source has more cached than pinned"
+            assert set(cached[small]) == set(pinned[small]), "the small source is pinned whole"
+            assert snapshot.left_out == {large}
+            manifest = msgpack.unpackb((snapshot.directory / MANIFEST).read_bytes(), raw=False)
+            del manifest["left_out"]
+            atomic_write(snapshot.directory / MANIFEST, msgpack.packb(manifest))
+            with Snapshot.join(root, "job-e000000") as old:
+                assert old.left_out is None and old.names == snapshot.names
+    finally:
+        store.close()
 
 
 def test_source_tables_are_checked_key_by_key(tmp_path: Path) -> None:
@@ -311,6 +411,132 @@ def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_pa
         assert 'cachefeed_source_weight{source="curated"} 0.3' in metrics
     finally:
         assert daemon.stop() == 0, daemon.stderr()
+
+
+Mix = dict[str, tuple[int, float, int]]  # as SOURCES: name -> (id, weight, objects)
+
+
+def samples_by_source(directory: Path) -> dict[int, dict[str, int]]:
+    """What ``directory``'s segments hold, read from the files: {source tag: {segment name: samples}}."""
+    held: dict[int, dict[str, int]] = {}
+    for path in directory.glob("*.seg"):
+        count, tag = segment_trailer(path)
+        if count > 0:
+            held.setdefault(tag, {})[path.name] = count
+    return held
+
+
+@dataclass(frozen=True)
+class Served:
+    """One epoch as the training loop saw it, beside what the files held as it began."""
+
+    samples: list[tuple[str, int, int]]  # (source, object, index) of every sample received, verified
+    pinned: dict[str, set[str]]  # source -> the segments of the epoch's snapshot
+    cached: dict[str, set[str]]  # source -> the segments in the cache
+    segment: int  # the most samples one pinned segment holds
+
+    def count(self, name: str) -> Counter[tuple[str, int, int]]:
+        return Counter(sample for sample in self.samples if sample[0] == name)
+
+
+def one_pass_epochs(tmp_path: Path, mix: Mix, epochs: int) -> list[Served]:
+    """``epochs`` one-pass epochs (no ``samples_per_epoch``) of a real daemon caching ``mix`` whole (the factory
+    waits for every sample; ~1.9 MiB of segments for 4,100 samples, in 3 MiB after the metadata reserve) while the
+    epoch room (4 MiB less 2,600 KiB of turnover and the 1 MiB reserve: 472 KiB) holds about a quarter of it."""
+    from cachefeed._trainer import EpochLoaderFactory
+
+    for name, (source_id, _weight, objects) in mix.items():
+        make_source(tmp_path / "data" / name, source_id, objects)
+    cache_dir = tmp_path / "cache"
+    document: dict[str, Any] = {
+        "remote": {"refresh_interval": "2s"},
+        "cache": {
+            "dir": str(cache_dir),
+            "max_bytes": "4MiB",
+            "turnover": "2600KiB",
+            "min_free_bytes": 0,
+            "segment_bytes": "32KiB",
+            "fsync": False,
+        },
+        "sampler": {"processes": 2, "concurrency": 4, "decode": "msgpack"},
+        "status": {"interval": "200ms"},
+        "source": [
+            {"name": name, "url": f"file://{tmp_path / 'data' / name}", "weight": weight}
+            for name, (_id, weight, _n) in mix.items()
+        ],
+    }
+    config = tmp_path / "mix.toml"
+    config.write_text(toml_text(document))
+    total = sum(objects for _id, _w, objects in mix.values()) * PER_OBJECT
+    daemon = start_daemon(config, cache_dir, tmp_path / "daemon.err")
+    result = []
+    try:
+        daemon.wait_status(lambda doc: doc.get("state") == "running", timeout_s=60)
+        with EpochLoaderFactory(
+            cache_dir,
+            batch_size=100,
+            min_samples=total,
+            wait_timeout_s=60,
+            num_workers=2,
+            run_id="mix",
+            epochs=epochs,
+            progress=None,
+        ) as factory:
+            for epoch in range(epochs):
+                loader = factory.loader(epoch)
+                pinned = samples_by_source(cache_dir / "snapshots" / factory.snapshot_id(epoch))
+                cached = samples_by_source(cache_dir / "segments")
+                served: list[tuple[str, int, int]] = []
+                for batch in loader:
+                    served += check_batch(batch, mix)
+                result.append(
+                    Served(
+                        served,
+                        {name: set(pinned.get(source_tag(name), {})) for name in mix},
+                        {name: set(cached.get(source_tag(name), {})) for name in mix},
+                        max(count for held in pinned.values() for count in held.values()),
+                    )
+                )
+    finally:
+        assert daemon.stop() == 0, daemon.stderr()
+    return result
+
+
+def test_an_epoch_repeats_no_sample_of_a_source_with_more_cached_than_its_snapshot_holds(tmp_path: Path) -> None:
+    """A snapshot pins whole segments, each source first its weight's share of the room: a source is pinned up to a
+    segment short of its share of the epoch. While it has more cached, it must not make that up by repeats (nor
+    leave the other's pinned samples unserved); the shares follow the weights within a segment."""
+    mix = {"web": (0, 0.7, 60), "books": (1, 0.3, 20)}  # 3,000 and 1,000 samples, both far beyond the room
+    for epoch, served in enumerate(one_pass_epochs(tmp_path, mix, epochs=3)):
+        n = len(served.samples)
+        per_source = Counter(source for source, _obj, _idx in served.samples)
+        for name, (_id, weight, _objects) in mix.items():
+            beyond = served.cached[name] - served.pinned[name]
+            assert beyond, f"epoch {epoch}: {name} has nothing cached beyond the snapshot: no witness"
+            twice = sorted(sample for sample, times in served.count(name).items() if times > 1)
+            assert not twice, (
+                f"epoch {epoch}: {name} has {len(beyond)} segments cached beyond the snapshot, yet {len(twice)} "
+                f"of its samples were served twice, such as {twice[:3]} ({dict(per_source)} of {n})"
+            )
+            assert abs(per_source[name] - n * weight) <= served.segment + 1, f"epoch {epoch}: {per_source} of {n}"
+
+
+def test_a_source_cached_whole_below_its_share_is_still_upsampled(tmp_path: Path) -> None:
+    """ "rare" (100 samples) fits its 20% of the room whole and is below its 20% of every epoch: it is reused,
+    evenly; the two sources with more cached than pinned still repeat nothing."""
+    mix = {"web": (0, 0.5, 60), "books": (1, 0.3, 20), "rare": (2, 0.2, 2)}
+    for epoch, served in enumerate(one_pass_epochs(tmp_path, mix, epochs=2)):
+        n = len(served.samples)
+        per_source = Counter(source for source, _obj, _idx in served.samples)
+        assert served.cached["rare"] <= served.pinned["rare"], f"epoch {epoch}: rare is not pinned whole"
+        rare = served.count("rare")
+        assert len(rare) == 100 and per_source["rare"] > 100, f"epoch {epoch}: rare is not upsampled: {per_source}"
+        assert max(rare.values()) - min(rare.values()) <= 1, "evenly"
+        for name in ("web", "books"):
+            assert served.cached[name] - served.pinned[name], f"epoch {epoch}: no witness for {name}"
+            assert max(served.count(name).values()) == 1, f"epoch {epoch}: {name} repeats samples ({per_source})"
+        for name, (_id, weight, _objects) in mix.items():
+            assert abs(per_source[name] - n * weight) <= served.segment + 1, f"epoch {epoch}: {per_source} of {n}"
 
 
 def rank_main(root: str, port: int, rank: int, out: str) -> None:

@@ -28,7 +28,11 @@ that fit beside it, and each epoch would bring at most that room of new samples:
   Ties: oldest first (segment sequence numbers).
   Unread segments therefore come first and the top-up is the least-read. With weighted sources (``sources.json``),
   each source first gets its weight's share of the room from its own least-read segments, then the rest of the room
-  is filled from all sources in the same order: a fast source cannot crowd a slow one out of an epoch.
+  is filled from all sources in the same order: a fast source cannot crowd a slow one out of an epoch. The share is
+  of the room's *samples*, as epochs and the store weigh sources (``_trainer/partition.py``; ``store.py``,
+  "Weighted sources"): a source of larger samples gets more bytes (``_quotas``). Whole segments fill it, so a source
+  may be pinned up to a segment short of its share; the snapshot records which sources it did not pin whole
+  (``Snapshot.left_out``), and the epoch's partition serves those without replacement.
 * **A later epoch of a set size while the cache fills** (NOTE [ Growing snapshots ] in ``_trainer/growing.py``)
   pins only what no epoch has read nor is reading (``unread_first``: segments none of whose samples was read, held
   by no live snapshot), oldest first within the room, and grows by what the daemon publishes; if its growth stops
@@ -105,14 +109,15 @@ class Candidate:
     reads: int  # its least-read sample's reads (0: unread or unknown)
     tag: int = 0  # its source tag
     pending: bool = False  # a live snapshot holds it (an epoch reading it or being released): a read is on its way
-    samples: int = 0  # its samples (where a choice counts them: ``top_up``)
+    samples: int = 0  # its samples (where a choice counts them: ``top_up``, ``choose``'s weighted quotas)
     untouched: bool = False  # no epoch has read any of its samples (``unread_first``)
 
 
 def choose(candidates: Sequence[Candidate], room: int | None, weights: Mapping[int, float] | None = None) -> list[int]:
     """The sequence numbers of the segments a snapshot pins (ascending), by the rule in the module docstring.
 
-    ``room`` None pins everything; ``weights`` (source tag -> share, summing to 1) reserves each source its share.
+    ``room`` None pins everything; ``weights`` (source tag -> share, summing to 1) reserves each source its share
+    (``_quotas``).
     """
     if room is None or sum(c.nbytes for c in candidates) <= room:
         return sorted(c.seq for c in candidates)
@@ -120,8 +125,8 @@ def choose(candidates: Sequence[Candidate], room: int | None, weights: Mapping[i
     chosen: set[int] = set()
     left = room
     if weights and len(weights) > 1:
-        for tag, weight in sorted(weights.items()):
-            quota = int(room * weight)
+        for tag, reserved in sorted(_quotas(candidates, room, weights).items()):
+            quota = reserved
             for candidate in order:
                 if candidate.tag == tag and candidate.nbytes <= min(quota, left):
                     chosen.add(candidate.seq)
@@ -132,6 +137,25 @@ def choose(candidates: Sequence[Candidate], room: int | None, weights: Mapping[i
             chosen.add(candidate.seq)
             left -= candidate.nbytes
     return sorted(chosen)
+
+
+def _quotas(candidates: Sequence[Candidate], room: int, weights: Mapping[int, float]) -> dict[int, int]:
+    """The bytes of ``room`` reserved to each weighted source: its weight's share of the room's samples, at its
+    bytes per sample among ``candidates`` (those whose ``samples`` are known). A source whose samples are of the
+    mix's mean size, or unknown (no candidate of it with samples), gets ``room x weight`` bytes, as where all
+    samples are alike in size; the quotas add up to the room (weights summing to 1)."""
+    nbytes: dict[int, int] = {}
+    samples: dict[int, int] = {}
+    for candidate in candidates:
+        if candidate.samples > 0 and candidate.tag in weights:
+            nbytes[candidate.tag] = nbytes.get(candidate.tag, 0) + candidate.nbytes
+            samples[candidate.tag] = samples.get(candidate.tag, 0) + candidate.samples
+    per_sample = {tag: nbytes[tag] / samples[tag] for tag in samples}
+    known = sum(weights[tag] for tag in per_sample)
+    if known <= 0:
+        return {tag: int(room * weight) for tag, weight in weights.items()}
+    mean = sum(weights[tag] * per_sample[tag] for tag in per_sample) / known  # bytes per sample of the weighted mix
+    return {tag: int(room * weight * per_sample.get(tag, mean) / mean) for tag, weight in weights.items()}
 
 
 def unread_first(candidates: Sequence[Candidate], room: int | None) -> list[int]:

@@ -213,6 +213,11 @@ class Snapshot:
         tags: each segment's source tag (0: the one unnamed remote; ``_cache/sources.py``).
         sources: ``{tag: (name, weight)}`` of the daemon's named sources when the snapshot was made (empty for
             the single ``[remote]`` form): every rank, and a resumed job, weighs the epoch the same way.
+        left_out: the named sources with samples cached that the snapshot did not pin (segments published when it
+            was made or last grown, and not linked: the epoch room full, or read ones an unread-first snapshot
+            passes over); a source not in it is pinned whole. The epoch's partition has these repeat no samples
+            while another source has pinned samples to spare (``_trainer/partition.py``, ``source_shares``). None
+            where not recorded (no named sources, or a MANIFEST older than the field): shares as before it.
     """
 
     def __init__(self, layout: CacheLayout, snap_id: str, lock_fd: int, manifest: dict[str, object]) -> None:
@@ -226,6 +231,7 @@ class Snapshot:
         self.counts: tuple[int, ...] = ()
         self.reads: tuple[int, ...] = ()
         self.tags: tuple[int, ...] = ()
+        self.left_out: frozenset[int] | None = None
         self._above: tuple[bytes, ...] = ()
         self.generations: tuple[int, ...] | None = None  # a growing snapshot's segments at each generation's end
         self.is_open = False
@@ -345,6 +351,8 @@ class Snapshot:
                 "nonce": secrets.token_hex(8),
                 "fresh": fresh,
             }
+            if named_sources:
+                manifest["left_out"] = _left_out(layout, listed, chosen)
             if growing or wants is not None:
                 manifest["generations"] = [len(entries)]
                 manifest["open"] = True
@@ -569,6 +577,9 @@ class Snapshot:
         manifest["segments"] = segments
         manifest["generations"] = generations
         manifest["open"] = not close
+        if "left_out" in manifest:  # named sources: what this growth saw listed and did not pin
+            pinned_names = [str(entry[0]) for entry in segments]  # type: ignore[index]
+            manifest["left_out"] = _left_out(self.layout, listed, pinned_names)
         if topup_from is not None:
             manifest["topup_from"] = topup_from
         atomic_write(self.directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
@@ -634,6 +645,8 @@ class Snapshot:
         self.counts = tuple(int(entry[1]) for entry in entries)
         self.reads = tuple(int(entry[2]) if len(entry) > 2 else 0 for entry in entries)
         self.tags = tuple(int(entry[3]) if len(entry) > 3 else 0 for entry in entries)
+        left_out = manifest.get("left_out")
+        self.left_out = frozenset(int(tag) for tag in left_out) if isinstance(left_out, list) else None
         self._above = tuple(bytes(entry[4]) if len(entry) > 4 else b"" for entry in entries)
         generations = manifest.get("generations")
         self.generations = tuple(int(g) for g in generations) if isinstance(generations, list) else None
@@ -770,14 +783,30 @@ def _room_candidates(
     weights: Mapping[int, float],
 ) -> list[Candidate]:
     """The published segments (``listed``) as candidates of ``room.choose``: reads level, pending read and, where
-    sources are weighed, source tag (read from the segment's trailer only then)."""
+    sources are weighed, source tag and samples (read from the segment's trailer only then)."""
     candidates = []
     for name, info in listed:
         counts = reads.get(name)
         level = int(counts.min()) if counts is not None and len(counts) else 0
-        tag = segment_trailer(layout.segments / name)[1] if weights else 0
-        candidates.append(Candidate(segment_seq(name), allocated_bytes(info), level, tag, name in pending))
+        samples, tag = segment_trailer(layout.segments / name) if weights else (0, 0)
+        candidates.append(
+            Candidate(segment_seq(name), allocated_bytes(info), level, tag, name in pending, max(samples, 0))
+        )
     return candidates
+
+
+def _left_out(layout: CacheLayout, listed: list[tuple[str, os.stat_result]], pinned: Collection[str]) -> list[int]:
+    """The source tags (ascending) of the ``listed`` segments not ``pinned`` that still hold samples (MANIFEST
+    ``left_out``, ``Snapshot.left_out``). A segment evicted since the listing is no longer cached: not counted. One
+    trailer read per segment left out."""
+    taken = set(pinned)
+    tags = set()
+    for name, _info in listed:
+        if name not in taken:
+            count, tag = segment_trailer(layout.segments / name)
+            if count > 0:
+                tags.add(tag)
+    return sorted(tags)
 
 
 def _link_picks(

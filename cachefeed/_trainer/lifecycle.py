@@ -322,6 +322,7 @@ class Epochs:
             ranks=self.plan.ranks,
             samples_per_epoch=self.plan.samples_per_epoch,
             agree_min=self.plan.agree_min,
+            left_out=snapshot.left_out,
         )
 
     def _last_names(self) -> frozenset[str]:

@@ -27,6 +27,16 @@ Weighted sources (``[[source]]`` tables, see ``weighted_order``): the node's epo
 first, without replacement while the source has enough cached, reused in seeded passes when it has fewer than its
 share (a small source is *upsampled*, as a weighted sampler does). A source with nothing in the snapshot gets no
 share; the others split its weight. The shares are then shuffled together and split among the ranks as above.
+
+Without replacement means the *cache*, not the snapshot (``source_shares``): a snapshot pins whole segments, each
+source first its weight's share of the epoch room (``_cache/room.py``), so a source may be pinned a few samples
+short of its share while it has more cached (MANIFEST ``left_out``: it had segments the snapshot did not pin), and
+another a few samples beyond its own. Then the short source gives the samples it lacks to the sources with pinned
+samples beyond their shares, by weight: it serves each of its pinned samples once, and no pinned sample is left
+unserved for it. Only a source whose whole cache is pinned is upsampled, and only by its own weight: the repeats
+that no source can spare pinned samples for (``samples_per_epoch`` above what the snapshot holds) stay with the
+sources by weight, as before. So the shares follow the weights within about a segment's samples, not to the sample.
+Shares come from the MANIFEST and N alone: every rank of the node computes the same ones.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -240,18 +250,57 @@ def fixed_size_order(
     return order
 
 
-def source_shares(available: Mapping[int, int], weights: Mapping[int, float], n: int) -> dict[int, int]:
+def source_shares(
+    available: Mapping[int, int],
+    weights: Mapping[int, float],
+    n: int,
+    left_out: Collection[int] | None = None,
+) -> dict[int, int]:
     """How many of ``n`` samples each source (tag) gives: ``n x weight`` by largest remainders, over the sources
-    that have samples (``available``); ties go to the lower tag. Sums to ``n`` (0 if no source has samples)."""
+    that have samples (``available``); ties go to the lower tag. Sums to ``n`` (0 if no source has samples).
+
+    ``left_out``: the sources with cached samples the snapshot did not pin (MANIFEST ``left_out``; None: not
+    recorded, no change). Such a source's share above ``available`` (it would repeat samples while the cache holds
+    others) moves to the sources whose share is below what they have pinned (they would leave pinned samples
+    unserved), by weight, as far as those can take it without repeating. What no source can take stays where it
+    was: samples are reused by weight, as without the record (``samples_per_epoch`` above what the snapshot holds;
+    a small source pinned whole and upsampled never takes another's repeats)."""
     present = sorted(tag for tag in weights if available.get(tag, 0) > 0 and weights[tag] > 0)
-    total = sum(weights[tag] for tag in present)
     if not present or n <= 0:
         return {}
-    exact = {tag: n * weights[tag] / total for tag in present}
-    shares = {tag: int(exact[tag]) for tag in present}
-    by_remainder = sorted(present, key=lambda tag: (-(exact[tag] - shares[tag]), tag))
-    for tag in by_remainder[: n - sum(shares.values())]:
-        shares[tag] += 1
+    shares = _by_weight(n, {tag: weights[tag] for tag in present})
+    capped = frozenset(left_out or ())
+    over = {tag: shares[tag] - available[tag] for tag in present if tag in capped and shares[tag] > available[tag]}
+    spare = {tag: available[tag] - shares[tag] for tag in present if shares[tag] < available[tag]}
+    moved = min(sum(over.values()), sum(spare.values()))
+    if moved:
+        given = _by_weight(moved, {tag: weights[tag] for tag in over}, limits=over)
+        taken = _by_weight(moved, {tag: weights[tag] for tag in spare}, limits=spare)
+        for tag in present:
+            shares[tag] += taken.get(tag, 0) - given.get(tag, 0)
+    return shares
+
+
+def _by_weight(n: int, weights: Mapping[int, float], limits: Mapping[int, int] | None = None) -> dict[int, int]:
+    """``n`` split over ``weights`` (positive) in proportion, by largest remainders (ties to the lower tag); with
+    ``limits`` (adding up to ``n`` at least), none above its limit: a tag at its limit is held there and the rest
+    split again over the others."""
+    shares: dict[int, int] = {}
+    open_tags, left = sorted(weights), n
+    while open_tags:
+        total = sum(weights[tag] for tag in open_tags)
+        exact = {tag: left * weights[tag] / total for tag in open_tags}
+        trial = {tag: int(exact[tag]) for tag in open_tags}
+        by_remainder = sorted(open_tags, key=lambda tag: (-(exact[tag] - trial[tag]), tag))
+        for tag in by_remainder[: left - sum(trial.values())]:
+            trial[tag] += 1
+        full = [tag for tag in open_tags if trial[tag] >= limits[tag]] if limits is not None else []
+        if not full or limits is None:
+            return shares | trial
+        for tag in full:
+            shares[tag] = limits[tag]
+            left -= limits[tag]
+        open_tags = [tag for tag in open_tags if tag not in full]
     return shares
 
 
@@ -265,16 +314,18 @@ def weighted_order(
     seed: int,
     epoch: int,
     shuffle: bool,
+    left_out: Collection[int] | None = None,
 ) -> npt.NDArray[np.int64]:
     """The node's ``n`` sample indices for one epoch over weighted sources (module docstring): each source's
-    share drawn as ``fixed_size_order`` draws, from that source's segments; shuffled together by
-    ``(seed, epoch)``. Segments whose tag has no weight are not drawn."""
+    share (``source_shares``; ``left_out``: the snapshot's sources with cached samples it did not pin) drawn as
+    ``fixed_size_order`` draws, from that source's segments; shuffled together by ``(seed, epoch)``. Segments whose
+    tag has no weight are not drawn."""
     counts_a = np.asarray(counts, dtype=np.int64)
     tags_a = np.asarray(tags, dtype=np.int64)
     starts = np.zeros(len(counts_a) + 1, dtype=np.int64)
     np.cumsum(counts_a, out=starts[1:])
     available = {tag: int(counts_a[tags_a == tag].sum()) for tag in weights}
-    shares = source_shares(available, weights, n)
+    shares = source_shares(available, weights, n, left_out)
     if sum(shares.values()) < n:
         raise ValueError(f"no weighted source has samples in the snapshot: cannot draw {n}")
     parts = []
@@ -308,19 +359,23 @@ def rank_share(
     ranks: RankInfo,
     samples_per_epoch: int | None,
     agree_min: Callable[[int], int],
+    left_out: Collection[int] | None = None,
 ) -> npt.NDArray[np.int64]:
     """This rank's indices into a snapshot (its segments' ``counts`` and source ``tags``; ``sample_reads`` gives its
     per-sample reads, asked for only where an order needs them) for ``epoch``, by the rules of the module docstring:
     weighted over named sources (``weights`` by tag, empty without), of a set size (``samples_per_epoch``) or one pass
     (least-read first when the pass is cut to fewer samples than the snapshot holds: the smallest node's share, or the
     remainder of an uneven split). ``agree_min`` agrees a per-rank size across nodes (a MIN all-reduce; identity on one
-    node)."""
+    node). ``left_out``: the snapshot's sources with cached samples it did not pin (``Snapshot.left_out``), which
+    repeat no samples while another source has pinned samples to spare (``source_shares``)."""
     local, world = ranks.local_rank, ranks.local_world_size
     samples = int(sum(counts))
     per_rank = samples_per_epoch // world if samples_per_epoch is not None else agree_min(samples // world)
     n = per_rank * world
     if weights:
-        order = weighted_order(counts, sample_reads(), tags, weights, n, seed=seed, epoch=epoch, shuffle=shuffle)
+        order = weighted_order(
+            counts, sample_reads(), tags, weights, n, seed=seed, epoch=epoch, shuffle=shuffle, left_out=left_out
+        )
     elif samples_per_epoch is not None or n < samples:
         order = fixed_size_order(sample_reads(), n, seed=seed, epoch=epoch, shuffle=shuffle)
     else:
