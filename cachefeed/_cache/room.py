@@ -41,10 +41,10 @@ that fit beside it, and each epoch would bring at most that room of new samples:
   in the snapshot already), so any may be evicted at any moment, and the default policy evicts the oldest first;
   taking the oldest, the top-up would race the eviction for each segment it links.
 * A cache whose published set fits the room is pinned whole, as before; a static cache has no room: every segment
-  is pinned. A cache is static when no daemon holds its writer lock nor wrote its status within
-  ``DAEMON_RESTART_WINDOW_S`` (``room_now``): a daemon restarting (systemd's restart delay, a crash loop) keeps its
-  room, or an epoch begun meanwhile would pin the whole cache and the daemon, back, could turn nothing over until
-  that epoch ended.
+  is pinned. A cache is static when no daemon holds its writer lock and none is restarting (``room_now``: a status
+  written within ``DAEMON_RESTART_WINDOW_S`` by a daemon that did not stop): a daemon restarting (systemd's restart
+  delay, a crash loop) keeps its room, or an epoch begun meanwhile would pin the whole cache and the daemon, back,
+  could turn nothing over until that epoch ended; a daemon stopped on purpose, or a copy of a cache, is read whole.
 
 The daemon's store writes the room into ``budget.json`` at start (``write_room``, the only writer); trainers read it
 when they create a snapshot (``room_now``). The store relies on the rule: since no snapshot pins more than the room,
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,9 +96,26 @@ def read_room(root: str | os.PathLike[str]) -> int | None:
 
 
 def room_now(layout: CacheLayout) -> int | None:
-    """The room a snapshot taken now keeps: the daemon's (``read_room``) where a daemon holds the cache or held it
-    within ``DAEMON_RESTART_WINDOW_S`` (restarting); None, pin everything, on a static cache."""
-    return read_room(layout.root) if layout.had_writer_within(DAEMON_RESTART_WINDOW_S) else None
+    """The room a snapshot taken now keeps: the daemon's (``read_room``) where a daemon holds the cache or is
+    restarting (``_is_restarting``); None, pin everything, on a static cache."""
+    return read_room(layout.root) if layout.has_writer() or _is_restarting(layout) else None
+
+
+def _is_restarting(layout: CacheLayout) -> bool:
+    """Whether the cache's daemon is gone for a moment only (killed or crashed, systemd restarting it): its status
+    document was written within ``DAEMON_RESTART_WINDOW_S`` by its ``updated_at`` (a copy of the cache keeps that,
+    where the file's mtime would be new) and does not say it stopped (a daemon stopped on purpose leaves a static
+    cache, read whole at once)."""
+    from cachefeed._errors import StatusUnreadable  # lazily: _status reads the cache's modules
+    from cachefeed._status.document import load_document  # the one reader of status.json
+
+    try:
+        document = load_document(layout.status_file)
+    except StatusUnreadable:
+        return False
+    if document is None or document["state"] in ("stopping", "stopped"):
+        return False
+    return time.time() - float(document["updated_at"]) < DAEMON_RESTART_WINDOW_S
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ static cache (no daemon now nor within the restart window) is pinned whole."""
 
 from __future__ import annotations
 
-import os
+import json
 import time
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from cachefeed._cache.layout import DAEMON_RESTART_WINDOW_S, CacheLayout
 from cachefeed._cache.room import Candidate, choose, read_room
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.store import CacheStore
+from tests.status.test_status import make_document
 from tests.support.cache_helpers import cache_config, write_until_full
 
 SEGMENT = 64 << 10
@@ -102,10 +103,14 @@ def test_a_static_cache_is_pinned_whole(tmp_path: Path) -> None:
         assert len(snapshot.names) == published
 
 
-def test_a_daemon_restarting_keeps_its_room_and_one_gone_for_longer_leaves_a_static_cache(tmp_path: Path) -> None:
-    """Between a daemon's exit and its restart (systemd's restart delay, a crash loop) nobody holds the writer lock.
+def test_a_daemon_restarting_keeps_its_room_and_one_stopped_or_gone_for_longer_leaves_a_static_cache(
+    tmp_path: Path,
+) -> None:
+    """Between a daemon's crash and its restart (systemd's restart delay, a crash loop) nobody holds the writer lock.
     An epoch begun then still pins at most the room: pinned whole, the cache would have nothing to turn over when
-    the daemon is back, until that epoch ended. A daemon whose status is older than the restart window is gone."""
+    the daemon is back, until that epoch ended. A daemon that stopped on purpose, or whose last status is older than
+    the restart window, leaves a static cache, read whole. Judged by the document's own ``state`` and
+    ``updated_at``: a copy of the cache (a fresh mtime) is not a daemon restarting."""
     root = tmp_path / "c"
     store = _store(root)
     write_until_full(store, 0, nbytes=20_000)
@@ -113,14 +118,16 @@ def test_a_daemon_restarting_keeps_its_room_and_one_gone_for_longer_leaves_a_sta
     room = read_room(root)
     assert room is not None and store.published_bytes > room
     store.close()
-    layout = CacheLayout(root)
-    layout.status_file.write_text("{}")  # the status a daemon wrote a moment before it stopped
+    status = CacheLayout(root).status_file
+    status.write_text(json.dumps(make_document(root)))  # a running daemon's last status: it was killed a moment ago
     with Snapshot.create(root, "restarting") as snapshot:
         assert _pinned_bytes(snapshot) <= room < store.published_bytes
         assert len(snapshot.names) < published
-    gone = time.time() - DAEMON_RESTART_WINDOW_S - 60
-    os.utime(layout.status_file, (gone, gone))
-    with Snapshot.create(root, "static") as snapshot:
+    status.write_text(json.dumps(make_document(root, state="stopped")))
+    with Snapshot.create(root, "stopped") as snapshot:
+        assert len(snapshot.names) == published, "a daemon stopped on purpose: a static cache, read whole"
+    status.write_text(json.dumps(make_document(root, updated_at=time.time() - DAEMON_RESTART_WINDOW_S - 60)))
+    with Snapshot.create(root, "gone") as snapshot:  # the file is new (a copy), its document is old
         assert len(snapshot.names) == published, "no daemon for longer than the window: a static cache, read whole"
 
 
