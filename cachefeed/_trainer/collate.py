@@ -116,11 +116,19 @@ def _check_same_fields(values: list[Any]) -> None:
 
 
 def collate_samples(samples: list[Any]) -> Any:
-    """``default_collate``, with its samples' fields checked first (``_check_same_fields``): the collate function
-    of an in-process epoch (``num_workers=0``) where the caller gave none, so that it fails as a worker's does."""
-    if samples and type(samples[0]) is dict:
-        _check_same_fields(samples)
+    """``default_collate``, with its samples' fields checked first, nested dicts too (``_check_same_fields``, as
+    ``_plan`` checks them in the workers): the collate function of an in-process epoch (``num_workers=0``) where
+    the caller gave none or ``default_collate``, so that it fails as a worker's does."""
+    _check_nested_fields(samples)
     return default_collate(samples)
+
+
+def _check_nested_fields(values: list[Any]) -> None:
+    if values and type(values[0]) is dict:
+        _check_same_fields(values)
+        for key, value in values[0].items():
+            if type(value) is dict:
+                _check_nested_fields([sample[key] for sample in values])
 
 
 def _named(sample: Any) -> str:

@@ -11,7 +11,8 @@ README's "With Lightning or Accelerate" says what to set), but it answers these 
 
 - ``batch_size``, ``drop_last``, ``num_workers``, ``collate_fn``, ``pin_memory``, ``prefetch_factor``,
   ``timeout``, ``worker_init_fn``, ``multiprocessing_context``, ``generator``: the factory's arguments
-  (``pin_memory`` as in effect: False where no accelerator is, see below);
+  (``pin_memory`` as in effect: False where no accelerator is, see below; ``collate_fn`` where the caller gave none
+  or ``default_collate``: ``collate_samples``, ``default_collate`` with the samples' fields checked first);
 - ``persistent_workers``: True (the factory's workers serve every epoch);
 - ``sampler``: this rank's sample indices of the epoch in the order they are served (``EpochSampler``, which reads
   no data); ``batch_sampler``: the same cut into batches (the ``EpochBatchSampler`` the epoch runs on). Neither

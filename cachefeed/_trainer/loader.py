@@ -273,7 +273,8 @@ class EpochLoaderFactory:
         self.seed = seed
         self.drop_last = drop_last
         self.transform = transform
-        self.collate_fn = collate_fn or collate_samples  # default_collate, the fields checked (as in the workers)
+        # default_collate, the fields checked as the workers check them (``_plan``)
+        self.collate_fn = collate_samples if collate_fn in (None, default_collate) else collate_fn
         self.verify = verify
         self.samples_per_epoch = samples_per_epoch
         self.min_samples = min_samples

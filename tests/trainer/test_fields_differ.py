@@ -10,9 +10,11 @@ A real cache, real DataLoader workers; the witness is what the training loop get
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from torch.utils.data import default_collate
 
 from cachefeed._cache.store import CacheStore
 from cachefeed._cache.writer import CacheWriter
@@ -34,13 +36,19 @@ def build(root: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize(("workers", "collate_fn"), [(0, None), (1, None), (0, default_collate)])
 def test_a_batch_of_samples_with_different_fields_fails_naming_them_wherever_the_odd_one_lies(
-    tmp_path: Path, workers: int
+    tmp_path: Path, workers: int, collate_fn: Any
 ) -> None:
     cache_dir = build(tmp_path / "cache")
     with EpochLoaderFactory(
-        cache_dir, batch_size=SAMPLES, num_workers=workers, seed=0, run_id="fields", progress=None
+        cache_dir,
+        batch_size=SAMPLES,
+        num_workers=workers,
+        collate_fn=collate_fn,
+        seed=0,
+        run_id="fields",
+        progress=None,
     ) as factory:
         for epoch in range(6):  # six shuffles: the odd sample first in none or some, inside the batch in all
             with pytest.raises(ValueError, match="the samples of one batch have different fields") as raised:
@@ -50,3 +58,12 @@ def test_a_batch_of_samples_with_different_fields_fails_naming_them_wherever_the
                 "['__key__', 'cls', 'jpg', 'xyz']" in message and "'s0/000007'" in message
             ), message
             assert "transform=" in message and "collate_fn=" in message, message
+
+
+def test_a_nested_field_that_differs_fails_alike_in_process() -> None:
+    """In-process, the check reaches nested dicts as the workers' collate does."""
+    from cachefeed._trainer.collate import collate_samples
+
+    samples = [{"__key__": f"k{i}", "meta": {"a": i} if i else {"a": i, "b": 1}} for i in range(3)]
+    with pytest.raises(ValueError, match="the samples of one batch have different fields"):
+        collate_samples(samples)
