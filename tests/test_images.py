@@ -22,6 +22,7 @@ from cachefeed._errors import ConfigError, DecodeError
 from cachefeed._images import DecodeImages, decode_image
 from cachefeed._labels import ClassIndex, read_classes
 from cachefeed._testing.daemon import DaemonProcess, start_daemon
+from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
 
 CLASSES = [f"class_{c:02d}" for c in range(12)]
@@ -321,3 +322,32 @@ def test_decoders_hand_out_uint8_channels_first() -> None:
     (sample,) = get_decoder("image")("k.png", png)
     assert sample["image"].shape == (3, 5, 7) and sample["image"].dtype == np.uint8
     assert tuple(sample["image"][:, 0, 0]) == (1, 2, 3)
+
+
+def test_sources_one_per_class_are_one_listing_of_two_classes_not_a_single_class(tmp_path: Path) -> None:
+    """``label = "parent"`` with a source per class directory: the class index is the whole listing's, every
+    source's; the one-class warning waits for all of them (the first source's listing alone holds one class)."""
+    for name in ("cats", "dogs"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for i in range(4):
+            (tmp_path / "data" / name / f"{i}.npy").write_bytes(npy_bytes(np.full(8, i, np.int32)))
+    cache_dir = tmp_path / "cache"
+    config = tmp_path / "d.toml"
+    config.write_text(
+        toml_text(
+            {
+                "remote": {"refresh_interval": "1h"},
+                "cache": {"dir": str(cache_dir), "max_bytes": "64MiB", "segment_bytes": "64KiB", "fsync": False},
+                "sampler": {"processes": 1, "decode": "npy", "label": "parent"},
+                "status": {"interval": "200ms"},
+                "source": [{"name": n, "url": (tmp_path / "data" / n).as_uri()} for n in ("cats", "dogs")],
+            }
+        )
+    )
+    daemon = start_daemon(config, cache_dir, tmp_path / "d.err")
+    try:
+        daemon.wait_status(lambda d: d["cache"]["samples"] == 8, timeout_s=60, what="both sources cached")
+        assert read_classes(cache_dir / "classes.json") == ["cats", "dogs"]
+    finally:
+        assert daemon.stop() == 0
+    assert "found one class" not in daemon.stderr(), daemon.stderr()[-2000:]

@@ -170,9 +170,9 @@ def _quotas(candidates: Sequence[Candidate], room: int, weights: Mapping[int, fl
             samples[candidate.tag] = samples.get(candidate.tag, 0) + candidate.samples
     per_sample = {tag: nbytes[tag] / samples[tag] for tag in samples}
     known = sum(weights[tag] for tag in per_sample)
-    if known <= 0:
+    mean = sum(weights[tag] * per_sample[tag] for tag in per_sample) / known if known > 0 else 0.0
+    if mean <= 0:  # no sizes known (or only of segments that take no block yet): by bytes, as for alike samples
         return {tag: int(room * weight) for tag, weight in weights.items()}
-    mean = sum(weights[tag] * per_sample[tag] for tag in per_sample) / known  # bytes per sample of the weighted mix
     return {tag: int(room * weight * per_sample.get(tag, mean) / mean) for tag, weight in weights.items()}
 
 

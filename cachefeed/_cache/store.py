@@ -702,7 +702,7 @@ class CacheStore:
         """What the budget charges for everything but segment data: measured, plus the records live snapshots' ranks
         have yet to write, plus the next snapshot's room (``records`` and ``next_snapshot`` in the budget above)."""
         samples = self.samples
-        records = max(1, self._ranks_seen) * served_record_bytes(samples, self._block_bytes)
+        records = self._ranks_seen * served_record_bytes(samples, self._block_bytes)
         room = SNAPSHOT_FIXED_BYTES + SNAPSHOT_ENTRY_BYTES * len(self._published) + (samples + 7) // 8 + records
         return self._metadata_bytes + self._records_bytes + room
 

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,19 +41,9 @@ from cachefeed._logs import get_logger
 from cachefeed._remote import Remote, RemoteObject
 from cachefeed._scrub import safe_url
 
-__all__ = ["Catalog", "CatalogState", "ListingEnd", "ListingSource", "missing_root"]
+__all__ = ["Catalog", "CatalogState", "ListingEnd", "ListingSource"]
 
 log = get_logger(__name__)
-
-
-def missing_root(url: str) -> str:
-    """Why a listing of ``url`` matched nothing, where it can be told without a request: a ``file://`` URL whose
-    directory does not exist (a typo reads the same as an empty directory otherwise); "" where it exists or the
-    remote is not local."""
-    scheme, sep, path = url.partition("://")
-    if not sep or scheme.lower() != "file" or os.path.exists(urllib.parse.unquote(path)):
-        return ""
-    return f" ({urllib.parse.unquote(path)} does not exist)"
 
 
 _RETRY_MIN_S = 1.0
@@ -161,6 +149,10 @@ class Catalog:
                 break
         return out
 
+    def why_empty(self) -> str:
+        """Why a listing of this remote may match nothing (``Remote.why_empty``): "" where nothing can be told."""
+        return self._remote.why_empty()
+
     def state(self) -> CatalogState:
         with self._lock:
             return self._state
@@ -249,7 +241,7 @@ class Catalog:
                     log.warning(
                         "listed 0 objects under %s%s matching %r: nothing to cache (check the URL and the pattern)",
                         self._safe_url(),
-                        missing_root(self._config.url),
+                        self._remote.why_empty(),
                         self._config.pattern,
                     )
                 else:

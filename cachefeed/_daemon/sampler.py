@@ -79,8 +79,10 @@ class FetchWindow:
     Why the patience: a window that opens only on completions stays shut behind a fetch that never completes (a
     stalled mount under ``file://``, a server that stops sending): with the first fetch stuck, the sampler would
     fetch none of the other objects it holds, for as long as the fetch hangs. The patience lets one more in each
-    ``patience_s`` instead; it costs a cold start nothing where an object arrives within it. Used as
-    ``async with window:``.
+    ``patience_s`` instead. It counts completions, not bytes: it costs a cold start nothing where the first object
+    arrives within it, and where one takes longer (shards of a GiB or more on one stream) the first object shares
+    the remote with one more fetch per ``patience_s`` (a fetch's progress, which would tell slow from stuck, is not
+    seen: bodies arrive whole). Used as ``async with window:``.
     """
 
     def __init__(self, first: int, limit: int, *, patience_s: float = WINDOW_PATIENCE_S) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 from cachefeed._cache.records import Source
 from cachefeed._cache.sources import SourceEntry, write_sources
 from cachefeed._config import Config, SourceConfig
-from cachefeed._daemon.catalog import Catalog, CatalogState, missing_root
+from cachefeed._daemon.catalog import Catalog, CatalogState
 from cachefeed._daemon.plan import PlanCounters, SamplingPlan
 from cachefeed._errors import ConfigError
 from cachefeed._logs import get_logger
@@ -308,13 +308,15 @@ class Inputs:
         """One line per input whose latest listing matched nothing."""
         lines = []
         for entry in self.inputs:
-            state = entry.catalog.state() if entry.catalog is not None else None
-            if state is not None and state.last_listed_at and state.objects_listed == 0 and not state.is_failing:
+            if entry.catalog is None:
+                continue
+            state = entry.catalog.state()
+            if state.last_listed_at and state.objects_listed == 0 and not state.is_failing:
                 where = f"source {entry.name!r}: " if self.is_named else ""
                 keys = f"source[{entry.index}].url and .pattern" if self.is_named else "remote.url and remote.pattern"
                 lines.append(
                     f"{where}the remote lists 0 objects under {safe_url(entry.config.url)}"
-                    f"{missing_root(entry.config.url)} matching "
+                    f"{entry.catalog.why_empty()} matching "
                     f"{entry.config.pattern!r}: check {keys}"
                 )
         return lines

@@ -139,6 +139,7 @@ class Supervisor:
         self._next_handle = 0
         self._object_bytes = 0  # the largest object of the last draw: how many objects fill a sampler's room
         self._classes: ClassIndex | None = None  # sampler.label: the class index of the whole listing
+        self._listed: set[int] = set()  # the inputs whose listing has ended once
         self._saver: threading.Thread | None = None  # writes the restart catalog (catalog_file.py)
         self._is_starved = False  # the last ``_assign`` had a sampler with credit and nothing to draw
 
@@ -353,7 +354,7 @@ class Supervisor:
         pool.restart_due()
         if self.should_refresh:
             self.should_refresh = False
-            self._check_config_file()  # first: its line is in the log before the listing's (tests wait on that)
+            self._check_config_file()  # first: the log reads in the order SIGHUP's work is done
             refused = sum(entry.plan.retry_forbidden() for entry in self.inputs.inputs)
             log.info(
                 "SIGHUP: listing the remote now%s",
@@ -365,8 +366,9 @@ class Supervisor:
             for item in entry.catalog.take() if entry.catalog is not None else ():
                 if isinstance(item, ListingEnd):
                     entry.is_joining = False
-                    if self._classes is not None:
-                        self._classes.check_listing()
+                    self._listed.add(entry.index)
+                    if self._classes is not None and len(self._listed) == len(self.inputs.inputs):
+                        self._classes.check_listing()  # the whole listing: every source's (one per class, say)
                     entry.plan.end_listing(is_restored=item.is_restored)
                     if item.is_restored:  # what the file holds already (0 objects: it failed, write it again)
                         entry.catalog_revision = entry.plan.revision if item.objects else -1

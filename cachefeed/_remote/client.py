@@ -270,6 +270,13 @@ class Remote:
         relative = path[len(self._root) :].lstrip("/") if path.startswith(self._root) else path
         return relative or path.rsplit("/", 1)[-1]
 
+    def why_empty(self) -> str:
+        """Why a listing matched nothing, where it can be told without a request: " (PATH does not exist)" for a
+        local directory that is not there (a typo reads the same as an empty directory otherwise), else ""."""
+        if not self._is_local or os.path.exists(self._root):
+            return ""
+        return f" ({self._root} does not exist)"
+
     def url_of(self, path: str) -> str:
         """A listed object's URL (``s3://bucket/key``, ``file:///dir/name``): its samples' ``__url__``."""
         return f"{self._protocol}://{path}"

@@ -138,3 +138,7 @@ def test_weighted_sources_each_get_their_share_of_the_room() -> None:
     assert len([s for s in chosen if s < 100]) == 5 and len([s for s in chosen if s >= 100]) == 5
     assert choose(fast + slow, 100) == list(range(10)), "unweighted: least-read first"
     assert choose(fast, None) == list(range(20)), "no room: everything"
+    # samples known only of segments that take no block yet (inline data): shares by bytes, no division by zero
+    blockless = [Candidate(seq, 0, 0, tag=1, samples=5) for seq in range(2)]
+    chosen = choose([*blockless, *slow], 50, {1: 0.5, 2: 0.5})
+    assert chosen[:2] == [0, 1] and 10 * len(chosen[2:]) <= 50, chosen
