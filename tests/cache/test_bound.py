@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cachefeed._cache import reads
 from cachefeed._cache.layout import SNAPSHOT_ENTRY_BYTES, SNAPSHOT_FIXED_BYTES, allocated_bytes, metadata_bytes
 from cachefeed._cache.reads import SERVED_PREFIX, served_record_bytes, write_served
 from cachefeed._cache.snapshots import Snapshot
@@ -207,6 +208,19 @@ def fill(store: CacheStore, key: int) -> int:
     return key
 
 
+def measured_after(write: Any, root: Path, sizes: list[int]) -> Any:
+    """``reads.atomic_write`` that appends the cache directory's real size to ``sizes`` once it has written a
+    snapshot's staged receipt: the moment the receipt lies beside every rank's record (NOTE [ Read receipts ] in
+    ``reads.py``, step 2), before the records are unlinked."""
+
+    def write_and_measure(path: Path, data: bytes, **options: Any) -> None:
+        write(path, data, **options)
+        if path.name == reads.STAGED_RECEIPT:
+            sizes.append(tree_bytes(root))
+
+    return write_and_measure
+
+
 def record_every_share(pins: list[Snapshot]) -> None:
     """Each rank records what it served, its share of the snapshot (every ``len(pins)``-th sample), as the ranks of
     a job do at the end of an epoch, all within the same moment."""
@@ -265,12 +279,15 @@ def test_two_jobs_recording_at_once_stay_within_max_bytes(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("epoch", ["a later epoch", "the first epoch after the daemon's start"])
-def test_an_epoch_of_8_ranks_recording_in_a_paced_cache_stays_within_max_bytes(tmp_path: Path, epoch: str) -> None:
+def test_an_epoch_of_8_ranks_recording_in_a_paced_cache_stays_within_max_bytes(
+    tmp_path: Path, epoch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A paced cache (nothing read may go) cannot make room for a snapshot's records once the snapshot is made: the
     next snapshot's room must have held them. The daemon does not know how many ranks will split a snapshot not made
     yet, but a job's next epoch is split as its last: the room charges the records of as many ranks as the most any
     snapshot was split among, and of 8 (``ASSUMED_LOCAL_RANKS``) at least, so that a job's first epoch is covered
-    too. The witness is the directory's real size once every rank of the epoch has recorded."""
+    too. The witness is the directory's real size once every rank of the epoch has recorded, and at its release,
+    when the epoch's receipt is written beside the records (the reserve holds it)."""
     root, max_bytes = tmp_path / "c", TINY_MAX_BYTES
     store = tiny_store(root, evict_after_reads=1)
     try:
@@ -282,6 +299,8 @@ def test_an_epoch_of_8_ranks_recording_in_a_paced_cache_stays_within_max_bytes(t
         publish_tiny_segments(store, 28)
         fill(store, key)
         assert store.is_paced, "the cache is full of samples no epoch has read"
+        sizes: list[int] = []  # at the release, once the receipt is written beside the 8 records
+        monkeypatch.setattr(reads, "atomic_write", measured_after(reads.atomic_write, root, sizes))
         with pins_of_every_local_rank(root, "epoch-1") as pins:
             assert pins[0].samples > 2_500_000, "the scenario needs bitmaps of a few hundred KiB each"
             store.collect_reads()
@@ -291,6 +310,8 @@ def test_an_epoch_of_8_ranks_recording_in_a_paced_cache_stays_within_max_bytes(t
     finally:
         store.close()
     assert real <= max_bytes, f"real size {real:,} is {real - max_bytes:,} bytes over once {LOCAL_RANKS} ranks recorded"
+    assert sizes, "the last rank's release wrote the epoch's receipt"
+    assert max(sizes) <= max_bytes, f"{max(sizes) - max_bytes:,} bytes over with the receipt beside the records"
 
 
 @pytest.mark.parametrize("samples", [1, 8 * 255, 8 * 256 + 1, 8 * 65_535, 8 * 65_536 + 1])
