@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from cachefeed._cache.records import Source
-from cachefeed._cache.sources import SourceEntry, write_sources
+from cachefeed._cache.sources import SourceEntry, read_sources, write_sources
 from cachefeed._config import Config, SourceConfig
 from cachefeed._daemon.catalog import Catalog, CatalogState
 from cachefeed._daemon.plan import PlanCounters, SamplingPlan
@@ -112,9 +112,22 @@ class Inputs:
                 raise ConfigError(f"{self.config.source}: {key} = {reason}") from None
 
     def write_table(self, path: str, *, mode: int) -> None:
-        """Tell trainers the named sources (``sources.json``); without named sources, remove a stale table."""
+        """Tell trainers the named sources (``sources.json``); without named sources, remove a stale table. Weights
+        changed since the table the last daemon wrote are said once: the cache keeps its samples (weights do not
+        change what a sample is) and moves toward the new shares as it turns over, so status shows the old mix for
+        a while, and a source smaller than its new share stays below it, cached whole."""
         if self.is_named:
-            write_sources(path, [SourceEntry(e.name, e.tag, e.weight) for e in self.inputs], mode=mode)
+            entries = [SourceEntry(e.name, e.tag, e.weight) for e in self.inputs]
+            before = {entry.name: entry.weight for entry in read_sources(path)}
+            moved = [e for e in entries if e.name in before and abs(before[e.name] - e.weight) > 1e-9]
+            if moved:
+                log.info(
+                    "source weights changed since the last start: %s; the cached samples are kept and the cache "
+                    "moves toward the new shares as it turns over (a source smaller than its share stays cached "
+                    "whole, below it)",
+                    ", ".join(f"{e.name!r} {before[e.name]:.0%} -> {e.weight:.0%}" for e in moved),
+                )
+            write_sources(path, entries, mode=mode)
         else:
             try:
                 os.unlink(path)

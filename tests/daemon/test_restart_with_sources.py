@@ -97,3 +97,40 @@ def test_a_growing_first_epoch_ends_when_every_source_has_completed_its_pass(res
     restarted.wait_status(lambda d: d["state"] == "running", timeout_s=20, what="the restarted daemon ready")
     values = read_epoch(restarted, num_workers=2, run_id="growing")
     assert sorted(values) == EVERY_VALUE, f"{len(values)} of {len(EVERY_VALUE)} samples (log: {restarted.stderr_path})"
+
+
+def test_a_restart_with_new_weights_says_so_and_keeps_the_cached_samples(tmp_path: Path) -> None:
+    """Weights do not change what a sample is: the cache is kept. What changes is the mix the cache moves toward,
+    which status shows only as it turns over; the log says at the start which weights changed (it said nothing,
+    and status showed the old shares as if the new weights were ignored)."""
+    cache_dir = tmp_path / "cache"
+    sources = {"cached": write_remote(tmp_path / "cached", 0), "fresh": write_remote(tmp_path / "fresh", 1000)}
+
+    def weighted(path: Path, weights: tuple[float, float]) -> Path:
+        document = {
+            "remote": {"refresh_interval": "1h"},
+            "cache": {"dir": str(cache_dir), "max_bytes": "64MiB", "segment_bytes": "256KiB", "fsync": False},
+            "sampler": {"processes": 1, "concurrency": 4, "decode": "npy"},
+            "status": {"interval": "200ms"},
+            "source": [
+                {"name": name, "url": url.as_uri(), "weight": weight}
+                for (name, url), weight in zip(sources.items(), weights, strict=True)
+            ],
+        }
+        path.write_text(toml_text(document))
+        return path
+
+    first = start_daemon(weighted(tmp_path / "a.toml", (0.7, 0.3)), cache_dir, tmp_path / "a.err")
+    try:
+        first.wait_status(lambda d: d["cache"]["samples"] == 2 * OBJECTS, timeout_s=60, what="both sources cached")
+    finally:
+        assert first.stop() == 0
+    second = start_daemon(weighted(tmp_path / "b.toml", (0.2, 0.8)), cache_dir, tmp_path / "b.err")
+    try:
+        doc = second.wait_status(lambda d: d["state"] == "running", timeout_s=30, what="the restarted daemon")
+        assert doc["cache"]["samples"] == 2 * OBJECTS, "the cached samples are kept"
+    finally:
+        assert second.stop() == 0
+    (said,) = [line for line in second.stderr().splitlines() if "source weights changed" in line]
+    assert "'cached' 70% -> 20%, 'fresh' 30% -> 80%" in said, said
+    assert "source weights changed" not in first.stderr()
