@@ -301,9 +301,8 @@ class CacheStore:
         self.source_weights: dict[int, float] = {}  # source tag -> share (see "Weighted sources"); {}: unweighted
         self._samples_by_tag: dict[int, int] = {}  # published samples per source tag, kept as segments come and go
         self._ledger = ReadLedger(self.layout.root, self.layout.snapshots, file_mode=config.file_mode)
-        self._live_snapshots = 0
         self._said_paced = False  # "fetching waits for reads" logged at info already (then at debug)
-        self._live_ids: list[str] = []  # the live snapshots at the last pin scan (``ingest_bound``)
+        self._live_ids: list[str] = []  # the live snapshots at the last pin scan
         self._metadata_bytes = 0  # measured at the last pin scan (see the budget above)
         self._records_bytes = 0  # served records live snapshots' ranks have yet to write, at the last pin scan
         self._ranks_seen = ASSUMED_LOCAL_RANKS  # the most local ranks a snapshot was split among, this one at least
@@ -461,7 +460,6 @@ class CacheStore:
         self._pinned_published = {by_inode[ino] for ino in found if ino in by_inode}
         self._pinned_only = {ino: size for ino, size in found.items() if ino not in by_inode}
         live = live_snapshots(self.layout, count_records=True)
-        self._live_snapshots = len(live)
         self._live_ids = [info.snap_id for info in live]
         self._records_bytes = sum(self._records_to_come(info) for info in live)
         self._ranks_seen = max([self._ranks_seen, *(info.ranks for info in live)])
@@ -1061,7 +1059,7 @@ class CacheStore:
             reserved_bytes=self.reserved_bytes,
             samples=self.samples,
             segments=len(self._published),
-            snapshots=self._live_snapshots,
+            snapshots=len(self._live_ids),
             free_bytes=self._free_bytes(),
             min_free_bytes=self.config.min_free_bytes,
             is_backpressured=self._is_backpressured,
