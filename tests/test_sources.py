@@ -30,7 +30,7 @@ from cachefeed._config import parse_config, toml_text
 from cachefeed._errors import ConfigError
 from cachefeed._status.metrics import render_metrics
 from cachefeed._testing.daemon import DaemonProcess, start_daemon
-from cachefeed._testing.samples import payload
+from cachefeed._testing.samples import cache_samples, payload
 from cachefeed._trainer.partition import source_shares, weighted_order
 
 # name -> (id, weight, objects). The curated set (1,000 samples) is smaller than its 30% of the cache (~1,600 of
@@ -390,6 +390,13 @@ def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_pa
         assert rows["crawl"]["weight"] == pytest.approx(0.7)
         assert rows["curated"]["not_cached"] == {"decode": 1} and rows["crawl"]["not_cached"] == {}
         assert rows["curated"]["cached_samples"] == 1_000, "a source below its share is cached whole"
+        # the files: every sample of each of curated's 20 objects is in a segment, as its row says
+        in_files = Counter((int(sample["src"]), int(sample["obj"])) for _seg, sample in cache_samples(daemon.cache_dir))
+        whole = {obj for (src, obj), n in in_files.items() if src == SOURCES["curated"][0] and n == PER_OBJECT}
+        assert len(whole) == rows["curated"]["objects_cached"] == SOURCES["curated"][2]
+        # the log: the small source's passes are its own (the document's top-level count is the least over sources)
+        passes = daemon.stderr().count("of source 'curated' completed")
+        assert 1 <= rows["curated"]["passes_completed"] <= passes
         assert rows["crawl"]["cached_share"] >= 0.7 - 0.06, f"the crawl keeps its share: {rows['crawl']}"
         for name, (_id, _weight, objects) in SOURCES.items():
             assert rows[name]["objects_listed"] == objects + (name == "curated")
@@ -406,6 +413,10 @@ def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_pa
         ).stdout
         assert "2 named; cached share / weight" in human, human
         assert "crawl: " in human and "/ 70% (" in human and "curated: " in human and "/ 30% (" in human, human
+        crawl_row, curated_row = " ".join(human.split()).split("crawl: ")[1].split("curated: ")
+        assert "cached whole, below its weight: epochs reuse its samples" in curated_row, human
+        assert "cached whole" not in crawl_row, human
+        assert " pass done" in curated_row or " passes done" in curated_row, human
         metrics = render_metrics(document).decode()
         assert 'cachefeed_source_cached_samples{source="crawl"}' in metrics
         assert 'cachefeed_source_weight{source="curated"} 0.3' in metrics

@@ -525,6 +525,16 @@ class SamplingPlan:
         return set(self._objects_in) | adopted
 
     @property
+    def cached_objects(self) -> int:
+        """Listed objects every sample of which (of the listed version) is in a published segment: ``owned`` of
+        them means the source is cached whole (status: a share below its weight that ingest cannot raise)."""
+        live = self._live.view
+        listed = self.listed()[: len(live)]
+        whole = listed & (live[: len(listed)] > 0)
+        cut = sum(1 for oid in self._cut if oid < len(whole) and whole[oid])
+        return int(np.count_nonzero(whole)) - cut
+
+    @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 

@@ -367,6 +367,7 @@ class Inputs:
                     "cached_samples": samples,
                     "cached_share": samples / total if total else None,
                     "objects_listed": state.objects_listed,
+                    "objects_cached": entry.plan.cached_objects,
                     "list_errors_total": state.list_errors_total,
                     "objects_total": counters.done_total,
                     "samples_total": entry.samples_total,
@@ -374,6 +375,7 @@ class Inputs:
                     "objects_failed_total": counters.failed_total,
                     "not_cached": entry.plan.not_cached,
                     "pass": entry.plan.pass_index,
+                    "passes_completed": counters.passes_completed,
                 }
             )
         return rows

@@ -300,21 +300,37 @@ def _render_sources(out: _Text, sources: object) -> None:
     rows = [row for row in sources if isinstance(row, Mapping)] if isinstance(sources, list) else []
     if not rows:
         return
-    out.add("sources", f"{len(rows)} named; cached share / weight, listed, ingested, failed")
+    out.add("sources", f"{len(rows)} named; cached share / weight, listed, ingested, failed, passes")
     for row in rows[:_MAX_LISTED]:
         share = row.get("cached_share")
         shown = "-" if share is None else f"{share:.0%}"
         uncached = sum(int(n) for n in dict(row.get("not_cached") or {}).values())
+        listed, cached = row.get("objects_listed", 0), row.get("objects_cached")
+        passes = row.get("passes_completed")
         out.add(
             "",
             f"{_clean(row.get('name'), 40)}: {shown} / {row.get('weight', 0):.0%} "
-            f"({_count(row.get('cached_samples', 0))} samples), {_count(row.get('objects_listed', 0))} listed, "
+            f"({_count(row.get('cached_samples', 0))} samples), {_count(listed)} listed, "
             f"{_count(row.get('objects_total', 0))} objects in, {_count(row.get('objects_failed_total', 0))} failed"
-            + (f", {_count(uncached)} not cached" if uncached else ""),
+            + (f", {_count(uncached)} not cached" if uncached else "")
+            + (f", {_passes(passes)} done" if isinstance(passes, int) else "")
+            + (
+                _whole(share, row.get("weight", 0))
+                if listed and isinstance(cached, int) and cached + uncached >= listed
+                else ""
+            ),
             indent=2,
         )
     if len(rows) > _MAX_LISTED:
         out.add("", f"... and {len(rows) - _MAX_LISTED} more", indent=2)
+
+
+def _whole(share: object, weight: object) -> str:
+    """What a source cached whole (every listed object it can cache) says: below its weight, that share is all it
+    has, and epochs reuse its samples (a small source is upsampled; the README's weighted sources)."""
+    if isinstance(share, int | float) and isinstance(weight, int | float) and share < weight - 0.005:
+        return "; cached whole, below its weight: epochs reuse its samples to make up its share"
+    return "; cached whole"
 
 
 def _render_snapshots(out: _Text, snapshots: list[dict[str, Any]]) -> None:

@@ -103,6 +103,11 @@ SOURCE_ROW: dict[str, Any] = {
     "cached_samples": _gauge(NUM, "cachefeed_source_cached_samples", "Cached samples of a source."),
     "cached_share": OPT_NUM,  # cached_samples over all sources' (null while the cache is empty)
     "objects_listed": _gauge(NUM, "cachefeed_source_objects_listed", "Objects in a source's last listing."),
+    "objects_cached": Scalar(
+        NUM,
+        Metric("cachefeed_source_objects_cached", "gauge", "Listed objects of a source cached whole (every sample)."),
+        is_omittable=True,
+    ),
     "list_errors_total": _counter("cachefeed_source_list_errors", "Failed listings of a source."),
     "objects_total": _counter("cachefeed_source_objects", "Objects of a source ingested."),
     "samples_total": _counter("cachefeed_source_samples", "Samples of a source written to the cache."),
@@ -110,6 +115,11 @@ SOURCE_ROW: dict[str, Any] = {
     "objects_failed_total": _counter("cachefeed_source_objects_failed", "Objects of a source that failed."),
     "not_cached": {str: NUM},
     "pass": INT,
+    "passes_completed": Scalar(
+        NUM,
+        Metric("cachefeed_source_passes_completed", "counter", "Passes over a source's listing."),
+        is_omittable=True,
+    ),
 }
 
 STATUS_SCHEMA: dict[str, Any] = {
