@@ -56,8 +56,12 @@ holding it; a true duplicate keeps it, so the wait costs that one only time), th
 joiner given its rank is the one refused. A claim belongs to a process, not to a pin: its pins of one snapshot
 share one locked descriptor (``_take_claim``: a factory that goes back to an epoch before its earlier build of it is
 released). The kernel drops a claim with its holder, as a pin: a restarted or resumed rank (a new process) takes a
-dead one's claim over. A claim is dropped before the pin (``release``, ``leave_for_resume``), so only a pin holder
-holds one; a forked child closes its copies at the fork, so they do not outlive the parent's release: a claim's
+dead one's claim over. A rank that read its share and released its pin (``release``) keeps the claim, pinless,
+while it lives and the snapshot exists (``_drop_claim(keep=True)``, closed by ``_prune_kept_claims`` once the claim
+file is removed with its snapshot): else a second process given that rank, waiting on a short epoch's claim, took it
+over as soon as the first moved on, and read the share again. A rank that leaves its epoch for a resume
+(``leave_for_resume``) drops its claim before its pin: the resumed rank, in this process or another, claims it
+again. A forked child closes its copies at the fork, so they do not outlive the parent's release: a claim's
 descriptor is opened, locked and recorded, and closed, under the one lock the at-fork hooks take, so no fork copies
 one the child does not know of. Claim files live in ``<id>/`` and go with it; a process that may not write there
 reads unclaimed.
@@ -678,9 +682,12 @@ class Snapshot:
         write_served(self.directory, served, self.samples)
 
     def release(self) -> None:
-        """Drop this process's pin, and its rank claim first (NOTE, "Rank claims"). The last holder removes the
-        snapshot (idempotent)."""
-        self._unclaim()
+        """Drop this process's pin; its rank claim stays held, pinless, while this process lives and the snapshot
+        exists (NOTE, "Rank claims": a rank done with its share is no predecessor to take it over). The last holder
+        removes the snapshot (idempotent)."""
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            _drop_claim(claim, keep=True)
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
             return
@@ -692,6 +699,7 @@ class Snapshot:
             self._remove_if_last(fd)
         finally:
             os.close(fd)
+            _prune_kept_claims()  # this release may have removed the snapshot, its claim files with it
 
     def leave_for_resume(self) -> None:
         """Drop this process's pin without removing the snapshot, as a process that dies does: the daemon keeps an
@@ -1107,6 +1115,7 @@ def _take_claim(directory: Path, rank: int) -> _ClaimKey | _Held | None:
     None where this process may not claim there (it reads unclaimed). All under ``_claims_lock``: no fork happens
     between the open and the record (NOTE, "Rank claims")."""
     with _claims_lock:
+        _prune_kept_claims()
         opened = _open_claim(directory / f"{RANK_CLAIM}{rank}")
         if opened is None:
             return None
@@ -1178,19 +1187,29 @@ def _exclusive_flockers(lines: list[str], key: _ClaimKey) -> set[int]:
     return same_device or same_inode
 
 
-def _drop_claim(key: _ClaimKey) -> None:
+def _drop_claim(key: _ClaimKey, *, keep: bool = False) -> None:
     """One pin of this process no longer needs its claim: the last one closes the claim's descriptor (the kernel
-    drops the lock with it), under ``_claims_lock`` as it was opened. A forked child's claims were closed at the
-    fork: nothing to do."""
+    drops the lock with it), under ``_claims_lock`` as it was opened; with ``keep`` (a rank done with its share)
+    the descriptor stays open and locked, with no pin, until the claim file is removed (``_prune_kept_claims``)
+    or this process ends. A forked child's claims were closed at the fork: nothing to do."""
     with _claims_lock:
         held = _claims.get(key)
         if held is None:
             return
-        held[1] -= 1
-        if held[1] > 0:
+        held[1] = max(0, held[1] - 1)
+        if held[1] > 0 or keep:
             return
         del _claims[key]
         os.close(held[0])
+
+
+def _prune_kept_claims() -> None:
+    """Close the kept claims (no pin) whose file is gone: its snapshot was removed, and nobody can claim it."""
+    with _claims_lock:
+        for key, (fd, pins) in list(_claims.items()):
+            if pins == 0 and os.fstat(fd).st_nlink == 0:
+                del _claims[key]
+                os.close(fd)
 
 
 def _claims_before_fork() -> None:

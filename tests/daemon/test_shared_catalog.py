@@ -172,10 +172,10 @@ def test_a_generation_read_through_a_reset_and_a_500_lists_every_object(
 def test_node_0_publishes_each_changed_listing_and_the_other_nodes_read_it_without_listing(
     tmp_path: Path, s3: LocalS3, bucket: Any, fault_proxy: FaultProxy
 ) -> None:
-    """Witness: LATEST, what every reader reads, and the generation objects in the bucket. (Node 0 writes each listing as a
-    generation object while it lists and deletes it when the listing is the one published last: between its last
-    page and that deletion the bucket holds an unnamed object no reader opens, so the objects are counted only
-    between listings.)"""
+    """Witness: LATEST, what every reader reads, and the generation objects in the bucket. (Node 0 writes each
+    listing as a generation object while it lists and deletes it when the listing is the one published last:
+    between its last page and that deletion the bucket holds an unnamed object no reader opens, so the objects are
+    counted only between listings.)"""
     uploaded = upload_arrays(bucket, BUCKET, 1100, 16)
     bucket.create_bucket(Bucket=CATALOGS)
     daemons: list[DaemonProcess] = []

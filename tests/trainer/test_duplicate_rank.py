@@ -35,9 +35,11 @@ OBJECTS = 120
 BATCH = 10
 
 
-def trainer_main(cache_dir: str, out: str, wait_for_file: str | None) -> None:
+def trainer_main(cache_dir: str, out: str, wait_for_file: str | None, hold_after: str | None = None) -> None:
     """Read epoch 0 as rank 0 of 2 (explicit ``rank=``/``world_size=``); write the keys received and the error, if
-    any, to ``out``. With ``wait_for_file``: after the first batch, hold the epoch until that file exists."""
+    any, to ``out``. With ``wait_for_file``: after the first batch, hold the epoch until that file exists. With
+    ``hold_after``: once the epoch is read and the factory closed (``out`` + ".done"), live on until that file
+    exists."""
     from cachefeed import EpochLoaderFactory
     from cachefeed._errors import SnapshotError
     from cachefeed._fsutil import atomic_write
@@ -57,17 +59,27 @@ def trainer_main(cache_dir: str, out: str, wait_for_file: str | None) -> None:
                         time.sleep(0.02)
     except SnapshotError as exc:
         error = str(exc)
+    if hold_after is not None:  # a rank gone on to its evaluation: alive, its share read, its epoch released
+        atomic_write(out + ".done", json.dumps(keys).encode())
+        deadline = time.monotonic() + 60
+        while not Path(hold_after).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
     atomic_write(out, json.dumps({"keys": keys, "error": error}).encode())
 
 
 def start_trainer(
-    cache_dir: Path, out: Path, wait_for_file: Path | None = None, stderr: Path | None = None
+    cache_dir: Path,
+    out: Path,
+    wait_for_file: Path | None = None,
+    stderr: Path | None = None,
+    hold_after: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """``trainer_main`` in a process of its own; its stderr (its log) to the file ``stderr`` if given."""
     waiting = str(wait_for_file) if wait_for_file is not None else None
+    holding = str(hold_after) if hold_after is not None else None
     code = (
         "from tests.trainer.test_duplicate_rank import trainer_main; "
-        f"trainer_main({str(cache_dir)!r}, {str(out)!r}, {waiting!r})"
+        f"trainer_main({str(cache_dir)!r}, {str(out)!r}, {waiting!r}, {holding!r})"
     )
     if stderr is None:
         return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env())
@@ -136,6 +148,37 @@ def test_a_second_process_given_the_same_rank_is_refused_before_it_serves_a_batc
     assert f"for the last {CLAIM_WAIT_S:.0f} s" in error, error
     assert refused_in < 2 * CLAIM_WAIT_S, f"refused once the claim's wait is over, not a timeout ({refused_in:.0f}s)"
     assert len(read["keys"]) == len(set(read["keys"])) == OBJECTS // 2, "the first read its share, undisturbed"
+
+
+def test_a_second_process_given_the_same_rank_is_refused_though_the_first_read_its_share_while_it_waited(
+    tmp_path: Path, daemon: DaemonProcess
+) -> None:
+    """A short epoch: the first process reads its whole share and goes on (to its evaluation, its next epoch)
+    while the second waits for the claim. The claim was dropped with the first one's pin, so the second took it
+    over and read the same share again (the audit: 23 of 23 samples twice, rank 1's never, both exiting 0)."""
+    first_out, second_out, second_log = tmp_path / "first.json", tmp_path / "second.json", tmp_path / "second.log"
+    go_on = tmp_path / "go-on"
+    first = start_trainer(daemon.cache_dir, first_out, wait_for_file=go_on, hold_after=second_out)
+    try:
+        wait_for(Path(f"{first_out}.reading").exists, timeout_s=60, what="the first process to read epoch 0")
+        second = start_trainer(daemon.cache_dir, second_out, stderr=second_log)
+        wait_for(
+            lambda: "waiting up to" in second_log.read_text() or second.poll() is not None,
+            timeout_s=60,
+            what="the second process to find its rank claimed",
+        )
+        go_on.write_bytes(b"")  # the first reads the rest of its share, closes its factory, and lives on
+        wait_for(Path(f"{first_out}.done").exists, timeout_s=60, what="the first process to read its share")
+        assert second.wait(timeout=60) == 0
+        assert first.wait(timeout=60) == 0
+    finally:
+        first.kill()
+    refused = json.loads(second_out.read_text())
+    read = json.loads(first_out.read_text())
+    assert len(read["keys"]) == len(set(read["keys"])) == OBJECTS // 2, "the first read its share"
+    assert not set(refused["keys"]) & set(read["keys"]), f"the second read {len(refused['keys'])} of them again"
+    assert refused["keys"] == [] and refused["error"] is not None
+    assert f"pid {first.pid} on" in refused["error"], refused["error"]
 
 
 def test_a_rank_goes_back_to_its_epoch_though_a_child_it_forked_lives_on(tmp_path: Path) -> None:
