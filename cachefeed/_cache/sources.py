@@ -40,6 +40,7 @@ __all__ = [
     "MAX_SOURCES",
     "SOURCE_FIELD",
     "SourceEntry",
+    "cached_data",
     "changed_settings",
     "read_made_with",
     "read_sources",
@@ -101,6 +102,16 @@ def read_made_with(path: str | os.PathLike[str]) -> tuple[dict[int, dict[str, An
     if record:
         return record, ""
     return {}, "not the record the daemon writes" if raw else "empty"
+
+
+def cached_data(path: str | os.PathLike[str]) -> list[str] | None:
+    """What a cache holds samples of, as a checkpoint records it (``_trainer/resume.py``, setting ``data``): one
+    ``"URL PATTERN"`` per source (URLs as ``made_with.json`` keeps them: no password), sorted; None where the file
+    says nothing (no daemon wrote it yet, or it is damaged): unknown, never compared."""
+    record, _why = read_made_with(path)
+    if not record:
+        return None
+    return sorted(f"{values.get('url')} {values.get('pattern')}" for values in record.values())
 
 
 def changed_settings(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

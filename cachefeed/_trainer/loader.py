@@ -73,7 +73,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from cachefeed._cache.layout import DAEMON_RESTART_WINDOW_S, CacheLayout
 from cachefeed._cache.settings import DEFAULT_SNAPSHOT_GRACE_S
 from cachefeed._cache.snapshots import Snapshot, sweep_unwatched
-from cachefeed._cache.sources import read_sources
+from cachefeed._cache.sources import cached_data, read_sources
 from cachefeed._labels import read_classes
 from cachefeed._logs import get_logger
 from cachefeed._trainer.collate import collate_samples
@@ -246,6 +246,7 @@ class EpochLoaderFactory:
         _check_loader_options(loader_options)  # before the wait for the cache: a typo is told at once
         # absolute now: a later os.chdir must not move it; "~" as a shell would (the daemon's cache.dir is absolute)
         self.layout = CacheLayout(Path(cache_dir).expanduser().absolute())
+        self._data_read: tuple[tuple[int, int], list[str] | None] | None = None  # (made_with.json's stamp, data)
         wait_for_cache(self.layout, timeout_s=wait_timeout_s, progress=progress)  # a daemon may be starting
         if not self.layout.had_writer_within(DAEMON_RESTART_WINDOW_S):  # static: nobody else removes what dead
             # trainers left (a daemon restarting keeps them for its own grace)
@@ -259,6 +260,19 @@ class EpochLoaderFactory:
             raise ValueError(
                 f"samples_per_epoch = {samples_per_epoch} is fewer than the {self.ranks.local_world_size} ranks "
                 "that share it on this node: each rank's epoch would be empty"
+            )
+        if samples_per_epoch is not None and samples_per_epoch % self.ranks.local_world_size:
+            ranks = self.ranks.local_world_size
+            log.warning(
+                "samples_per_epoch = %d is not a multiple of the %d ranks that share it on this node: each epoch "
+                "serves %d (%d per rank) and leaves out the %d left over (partition.py); pass a multiple of %d to "
+                "serve exactly what you ask",
+                samples_per_epoch,
+                ranks,
+                samples_per_epoch - samples_per_epoch % ranks,
+                samples_per_epoch // ranks,
+                samples_per_epoch % ranks,
+                ranks,
             )
         env_run_id = launcher_run_id()
         if run_id is None and env_run_id is None and self.ranks.local_world_size > 1:
@@ -466,7 +480,23 @@ class EpochLoaderFactory:
             "local_world_size": self.ranks.local_world_size,
             "rank": self.ranks.rank,
             "sources": sources,
+            "data": self._data(),
         }
+
+    def _data(self) -> list[str] | None:
+        """What the cache holds samples of (``sources.cached_data``), read again only when ``made_with.json``
+        changed: ``state_dict`` is called as often as every batch."""
+        path = self.layout.made_with_file
+        try:
+            info = os.stat(path)
+            stamp: tuple[int, int] | None = (info.st_mtime_ns, info.st_size)
+        except OSError:
+            stamp = None
+        if stamp is None:
+            return None
+        if self._data_read is None or self._data_read[0] != stamp:
+            self._data_read = (stamp, cached_data(path))
+        return self._data_read[1]
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> int:
         """Resume from ``state_dict()``: returns the epoch to continue with (call ``loader(epoch)`` for it).
@@ -478,7 +508,8 @@ class EpochLoaderFactory:
 
         Raises ValueError if a setting that decides the epoch's order or this rank's share changed (the seed, the
         batch size, ``samples_per_epoch``, ``shuffle``, ``drop_last``, the world sizes, the daemon's sources and
-        weights), naming it and both values; ``strict=False`` accepts the change and takes the fresh-snapshot path.
+        weights, what the cache holds samples of), naming it and both values; ``strict=False`` accepts the change
+        and takes the fresh-snapshot path.
         """
         epoch, resume = resume_point(state, self._settings(None), strict=strict)
         if self._epochs.has_built:

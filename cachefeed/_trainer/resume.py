@@ -11,7 +11,9 @@ its checkpoint's, so a run resumed twice in one epoch skips what both earlier ru
 ``load_state_dict``, until the loop starts iterating an epoch, the state is the loaded one's place
 (``pending_checkpoint``). ``settings`` holds everything that decides an epoch's order and this rank's share of it
 (``SETTINGS``): the seed, the batch size, ``samples_per_epoch``, ``shuffle``, ``drop_last``, the ranks (global and
-local world sizes, and this rank) and the daemon's sources with their weights.
+local world sizes, and this rank), the daemon's sources with their weights, and ``data``: what the cache holds
+samples of (each source's URL and pattern, ``sources.cached_data``), so that a resume pointed at another cache is
+refused rather than told the epoch's snapshot is gone (compared only where both the checkpoint and the cache say).
 
 Resuming epoch ``e`` after ``k`` batches, with the same settings: if the daemon still keeps the epoch's snapshot (it
 keeps a dead trainer's snapshot for ``cache.snapshot_grace``), the factory joins that very snapshot (its nonce must
@@ -56,7 +58,11 @@ SETTINGS = (
     "world_size",
     "local_world_size",
     "sources",
+    "data",
 )
+# Compared only where both sides know them: ``data`` (what the cache holds samples of, ``sources.cached_data``) is
+# unknown before the cache's daemon first wrote it, and absent from a checkpoint of an older cachefeed.
+_WHERE_KNOWN = frozenset({"data"})
 _REQUIRED = ("version", "epoch", "batches_consumed", "snapshot_id", "snapshot_nonce", "settings")
 
 
@@ -132,14 +138,24 @@ def resume_point(
             raise ValueError(f"load_state_dict: {key!r} is {value!r}, expected an integer >= 0 as state_dict() gives")
     if state["snapshot_id"] is None:  # at an epoch's start: nothing inside an epoch to resume, whatever changed
         return int(state["epoch"]), None
-    changed = [key for key in SETTINGS if _normal(saved.get(key)) != _normal(settings.get(key))]
+    changed = [
+        key
+        for key in SETTINGS
+        if _normal(saved.get(key)) != _normal(settings.get(key))
+        and not (key in _WHERE_KNOWN and (saved.get(key) is None or settings.get(key) is None))
+    ]
     if changed and strict:
         key = changed[0]
+        fix = (
+            "Point the factory at the cache the checkpoint was taken on"
+            if key == "data"
+            else "Build the factory with the checkpoint's settings"
+        )
         raise ValueError(
             f"load_state_dict: the checkpoint's {key} is {saved.get(key)!r}, this factory's is {settings.get(key)!r}"
             f"{' (and ' + ', '.join(changed[1:]) + ' changed too)' if changed[1:] else ''}: the resumed epoch could "
-            "not be the rest of the interrupted one. Build the factory with the checkpoint's settings, or pass "
-            "strict=False to continue on a fresh snapshot (skipping the batches already consumed)"
+            f"not be the rest of the interrupted one. {fix}, or pass strict=False to continue on a fresh snapshot "
+            "(skipping the batches already consumed)"
         )
     epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
     if changed:

@@ -276,6 +276,23 @@ def test_an_epoch_that_drop_last_leaves_without_a_batch_is_said_to_be_so(
         EpochLoaderFactory(root, batch_size=1, samples_per_epoch=1, rank=0, world_size=2, run_id="r", progress=None)
 
 
+def test_a_samples_per_epoch_the_ranks_do_not_divide_is_said_to_lose_its_remainder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The audit: ``samples_per_epoch=41`` over 2 ranks served 40, without a word, where the README said "exactly N"."""
+    root = build_cache(tmp_path / "c", 60)
+    with (
+        caplog.at_level(logging.WARNING, logger="cachefeed"),
+        EpochLoaderFactory(
+            root, batch_size=4, samples_per_epoch=41, rank=0, world_size=2, run_id="r", progress=None
+        ) as factory,
+    ):
+        keys = [key for batch in factory.loader(0) for key in batch["__key__"]]
+    assert len(keys) == len(set(keys)) == 20  # this rank's share of 40
+    assert "samples_per_epoch = 41 is not a multiple of the 2 ranks" in caplog.text
+    assert "each epoch serves 40 (20 per rank) and leaves out the 1 left over" in caplog.text
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loader_of_an_epoch_the_factory_moved_on_from_refuses_to_serve(tmp_path: Path, workers: int) -> None:
     """It served its epoch again until its release ran (up to a second later), and state_dict() then named it."""

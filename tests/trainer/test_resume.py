@@ -15,11 +15,15 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.store import CacheStore
+from cachefeed._config import toml_text
+from cachefeed._testing.daemon import DaemonProcess, start_daemon
 from cachefeed._testing.local_s3 import free_port
+from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
 from cachefeed._trainer.wait import fill_reached
 from tests.status.test_status import make_document, write_status
@@ -421,3 +425,49 @@ def test_on_a_static_cache_a_dead_trainers_snapshot_is_kept_for_the_grace_then_r
     os.utime(lock, (an_hour_ago, an_hour_ago))  # its trainer's last progress
     EpochLoaderFactory(root, batch_size=BATCH, run_id="later", progress=None).close()
     assert sorted(p.name for p in (root / "snapshots").iterdir()) == [], "removed: the lock and the directory"
+
+
+def cached_remote(tmp_path: Path, name: str, objects: int) -> DaemonProcess:
+    """A daemon that cached a ``file://`` remote ``name`` of ``objects`` .npy files (it writes ``made_with.json``)."""
+    remote = tmp_path / name
+    remote.mkdir()
+    for i in range(objects):
+        (remote / f"{name}-{i:03d}.npy").write_bytes(npy_bytes(np.full(4, i, np.int32)))
+    cache = tmp_path / f"{name}-cache"
+    config = tmp_path / f"{name}.toml"
+    config.write_text(
+        toml_text(
+            {
+                "remote": {"url": remote.as_uri(), "refresh_interval": "1h"},
+                "cache": {"dir": str(cache), "max_bytes": "64MiB", "segment_bytes": "4KiB", "fsync": False},
+                "sampler": {"processes": 1, "decode": "npy"},
+                "status": {"interval": "200ms"},
+            }
+        )
+    )
+    daemon = start_daemon(config, cache, tmp_path / f"{name}.err")
+    daemon.wait_status(lambda d: d["cache"]["samples"] >= objects, timeout_s=60, what=f"{name} cached")
+    return daemon
+
+
+def test_a_checkpoint_resumed_on_a_cache_of_other_data_is_refused_naming_both(tmp_path: Path) -> None:
+    """The audit: a trainer killed on one cache and resumed with its checkpoint on another (another daemon, another
+    remote) was told the epoch's snapshot "is gone" and trained on the other data with no error, while the first
+    cache still kept the snapshot. The checkpoint now names what its cache held samples of."""
+    first, other = cached_remote(tmp_path, "first", 40), cached_remote(tmp_path, "other", 40)
+    try:
+        with EpochLoaderFactory(first.cache_dir, batch_size=BATCH, run_id="job", progress=None) as factory:
+            loop = iter(factory.loader(0))
+            received = [str(key) for key in next(loop)["__key__"]]
+            state = factory.state_dict()
+        assert all(key.startswith("first-") for key in received)
+        with EpochLoaderFactory(other.cache_dir, batch_size=BATCH, run_id="job", progress=None) as factory:
+            with pytest.raises(ValueError) as refused:
+                factory.load_state_dict(state)
+        message = str(refused.value)
+        assert "the checkpoint's data is" in message and (tmp_path / "first").as_uri() in message, message
+        assert (tmp_path / "other").as_uri() in message and "Point the factory at the cache" in message, message
+        with EpochLoaderFactory(first.cache_dir, batch_size=BATCH, run_id="job", progress=None) as factory:
+            assert factory.load_state_dict(state) == 0  # its own cache: accepted
+    finally:
+        assert first.stop() == 0 and other.stop() == 0
