@@ -718,8 +718,24 @@ class Epochs:
 
     def _is_due(self, state: EpochState, consumed: int) -> bool:
         if state.growing is not None and not state.growing.is_complete:
-            return False  # its end is not known yet: the next epoch is pinned once it stopped growing
+            total = self._closed_total(state)
+            # its end is not known yet: the next epoch is pinned once it stopped growing
+            return total is not None and self._due(consumed, total)
         return self._due(consumed, state.batches)
+
+    def _closed_total(self, state: EpochState) -> int | None:
+        """A growing epoch's batches for this rank once its creator's grower closed the snapshot (None before, and
+        on a rank that did not create it: it learns the end from its own polls). The loop learns that the epoch is
+        complete only as it reads past the batches cut so far, so the rule of ``_due`` is applied to this count
+        instead: a snapshot closed before its epoch became current (a cache full when the epoch began, whose
+        ``_growth_closed`` found it not current yet) had its next epoch built only at its last batch."""
+        growing = state.growing
+        if growing is None or growing.grower is None or not growing.grower.closed.is_set():
+            return None
+        quota = growing.share.quota  # a set size: exact; else what the closed snapshot holds
+        samples = quota if quota is not None else state.snapshot.samples // self.plan.ranks.local_world_size
+        full, rest = divmod(samples, self.plan.batch_size)
+        return full + (1 if rest and not self.plan.drop_last else 0)
 
     def _growth_closed(self, epoch: int) -> None:
         """The grower closed ``epoch``'s growing snapshot (grower thread). A loop that caught up with ingest is
@@ -730,11 +746,8 @@ class Epochs:
             state = self._states.get(epoch)
         if state is None or state.phase != "current" or state.growing is None:
             return
-        quota = state.growing.share.quota  # a set size: exact; else what the closed snapshot holds
-        samples = quota if quota is not None else state.snapshot.samples // self.plan.ranks.local_world_size
-        full, rest = divmod(samples, self.plan.batch_size)
-        total = full + (1 if rest and not self.plan.drop_last else 0)
-        if self._due(state.position, total):  # a resumed epoch's total counts the batches earlier runs consumed
+        total = self._closed_total(state)
+        if total is not None and self._due(state.position, total):  # a resumed epoch's total counts earlier runs'
             self._prepare(epoch + 1)
 
     def _due(self, consumed: int, total: int) -> bool:

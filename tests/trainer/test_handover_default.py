@@ -90,3 +90,25 @@ def test_the_next_epoch_is_never_pinned_in_the_first_half_of_a_short_epoch(tmp_p
         pinned_at = pin_points(root, factory, step_s=0.002)  # an epoch of 20 batches: about 0.05 s, under the lead
     print(f"\nthe next epoch was pinned after {pinned_at} of each epoch's batches")
     assert min(pinned_at) >= 0.5, pinned_at
+
+
+def test_a_first_epoch_begun_on_a_full_cache_has_its_next_epoch_pinned_ahead(tmp_path: Path) -> None:
+    """A first epoch starts on a growing snapshot; over a cache full already, its creator's grower closes it within
+    milliseconds, and when that came before the epoch became current, nothing prepared the next epoch: the loop
+    learns a growing epoch's end only as it reads past its batches, so epoch 1 was built at epoch 0's last batch,
+    the boundary waiting for it (one start in three here). Witness: the snapshot directories, each of eight starts."""
+    from tests.trainer.test_resume import cached_remote
+
+    daemon = cached_remote(tmp_path, "data", 40)
+    try:
+        for start in range(8):
+            with EpochLoaderFactory(
+                daemon.cache_dir, batch_size=4, run_id=f"start{start}", progress=None, epochs=2, prepare_at=0.1
+            ) as factory:
+                for n, _batch in enumerate(factory.loader(0), 1):
+                    if n == 3:  # prepare_at=0.1 of 10 batches: due since the first
+                        ahead = list((daemon.cache_dir / "snapshots").glob(f"start{start}-*-e000001"))
+                        assert ahead, f"start {start}: epoch 1 not pinned after 3 of epoch 0's 10 batches"
+                    time.sleep(0.05)
+    finally:
+        assert daemon.stop() == 0
