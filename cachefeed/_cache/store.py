@@ -118,7 +118,7 @@ from cachefeed._cache.reads import ReadLedger, SampleReads, served_record_bytes
 from cachefeed._cache.records import SegmentReader, Source
 from cachefeed._cache.room import epoch_room, read_room, write_room
 from cachefeed._cache.settings import METADATA_RESERVE_BYTES, CacheConfig
-from cachefeed._cache.snapshots import SnapshotInfo, live_snapshots, pinned_inodes, sweep_stale
+from cachefeed._cache.snapshots import SnapshotInfo, live_snapshots, pinned_inodes, sweep_stale, was_started
 from cachefeed._errors import CacheLockedError, CorruptRecordError, NoSuchCacheError
 from cachefeed._fsutil import file_version, fsync_dir, remove_tree
 from cachefeed._logs import get_logger
@@ -607,7 +607,10 @@ class CacheStore:
 
     def _keep_for_resume(self, snap_id: str) -> bool:
         """Keep a snapshot nobody holds for ``snapshot_grace_s`` after the sweep first found it so (its trainer
-        died; a restarted job may resume the epoch on it, see ``EpochLoaderFactory.load_state_dict``)."""
+        died; a restarted job may resume the epoch on it, see ``EpochLoaderFactory.load_state_dict``); one whose
+        epoch no loop began (prepared ahead), not at all: no checkpoint names it (snapshots.py, "Begun epochs")."""
+        if not was_started(self.layout, snap_id):
+            return False
         now = time.monotonic()
         first = self._free_since.setdefault(snap_id, now)
         self._free_seen_now.add(snap_id)

@@ -697,6 +697,8 @@ class Epochs:
                 interval if self._pace_s is None else (1 - _PACE_WEIGHT) * self._pace_s + (_PACE_WEIGHT * interval)
             )
         self._last_batch_at = now
+        if self.current is not state:  # its first batch: a checkpoint may name this epoch from now on
+            state.snapshot.mark_started()
         self.current = state
         if now - state.touched_at >= _TOUCH_EVERY_S:
             state.touched_at = now

@@ -21,7 +21,7 @@ import pytest
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.store import CacheStore
 from cachefeed._config import toml_text
-from cachefeed._testing.daemon import DaemonProcess, start_daemon
+from cachefeed._testing.daemon import DaemonProcess, start_daemon, wait_for
 from cachefeed._testing.local_s3 import free_port
 from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
@@ -471,3 +471,57 @@ def test_a_checkpoint_resumed_on_a_cache_of_other_data_is_refused_naming_both(tm
             assert factory.load_state_dict(state) == 0  # its own cache: accepted
     finally:
         assert first.stop() == 0 and other.stop() == 0
+
+
+def prepared_ahead_main(root: str, progress: str) -> None:
+    """Read epoch 0 slowly, its next epoch prepared (pinned) early on; keys and state saved after every batch."""
+    from cachefeed._fsutil import atomic_write
+
+    received: list[str] = []
+    with EpochLoaderFactory(root, batch_size=4, run_id="job", progress=None, epochs=2, prepare_at=0.1) as factory:
+        for batch in factory.loader(0):
+            received += [str(key) for key in batch["__key__"]]
+            atomic_write(progress, json.dumps({"keys": received, "state": factory.state_dict()}).encode())
+            time.sleep(0.2)  # a training step
+
+
+def test_the_epoch_a_killed_trainer_prepared_ahead_is_not_kept_for_a_resume_that_cannot_join_it(
+    tmp_path: Path,
+) -> None:
+    """The audit: a trainer killed in the second half of an epoch had pinned the next one ahead; no checkpoint names
+    an epoch its loop never began, so no resume could join it, yet the daemon kept it for ``cache.snapshot_grace``
+    (5 minutes), its room pinned: after a few kills, the daemon back-pressured on snapshots nobody would read.
+    Witness: the snapshot directories in the cache."""
+    daemon = cached_remote(tmp_path, "data", 40)
+    snapshots = daemon.cache_dir / "snapshots"
+
+    def epoch_dirs(epoch: int) -> list[Path]:
+        return [path for path in snapshots.glob(f"*-e{epoch:06d}") if path.is_dir()]
+
+    progress = tmp_path / "progress.json"
+    code = (
+        "from tests.trainer.test_resume import prepared_ahead_main; "
+        f"prepared_ahead_main({str(daemon.cache_dir)!r}, {str(progress)!r})"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env())
+    try:
+        wait_for(
+            lambda: bool(epoch_dirs(1)) and progress.exists() and len(json.loads(progress.read_text())["keys"]) >= 8,
+            timeout_s=60,
+            what="epoch 1 pinned ahead while epoch 0 is read",
+        )
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        [ahead] = epoch_dirs(1)
+        wait_for(lambda: not ahead.exists(), timeout_s=15, what=f"the never-read {ahead.name} removed by the daemon")
+        [interrupted] = epoch_dirs(0)  # the epoch the loop began stays for its resume
+        time.sleep(1.5)  # a sweep or more later
+        assert interrupted.exists()
+        saved = json.loads(progress.read_text())
+        with EpochLoaderFactory(daemon.cache_dir, batch_size=4, run_id="job-restarted", progress=None) as factory:
+            assert factory.load_state_dict(saved["state"]) == 0
+            rest = [str(key) for batch in factory.loader(0) for key in batch["__key__"]]
+        assert sorted(saved["keys"] + rest) == sorted(f"data-{i:03d}.npy" for i in range(40)), "resumed exactly"
+    finally:
+        trainer.kill()
+        assert daemon.stop() == 0
