@@ -15,7 +15,7 @@
       tmp/sampler-<i>.writing  the object sampler i is writing, for the supervisor if it dies (_daemon/protocol.py)
       snapshots/<id>.lock   an epoch pin's lock (see _cache/snapshots.py), created locked
       snapshots/<id>/       hard links to the pinned segments, plus MANIFEST and the trainers' marks: rank claims,
-                            STARTED, LEFT, what each rank served (see _cache/snapshots.py and _cache/reads.py)
+                            AHEAD, LEFT, what each rank served (see _cache/snapshots.py and _cache/reads.py)
 
 File names never derive from remote keys: segments are named by sequence number, snapshots by a name the trainer
 side builds from a run id and an epoch number (validated against ``SNAPSHOT_ID``). Listing functions here only
@@ -70,7 +70,7 @@ _TMP_NAME = re.compile(r"^[0-9a-f]{16}\.tmp$")
 # (msgpack [name, count, reads, tag] <= 37 bytes); per snapshot its directory's first and index blocks, the
 # MANIFEST's last partial block and source table (at most MAX_SOURCES x ~80 bytes, _cache/sources.py), the lock file
 # and the READ mark. Its rank claims (RANK.<k>, one per local rank, however many: _cache/snapshots.py) and its
-# STARTED and LEFT marks are empty files, an inode and a directory entry each with no data block, so the charge
+# AHEAD and LEFT marks are empty files, an inode and a directory entry each with no data block, so the charge
 # does not depend on the rank count, which the daemon does not know. Measured on ext4 with 9,000 segments, and
 # with few segments pinned by several local ranks: see tests/cache/test_bound.py, which fails if either constant is
 # too small.

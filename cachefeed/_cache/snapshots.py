@@ -44,12 +44,13 @@ the snapshot as usual. ``LEFT`` is written before the pin is dropped, and a rele
 lock exclusively, so it cannot miss the mark of a rank that left before it.
 
 Begun epochs: a checkpoint names an epoch's snapshot only once its training loop received a batch of it
-(``_trainer/lifecycle.py``: ``on_progress``), and the trainer creates ``<id>/STARTED`` (empty: an inode, charged as a
-claim's) before that batch is counted (``Snapshot.mark_started``). A snapshot without it (nor a rank's ``LEFT``, nor
-a record of what a rank served: marks of a loop that read it), its trainer gone, is the epoch a dead trainer
-prepared ahead and never read: no resume can ever join it, so the sweeps keep it for no grace
+(``_trainer/lifecycle.py``: ``on_progress``). The factory's creator marks each snapshot it pins ``<id>/AHEAD`` (empty:
+an inode, charged as a claim's) while it holds the pin (``Snapshot.mark_ahead``), and a loop removes the mark before
+its first batch of the epoch is counted (``Snapshot.mark_started``). A snapshot still marked, its trainer gone, is an
+epoch a dead trainer pinned ahead and never began: no resume can ever join it, so the sweeps keep it for no grace
 (``was_started``): else it pinned its room, the daemon's turnover with it, for ``cache.snapshot_grace`` after every
 kill (the audit: 4.7 MiB pinned by 5 snapshots, the daemon back-pressured, while the resumed jobs read fresh ones).
+A snapshot without the mark (another loader on ``Snapshot``, a trainer of an older cachefeed) is kept as before.
 
 Rank claims: the local ranks sharing a snapshot split it (MANIFEST ``ranks``), each reading its own share, so two
 processes given the same rank (a launcher that set no ``RANK``/``LOCAL_RANK``: both default to 0) would read the
@@ -145,7 +146,7 @@ __all__ = [
 
 MANIFEST = "MANIFEST"
 LEFT = "LEFT"  # in ``<id>/``: a rank left this snapshot for a resume (NOTE, "Leaving for a resume")
-STARTED = "STARTED"  # in ``<id>/``: a training loop received a batch of this epoch (NOTE, "Begun epochs")
+AHEAD = "AHEAD"  # in ``<id>/``: pinned ahead, no training loop took a batch of it yet (NOTE, "Begun epochs")
 RANK_CLAIM = "RANK."  # in ``<id>/``, + the local rank: a process reads that rank's share (NOTE, "Rank claims")
 
 Pick = Callable[[list[Candidate], int | None, int], list[int]]
@@ -683,16 +684,22 @@ class Snapshot:
             except OSError:
                 pass
 
-    def mark_started(self) -> None:
-        """Say that a training loop received a batch of this epoch, so a checkpoint may name it (NOTE, "Begun
-        epochs"). Best effort: where the mark cannot be written, the snapshot of a trainer that dies is removed
-        without a grace, and its resume takes the fresh-snapshot path (its warning says so)."""
+    def mark_ahead(self) -> None:
+        """Mark this snapshot as pinned ahead of its epoch, not begun (NOTE, "Begun epochs"); its creator calls it
+        while it holds the pin. Best effort: unmarked, it is kept for a resume as any snapshot of a dead trainer."""
         if self._lock_fd is None:
             return
         try:
-            os.close(open_regular_for_write(self.directory / STARTED, 0o640))
+            os.close(open_regular_for_write(self.directory / AHEAD, 0o640))
         except OSError:
             pass
+
+    def mark_started(self) -> None:
+        """Say that a training loop took a batch of this epoch, so a checkpoint may name it (NOTE, "Begun epochs"):
+        the ``AHEAD`` mark goes. Where it cannot be removed, the snapshot of a trainer that dies is removed without a
+        grace, and its resume takes the fresh-snapshot path (its warning says so)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.directory / AHEAD)
 
     def record_served(self, served: npt.NDArray[np.int64]) -> None:
         """Record that this process served the samples ``served`` (indices in dataset order) of this epoch: they
@@ -1228,9 +1235,16 @@ def _prune_kept_claims() -> None:
     """Close the kept claims (no pin) whose file is gone: its snapshot was removed, and nobody can claim it."""
     with _claims_lock:
         for key, (fd, pins) in list(_claims.items()):
-            if pins == 0 and os.fstat(fd).st_nlink == 0:
+            if pins:
+                continue
+            try:
+                gone = os.fstat(fd).st_nlink == 0
+            except OSError:
+                gone = True  # not a descriptor we can ask: nothing to keep
+            if gone:
                 del _claims[key]
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def _claims_before_fork() -> None:
@@ -1316,16 +1330,15 @@ def sweep_stale(
 
 
 def was_started(layout: CacheLayout, snap_id: str) -> bool:
-    """Whether a training loop received a batch of the snapshot's epoch (NOTE, "Begun epochs"): only then may a
-    checkpoint name it, and a sweep keep it for a resume. Its ``STARTED`` mark says so, as do a rank's ``LEFT`` and
-    a record of what a rank served (marks of a loop that read it). True where it cannot tell (keep it)."""
+    """Whether the snapshot may be named by a checkpoint: not marked ``AHEAD`` (NOTE, "Begun epochs"), so a sweep
+    keeps it for a resume. True where it cannot tell (keep it)."""
     try:
-        with os.scandir(layout.snapshots / snap_id) as entries:
-            return any(e.name in (STARTED, LEFT) or e.name.startswith(SERVED_PREFIX) for e in entries)
+        os.lstat(layout.snapshots / snap_id / AHEAD)
     except FileNotFoundError:
-        return False  # removed meanwhile: nothing to keep
+        return True
     except OSError:
         return True
+    return False
 
 
 def sweep_unwatched(layout: CacheLayout, *, grace_s: float, now: float | None = None) -> list[str]:

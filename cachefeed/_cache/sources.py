@@ -9,7 +9,8 @@ edits. Tag 0 means "the one unnamed remote" of the single ``[remote]`` form.
 
     {"version": 1, "sources": [{"name": "crawl", "tag": 123, "weight": 0.7}, ...]}
 
-``made_with.json`` (written and read by the daemon alone) records, per tag, the settings that decide what a
+``made_with.json`` (written by the daemon; trainers read its URLs and patterns, ``cached_data``) records, per tag,
+the settings that decide what a
 source's cached samples *are*: its URL and pattern, the decoder and image settings, the label and preprocess, and
 the node's share. A daemon started over a cache whose samples of a source were made under other settings evicts
 them, naming what changed (``changed_settings``): a cache kept across a config edit never serves samples of the

@@ -152,7 +152,7 @@ class EpochState:
         self._inners: dict[int, Iterator[Any]] = {}
         self._lock = threading.Lock()
         self._released = False
-        self.unpinned = threading.Event()  # set once its release is done: its pin and rank claim dropped
+        self.unpinned = threading.Event()  # set once its release is done: its pin dropped
         self._final_skipped: int | None = None
 
     @property

@@ -25,7 +25,8 @@ Transitions, who runs them and on which thread:
   only if its build is late (or builds it now), makes it *current* and retires every other epoch.
 * **build again** (a loop that goes back to an epoch it retired: ``loader(0)``, ``loader(1)``, ``loader(0)``): the
   earlier build's release is finished first, on the building thread (or waited for, where the teardown thread
-  runs it), so that its pin and rank claim are gone; the epoch is then read anew like any epoch: on a fresh
+  runs it), so that its pin is gone (its rank claim stays this process's: NOTE [ Snapshot pinning protocol ],
+  "Rank claims"); the epoch is then read anew like any epoch: on a fresh
   snapshot of what is cached (its order from ``(seed, epoch)``, its reads counted by a receipt of its own), or on
   the same one where another rank of the job still holds it (``_settle``). A resumed epoch too, whole: its first
   build spent the resume (``_resumed``).
@@ -596,7 +597,7 @@ class Epochs:
                 )
             with self._lock:
                 reading = self._last_names()  # the epoch being read now: its receipt is pending
-            return Snapshot.create(
+            snapshot = Snapshot.create(
                 plan.layout.root,
                 snap_id,
                 job=plan.job,
@@ -607,6 +608,8 @@ class Epochs:
                 wants=wants,
                 claim_wait_s=self._claim_wait_s(),
             )
+            snapshot.mark_ahead()  # until a loop takes a batch of it (``on_progress``): no checkpoint names it
+            return snapshot
 
     def _claim_wait_s(self) -> float:
         """How long a pin waits for this rank's claim while another process holds it (a predecessor still exiting,
@@ -721,8 +724,9 @@ class Epochs:
     def _is_due(self, state: EpochState, consumed: int) -> bool:
         if state.growing is not None and not state.growing.is_complete:
             total = self._closed_total(state)
-            # its end is not known yet: the next epoch is pinned once it stopped growing
-            return total is not None and self._due(consumed, total)
+            # its end is not known yet: the next epoch is pinned once it stopped growing; the total counts the
+            # batches earlier runs of a resumed epoch consumed, as ``position`` does (``consumed`` is this run's)
+            return total is not None and self._due(state.position, total)
         return self._due(consumed, state.batches)
 
     def _closed_total(self, state: EpochState) -> int | None:

@@ -138,7 +138,8 @@ class EpochLoaderFactory:
         verify: check every record's checksum when reading (a failing record is skipped, never served); False
             checks nothing of a record's bytes, not even which key it holds.
         samples_per_epoch: every epoch is exactly this many samples of the node's snapshot (split equally among
-            the node's ranks), least-read first, reusing samples when fewer are cached: ``len(loader)`` and the
+            the node's ranks; a remainder the ranks do not divide is left out, with a warning), least-read first,
+            reusing samples when fewer are cached: ``len(loader)`` and the
             number of steps are known before training starts (``batches_per_epoch``). While the daemon fills the
             cache, a later epoch reads what no epoch has read first and takes segments as they are published, and
             where the remote is slower than training its rest is the least-read cached samples (it never waits
@@ -265,7 +266,7 @@ class EpochLoaderFactory:
             ranks = self.ranks.local_world_size
             log.warning(
                 "samples_per_epoch = %d is not a multiple of the %d ranks that share it on this node: each epoch "
-                "serves %d (%d per rank) and leaves out the %d left over (partition.py); pass a multiple of %d to "
+                "serves %d (%d per rank) and leaves out the %d left over; pass a multiple of %d to "
                 "serve exactly what you ask",
                 samples_per_epoch,
                 ranks,

@@ -14,7 +14,8 @@ sample is not dropped the next time (and a cut pass, like the smallest node's sh
 samples first).
 
 Epochs of a set size (``samples_per_epoch = N``, see ``fixed_size_order``): the node's epoch is exactly N samples
-of its snapshot, the least-read samples first (per-sample reads, NOTE [ Read receipts ] in ``_cache/reads.py``;
+(N less its remainder by the local ranks, which equal shares drop as above: the factory warns) of its snapshot, the
+least-read samples first (per-sample reads, NOTE [ Read receipts ] in ``_cache/reads.py``;
 ties in a seeded random order), so epochs smaller than the cache still serve every cached sample in turn;
 without replacement while the snapshot holds N or more; with fewer, every sample is used and the rest is filled by
 further seeded passes over the snapshot (reuse), never the same sample twice in a row of passes. The N are then

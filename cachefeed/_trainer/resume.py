@@ -26,7 +26,8 @@ a checkpoint saved at the end of an epoch resumes with the next one.
 
 A setting that changed makes ``load_state_dict`` raise ``ValueError`` naming it and both values: the resumed epoch
 could not be the rest of the interrupted one (a state at an epoch's start resumes nothing inside an epoch: it is
-accepted whatever changed, an elastic restart's new world size included). ``strict=False`` accepts the change and
+accepted whatever changed, an elastic restart's new world size included, but for ``data``: a checkpoint resumed on
+another dataset's cache is refused wherever it stands). ``strict=False`` accepts the change and
 takes the fresh-snapshot path (one warning). Any rank may load any rank's state: ranks of one job consume batches in
 lockstep, so the state only differs in ``rank``, which is not compared.
 """
@@ -136,26 +137,29 @@ def resume_point(
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"load_state_dict: {key!r} is {value!r}, expected an integer >= 0 as state_dict() gives")
-    if state["snapshot_id"] is None:  # at an epoch's start: nothing inside an epoch to resume, whatever changed
-        return int(state["epoch"]), None
     changed = [
         key
         for key in SETTINGS
         if _normal(saved.get(key)) != _normal(settings.get(key))
         and not (key in _WHERE_KNOWN and (saved.get(key) is None or settings.get(key) is None))
     ]
+    if state["snapshot_id"] is None:  # at an epoch's start: nothing inside an epoch to resume, whatever changed ...
+        changed = [key for key in changed if key == "data"]  # ... but the data: a job pointed at the wrong cache
+        if not changed or not strict:
+            return int(state["epoch"]), None
+    if "data" in changed and strict:
+        raise ValueError(
+            f"load_state_dict: the checkpoint was taken on a cache of {saved.get('data')!r}, this factory's cache "
+            f"holds samples of {settings.get('data')!r}: another dataset. Point the factory at the cache the "
+            "checkpoint was taken on, or pass strict=False to go on with this one"
+        )
     if changed and strict:
         key = changed[0]
-        fix = (
-            "Point the factory at the cache the checkpoint was taken on"
-            if key == "data"
-            else "Build the factory with the checkpoint's settings"
-        )
         raise ValueError(
             f"load_state_dict: the checkpoint's {key} is {saved.get(key)!r}, this factory's is {settings.get(key)!r}"
             f"{' (and ' + ', '.join(changed[1:]) + ' changed too)' if changed[1:] else ''}: the resumed epoch could "
-            f"not be the rest of the interrupted one. {fix}, or pass strict=False to continue on a fresh snapshot "
-            "(skipping the batches already consumed)"
+            "not be the rest of the interrupted one. Build the factory with the checkpoint's settings, or pass "
+            "strict=False to continue on a fresh snapshot (skipping the batches already consumed)"
         )
     epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
     if changed:

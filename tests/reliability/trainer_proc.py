@@ -7,8 +7,7 @@
 * ``dataset``: ``Snapshot.create`` + ``SnapshotDataset.__getitems__`` in batches, epoch after epoch.
 * ``hold``: pin epoch 0 through ``EpochLoaderFactory`` (workers started, first batch read), print
   ``pinned <snapshot id>`` and sleep until killed (its DataLoader workers are its children).
-* ``hold-raw``: ``Snapshot.create`` (marked begun, ``mark_started``) only, print ``pinned <id>``, sleep until
-  killed.
+* ``hold-raw``: ``Snapshot.create`` only, print ``pinned <id>``, sleep until killed.
 
 Until SIGTERM (or ``--max-epochs``): then it prints one JSON line of counts (``epochs``, ``verified``, ``wrong``
 with the first problems, ``errors`` (exceptions, each printed to stderr), ``skipped`` corrupt records, ``distinct``
@@ -151,7 +150,6 @@ def run_dataset(args: argparse.Namespace, counts: Counts) -> None:
 def hold(args: argparse.Namespace) -> None:
     if args.mode == "hold-raw":
         snapshot = Snapshot.create(args.cache_dir, f"{args.run_id}-{os.getpid()}")
-        snapshot.mark_started()  # as a loop that took a batch: a checkpoint may name it, a resume join it
         print(f"pinned {snapshot.snap_id}", flush=True)
     else:
         options: dict[str, Any] = {"multiprocessing_context": "fork"} if args.workers else {}

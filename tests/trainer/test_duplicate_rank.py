@@ -183,8 +183,9 @@ def test_a_second_process_given_the_same_rank_is_refused_though_the_first_read_i
 
 def test_a_rank_goes_back_to_its_epoch_though_a_child_it_forked_lives_on(tmp_path: Path) -> None:
     """A forked child (a DataLoader worker of the user's own, say) inherits its parent's descriptors, the rank
-    claim's too: that copy would keep the claim after the parent released it, and the rank, going back to the
-    epoch, would be refused as a duplicate of itself."""
+    claim's too: that copy would keep the claim after the parent let it go (leaving the epoch for a resume, which
+    drops the claim; a release keeps it in this process), and the rank, resuming the epoch, would be refused as a
+    duplicate of itself."""
     root = build_cache(tmp_path / "c", 50)
     reading = Snapshot.create(root, "run-e000000", ranks=2, rank=0)
     other_rank = Snapshot.join(root, "run-e000000", ranks=2, rank=1)  # keeps the snapshot while rank 0 is away
@@ -198,7 +199,7 @@ def test_a_rank_goes_back_to_its_epoch_though_a_child_it_forked_lives_on(tmp_pat
     try:
         assert os.read(forked_r, 1) == b"1"  # not before: the parent would race the child's hooks
         os.close(forked_r)
-        reading.release()
+        reading.leave_for_resume()  # drops the claim (a release keeps it in this process)
         again = Snapshot.join(root, "run-e000000", ranks=2, rank=0, timeout_s=1.0)
         again.release()
     finally:
@@ -243,8 +244,9 @@ def test_a_fork_while_a_rank_takes_its_claim_leaves_the_child_no_copy_of_it(
 ) -> None:
     """A fork on another thread (a DataLoader worker started while the next epoch is built) between the claim file's
     open and its record gave the child a copy of the claim that its at-fork hook did not know to close: the child
-    held the claim after the parent released it, and the rank, going back to the epoch, was refused as a duplicate
-    of itself. The fork is made to happen while the claim is being taken (from inside its open)."""
+    held the claim after the parent let it go (leaving the epoch for a resume), and the rank, resuming the epoch, was
+    refused as a duplicate of itself. The fork is made to happen while the claim is being taken (from inside its
+    open)."""
     root = build_cache(tmp_path / "c", 50)
     other_rank = Snapshot.create(root, "run-e000000", ranks=2, rank=1)  # keeps the snapshot while rank 0 is away
     forked_r, forked_w = os.pipe()
@@ -271,7 +273,7 @@ def test_a_fork_while_a_rank_takes_its_claim_leaves_the_child_no_copy_of_it(
         reading = Snapshot.join(root, "run-e000000", ranks=2, rank=0)
         monkeypatch.undo()
         assert os.read(forked_r, 1) == b"1"  # the child's hooks ran: the claim is the parent's alone, or copied
-        reading.release()
+        reading.leave_for_resume()  # drops the claim (a release keeps it in this process)
         again = Snapshot.join(root, "run-e000000", ranks=2, rank=0, timeout_s=1.0, claim_wait_s=1.0)
         again.release()
     finally:

@@ -465,10 +465,18 @@ def test_a_checkpoint_resumed_on_a_cache_of_other_data_is_refused_naming_both(tm
             with pytest.raises(ValueError) as refused:
                 factory.load_state_dict(state)
         message = str(refused.value)
-        assert "the checkpoint's data is" in message and (tmp_path / "first").as_uri() in message, message
+        assert "the checkpoint was taken on a cache of" in message and (tmp_path / "first").as_uri() in message
         assert (tmp_path / "other").as_uri() in message and "Point the factory at the cache" in message, message
         with EpochLoaderFactory(first.cache_dir, batch_size=BATCH, run_id="job", progress=None) as factory:
             assert factory.load_state_dict(state) == 0  # its own cache: accepted
+            for _batch in factory.loader(0):
+                pass
+            at_next_epoch = factory.state_dict()  # at an epoch's start: other settings are accepted, not the data
+        assert at_next_epoch["snapshot_id"] is None and at_next_epoch["epoch"] == 1
+        with EpochLoaderFactory(other.cache_dir, batch_size=BATCH, run_id="job", progress=None) as factory:
+            with pytest.raises(ValueError, match="the checkpoint was taken on a cache of"):
+                factory.load_state_dict(at_next_epoch)
+            assert factory.load_state_dict(at_next_epoch, strict=False) == 1
     finally:
         assert first.stop() == 0 and other.stop() == 0
 
@@ -515,8 +523,12 @@ def test_the_epoch_a_killed_trainer_prepared_ahead_is_not_kept_for_a_resume_that
         [ahead] = epoch_dirs(1)
         wait_for(lambda: not ahead.exists(), timeout_s=15, what=f"the never-read {ahead.name} removed by the daemon")
         [interrupted] = epoch_dirs(0)  # the epoch the loop began stays for its resume
-        time.sleep(1.5)  # a sweep or more later
-        assert interrupted.exists()
+        document = daemon.wait_status(
+            lambda d: [s["kept_for_resume"] for s in d["cache"]["snapshots"]] == [True],
+            timeout_s=15,
+            what="the begun epoch kept for a resume",
+        )
+        assert document["cache"]["snapshots"][0]["id"] == interrupted.name and interrupted.exists()
         saved = json.loads(progress.read_text())
         with EpochLoaderFactory(daemon.cache_dir, batch_size=4, run_id="job-restarted", progress=None) as factory:
             assert factory.load_state_dict(saved["state"]) == 0
