@@ -394,6 +394,7 @@ def test_two_weighted_sources_give_every_epoch_and_the_cache_their_shares(tmp_pa
         in_files = Counter((int(sample["src"]), int(sample["obj"])) for _seg, sample in cache_samples(daemon.cache_dir))
         whole = {obj for (src, obj), n in in_files.items() if src == SOURCES["curated"][0] and n == PER_OBJECT}
         assert len(whole) == rows["curated"]["objects_cached"] == SOURCES["curated"][2]
+        assert rows["curated"]["cached_whole"] and not rows["crawl"]["cached_whole"]
         # the log: the small source's passes are its own (the document's top-level count is the least over sources)
         passes = daemon.stderr().count("of source 'curated' completed")
         assert 1 <= rows["curated"]["passes_completed"] <= passes

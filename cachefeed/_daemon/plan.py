@@ -61,6 +61,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from collections import deque
@@ -83,6 +84,7 @@ log = get_logger(__name__)
 _IDLE_BACKOFF_MIN_S = 0.5
 _IDLE_BACKOFF_MAX_S = 30.0
 _DROP_KINDS = frozenset({"not_found", "forbidden", "too_large"})
+_CACHED_COST_FACTOR = 100.0  # ``cached_objects`` scans at most 1% of the time
 _QUARANTINE_KINDS = frozenset({"decode", "crash"})  # until the object changes: its content is at fault
 
 
@@ -163,6 +165,7 @@ class SamplingPlan:
         self._skipped_this_pass = 0  # objects of this pass skipped because they are cached
         self._is_remote_listed = False  # a listing of the remote (not the restart catalog) is complete
         self.revision = 0  # changes whenever the owned catalog does (what the restart catalog keeps)
+        self._cached_count = (-math.inf, 0, 0.0)  # ``cached_objects``: when counted, the count, how long it took
 
     # -- the catalog ----------------------------------------------------------------------------------------
 
@@ -526,13 +529,21 @@ class SamplingPlan:
 
     @property
     def cached_objects(self) -> int:
-        """Listed objects every sample of which (of the listed version) is in a published segment: ``owned`` of
-        them means the source is cached whole (status: a share below its weight that ingest cannot raise)."""
+        """Owned listed objects every sample of which (of the listed version) is in a published segment: ``owned``
+        of them means the source is cached whole (status: a share below its weight that ingest cannot raise). A
+        scan of the plan's columns, so counted again only once ``_CACHED_COST_FACTOR`` times its last duration has
+        passed (milliseconds for a million objects: every status write; 10⁸: about once a minute)."""
+        now = time.monotonic()
+        counted_at, value, took = self._cached_count
+        if now - counted_at < _CACHED_COST_FACTOR * took:
+            return value
         live = self._live.view
         listed = self.listed()[: len(live)]
         whole = listed & (live[: len(listed)] > 0)
         cut = sum(1 for oid in self._cut if oid < len(whole) and whole[oid])
-        return int(np.count_nonzero(whole)) - cut
+        value = int(np.count_nonzero(whole)) - cut
+        self._cached_count = (now, value, time.monotonic() - now)
+        return value
 
     @property
     def in_flight(self) -> int:

@@ -63,6 +63,9 @@ class StatusReporter:
         self._inputs = inputs
         self._metrics = metrics
         self._started_at = started_at
+        # the cached samples' reads when this daemon began reporting (the ledger keeps earlier runs' reads): what
+        # ``bytes_per_sample_read`` divides by is the reads since, as the bytes are this process's downloads
+        self._reads_at_start = store.usage().sample_reads
         self._rates = RateMeter(RATE_WINDOW_S)
         self._remote_window = RateMeter(RATE_WINDOW_S)
         self.last: dict[str, Any] | None = None
@@ -122,6 +125,7 @@ class StatusReporter:
             degraded_reasons=reasons,
             cache_dir=str(self._config.cache.dir),
             usage=store.usage(),
+            reads_at_start=self._reads_at_start,
             turnover_bytes=self._config.cache.turnover_bytes,
             snapshots=snapshots,
             kept_for_resume=frozenset(store.orphaned_snapshots),

@@ -359,6 +359,11 @@ class Inputs:
             state = entry.catalog.state() if entry.catalog is not None else CatalogState(0, 0.0, 0, "", False)
             counters = entry.plan.counters
             samples = cached.get(entry.tag, 0)
+            plan, objects_cached = entry.plan, entry.plan.cached_objects
+            # every owned object it can cache is cached (those refused, ``not_cached``, cannot be)
+            whole = (
+                plan.owned > 0 and objects_cached > 0 and objects_cached + sum(plan.not_cached.values()) >= plan.owned
+            )
             rows.append(
                 {
                     "name": entry.name,
@@ -367,7 +372,8 @@ class Inputs:
                     "cached_samples": samples,
                     "cached_share": samples / total if total else None,
                     "objects_listed": state.objects_listed,
-                    "objects_cached": entry.plan.cached_objects,
+                    "objects_cached": objects_cached,
+                    "cached_whole": whole,
                     "list_errors_total": state.list_errors_total,
                     "objects_total": counters.done_total,
                     "samples_total": entry.samples_total,

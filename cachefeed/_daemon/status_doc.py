@@ -77,6 +77,7 @@ def build_status(
     degraded_reasons: Sequence[str],
     cache_dir: str,
     usage: Usage,
+    reads_at_start: int = 0,
     turnover_bytes: int,
     snapshots: Sequence[SnapshotInfo],
     kept_for_resume: frozenset[str] = frozenset(),
@@ -112,7 +113,8 @@ def build_status(
     ``cache.evict_after_reads`` times, while paced), ``cache.max_reads``/``evicted.max_reads`` (the most reads of a
     cached/evicted segment: its least-read sample's), ``cache.sample_reads_total`` (per sample, the epochs that
     served it, summed; evicted included) and ``remote.bytes_per_sample_read`` (bytes downloaded per sample read by an
-    epoch). Beyond the contract, ``remote`` also carries ``objects_failed_total`` (objects that could not be cached,
+    epoch, both since this daemon started: ``reads_at_start`` is the cached samples' reads then, from the ledger).
+    Beyond the contract, ``remote`` also carries ``objects_failed_total`` (objects that could not be cached,
     any reason, counted per attempt at the object) and ``objects_dropped`` (objects dropped from the plan now: 404,
     403, too large); ``remote.not_cached`` (in the contract) counts the listed objects not cached for a reason, by
     reason (``not_found``, ``forbidden``, ``too_large``, ``decode``), ``remote.quarantined_samples_total`` the
@@ -124,6 +126,7 @@ def build_status(
     """
     now = time.time() if now is None else now
     sample_reads = counters.evicted_sample_reads + usage.sample_reads
+    reads_since_start = sample_reads - reads_at_start  # this process's window, as ``remote.bytes_total``'s
     return {
         "version": STATUS_VERSION,
         "state": state,
@@ -209,7 +212,7 @@ def build_status(
             "quarantined_total": remote.quarantined_total,
             "quarantined_samples_total": remote.quarantined_samples_total,
             "bytes_total": remote.bytes_total,
-            "bytes_per_sample_read": remote.bytes_total / sample_reads if sample_reads else None,
+            "bytes_per_sample_read": remote.bytes_total / reads_since_start if reads_since_start > 0 else None,
             "objects_failed_total": remote.objects_failed_total,
             "objects_dropped": remote.objects_dropped,
             "not_cached": dict(remote.not_cached),

@@ -139,11 +139,15 @@ def _epoch_reads(cache: Mapping[str, Any], evicted: Mapping[str, Any]) -> str:
     )
     per_sample = evicted["epochs_per_sample"]
     if per_sample is not None:
-        lately = cache.get("echo_factor")
+        notes = []
+        if cache.get("echo_factor") is not None:
+            notes.append(f"{cache['echo_factor']:.2f} lately")
+        if evicted.get("max_reads"):
+            notes.append(f"up to {evicted['max_reads']}")  # an evicted segment's least-read sample's, at most
         text += (
-            f"; evicted samples were read {per_sample:.2f} times each"
-            + (f" ({lately:.2f} lately), " if lately is not None else ", ")
-            + f"{_count(evicted['unread_samples_total'])} evicted unread"
+            f"; evicted samples read {per_sample:.2f} times each"
+            + (f" ({', '.join(notes)})" if notes else "")
+            + f", {_count(evicted['unread_samples_total'])} evicted unread"
         )
     return text
 
@@ -305,8 +309,7 @@ def _render_sources(out: _Text, sources: object) -> None:
         share = row.get("cached_share")
         shown = "-" if share is None else f"{share:.0%}"
         uncached = sum(int(n) for n in dict(row.get("not_cached") or {}).values())
-        listed, cached = row.get("objects_listed", 0), row.get("objects_cached")
-        passes = row.get("passes_completed")
+        listed, passes = row.get("objects_listed", 0), row.get("passes_completed")
         out.add(
             "",
             f"{_clean(row.get('name'), 40)}: {shown} / {row.get('weight', 0):.0%} "
@@ -314,11 +317,7 @@ def _render_sources(out: _Text, sources: object) -> None:
             f"{_count(row.get('objects_total', 0))} objects in, {_count(row.get('objects_failed_total', 0))} failed"
             + (f", {_count(uncached)} not cached" if uncached else "")
             + (f", {_passes(passes)} done" if isinstance(passes, int) else "")
-            + (
-                _whole(share, row.get("weight", 0))
-                if listed and isinstance(cached, int) and cached + uncached >= listed
-                else ""
-            ),
+            + (_whole(share, row.get("weight", 0)) if row.get("cached_whole") else ""),
             indent=2,
         )
     if len(rows) > _MAX_LISTED:
@@ -326,8 +325,9 @@ def _render_sources(out: _Text, sources: object) -> None:
 
 
 def _whole(share: object, weight: object) -> str:
-    """What a source cached whole (every listed object it can cache) says: below its weight, that share is all it
-    has, and epochs reuse its samples (a small source is upsampled; the README's weighted sources)."""
+    """What a source cached whole (``cached_whole``: every object of this node's share it can cache) says: below its
+    weight, that share is all it has, and epochs reuse its samples (a small source is upsampled; the README's
+    weighted sources)."""
     if isinstance(share, int | float) and isinstance(weight, int | float) and share < weight - 0.005:
         return "; cached whole, below its weight: epochs reuse its samples to make up its share"
     return "; cached whole"

@@ -105,7 +105,7 @@ SOURCE_ROW: dict[str, Any] = {
     "objects_listed": _gauge(NUM, "cachefeed_source_objects_listed", "Objects in a source's last listing."),
     "objects_cached": Scalar(
         NUM,
-        Metric("cachefeed_source_objects_cached", "gauge", "Listed objects of a source cached whole (every sample)."),
+        Metric("cachefeed_source_objects_cached", "gauge", "A source's objects (this node's) cached whole."),
         is_omittable=True,
     ),
     "list_errors_total": _counter("cachefeed_source_list_errors", "Failed listings of a source."),
@@ -115,6 +115,7 @@ SOURCE_ROW: dict[str, Any] = {
     "objects_failed_total": _counter("cachefeed_source_objects_failed", "Objects of a source that failed."),
     "not_cached": {str: NUM},
     "pass": INT,
+    "cached_whole": Omittable(bool),  # every object of this node's share it can cache is cached
     "passes_completed": Scalar(
         NUM,
         Metric("cachefeed_source_passes_completed", "counter", "Passes over a source's listing."),

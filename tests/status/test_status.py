@@ -671,7 +671,7 @@ def test_render_shows_the_echo_factor_and_what_bounds_ingest(tmp_path: Path) -> 
     layout = make_cache(tmp_path / "cache")
     write_status(layout, make_document(layout.root))
     out = " ".join(render_human(read_report(layout.root)).split())
-    assert "(2.90 lately)" in out and "remote-bound" in out
+    assert "(2.90 lately, up to 4)" in out and "remote-bound" in out
     document = make_document(layout.root, cache__ingest_bound="trainer", cache__is_remote_bound=False)
     write_status(layout, document)
     assert "trainer-bound" in " ".join(render_human(read_report(layout.root)).split())
