@@ -52,6 +52,7 @@ several nodes, every rank's build thread joins one all-reduce per epoch (``plan.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import threading
@@ -91,6 +92,8 @@ _LEAD_MARGIN_S = 0.1
 _PACE_WEIGHT = 0.2
 _RECENT_BUILDS = 4  # background builds the lead's estimate is the longest of
 _TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot (a utime: microseconds)
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # the cache's filesystem has no room to pin a snapshot
+_FULL_RETRY_S = 0.5  # how often a pin tries again then (the daemon's eviction, or the user, frees room)
 _TEARDOWN_HOLD_S = 1.0  # how long teardown steps wait for the handover to end (the new epoch's first batch)
 # A growing epoch's (and a fill wait's) wait for a daemon that went away: systemd's RestartSec (5 s), the new
 # daemon's start (about a second) and a margin for a machine that stalls
@@ -597,17 +600,44 @@ class Epochs:
                 )
             with self._lock:
                 reading = self._last_names()  # the epoch being read now: its receipt is pending
-            snapshot = Snapshot.create(
-                plan.layout.root,
-                snap_id,
-                job=plan.job,
-                ranks=plan.ranks.local_world_size,
-                rank=plan.ranks.local_rank,
-                reading=reading,
-                growing=growing,
-                wants=wants,
-                claim_wait_s=self._claim_wait_s(),
-            )
+            started, said = time.monotonic(), False
+            while True:
+                try:
+                    snapshot = Snapshot.create(
+                        plan.layout.root,
+                        snap_id,
+                        job=plan.job,
+                        ranks=plan.ranks.local_world_size,
+                        rank=plan.ranks.local_rank,
+                        reading=reading,
+                        growing=growing,
+                        wants=wants,
+                        claim_wait_s=self._claim_wait_s(),
+                    )
+                    break
+                except OSError as exc:
+                    if exc.errno not in _FULL_ERRNOS:
+                        raise
+                    waited = time.monotonic() - started
+                    if waited >= plan.wait_timeout_s:
+                        raise SnapshotError(
+                            f"epoch {epoch}: the cache's filesystem has been full for {waited:.0f}s ({exc.strerror}): "
+                            "a snapshot needs a few inodes and blocks. Free space on it (cachefeed status says what "
+                            "fills it: the cache, or files of others), or raise wait_timeout_s"
+                        ) from None
+                    if not said:
+                        said = True
+                        log.warning(
+                            "epoch %d waits to pin its snapshot: the cache's filesystem is full (%s); trying again "
+                            "for up to %.0fs (wait_timeout_s): free space on it",
+                            epoch,
+                            exc.strerror,
+                            plan.wait_timeout_s,
+                        )
+                    if self._closing.wait(_FULL_RETRY_S):
+                        raise SnapshotError(f"epoch {epoch}: not pinned, the factory is closing") from None
+            if said:
+                log.info("epoch %d pinned its snapshot: the cache's filesystem has room again", epoch)
             snapshot.mark_ahead()  # until a loop takes a batch of it (``on_progress``): no checkpoint names it
             return snapshot
 

@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -554,3 +555,39 @@ def test_reading_an_epoch_shows_progress_on_its_snapshot(tmp_path: Path, monkeyp
         os.utime(lock, (1.0, 1.0))  # as if nobody had read for decades
         next(batches)
         assert lock.stat().st_mtime > time.time() - 60
+
+
+def test_an_epoch_waits_for_room_to_pin_its_snapshot_when_the_cache_filesystem_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The audit: a filesystem filled by something else made the trainer die with a raw ENOSPC from the snapshot's
+    lock file (the README says trainers go on with what is cached). The pin now waits for room, saying so, and
+    gives up after ``wait_timeout_s`` with a message naming the cause. (A full filesystem is injected: ENOSPC
+    from ``Snapshot.create``, as the kernel raised it there.)"""
+    import errno
+
+    from cachefeed._trainer import lifecycle
+
+    root = build_cache(tmp_path / "c", 30)
+    create = lifecycle.Snapshot.create
+    full = {"left": 3}
+
+    def create_on_a_full_filesystem(*args: Any, **kwargs: Any) -> Snapshot:
+        if full["left"]:
+            full["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(lifecycle.Snapshot, "create", create_on_a_full_filesystem)
+    with (
+        caplog.at_level(logging.INFO, logger="cachefeed"),
+        EpochLoaderFactory(root, batch_size=10, progress=None) as factory,
+    ):
+        keys = [key for batch in factory.loader(0) for key in batch["__key__"]]
+    assert len(keys) == len(set(keys)) == 30, "the epoch read what is cached once there was room"
+    assert "epoch 0 waits to pin its snapshot: the cache's filesystem is full (No space left on device)" in caplog.text
+    assert "epoch 0 pinned its snapshot: the cache's filesystem has room again" in caplog.text
+    full["left"] = 10**6
+    with EpochLoaderFactory(root, batch_size=10, progress=None, wait_timeout_s=1.0) as factory:
+        with pytest.raises(SnapshotError, match=r"filesystem has been full for 1s .*Free space on it"):
+            factory.loader(0)
