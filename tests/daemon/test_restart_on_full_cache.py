@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon
-from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
+from tests.support.file_remote import file_daemon_config, npy_remote
 
 OBJECTS = 50
 
@@ -31,33 +30,14 @@ OBJECTS = 50
 @pytest.fixture
 def remote(tmp_path: Path) -> Path:
     """A file:// remote of ``OBJECTS`` small .npy files; object ``i`` holds the value ``i``."""
-    directory = tmp_path / "remote"
-    directory.mkdir()
-    for i in range(OBJECTS):
-        (directory / f"{i:03d}.npy").write_bytes(npy_bytes(np.full(16, i, np.int32)))
-    return directory
+    return npy_remote(tmp_path / "remote", OBJECTS)
 
 
 @pytest.fixture
 def config(tmp_path: Path, remote: Path) -> Path:
-    """A daemon whose budget holds the whole remote many times over."""
-    path = tmp_path / "daemon.toml"
-    path.write_text(
-        toml_text(
-            {
-                "remote": {"url": remote.as_uri(), "refresh_interval": "1h"},
-                "cache": {
-                    "dir": str(tmp_path / "cache"),
-                    "max_bytes": "64MiB",
-                    "segment_bytes": "4KiB",  # several segments: what a restart recovers and adopts
-                    "fsync": False,
-                },
-                "sampler": {"processes": 1, "concurrency": 4, "decode": "npy"},
-                "status": {"interval": "200ms"},
-            }
-        )
-    )
-    return path
+    """A daemon whose budget holds the whole remote many times over, in several 4 KiB segments (what a restart
+    recovers and adopts)."""
+    return file_daemon_config(tmp_path / "daemon.toml", remote, tmp_path / "cache", {"sampler": {"concurrency": 4}})
 
 
 @pytest.fixture

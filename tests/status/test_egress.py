@@ -6,32 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
-from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon
-from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
+from tests.support.file_remote import file_daemon_config, npy_remote
 
 FIRST, LATER, VALUES = 40, 10, 4096
 
 
 def start(tmp_path: Path, remote: Path, name: str) -> DaemonProcess:
-    config = tmp_path / "daemon.toml"
-    config.write_text(
-        toml_text(
-            {
-                "remote": {"url": remote.as_uri(), "refresh_interval": "1s"},
-                "cache": {
-                    "dir": str(tmp_path / "cache"),
-                    "max_bytes": "64MiB",
-                    "segment_bytes": "64KiB",
-                    "fsync": False,
-                },
-                "sampler": {"processes": 1, "decode": "npy"},
-                "status": {"interval": "200ms"},
-            }
-        )
+    config = file_daemon_config(
+        tmp_path / "daemon.toml",
+        remote,
+        tmp_path / "cache",
+        {"remote": {"refresh_interval": "1s"}, "cache": {"segment_bytes": "64KiB"}},
     )
     return start_daemon(config, tmp_path / "cache", tmp_path / f"{name}.err")
 
@@ -46,10 +33,7 @@ def read_epochs(cache: Path, epochs: int) -> int:
 
 
 def test_bytes_downloaded_per_sample_read_counts_the_reads_since_the_daemon_started(tmp_path: Path) -> None:
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    for i in range(FIRST):
-        (remote / f"{i:03d}.npy").write_bytes(npy_bytes(np.full(VALUES, i, np.int32)))
+    remote = npy_remote(tmp_path / "remote", FIRST, values=VALUES)
     daemon = start(tmp_path, remote, "first")
     daemon.wait_status(lambda d: d["cache"]["samples"] == FIRST, timeout_s=60, what="the remote cached")
     before = read_epochs(daemon.cache_dir, 3)
@@ -57,8 +41,7 @@ def test_bytes_downloaded_per_sample_read_counts_the_reads_since_the_daemon_star
     assert daemon.stop() == 0
     daemon = start(tmp_path, remote, "second")
     try:
-        for i in range(FIRST, FIRST + LATER):  # what the restarted daemon downloads
-            (remote / f"{i:03d}.npy").write_bytes(npy_bytes(np.full(VALUES, i, np.int32)))
+        npy_remote(remote, LATER, values=VALUES, start=FIRST)  # what the restarted daemon downloads
         downloaded = sum(path.stat().st_size for path in remote.iterdir() if int(path.stem) >= FIRST)
         daemon.wait_status(lambda d: d["cache"]["samples"] == FIRST + LATER, timeout_s=60, what="the new cached")
         received = read_epochs(daemon.cache_dir, 2)

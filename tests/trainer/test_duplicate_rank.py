@@ -20,15 +20,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from cachefeed._cache import snapshots
 from cachefeed._cache.snapshots import CLAIM_WAIT_S, Snapshot
-from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon, wait_for
-from cachefeed._testing.samples import npy_bytes
 from tests.support.child_env import REPO, child_env
+from tests.support.file_remote import file_daemon_config, npy_remote
 from tests.trainer.test_loader import build_cache
 
 OBJECTS = 120
@@ -87,29 +85,22 @@ def start_trainer(
         return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env(), stderr=err)
 
 
+def start_second(cache_dir: Path, out: Path, log: Path) -> subprocess.Popen[bytes]:
+    """A second process given rank 0, once it has found the rank claimed (its log says it waits), or ended."""
+    second = start_trainer(cache_dir, out, stderr=log)
+    wait_for(
+        lambda: "waiting up to" in log.read_text() or second.poll() is not None,
+        timeout_s=60,
+        what="the second process to find its rank claimed",
+    )
+    return second
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     """A daemon that cached a ``file://`` remote of ``OBJECTS`` .npy files (object ``i`` holds ``i``)."""
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    for i in range(OBJECTS):
-        (remote / f"{i:03d}.npy").write_bytes(npy_bytes(np.full(16, i, np.int32)))
-    config = tmp_path / "daemon.toml"
-    config.write_text(
-        toml_text(
-            {
-                "remote": {"url": remote.as_uri(), "refresh_interval": "1h"},
-                "cache": {
-                    "dir": str(tmp_path / "cache"),
-                    "max_bytes": "64MiB",
-                    "segment_bytes": "4KiB",
-                    "fsync": False,
-                },
-                "sampler": {"processes": 1, "concurrency": 4, "decode": "npy"},
-                "status": {"interval": "200ms"},
-            }
-        )
-    )
+    remote = npy_remote(tmp_path / "remote", OBJECTS)
+    config = file_daemon_config(tmp_path / "daemon.toml", remote, tmp_path / "cache", {"sampler": {"concurrency": 4}})
     process = start_daemon(config, tmp_path / "cache", tmp_path / "daemon.err")
     try:
         process.wait_status(lambda d: d["cache"]["samples"] >= OBJECTS, timeout_s=60, what="the remote cached")
@@ -125,12 +116,7 @@ def test_a_second_process_given_the_same_rank_is_refused_before_it_serves_a_batc
     first = start_trainer(daemon.cache_dir, first_out, wait_for_file=second_out)
     try:
         wait_for(Path(f"{first_out}.reading").exists, timeout_s=60, what="the first process to read epoch 0")
-        second = start_trainer(daemon.cache_dir, second_out, stderr=second_log)
-        wait_for(
-            lambda: "waiting up to" in second_log.read_text() or second.poll() is not None,
-            timeout_s=60,
-            what="the second process to find its rank claimed",
-        )
+        second = start_second(daemon.cache_dir, second_out, second_log)
         found_claimed = time.monotonic()
         assert second.wait(timeout=60) == 0
         refused_in = time.monotonic() - found_claimed
@@ -161,12 +147,7 @@ def test_a_second_process_given_the_same_rank_is_refused_though_the_first_read_i
     first = start_trainer(daemon.cache_dir, first_out, wait_for_file=go_on, hold_after=second_out)
     try:
         wait_for(Path(f"{first_out}.reading").exists, timeout_s=60, what="the first process to read epoch 0")
-        second = start_trainer(daemon.cache_dir, second_out, stderr=second_log)
-        wait_for(
-            lambda: "waiting up to" in second_log.read_text() or second.poll() is not None,
-            timeout_s=60,
-            what="the second process to find its rank claimed",
-        )
+        second = start_second(daemon.cache_dir, second_out, second_log)
         go_on.write_bytes(b"")  # the first reads the rest of its share, closes its factory, and lives on
         wait_for(Path(f"{first_out}.done").exists, timeout_s=60, what="the first process to read its share")
         assert second.wait(timeout=60) == 0

@@ -15,20 +15,18 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.store import CacheStore
-from cachefeed._config import toml_text
 from cachefeed._testing.daemon import DaemonProcess, start_daemon, wait_for
 from cachefeed._testing.local_s3 import free_port
-from cachefeed._testing.samples import npy_bytes
 from cachefeed._trainer import EpochLoaderFactory
 from cachefeed._trainer.wait import fill_reached
 from tests.status.test_status import make_document, write_status
 from tests.support.cache_helpers import cache_config
 from tests.support.child_env import REPO, child_env
+from tests.support.file_remote import file_daemon_config, npy_remote
 from tests.trainer.test_loader import build_cache, check_batch
 
 SAMPLES = 300
@@ -429,23 +427,9 @@ def test_on_a_static_cache_a_dead_trainers_snapshot_is_kept_for_the_grace_then_r
 
 def cached_remote(tmp_path: Path, name: str, objects: int) -> DaemonProcess:
     """A daemon that cached a ``file://`` remote ``name`` of ``objects`` .npy files (it writes ``made_with.json``)."""
-    remote = tmp_path / name
-    remote.mkdir()
-    for i in range(objects):
-        (remote / f"{name}-{i:03d}.npy").write_bytes(npy_bytes(np.full(4, i, np.int32)))
+    remote = npy_remote(tmp_path / name, objects, values=4, prefix=f"{name}-")
     cache = tmp_path / f"{name}-cache"
-    config = tmp_path / f"{name}.toml"
-    config.write_text(
-        toml_text(
-            {
-                "remote": {"url": remote.as_uri(), "refresh_interval": "1h"},
-                "cache": {"dir": str(cache), "max_bytes": "64MiB", "segment_bytes": "4KiB", "fsync": False},
-                "sampler": {"processes": 1, "decode": "npy"},
-                "status": {"interval": "200ms"},
-            }
-        )
-    )
-    daemon = start_daemon(config, cache, tmp_path / f"{name}.err")
+    daemon = start_daemon(file_daemon_config(tmp_path / f"{name}.toml", remote, cache), cache, tmp_path / f"{name}.err")
     daemon.wait_status(lambda d: d["cache"]["samples"] >= objects, timeout_s=60, what=f"{name} cached")
     return daemon
 
