@@ -106,9 +106,9 @@ def test_a_first_epoch_begun_on_a_full_cache_has_its_next_epoch_pinned_ahead(tmp
                 daemon.cache_dir, batch_size=4, run_id=f"start{start}", progress=None, epochs=2, prepare_at=0.1
             ) as factory:
                 for n, _batch in enumerate(factory.loader(0), 1):
-                    if n == 3:  # prepare_at=0.1 of 10 batches: due since the first
+                    if n == 10:  # the last batch; prepare_at=0.1 made epoch 1 due at the first, 0.9 s ago
                         ahead = list((daemon.cache_dir / "snapshots").glob(f"start{start}-*-e000001"))
-                        assert ahead, f"start {start}: epoch 1 not pinned after 3 of epoch 0's 10 batches"
-                    time.sleep(0.05)
+                        assert ahead, f"start {start}: epoch 1 not pinned at epoch 0's last batch"
+                    time.sleep(0.1)
     finally:
         assert daemon.stop() == 0

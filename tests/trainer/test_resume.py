@@ -474,7 +474,7 @@ def prepared_ahead_main(root: str, progress: str) -> None:
         for batch in factory.loader(0):
             received += [str(key) for key in batch["__key__"]]
             atomic_write(progress, json.dumps({"keys": received, "state": factory.state_dict()}).encode())
-            time.sleep(0.2)  # a training step
+            time.sleep(0.5)  # a training step: the epoch lasts 5 s, the test kills it after 2 batches
 
 
 def test_the_epoch_a_killed_trainer_prepared_ahead_is_not_kept_for_a_resume_that_cannot_join_it(
