@@ -203,7 +203,11 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
     max_bytes = cache["max_bytes"]
     fill = f"{format_bytes(cache['bytes'])} of {format_bytes(max_bytes)}"
     if max_bytes > 0:
-        fill += f" ({100 * cache['bytes'] / max_bytes:.0f}%)"
+        share = cache["bytes"] / max_bytes
+        full = cache.get("fill") is not None and cache["fill"] >= 0.99 and share < 0.95
+        # ``cache.fill`` is against what the daemon fills to: max_bytes less its reserve for metadata (small caches
+        # show the difference: a 3 MiB cache is full at 65%)
+        fill += f" ({100 * share:.0f}%{': full, the rest is kept for metadata' if full else ''})"
     samples = _count(cache["samples"])
     per_sample = f" of {format_bytes(cache['bytes'] // cache['samples'])}" if cache["samples"] else ""
     out.add("fill", f"{fill}, {samples} samples{per_sample}, {_plural(cache['segments'], 'segment')}")

@@ -654,6 +654,17 @@ def test_watch_on_a_terminal_redraws_in_place(tmp_path: Path) -> None:
     assert "health    RUNNING" in frame and len(frame.splitlines()) < 30
 
 
+def test_render_says_a_small_cache_is_full_below_max_bytes(tmp_path: Path) -> None:
+    """The audit: a 3 MiB cache said "fill 1.9 MiB of 3.0 MiB (65%)" while ``cache.fill`` (against what the daemon
+    fills to: max_bytes less its metadata reserve) said 1.0, and it fetched no more."""
+    layout = make_cache(tmp_path / "cache")
+    write_status(layout, make_document(layout.root, cache__bytes=2_039_808, cache__max_bytes=3 << 20, cache__fill=1.0))
+    out = " ".join(render_human(read_report(layout.root)).split())
+    assert "1.9 MiB of 3.0 MiB (65%: full, the rest is kept for metadata)" in out, out
+    write_status(layout, make_document(layout.root))
+    assert "(75%)," in " ".join(render_human(read_report(layout.root)).split())
+
+
 def test_render_shows_backpressure_and_low_free_space(tmp_path: Path) -> None:
     layout = make_cache(tmp_path / "cache")
     document = make_document(layout.root, cache__is_backpressured=True, cache__free_bytes=1 << 20)
