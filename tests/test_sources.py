@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,17 @@ def check_batch(
     return seen
 
 
-def sources_config(tmp_path: Path, cache_dir: Path, *, rank: int = 0, count: int = 1) -> Path:
+def sources_config(
+    tmp_path: Path,
+    cache_dir: Path,
+    *,
+    rank: int = 0,
+    count: int = 1,
+    mix: Mapping[str, tuple[int, float, int]] = SOURCES,
+    cache: Mapping[str, Any] | None = None,
+) -> Path:
+    """A daemon config over ``mix``'s sources in ``tmp_path/data`` (``make_source``), node ``rank`` of ``count``;
+    ``cache`` overrides or adds cache keys."""
     data = tmp_path / "data"
     document: dict[str, Any] = {
         "remote": {"refresh_interval": "2s"},
@@ -78,13 +89,13 @@ def sources_config(tmp_path: Path, cache_dir: Path, *, rank: int = 0, count: int
             "min_free_bytes": 0,
             "segment_bytes": "32KiB",
             "fsync": False,
+            **(cache or {}),
         },
         "sampler": {"processes": 2, "concurrency": 4, "decode": "msgpack"},
         "node": {"rank": rank, "count": count},
         "status": {"interval": "200ms"},
         "source": [
-            {"name": name, "url": f"file://{data / name}", "weight": weight}
-            for name, (_id, weight, _n) in SOURCES.items()
+            {"name": name, "url": f"file://{data / name}", "weight": weight} for name, (_id, weight, _n) in mix.items()
         ],
     }
     path = tmp_path / f"sources{rank}.toml"
@@ -460,25 +471,7 @@ def one_pass_epochs(tmp_path: Path, mix: Mix, epochs: int) -> list[Served]:
     for name, (source_id, _weight, objects) in mix.items():
         make_source(tmp_path / "data" / name, source_id, objects)
     cache_dir = tmp_path / "cache"
-    document: dict[str, Any] = {
-        "remote": {"refresh_interval": "2s"},
-        "cache": {
-            "dir": str(cache_dir),
-            "max_bytes": "4MiB",
-            "turnover": "2600KiB",
-            "min_free_bytes": 0,
-            "segment_bytes": "32KiB",
-            "fsync": False,
-        },
-        "sampler": {"processes": 2, "concurrency": 4, "decode": "msgpack"},
-        "status": {"interval": "200ms"},
-        "source": [
-            {"name": name, "url": f"file://{tmp_path / 'data' / name}", "weight": weight}
-            for name, (_id, weight, _n) in mix.items()
-        ],
-    }
-    config = tmp_path / "mix.toml"
-    config.write_text(toml_text(document))
+    config = sources_config(tmp_path, cache_dir, mix=mix, cache={"turnover": "2600KiB"})
     total = sum(objects for _id, _w, objects in mix.values()) * PER_OBJECT
     daemon = start_daemon(config, cache_dir, tmp_path / "daemon.err")
     result = []
