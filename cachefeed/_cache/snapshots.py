@@ -1334,9 +1334,7 @@ def was_started(layout: CacheLayout, snap_id: str) -> bool:
     keeps it for a resume. True where it cannot tell (keep it)."""
     try:
         os.lstat(layout.snapshots / snap_id / AHEAD)
-    except FileNotFoundError:
-        return True
-    except OSError:
+    except OSError:  # not marked (or cannot tell)
         return True
     return False
 

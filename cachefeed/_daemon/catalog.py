@@ -45,7 +45,6 @@ __all__ = ["Catalog", "CatalogState", "ListingEnd", "ListingSource"]
 
 log = get_logger(__name__)
 
-
 _RETRY_MIN_S = 1.0
 _MIN_EARLY_REFRESH_S = 5.0
 _COST_FACTOR = 10.0  # never list more often than this many times the last listing's duration

@@ -600,46 +600,56 @@ class Epochs:
                 )
             with self._lock:
                 reading = self._last_names()  # the epoch being read now: its receipt is pending
-            started, said = time.monotonic(), False
-            while True:
-                try:
-                    snapshot = Snapshot.create(
-                        plan.layout.root,
-                        snap_id,
-                        job=plan.job,
-                        ranks=plan.ranks.local_world_size,
-                        rank=plan.ranks.local_rank,
-                        reading=reading,
-                        growing=growing,
-                        wants=wants,
-                        claim_wait_s=self._claim_wait_s(),
-                    )
-                    break
-                except OSError as exc:
-                    if exc.errno not in _FULL_ERRNOS:
-                        raise
-                    waited = time.monotonic() - started
-                    if waited >= plan.wait_timeout_s:
-                        raise SnapshotError(
-                            f"epoch {epoch}: the cache's filesystem has been full for {waited:.0f}s ({exc.strerror}): "
-                            "a snapshot needs a few inodes and blocks. Free space on it (cachefeed status says what "
-                            "fills it: the cache, or files of others), or raise wait_timeout_s"
-                        ) from None
-                    if not said:
-                        said = True
-                        log.warning(
-                            "epoch %d waits to pin its snapshot: the cache's filesystem is full (%s); trying again "
-                            "for up to %.0fs (wait_timeout_s): free space on it",
-                            epoch,
-                            exc.strerror,
-                            plan.wait_timeout_s,
-                        )
-                    if self._closing.wait(_FULL_RETRY_S):
-                        raise SnapshotError(f"epoch {epoch}: not pinned, the factory is closing") from None
-            if said:
-                log.info("epoch %d pinned its snapshot: the cache's filesystem has room again", epoch)
+            snapshot = self._create_when_room(
+                epoch,
+                lambda: Snapshot.create(
+                    plan.layout.root,
+                    snap_id,
+                    job=plan.job,
+                    ranks=plan.ranks.local_world_size,
+                    rank=plan.ranks.local_rank,
+                    reading=reading,
+                    growing=growing,
+                    wants=wants,
+                    claim_wait_s=self._claim_wait_s(),
+                ),
+            )
             snapshot.mark_ahead()  # until a loop takes a batch of it (``on_progress``): no checkpoint names it
             return snapshot
+
+    def _create_when_room(self, epoch: int, create: Callable[[], Snapshot]) -> Snapshot:
+        """``create()``, tried again every ``_FULL_RETRY_S`` while the cache's filesystem has no room for a snapshot's
+        inodes and blocks (others' files fill it: the daemon keeps the cache itself within its budget), said once;
+        after ``wait_timeout_s``, or once the factory closes, ``SnapshotError`` names the cause."""
+        started, said = time.monotonic(), False
+        while True:
+            try:
+                snapshot = create()
+                break
+            except OSError as exc:
+                if exc.errno not in _FULL_ERRNOS:
+                    raise
+                waited = time.monotonic() - started
+                if waited >= self.plan.wait_timeout_s:
+                    raise SnapshotError(
+                        f"epoch {epoch}: the cache's filesystem has been full for {waited:.0f}s ({exc.strerror}): "
+                        "a snapshot needs a few inodes and blocks. Free space on it (cachefeed status says what "
+                        "fills it: the cache, or files of others), or raise wait_timeout_s"
+                    ) from None
+                if not said:
+                    said = True
+                    log.warning(
+                        "epoch %d waits to pin its snapshot: the cache's filesystem is full (%s); trying again "
+                        "for up to %.0fs (wait_timeout_s): free space on it",
+                        epoch,
+                        exc.strerror,
+                        self.plan.wait_timeout_s,
+                    )
+                if self._closing.wait(_FULL_RETRY_S):
+                    raise SnapshotError(f"epoch {epoch}: not pinned, the factory is closing") from None
+        if said:
+            log.info("epoch %d pinned its snapshot: the cache's filesystem has room again", epoch)
+        return snapshot
 
     def _claim_wait_s(self) -> float:
         """How long a pin waits for this rank's claim while another process holds it (a predecessor still exiting,

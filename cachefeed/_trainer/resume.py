@@ -59,11 +59,9 @@ SETTINGS = (
     "world_size",
     "local_world_size",
     "sources",
-    "data",
+    "data",  # compared only where both sides know it: unknown before the cache's daemon wrote ``made_with.json``,
+    # absent from a checkpoint of an older cachefeed
 )
-# Compared only where both sides know them: ``data`` (what the cache holds samples of, ``sources.cached_data``) is
-# unknown before the cache's daemon first wrote it, and absent from a checkpoint of an older cachefeed.
-_WHERE_KNOWN = frozenset({"data"})
 _REQUIRED = ("version", "epoch", "batches_consumed", "snapshot_id", "snapshot_nonce", "settings")
 
 
@@ -141,7 +139,7 @@ def resume_point(
         key
         for key in SETTINGS
         if _normal(saved.get(key)) != _normal(settings.get(key))
-        and not (key in _WHERE_KNOWN and (saved.get(key) is None or settings.get(key) is None))
+        and not (key == "data" and (saved.get(key) is None or settings.get(key) is None))
     ]
     if state["snapshot_id"] is None:  # at an epoch's start: nothing inside an epoch to resume, whatever changed ...
         changed = [key for key in changed if key == "data"]  # ... but the data: a job pointed at the wrong cache
