@@ -57,7 +57,8 @@ SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _LOOKED_AT = 64  # entries of a directory looked at to judge it (a dataset's root may hold millions)
 # The names the layout uses (the properties below), the read ledger's (``reads.LEDGER_NAME``), and those a
 # filesystem itself keeps at its mount point (a fresh one's ``lost+found``, quota files): what may be in a directory
-# that becomes a cache (``CacheLayout.refusal``); restart catalogs are ``catalog-*.cfcat`` (``CacheLayout._is_own``).
+# that becomes a cache (``CacheLayout.refusal``); restart catalogs are ``catalog-*.cfcat`` and pass files
+# ``pass-*.cfpass`` (``CacheLayout._is_own``).
 _OWN_NAMES = frozenset(
     {"segments", "tmp", "snapshots", "lock", "status.json", "CACHEDIR.TAG", "sources.json", "made_with.json"}
     | {"budget.json", "classes.json", "reads"}
@@ -221,6 +222,10 @@ class CacheLayout:
         """The restart catalog of source ``tag`` (``cachefeed/_daemon/catalog_file.py``); metadata in the budget."""
         return self.root / f"catalog-{tag:08x}.cfcat"
 
+    def pass_file(self, tag: int) -> Path:
+        """How far source ``tag``'s current pass got (``cachefeed/_daemon/pass_file.py``); metadata in the budget."""
+        return self.root / f"pass-{tag:08x}.cfpass"
+
     @property
     def classes_file(self) -> Path:
         """The class index of ``sampler.label`` (``cachefeed/_labels.py``)."""
@@ -329,7 +334,12 @@ class CacheLayout:
     def _is_own(self, name: str) -> bool:
         """A name the cache's layout uses (any of them: a cache being made, or one whose segments/ was removed), a
         hidden name, or one a filesystem keeps at its mount point (``lost+found``, quota files)."""
-        return name in _OWN_NAMES or name.startswith(".") or (name.startswith("catalog-") and name.endswith(".cfcat"))
+        return (
+            name in _OWN_NAMES
+            or name.startswith(".")
+            or (name.startswith("catalog-") and name.endswith(".cfcat"))
+            or (name.startswith("pass-") and name.endswith(".cfpass"))
+        )
 
     def _mode_of(self, directory: Path, dir_mode: int) -> int:
         """snapshots/ is where trainers write: if the group may read the cache, it may pin too.

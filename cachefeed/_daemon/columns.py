@@ -322,6 +322,12 @@ class ObjectTable:
         start = int(ends[oid - 1]) if oid else 0
         return self._blob[start : int(ends[oid])].decode()
 
+    def key_hash(self, oid: int) -> int:
+        """``key_hash(self.path(oid))``, from the stored bytes (nothing decoded)."""
+        ends = self._ends.data
+        start = int(ends[oid - 1]) if oid else 0
+        return xxhash.xxh3_64_intdigest(self._blob[start : int(ends[oid])])
+
     def size(self, oid: int) -> int:
         return int(self._sizes.data[oid])
 

@@ -53,6 +53,11 @@ Contract:
   It is drawn again at once, despite its cached segments, with ``cut(oid)`` samples to skip: only the rest are
   fetched into the cache, so nothing is cached twice and nothing is missing. When the last of its segments is
   evicted first, it is whole again: drawn as any other object.
+* **Resumed passes.** ``resume_pass`` continues the pass an earlier run of the daemon was in (``pass_file.py``):
+  its index, the passes completed before it, the objects it had resolved, which are not drawn again in it, and
+  whether it had drawn any (then it is counted when it ends, as if drawn in this run). ``take_resolved`` hands out,
+  for that file, the objects resolved since the last call: drawn (done or failed), and skipped (cached, dropped,
+  no longer listed) in the current pass; not those in flight.
 * **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
   from each segment's source list, which names every object with a sample in it); an object listed at the same
   version is skipped as cached until all those segments are evicted, so a restarted daemon does not download
@@ -85,6 +90,7 @@ _IDLE_BACKOFF_MIN_S = 0.5
 _IDLE_BACKOFF_MAX_S = 30.0
 _DROP_KINDS = frozenset({"not_found", "forbidden", "too_large"})
 _CACHED_COST_FACTOR = 100.0  # ``cached_objects`` scans at most 1% of the time
+_KEY_CHUNK = 1 << 16  # resolved keys kept as Python ints before they move to a numpy chunk
 _QUARANTINE_KINDS = frozenset({"decode", "crash"})  # until the object changes: its content is at fault
 
 
@@ -112,6 +118,27 @@ class PlanCounters:
     dropped_total: int = 0
     quarantined_total: int = 0
     skipped_cached_total: int = 0
+
+
+class _KeyLog:
+    """Key hashes added one at a time: a pass that skips a million cached objects in one ``next`` keeps them as
+    uint64 chunks (8 bytes each), not as a million Python ints."""
+
+    def __init__(self) -> None:
+        self._chunks: list[npt.NDArray[np.uint64]] = []
+        self._pending: list[int] = []
+
+    def add(self, key: int) -> None:
+        self._pending.append(key)
+        if len(self._pending) >= _KEY_CHUNK:
+            self._chunks.append(np.array(self._pending, np.uint64))
+            self._pending = []
+
+    def take(self) -> npt.NDArray[np.uint64]:
+        """Every key added since the last call, in order."""
+        parts = self._chunks + ([np.array(self._pending, np.uint64)] if self._pending else [])
+        self._chunks, self._pending = [], []
+        return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
 
 class SamplingPlan:
@@ -166,6 +193,10 @@ class SamplingPlan:
         self._is_remote_listed = False  # a listing of the remote (not the restart catalog) is complete
         self.revision = 0  # changes whenever the owned catalog does (what the restart catalog keeps)
         self._cached_count = (-math.inf, 0, 0.0)  # ``cached_objects``: when counted, the count, how long it took
+        self._resumed: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)  # key hashes resolved before a restart
+        self._resumed_this_pass = 0  # listed objects of this pass resolved before the restart (not drawn)
+        self._resumed_drew = False  # this pass drew objects before the restart
+        self._resolved = (_KeyLog(), _KeyLog())  # since ``take_resolved``: drawn, skipped
 
     # -- the catalog ----------------------------------------------------------------------------------------
 
@@ -239,13 +270,18 @@ class SamplingPlan:
             if self._adopted:
                 for oid in oids:
                     self._adopt_listed(oid)
-        hashes = page.hashes[new_rows]
+        hashes, new_oids = page.hashes[new_rows], np.arange(oids.start, oids.stop, dtype=np.uint32)
+        if len(self._resumed) and len(hashes):  # resolved in this pass before a restart: not drawn again in it
+            at = np.minimum(np.searchsorted(self._resumed, hashes), len(self._resumed) - 1)
+            resumed = self._resumed[at] == hashes
+            self._resumed_this_pass += int(np.count_nonzero(resumed))
+            hashes, new_oids = hashes[~resumed], new_oids[~resumed]
         rejoined = known[:0]
         if joined:  # else no np.isin: on an empty list it loads numpy.ma (23 ms), on a cold start's first listing
             back_in = np.isin(known, joined)
             hashes = np.concatenate([hashes, page.hashes[known_rows[back_in]]])
             rejoined = known[back_in]
-        joined_oids = np.concatenate([np.arange(oids.start, oids.stop, dtype=np.uint32), rejoined.astype(np.uint32)])
+        joined_oids = np.concatenate([new_oids, rejoined.astype(np.uint32)])
         if len(joined_oids):
             # No ``_is_changed``: they join the current pass and are drawn at once, wait or not. Ending an idle
             # wait for them would only start another pass when they are cached already (adopted at a restart):
@@ -333,6 +369,8 @@ class SamplingPlan:
                     break
             assert oid is not None
             if self._is_skipped(oid):
+                if oid not in self._in_flight:  # (a new version queued while the old one is in flight: not yet)
+                    self._note_resolved(oid, drawn=False)
                 continue
             obj = self.table.get(oid)
             self._in_flight[oid] = obj.etag
@@ -345,7 +383,8 @@ class SamplingPlan:
         if self._in_flight or not self._owned:
             return False  # a pass ends when its last object is resolved
         now: float = self._now()
-        is_productive = self._drawn_this_pass > 0 and self._done_this_pass > 0
+        resumed, drew = self._resumed_this_pass, self._drawn_this_pass > 0 or self._resumed_drew
+        is_productive = (self._drawn_this_pass > 0 and self._done_this_pass > 0) or self._resumed_drew
         if is_productive:
             self._idle_backoff_s = _IDLE_BACKOFF_MIN_S
         elif not self._is_changed:
@@ -356,20 +395,23 @@ class SamplingPlan:
             if now < self._not_before:
                 return False
         # "Counted passes": one that drew something, or the first over a complete listing (all cached: a restart)
-        if self._drawn_this_pass > 0 or (self._is_remote_listed and not self.counters.passes_completed):
+        if drew or (self._is_remote_listed and not self.counters.passes_completed):
             self.counters.passes_completed += 1
             log.info(
-                "pass %d%s completed: %d objects drawn, %d done, %d cached already",
+                "pass %d%s completed: %d objects drawn, %d done, %d cached already%s",
                 self._pass,
                 self._of,
                 self._drawn_this_pass,
                 self._done_this_pass,
                 self._skipped_this_pass,
+                f", {resumed} resolved before the restart" if resumed else "",
             )
         self._pass += 1
         self._is_changed = self._is_waiting = False
         self._failed_this_pass.clear()
-        self._drawn_this_pass = self._done_this_pass = self._skipped_this_pass = 0
+        self._drawn_this_pass = self._done_this_pass = self._skipped_this_pass = self._resumed_this_pass = 0
+        self._resumed, self._resumed_drew = self._resumed[:0], False
+        self._resolved = (_KeyLog(), _KeyLog())
         self._queue, self._head = deque(), 0  # (empty by now) freed before the next pass is laid out
         seen, complete = self._seen.data, self._complete
         runs, seed = self.table.runs(), _pass_seed(self.seed, self._pass)
@@ -405,6 +447,7 @@ class SamplingPlan:
                 current.append(oid)
         for oid in current:
             self._cut.pop(oid, None)
+            self._note_resolved(oid, drawn=True)
         if seq is not None:
             self._hold(current, seq)
 
@@ -447,6 +490,7 @@ class SamplingPlan:
         self.counters.failed_total += 1
         if oid in self._in_flight and not self._resolve(oid):
             return  # the failure concerned an old version; the new one is queued
+        self._note_resolved(oid, drawn=True)
         etag = self._etag(oid)
         if kind in _DROP_KINDS or kind in _QUARANTINE_KINDS:
             self._reason[oid] = kind
@@ -467,6 +511,29 @@ class SamplingPlan:
             del self._dropped[oid]
             del self._reason[oid]
         return len(refused)
+
+    # -- the pass across restarts (``pass_file.py``) ------------------------------------------------------------
+
+    def resume_pass(
+        self, pass_index: int, passes_completed: int, resolved: npt.NDArray[np.uint64], *, drew: bool
+    ) -> None:
+        """Continue pass ``pass_index`` of an earlier run, after ``passes_completed`` passes: the objects of
+        ``resolved`` (key hashes, sorted) are not drawn in it; ``drew``: it had drawn some. Call before the first
+        page."""
+        if len(self.table):
+            raise RuntimeError("resume_pass must come before the first listing page")
+        self._pass = pass_index
+        self.counters.passes_completed = passes_completed
+        self._resumed, self._resumed_drew = resolved, drew
+
+    def take_resolved(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """The key hashes of the objects resolved in the current pass since the last call: those drawn, and those
+        skipped (see "Resumed passes")."""
+        drawn, skipped = self._resolved
+        return drawn.take(), skipped.take()
+
+    def _note_resolved(self, oid: int, *, drawn: bool) -> None:
+        self._resolved[0 if drawn else 1].add(self.table.key_hash(oid))
 
     def adopt(self, seq: int, sources: Iterable[Source]) -> None:
         """Segment ``seq``, recovered at start, holds samples of each ``(path, version[, cut])`` in ``sources``

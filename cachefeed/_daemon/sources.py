@@ -29,6 +29,7 @@ from cachefeed._cache.records import Source
 from cachefeed._cache.sources import SourceEntry, read_sources, write_sources
 from cachefeed._config import Config, SourceConfig
 from cachefeed._daemon.catalog import Catalog, CatalogState
+from cachefeed._daemon.pass_file import PassFileWriter
 from cachefeed._daemon.plan import PlanCounters, SamplingPlan
 from cachefeed._errors import ConfigError
 from cachefeed._logs import get_logger
@@ -55,6 +56,7 @@ class Input:
     objects_done: int = 0  # objects whose samples were all published (or that had none)
     catalog_revision: int = -1  # the plan's revision kept in the restart catalog
     catalog_too_large: bool = False  # said once
+    pass_file: PassFileWriter | None = None  # keeps how far the plan's pass got (pass_file.py)
     is_joining: bool = False  # a page of the current listing added objects already (logged once per listing)
 
     @property

@@ -61,6 +61,8 @@ from cachefeed._daemon.catalog_file import (
 from cachefeed._daemon.columns import return_freed_memory
 from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed._daemon.notify import SystemdNotifier
+from cachefeed._daemon.pass_file import MAX_SHARE as PASS_MAX_SHARE
+from cachefeed._daemon.pass_file import PassFileError, PassFileWriter, read_pass_file
 from cachefeed._daemon.pool import SamplerHandle, SamplerPool, SamplerState
 from cachefeed._daemon.protocol import (
     Credit,
@@ -212,6 +214,7 @@ class Supervisor:
             if config.sampler.label:  # continues the index a previous run kept in the cache (_labels.py)
                 layout = CacheLayout(config.cache.dir)
                 self._classes = ClassIndex(layout.classes_file, config.sampler.label, file_mode=config.cache.file_mode)
+            self._resume_passes(store)
             self._restore_catalogs(store)
             self.inputs.write_table(str(store.layout.sources_file), mode=config.cache.file_mode)
             try:
@@ -284,6 +287,7 @@ class Supervisor:
             if watchdog_s and now >= next_watchdog:
                 next_watchdog = now + watchdog_s / 2
                 self.notifier.watchdog()
+        self._save_passes()  # what the drain resolved
         self.state = "stopped"
         layout = self._require_store().layout
         for index in range(self.config.sampler.processes):  # every sampler is gone: nothing for them to tell
@@ -308,6 +312,9 @@ class Supervisor:
             catalog.stop()
         if self._saver is not None:
             self._saver.join(timeout=10.0)  # atomic: a write cut short leaves the previous catalog
+        for entry in self.inputs.inputs:
+            if entry.pass_file is not None:
+                entry.pass_file.close()
         if self._metrics is not None:
             self._metrics.close()
         if self._store is not None:
@@ -484,6 +491,40 @@ class Supervisor:
 
             entry.catalog.restore = restore
 
+    # -- the pass file (pass_file.py) -------------------------------------------------------------------------
+
+    def _resume_passes(self, store: CacheStore) -> None:
+        """Each source's plan goes on with the pass an earlier run was in, if that run had the same seed and source
+        settings, and keeps its pass from now on."""
+        made_with, mode = self.inputs.made_with(), self.config.cache.file_mode
+        limit = int(self.config.cache.max_bytes * PASS_MAX_SHARE)
+        for entry in self.inputs.inputs:
+            path = store.layout.pass_file(entry.tag)
+            identity = {"seed": self.config.sampler.seed, "settings": made_with[entry.tag]}
+            try:
+                state = read_pass_file(path, identity)
+            except (PassFileError, OSError) as exc:
+                log.warning("the pass file %s cannot be used (%s): the pass begins again", path, exc)
+                state = None
+            if state is not None:
+                entry.plan.resume_pass(state.pass_index, state.passes_completed, state.resolved, drew=state.drew)
+                log.info(
+                    "going on with pass %d%s: the %d objects it resolved before the restart are not drawn in it",
+                    state.pass_index,
+                    f" of source {entry.name!r}" if self.inputs.is_named else "",
+                    len(state.resolved),
+                )
+            entry.pass_file = PassFileWriter(path, identity, mode=mode, max_bytes=limit)
+            if state is not None:
+                entry.pass_file.carry(state)
+        self._save_passes()
+
+    def _save_passes(self) -> None:
+        for entry in self.inputs.inputs:
+            if entry.pass_file is not None:
+                plan = entry.plan
+                entry.pass_file.save(plan.pass_index, plan.counters.passes_completed, *plan.take_resolved())
+
     def _save_catalog(self, entry: Input) -> None:
         """Keep the last complete listing's owned objects for the next start, if they changed: written in a thread
         straight from the live table (``ObjectTable.blocks``), one at a time; a later listing saves what it missed."""
@@ -569,6 +610,7 @@ class Supervisor:
         self._check_evictions()
         self._watch_writers()
         self._watch_held()
+        self._save_passes()
 
     def _watch_writers(self) -> None:
         """A sampler's heartbeat comes from its event loop, so a writer thread stuck inside a decoder or preprocess

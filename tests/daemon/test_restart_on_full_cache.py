@@ -5,8 +5,10 @@ was never counted. ``remote.passes_completed`` stayed 0 (``cachefeed status``: "
 climbed, and a trainer's first, growing, epoch, which ends when the daemon has fetched everything the remote lists
 (``passes_completed >= 1``), got every batch and then waited ``wait_timeout_s`` for more, to fail with "did not
 grow". Now the first pass over a wholly cached catalog is counted like any other (and the idle passes after it are
-paced, not counted). The witnesses: the restarted daemon's status document, its own ingest counters and segment
-files (nothing fetched again), and a training loop's first epoch that ends with every sample once.
+paced, not counted). The restarted daemon here begins a pass it knows nothing of: the first one's pass file is
+removed, as on a cache written before pass files (a daemon that finds it goes on with the pass and its count:
+``tests/daemon/test_pass_file.py``). The witnesses: the restarted daemon's status document, its own ingest counters
+and segment files (nothing fetched again), and a training loop's first epoch that ends with every sample once.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def restarted(tmp_path: Path, config: Path) -> Iterator[tuple[DaemonProcess, set
         assert first.stop() == 0
     segments = {path.name for path in (cache_dir / "segments").iterdir()}
     assert len(segments) > 1
+    for path in cache_dir.glob("pass-*.cfpass"):
+        path.unlink()
     second = start_daemon(config, cache_dir, tmp_path / "second.err")
     try:
         yield second, segments

@@ -256,7 +256,8 @@ def run_and_check(proc: DaemonProcess, expected: set[str], scenario: str, **figu
         path
         for path in tree_listing(proc.cache_dir)
         if not re.fullmatch(
-            r"CACHEDIR\.TAG|lock|status\.json|budget\.json|made_with\.json|catalog-[0-9a-f]{8}\.cfcat|segments|tmp|snapshots"
+            r"CACHEDIR\.TAG|lock|status\.json|budget\.json|made_with\.json|catalog-[0-9a-f]{8}\.cfcat"
+            r"|pass-[0-9a-f]{8}\.cfpass|segments|tmp|snapshots"
             r"|segments/[0-9a-f]{16}\.seg|tmp/sampler-[0-9]+\.writing",
             path,
         )
