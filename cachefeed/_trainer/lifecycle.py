@@ -464,7 +464,7 @@ class Epochs:
         if is_first and self.pool is not None:
             self.pool.start()  # forked while the cache fills, not after
         resume = self._resume if self._resume is not None and self._resume.epoch == epoch else None
-        skip_batches = resume.batches_consumed if resume is not None else 0
+        skip_batches = resume.batches_to_skip if resume is not None else 0
         # An exact resume pins the interrupted epoch's own snapshot: its samples are fixed and cached, so nothing
         # below waits for the cache (a restart after a crash early in training waited for the first fill, and
         # failed where that took longer than wait_timeout_s).

@@ -28,7 +28,10 @@ A setting that changed makes ``load_state_dict`` raise ``ValueError`` naming it 
 could not be the rest of the interrupted one (a state at an epoch's start resumes nothing inside an epoch: it is
 accepted whatever changed, an elastic restart's new world size included, but for ``data``: a checkpoint resumed on
 another dataset's cache is refused wherever it stands). ``strict=False`` accepts the change and
-takes the fresh-snapshot path (one warning). Any rank may load any rank's state: ranks of one job consume batches in
+takes the fresh-snapshot path (one warning), skipping as many of the job's samples as the interrupted run consumed
+(``batches_consumed`` batches of the checkpoint's batch size and world size, counted in this factory's, rounded
+down): a job resumed with twice the batch size skips half as many batches, not twice the samples. Any rank may load
+any rank's state: ranks of one job consume batches in
 lockstep, so the state only differs in ``rank``, which is not compared.
 """
 
@@ -69,7 +72,8 @@ _REQUIRED = ("version", "epoch", "batches_consumed", "snapshot_id", "snapshot_no
 class ResumePoint:
     """Where a checkpointed run stopped. ``is_exact``: the settings match, so the epoch's own snapshot may be
     joined; False (``strict=False`` over changed settings) always takes a fresh snapshot. ``settings``: the
-    checkpoint's own."""
+    checkpoint's own; ``batches_consumed`` counts batches of those. ``skip_batches``: the batches of the resuming
+    factory's settings the epoch skips (module docstring)."""
 
     epoch: int
     snapshot_id: str
@@ -77,6 +81,22 @@ class ResumePoint:
     batches_consumed: int
     is_exact: bool = True
     settings: Mapping[str, Any] = field(default_factory=dict)
+    skip_batches: int | None = None  # None: ``batches_consumed`` (the same settings)
+
+    @property
+    def batches_to_skip(self) -> int:
+        return self.batches_consumed if self.skip_batches is None else self.skip_batches
+
+
+def _in_batches_of(consumed: int, saved: Mapping[str, Any], settings: Mapping[str, Any]) -> int:
+    """``consumed`` batches of the ``saved`` settings as batches of ``settings``: as many of the job's samples
+    (every rank's batch), rounded down. Unknown or odd sizes: ``consumed`` as it is."""
+    try:
+        before = int(saved["batch_size"]) * int(saved.get("world_size") or 1)
+        now = int(settings["batch_size"]) * int(settings.get("world_size") or 1)
+    except (KeyError, TypeError, ValueError):
+        return consumed
+    return consumed * before // now if before > 0 and now > 0 else consumed
 
 
 def checkpoint(
@@ -160,16 +180,18 @@ def resume_point(
             "strict=False to continue on a fresh snapshot (skipping the batches already consumed)"
         )
     epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
+    skip = _in_batches_of(consumed, saved, settings) if changed else consumed
     if changed:
         log.warning(
             "resuming epoch %d with changed settings (%s; strict=False): it runs on a fresh snapshot, skips its "
-            "first %d batches and reads other samples than the interrupted epoch would have",
+            "first %d batches%s and reads other samples than the interrupted epoch would have",
             epoch,
             ", ".join(f"{key} {saved.get(key)!r} -> {settings.get(key)!r}" for key in changed),
-            consumed,
+            skip,
+            f" (as many samples as the checkpoint's {consumed})" if skip != consumed else "",
         )
     snapshot = str(state["snapshot_id"]), str(state["snapshot_nonce"])
-    return epoch, ResumePoint(epoch, *snapshot, consumed, not changed, dict(saved))
+    return epoch, ResumePoint(epoch, *snapshot, consumed, not changed, dict(saved), skip)
 
 
 def _normal(value: Any) -> Any:

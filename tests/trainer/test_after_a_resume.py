@@ -62,3 +62,21 @@ def test_a_state_saved_right_after_a_resume_with_changed_settings_resumes_as_the
         assert factory.load_state_dict(saved, strict=False) == 0
         rest = keys(factory.loader(0))
     assert len(rest) == 120 - CONSUMED * BATCH, "the consumed batches skipped: the step count stays right"
+
+
+@pytest.mark.parametrize("batch_size", [5, 20, 7])
+def test_a_resume_with_another_batch_size_skips_as_many_samples_as_were_consumed(
+    tmp_path: Path, batch_size: int
+) -> None:
+    """``strict=False`` over a changed batch size: the consumed batches, counted in the new size (rounded down), are
+    skipped, so the epoch reads as many samples as the interrupted one had left (not k batches of the new size)."""
+    root = build_cache(tmp_path / "c", SAMPLES)
+    interrupted, state = interrupted_state(root)
+    with EpochLoaderFactory(root, batch_size=batch_size, run_id="resized", progress=None) as factory:
+        assert factory.load_state_dict(state, strict=False) == 0
+        rest = keys(factory.loader(0))
+        position = factory.state_dict()
+    skipped = CONSUMED * BATCH // batch_size
+    assert len(rest) == SAMPLES - skipped * batch_size
+    assert SAMPLES - len(interrupted) <= len(rest) < SAMPLES - len(interrupted) + batch_size
+    assert position["epoch"] == 1 and position["settings"]["batch_size"] == batch_size
