@@ -97,6 +97,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,6 +274,10 @@ class Counters:
     evicted_max_reads: int = 0  # the most reads of an evicted segment (its least-read sample's)
     epochs_seen: int = 0  # read receipts applied (every epoch read, since the ledger began)
     recent_evicted: list[tuple[int, int]] = field(default_factory=list)  # (samples, their reads), last ECHO_WINDOW
+    # ``retire``: evicted because the remote no longer lists what they hold (not in the evicted_* counts above)
+    retired_segments: int = 0
+    retired_samples: int = 0
+    retired_bytes: int = 0
 
 
 class CacheStore:
@@ -908,7 +913,9 @@ class CacheStore:
         self._published_bytes += segment.nbytes
         self._samples_by_tag[segment.source] = self._samples_by_tag.get(segment.source, 0) + segment.samples
 
-    def _evict(self, seq: int) -> None:
+    def _evict(self, seq: int, *, retired: bool = False) -> None:
+        """Remove published segment ``seq`` (a snapshot's link keeps it for its epoch). ``retired``: by ``retire``,
+        counted apart from the budget's evictions (their reads and turnover say how training read the cache)."""
         segment = self._published.pop(seq)
         self._published_bytes -= segment.nbytes
         self._samples_by_tag[segment.source] -= segment.samples
@@ -930,6 +937,12 @@ class CacheStore:
             self._evicted_pinned[segment.name] = (segment.inode, reads)  # its epoch may still serve it
         self._pinned_published.discard(seq)
         counters = self.counters
+        if retired:
+            counters.retired_segments += 1
+            counters.retired_samples += segment.samples
+            counters.retired_bytes += segment.nbytes
+            log.debug("retired %s (%d samples, pinned=%s)", segment.name, segment.samples, links_left > 0)
+            return
         counters.evicted_segments += 1
         counters.evicted_samples += segment.samples
         counters.evicted_bytes += segment.nbytes
@@ -942,6 +955,16 @@ class CacheStore:
         counters.recent_evicted.append((segment.samples, reads.total))
         del counters.recent_evicted[:-ECHO_WINDOW]
         log.debug("evicted %s (%d samples, pinned=%s)", segment.name, segment.samples, links_left > 0)
+
+    def retire(self, seqs: Iterable[int]) -> tuple[int, int]:
+        """Evict the published segments among ``seqs`` now, whatever their reads: they hold samples of versions the
+        remote no longer lists (``plan.py``, "Retired samples"). An epoch that pinned one still reads it; no later
+        snapshot takes it. Returns the segments and samples retired."""
+        gone = [seq for seq in seqs if seq in self._published]
+        samples = sum(self._published[seq].samples for seq in gone)
+        for seq in gone:
+            self._evict(seq, retired=True)
+        return len(gone), samples
 
     def drop_sources(self, keep: set[int]) -> int:
         """Evict every published segment whose source tag is not in ``keep`` (at start, when the config no longer

@@ -38,8 +38,9 @@ Contract:
   decoding the same bytes again would fail again), or after any other failure in the same pass (retried next
   pass).
 * **Versions.** An outcome (done or failed) counts for the version that was drawn. If the listing shows a new
-  version while the old one is in flight, the old outcome is recorded as such (its samples stay cached: they are
-  another sample) and the new version is queued again in the current pass; it is never mistaken for cached.
+  version while the old one is in flight, the old outcome is recorded as such (the segments holding its samples
+  are stale: "Retired samples") and the new version is queued again in the current pass; it is never mistaken for
+  cached.
 * **Re-queues.** Objects of a dead sampler go to the front and are drawn before anything else (but one it died
   decoding for the second time: quarantined, NOTE [ Supervisor-sampler protocol ] in ``protocol.py``).
 * **Cached objects.** An object's samples may span several segments (a tar shard larger than a segment), and
@@ -58,6 +59,14 @@ Contract:
   whether it had drawn any (then it is counted when it ends, as if drawn in this run). ``take_resolved`` hands out,
   for that file, the objects resolved since the last call: drawn (done or failed), and skipped (cached, dropped,
   no longer listed) in the current pass; not those in flight.
+* **Retired samples.** The cache holds samples of the listed version of each object only: a sample is named by
+  its object's key, and an epoch serves each sample once. So the segments holding samples of a version the remote
+  no longer lists are *stale* (``take_stale`` hands them to the supervisor, which evicts them at once,
+  ``CacheStore.retire``): an old version once a page lists another (overwritten), an object a complete listing of
+  the remote no longer shows (deleted), and recovered segments of versions the first complete listing does not
+  show. Their other samples go with them (objects drawn again, as after any eviction). A listing that shows no
+  object at all retires nothing: more likely a mount missing or a wrong prefix than a dataset deleted (status
+  says so), and the cache is kept for when it lists again.
 * **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
   from each segment's source list, which names every object with a sample in it); an object listed at the same
   version is skipped as cached until all those segments are evicted, so a restarted daemon does not download
@@ -183,6 +192,8 @@ class SamplingPlan:
         # path -> version -> (seqs, cut or None where a segment holds its last sample), from recovered segments
         self._adopted: dict[str, dict[str | None, tuple[list[int], int | None]]] = {}
         self._cut: dict[int, int] = {}  # oid -> its first samples cached while the rest are not ("Cut objects")
+        self._stale: set[int] = set()  # segments holding samples of versions no longer listed ("Retired samples")
+        self._listing_shows = 0  # objects (owned or not) the listing being folded in has shown so far
         self._drawn_this_pass = 0
         self._done_this_pass = 0
         self._not_before = 0.0
@@ -240,6 +251,8 @@ class SamplingPlan:
         if not self._is_listing:
             self._is_listing = True
             self._generation += 1
+            self._listing_shows = 0
+        self._listing_shows += page.listed
         generation = self._generation
         found = self.table.lookup(page.paths, page.hashes)
         known_rows = np.flatnonzero(found >= 0)
@@ -253,6 +266,8 @@ class SamplingPlan:
                 # A new version is a new object: it joins the current pass, whatever happened to the old one.
                 oid = int(known[i])
                 self.table.set_version_from(oid, page, int(known_rows[i]))
+                if self._adopted:
+                    self._adopt_listed(oid)  # recovered segments may hold this version (the restart catalog's older)
                 self._dropped.pop(oid, None)
                 self._quarantined.pop(oid, None)
                 self._failed_this_pass.discard(oid)
@@ -307,12 +322,15 @@ class SamplingPlan:
         if not self._is_listing:
             self._is_listing = True
             self._generation += 1  # an empty listing: everything vanished
+            self._listing_shows = 0
         self._is_listing = False
         before = self._owned
         self._complete = self._generation
         self._owned = int(np.count_nonzero(self._seen.view >= self._complete))
         if not is_restored:
-            self._adopted.clear()  # what the first listing did not show is gone from the remote (or not ours)
+            if self._listing_shows:  # "Retired samples": what the remote no longer lists, unless it lists nothing
+                self._retire_unlisted()
+            self._adopted.clear()  # what the first listing did not show is gone from the remote
             if not self._is_remote_listed and not self.counters.passes_completed:
                 self._is_changed = True  # an idle pass over it ends now, counted ("Counted passes")
             self._is_remote_listed = True
@@ -445,6 +463,8 @@ class SamplingPlan:
             self.counters.done_total += 1
             if oid not in self._in_flight or self._resolve(oid):
                 current.append(oid)
+            elif seq is not None:
+                self._stale.add(seq)  # it holds samples of the version drawn, which the listing no longer shows
         for oid in current:
             self._cut.pop(oid, None)
             self._note_resolved(oid, drawn=True)
@@ -458,6 +478,8 @@ class SamplingPlan:
         current = [
             (oid, cut) for oid, cut in cuts if oid in self._in_flight and self._in_flight[oid] == self._etag(oid)
         ]
+        if any(oid in self._in_flight and self._in_flight[oid] != self._etag(oid) for oid, _ in cuts):
+            self._stale.add(seq)  # it holds samples of a version the listing no longer shows
         self._hold([oid for oid, _ in current], seq)
         for oid, cut in current:
             self._cut[oid] = cut
@@ -471,13 +493,16 @@ class SamplingPlan:
         self._objects_in.setdefault(seq, []).append(held)
 
     def _forget_cached(self, oids: npt.NDArray[np.integer]) -> None:
-        """New versions of ``oids`` were listed: the cached samples of the old ones no longer hold them back."""
+        """New versions of ``oids`` were listed: the cached samples of the old ones no longer hold them back, and
+        their segments are stale ("Retired samples")."""
         if not len(oids):
             return
         self._live.data[oids] = 0
         for oid in oids.tolist():
             self._cut.pop(oid, None)
         for seq, held in list(self._objects_in.items()):
+            if any(bool(np.isin(part, oids).any()) for part in held):
+                self._stale.add(seq)  # it holds samples of an old version ("Retired samples")
             kept = [part[~np.isin(part, oids)] for part in held]
             kept = [part for part in kept if len(part)]
             if kept:
@@ -551,12 +576,33 @@ class SamplingPlan:
             versions[version] = (seqs, None if cut is None or known is None else max(cut, known))
 
     def _adopt_listed(self, oid: int) -> None:
-        adopted = self._adopted.pop(self.table.path(oid), None)
-        seqs, cut = adopted.get(self._etag(oid), ([], None)) if adopted is not None else ([], None)
+        """Hold the recovered segments of the listed version of ``oid``; those of its other versions stay adopted
+        until a later page lists their version, or the first listing of the remote ends (then they are stale)."""
+        path = self.table.path(oid)
+        versions = self._adopted.get(path)
+        if versions is None:
+            return
+        seqs, cut = versions.pop(self._etag(oid), ([], None))
+        if not versions:
+            del self._adopted[path]
         for seq in seqs:
             self._hold([oid], seq)
         if seqs and cut is not None:
             self._cut[oid] = cut
+
+    def _retire_unlisted(self) -> None:
+        """A complete listing of the remote ended: the segments holding samples of objects it did not show, and the
+        recovered segments of versions it did not show, are stale ("Retired samples")."""
+        self._stale.update(seq for versions in self._adopted.values() for seqs, _ in versions.values() for seq in seqs)
+        seen, complete = self._seen.data, self._complete
+        for seq, held in self._objects_in.items():
+            if any(bool((seen[part] < complete).any()) for part in held):
+                self._stale.add(seq)
+
+    def take_stale(self) -> set[int]:
+        """The segments found stale since the last call ("Retired samples")."""
+        stale, self._stale = self._stale, set()
+        return stale
 
     def evicted(self, seqs: Iterable[int]) -> None:
         """Segments left the cache: their objects may be drawn again."""

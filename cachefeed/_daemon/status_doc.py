@@ -195,6 +195,8 @@ def build_status(
                 counters.evicted_sample_reads / counters.evicted_samples if counters.evicted_samples else None
             ),
             "max_reads": counters.evicted_max_reads,
+            "retired_samples_total": counters.retired_samples,
+            "retired_segments_total": counters.retired_segments,
         },
         "remote": {
             "url": remote.url,

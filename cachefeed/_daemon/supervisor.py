@@ -133,7 +133,7 @@ class Supervisor:
         self._lost: set[int] = set()
         self._is_draining = False
         self._drain_deadline = 0.0
-        self._evicted_seen = 0
+        self._evicted_seen = (0, 0)  # the store's evicted and retired segments, as the plans know them
         self._turnover_s: float | None = None
         self._reporter: StatusReporter | None = None
         self.quarantine = QuarantineLog()  # the most recent objects and samples left out, for status
@@ -391,7 +391,30 @@ class Supervisor:
                     level = logging.DEBUG if entry.is_joining else logging.INFO
                     log.log(level, "%d new objects%s join pass %d", added, of, entry.plan.pass_index)
                     entry.is_joining = True
+        self._retire_stale()
         self._assign()
+
+    def _retire_stale(self) -> None:
+        """Evict at once the segments the plans found stale: they hold samples of versions the remote no longer
+        lists (``plan.py``, "Retired samples"); the plans then learn their other samples are gone."""
+        retired = False
+        for entry in self.inputs.inputs:
+            stale = entry.plan.take_stale()
+            if not stale:
+                continue
+            segments, samples = self._require_store().retire(stale)
+            if segments:
+                retired = True
+                log.info(
+                    "retired %d cached segments (%d samples)%s: they held samples of objects the remote no longer "
+                    "lists at that version (overwritten or deleted); epochs from now on do not read them, and their "
+                    "other samples are fetched again",
+                    segments,
+                    samples,
+                    f" of source {entry.name!r}" if self.inputs.is_named else "",
+                )
+        if retired:
+            self._check_evictions()
 
     def _check_config_file(self) -> None:
         """SIGHUP applies no setting: the daemon runs on the config it started with. It reads the file again and
@@ -675,9 +698,10 @@ class Supervisor:
     def _check_evictions(self) -> None:
         store = self._require_store()
         counters = store.counters
-        if counters.evicted_segments == self._evicted_seen:
+        seen = (counters.evicted_segments, counters.retired_segments)
+        if seen == self._evicted_seen:
             return
-        self._evicted_seen = counters.evicted_segments
+        self._evicted_seen = seen
         if counters.evicted_published_at:
             self._turnover_s = max(0.0, time.time() - counters.evicted_published_at[-1])
         published = {segment.seq for segment in store.segments}

@@ -234,10 +234,12 @@ def _render_document(out: _Text, doc: Mapping[str, Any], age_s: float, now: floa
         f"{_count(ingest['objects_total'])} objects",
         indent=2,
     )
+    retired = evicted.get("retired_samples_total", 0)  # (a status document of an older daemon has none)
     out.add(
         "evicted",
         f"{format_bytes(evicted['bytes_total'])}, {_count(evicted['samples_total'])} samples, "
-        f"{_plural(evicted['segments_total'], 'segment')}",
+        f"{_plural(evicted['segments_total'], 'segment')}"
+        + (f"; {_count(retired)} more retired: the remote overwrote or deleted their objects" if retired else ""),
     )
     turnover_s = evicted["turnover_s"]
     room = f"; {format_bytes(cache['turnover_bytes'])} kept for fresh samples" if cache["turnover_bytes"] else ""

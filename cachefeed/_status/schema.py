@@ -217,6 +217,24 @@ STATUS_SCHEMA: dict[str, Any] = {
             OPT_NUM, "cachefeed_evicted_epochs_per_sample", "Epochs that served an evicted sample, on average."
         ),
         "max_reads": _gauge(NUM, "cachefeed_evicted_max_reads", "Most reads of an evicted segment."),
+        "retired_samples_total": Scalar(
+            NUM,
+            Metric(
+                "cachefeed_retired_samples",
+                "counter",
+                "Samples evicted because the remote overwrote or deleted their objects, with their segments' others.",
+            ),
+            is_omittable=True,
+        ),
+        "retired_segments_total": Scalar(
+            NUM,
+            Metric(
+                "cachefeed_retired_segments",
+                "counter",
+                "Segments evicted because the remote overwrote or deleted objects in them.",
+            ),
+            is_omittable=True,
+        ),
     },
     "remote": {
         "url": str,

@@ -1,0 +1,178 @@
+"""Epochs follow the remote's changes: an overwritten object's old samples and a deleted object's samples leave the
+cache at the next listing (``plan.py``, "Retired samples").
+
+Before, both stayed cached while the budget had room: every epoch served an overwritten object's old and new content
+under one key (two or three times per epoch), and a deleted object's samples indefinitely. The witnesses: the segment
+files' contents and what a training loop received; object ``i`` holds ``[i, version]``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from cachefeed._cache.records import Source
+from cachefeed._daemon.plan import SamplingPlan
+from cachefeed._remote import RemoteObject
+from cachefeed._testing.daemon import DaemonProcess, start_daemon, wait_for
+from cachefeed._testing.samples import cache_samples, npy_bytes
+from cachefeed._trainer import EpochLoaderFactory
+from tests.support.file_remote import file_daemon_config
+
+OBJECTS = 40
+CHANGED = range(0, 10)  # overwritten with version 1
+DELETED = range(30, 40)
+
+
+def write(remote: Path, i: int, version: int) -> None:
+    path = remote / f"{i:03d}.npy"
+    path.write_bytes(npy_bytes(np.array([i, version], np.int64)))
+    os.utime(path, (1_700_000_000 + version, 1_700_000_000 + version))  # a new version: another mtime
+
+
+def cached(daemon: DaemonProcess) -> list[tuple[int, int]]:
+    """``(object, version)`` of every sample in the published segments."""
+    return sorted((int(s["data"][0]), int(s["data"][1])) for _, s in cache_samples(daemon.cache_dir))
+
+
+def epoch(daemon: DaemonProcess, run: str) -> list[tuple[int, int]]:
+    received: list[tuple[int, int]] = []
+    with EpochLoaderFactory(daemon.cache_dir, batch_size=8, progress=None, run_id=run, min_samples=1) as factory:
+        for batch in factory.loader(0):
+            received += [(int(row[0]), int(row[1])) for row in np.asarray(batch["data"])]
+    return received
+
+
+def listed_again(daemon: DaemonProcess) -> None:
+    """SIGHUP lists at once (at most once a second: sent again until a listing ends after the first one sent)."""
+    before = daemon.status()
+    assert before is not None
+
+    def listed() -> bool:
+        os.kill(daemon.process.pid, signal.SIGHUP)
+        doc = daemon.status()
+        return doc is not None and (doc["remote"]["last_listed_at"] or 0) > (before["remote"]["last_listed_at"] or 0)
+
+    wait_for(listed, timeout_s=30, interval_s=0.5, what="a listing after SIGHUP")
+
+
+def test_overwritten_and_deleted_objects_leave_the_cache_and_epochs_serve_the_current_content_once(
+    tmp_path: Path,
+) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(OBJECTS):
+        write(remote, i, 0)
+    config = file_daemon_config(tmp_path / "daemon.toml", remote, tmp_path / "cache")
+    daemon = start_daemon(config, tmp_path / "cache", tmp_path / "daemon.err")
+    try:
+        daemon.wait_status(lambda d: d["cache"]["samples"] == OBJECTS, timeout_s=60, what="the remote cached")
+        assert sorted(epoch(daemon, "before")) == [(i, 0) for i in range(OBJECTS)]
+        for i in CHANGED:
+            write(remote, i, 1)
+        for i in DELETED:
+            (remote / f"{i:03d}.npy").unlink()
+        listed_again(daemon)
+        now = sorted([(i, 1) for i in CHANGED] + [(i, 0) for i in range(10, 30)])
+        wait_for(lambda: cached(daemon) == now, timeout_s=30, what=f"the cache to hold {len(now)} current samples")
+        for run in ("after", "after-2"):
+            received = epoch(daemon, run)
+            assert sorted(received) == now, f"epoch {run}: {sorted(received)[:12]}"
+            assert max(Counter(key for key, _ in received).values()) == 1
+        doc = daemon.status()
+        assert doc is not None and doc["evicted"]["retired_samples_total"] >= len(CHANGED) + len(DELETED)
+        shown = subprocess.run(
+            [sys.executable, "-m", "cachefeed", "status", "--cache-dir", str(daemon.cache_dir)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert "retired: the remote overwrote or deleted their objects" in " ".join(shown.stdout.split())
+        assert "retired" in daemon.stderr()
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_listing_that_shows_nothing_keeps_the_cache_for_when_the_remote_lists_again(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(20):
+        write(remote, i, 0)
+    config = file_daemon_config(tmp_path / "daemon.toml", remote, tmp_path / "cache")
+    daemon = start_daemon(config, tmp_path / "cache", tmp_path / "daemon.err")
+    try:
+        daemon.wait_status(lambda d: d["cache"]["samples"] == 20, timeout_s=60, what="the remote cached")
+        whole = cached(daemon)
+        aside = tmp_path / "aside"
+        remote.rename(aside)  # a mount missing: the directory is there, and empty
+        remote.mkdir()
+        listed_again(daemon)
+        wait_for(lambda: "20 objects vanished" in daemon.stderr(), timeout_s=10, what="the empty listing folded in")
+        daemon.wait_status(lambda d: d["remote"]["objects_listed"] == 0, timeout_s=10, what="status: nothing listed")
+        assert cached(daemon) == whole
+        assert daemon.status()["evicted"]["retired_samples_total"] == 0  # type: ignore[index]
+        remote.rmdir()
+        aside.rename(remote)
+        listed_again(daemon)
+        assert cached(daemon) == whole
+        assert sorted(epoch(daemon, "back")) == whole
+        assert daemon.status()["ingest"]["objects_total"] == 20, "nothing fetched again"  # type: ignore[index]
+    finally:
+        assert daemon.stop() == 0
+
+
+# -- the plan: which segments are stale ---------------------------------------------------------------------------
+
+
+def test_segments_of_an_overwritten_or_deleted_object_are_stale_once_a_listing_shows_it() -> None:
+    plan = SamplingPlan()
+    plan.update_catalog([RemoteObject("d/a", 1, "v1"), RemoteObject("d/b", 1, "v1"), RemoteObject("d/c", 1, "v1")])
+    drawn = {obj.path: oid for oid, obj in plan.next(3)}
+    for seq, path in enumerate(("d/a", "d/b", "d/c")):
+        plan.done([drawn[path]], seq)
+    assert plan.take_stale() == set()
+    plan.update_page(plan.fold([RemoteObject("d/a", 1, "v2"), RemoteObject("d/c", 1, "v1")]))
+    assert plan.take_stale() == {0}, "a page that lists another version: its old samples at once"
+    plan.end_listing()
+    assert plan.take_stale() == {1}, "the end of a listing that no longer shows it"
+    assert plan.take_stale() == set()
+
+
+def test_a_version_listed_while_the_old_one_is_in_flight_makes_the_old_ones_segments_stale() -> None:
+    plan = SamplingPlan()
+    plan.update_catalog([RemoteObject("d/a", 1, "v1")])
+    ((oid, _),) = plan.next(1)
+    plan.update_catalog([RemoteObject("d/a", 1, "v2")])
+    plan.spanning([(oid, 3)], 7)  # the old version's first samples, then its last ones
+    plan.done([oid], 8)
+    assert plan.take_stale() == {7, 8}
+    assert [obj.etag for _, obj in plan.next(1)] == ["v2"]
+
+
+def test_recovered_segments_of_a_version_the_first_listing_does_not_show_are_stale() -> None:
+    plan = SamplingPlan()
+    plan.adopt(3, [Source("d/a", "v1")])
+    plan.adopt(4, [Source("d/b", "v1")])
+    plan.adopt(5, [Source("d/gone", "v1")])
+    plan.update_catalog([RemoteObject("d/a", 1, "v2"), RemoteObject("d/b", 1, "v1")])
+    assert plan.take_stale() == {3, 5}
+    assert [obj.path for _, obj in plan.next(5)] == ["d/a"]  # d/b is cached
+
+
+def test_a_restart_catalog_older_than_the_cache_does_not_fetch_again_what_the_segments_hold() -> None:
+    """The restart catalog was written before an object changed; the segments hold the new version. The remote's
+    listing shows the new version: the recovered segments hold it (not fetched again, not stale)."""
+    plan = SamplingPlan()
+    plan.adopt(3, [Source("d/a", "v2")])
+    plan.update_page(plan.fold([RemoteObject("d/a", 1, "v1")]))
+    plan.end_listing(is_restored=True)
+    assert plan.take_stale() == set()
+    plan.update_catalog([RemoteObject("d/a", 1, "v2")])
+    assert plan.take_stale() == set()
+    assert plan.next(1) == [] and plan.cached_segments() == {3}
