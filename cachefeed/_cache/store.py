@@ -297,6 +297,7 @@ class CacheStore:
         self._published_bytes = 0  # sum of their nbytes, kept as they come and go (the budget is checked per grant)
         # seq -> (path, version) of the remote objects each recovered segment ends; the daemon's plan takes it
         self.recovered_sources: dict[int, list[Source]] = {}
+        self.evicted_unread_at_start: dict[int, list[Source]] = {}  # tag -> sources (``shrink_to_budget``)
         self._grants: dict[int, Grant] = {}
         self._pinned_only: dict[int, int] = {}
         self._pinned_published: set[int] = set()
@@ -847,31 +848,40 @@ class CacheStore:
 
     def shrink_to_budget(self) -> int:
         """At start, once the sources' weights are set and the segments of dropped sources gone (the daemon's
-        order): a cache over its budget (``cache.max_bytes`` lowered since it was filled) is brought under it at
-        once, unpinned segments in policy order within the source furthest above its share, read or not (counted
-        as evicted unread). The budget is a bound; waiting for trainers to read them, as a full cache does, held it
-        broken for as long as they took. Returns the number of segments evicted."""
-        if self._total() <= self.limit_bytes:
+        order): a cache that holds more than its budget allows (``cache.max_bytes`` lowered since it was filled) is
+        brought under it at once, unpinned segments in policy order within the source furthest above its share, read
+        or not (counted as evicted unread). The budget is a bound; waiting for trainers to read them, as a full cache
+        does, held it broken for as long as they took. What the directory holds is judged (``_used``), not what
+        decisions charge ahead for snapshots to come: those wait for reads, as in a running daemon (a restart with
+        the same budget evicted an unread segment for that room). The recovered sources of segments evicted with
+        unread samples are kept per source tag in ``evicted_unread_at_start``: the daemon fetches those objects
+        again in the pass it resumes. Returns the number of segments evicted."""
+        if self._used() <= self.limit_bytes:
             return 0
-        held, evicted = self._total(), 0
+        held, evicted = self._used(), 0
         candidates = [seq for seq in self._published if seq not in self._pinned_published]
-        while self._total() > self.limit_bytes and candidates:
+        while self._used() > self.limit_bytes and candidates:
             victim = self._choose(candidates, spare_below_share=False)
             if victim is None:
                 break
             candidates.remove(victim)
             if not self._is_pinned_now(victim):
+                tag, unread = self._published[victim].source, self._sample_reads(victim).unread
                 self._evict(victim)
-                self.recovered_sources.pop(victim, None)  # not cached any more: its objects are fetched again
+                sources = self.recovered_sources.pop(victim, [])  # not cached any more: its objects are fetched again
+                if unread:
+                    self.evicted_unread_at_start.setdefault(tag, []).extend(sources)
                 evicted += 1
         log.warning(
-            "the cache held %s, more than cache.max_bytes = %s allows (lowered since it was filled?): evicted %d "
-            "segments, read or not, to bring it to %s%s",
+            "the cache held %s, more than the %s that cache.max_bytes = %s leaves beside the %s kept for metadata "
+            "(lowered since it was filled?): evicted %d segments, read or not, to bring it to %s%s",
             format_bytes(held),
+            format_bytes(self.limit_bytes),
             format_bytes(self.config.max_bytes),
+            format_bytes(METADATA_RESERVE_BYTES),
             evicted,
-            format_bytes(self._total()),
-            "" if self._total() <= self.limit_bytes else " (the rest is pinned by epochs: it goes as they end)",
+            format_bytes(self._used()),
+            "" if self._used() <= self.limit_bytes else " (the rest is pinned by epochs: it goes as they end)",
         )
         return evicted
 

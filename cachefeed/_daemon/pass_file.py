@@ -93,6 +93,8 @@ def read_pass_file(path: Path, identity: dict[str, Any]) -> PassState | None:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    if not data:
+        raise PassFileError("the file is empty")
     if not data.startswith(MAGIC):
         raise PassFileError("not a cachefeed pass file (or another format version)")
     start = len(MAGIC) + _U32.size

@@ -44,6 +44,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.sources import changed_settings, read_made_with, write_made_with
 from cachefeed._cache.store import CacheStore
@@ -58,7 +60,7 @@ from cachefeed._daemon.catalog_file import (
     restart_header,
     save_restart,
 )
-from cachefeed._daemon.columns import return_freed_memory
+from cachefeed._daemon.columns import key_hash, return_freed_memory
 from cachefeed._daemon.grants import Abort, GrantServer, Publish, Reserve
 from cachefeed._daemon.notify import SystemdNotifier
 from cachefeed._daemon.pass_file import MAX_SHARE as PASS_MAX_SHARE
@@ -529,6 +531,10 @@ class Supervisor:
             except (PassFileError, OSError) as exc:
                 log.warning("the pass file %s cannot be used (%s): the pass begins again", path, exc)
                 state = None
+            again = store.evicted_unread_at_start.pop(entry.tag, [])
+            if state is not None and again:  # evicted unread by the start's shrink: fetched again in the pass
+                keys = np.unique(np.array([key_hash(source.path) for source in again], np.uint64))
+                state = dataclasses.replace(state, resolved=np.setdiff1d(state.resolved, keys, assume_unique=True))
             if state is not None:
                 entry.plan.resume_pass(state.pass_index, state.passes_completed, state.resolved, drew=state.drew)
                 log.info(

@@ -128,6 +128,30 @@ def test_a_budget_lowered_over_a_full_cache_holds_from_the_restart_on(tmp_path: 
         lowered.close()
 
 
+def test_a_restart_with_the_same_budget_evicts_nothing_unread_for_the_room_snapshots_to_come(tmp_path: Path) -> None:
+    """A full cache charges ahead for snapshots to come (their records, the next one's room), and a running daemon
+    waits for reads to free that room. The start judged the same charge as a cache over its budget, and evicted
+    unread samples, read or not, naming a lowered ``max_bytes`` that had not changed. Now it judges what the
+    directory holds."""
+    root = tmp_path / "c"
+    config = cache_config(root, max_bytes=8 << 20, evict_after_reads=1, turnover_bytes=5 << 20)
+    store = CacheStore(config)
+    write_until_full(store, 0)
+    # a job of 64 local ranks pins an epoch (part of the cache), and lives on over the restart: the records its
+    # ranks have yet to write are charged ahead
+    pins = [Snapshot.create(root, "epoch-0", ranks=64, rank=0)]
+    store.close()
+    again = CacheStore(config)
+    try:
+        assert again.shrink_to_budget() == 0
+        assert again.counters.evicted_unread_samples == 0
+        assert tree_bytes(root) <= 8 << 20
+    finally:
+        again.close()
+        for pin in pins:
+            pin.release()
+
+
 @pytest.mark.parametrize("ranks", [LOCAL_RANKS, 64])
 def test_a_snapshot_of_few_segments_claimed_by_every_local_rank_takes_no_more_than_its_charge(
     tmp_path: Path, ranks: int

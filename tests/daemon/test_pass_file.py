@@ -24,7 +24,7 @@ from cachefeed._daemon.plan import SamplingPlan
 from cachefeed._remote import RemoteObject
 from cachefeed._testing.daemon import BUCKET, DaemonProcess, StartDaemon
 from cachefeed._testing.proxy import FaultProxy, Rule
-from cachefeed._testing.samples import upload_arrays
+from cachefeed._testing.samples import cache_samples, upload_arrays
 from cachefeed._trainer import EpochLoaderFactory
 
 IDENTITY = {"seed": 7, "settings": {"url": "s3://b/", "node.rank": 0, "node.count": 1}}
@@ -71,6 +71,9 @@ def test_a_pass_file_of_other_settings_is_not_used_and_a_damaged_one_says_so(tmp
     assert state is not None and state.resolved.tolist() == [1, 2, 3]
     path.write_bytes(path.read_bytes()[:12])
     with pytest.raises(PassFileError, match="damaged"):
+        read_pass_file(path, IDENTITY)
+    path.write_bytes(b"")
+    with pytest.raises(PassFileError, match="empty"):
         read_pass_file(path, IDENTITY)
     path.write_bytes(b"something else")
     with pytest.raises(PassFileError, match="not a cachefeed pass file"):
@@ -230,4 +233,39 @@ def test_a_daemon_restarted_on_a_full_cache_keeps_its_pass_count_while_the_remot
     assert doc["remote"]["passes_completed"] == 1
     counts = fault_proxy.counts()
     assert counts.ops.get("ListObjectsV2", 0) >= 1 and counts.ops.get("GetObject", 0) == 0
+    assert second.stop() == 0
+
+
+def test_objects_a_lowered_budget_evicts_unread_at_the_restart_are_fetched_again_in_the_pass_it_goes_on_with(
+    bucket: Any, fault_proxy: FaultProxy, daemon: StartDaemon
+) -> None:
+    """The start brings a cache over a lowered ``cache.max_bytes`` under it, evicting unread samples; the pass file
+    counted their objects as done in the pass, so they waited for the next one (a whole pass unserved)."""
+    upload_arrays(bucket, BUCKET, 240, OBJECT_BYTES)  # 7.5 MiB: more than the cache holds
+    gets: list[str] = []
+    fault_proxy.set_rules([Rule("latency", op="GetObject", callback=lambda info: gets.append(info.key))])
+    full = {**SECTIONS, "cache": {**SECTIONS["cache"], "max_bytes": "6MiB"}}
+    first = daemon(endpoint=fault_proxy.endpoint, sections=full)
+    paced(first)
+    assert first.stop() == 0
+    cached_before = {sample["__key__"] for _, sample in cache_samples(first.cache_dir)}
+    at_restart = len(gets)
+    lowered = {**SECTIONS, "cache": {**SECTIONS["cache"], "max_bytes": "4MiB"}}
+    second = daemon(endpoint=fault_proxy.endpoint, sections=lowered)
+    second.wait_status(lambda d: d["state"] == "running", timeout_s=30, what="the restarted daemon")
+    evicted = cached_before - {sample["__key__"] for _, sample in cache_samples(second.cache_dir)}
+    assert evicted, "the lowered budget evicted unread samples at the start"
+    rounds = 0
+    while not second.status()["remote"]["passes_completed"]:  # type: ignore[index]
+        rounds += 1
+        assert rounds < 40
+        read_some(second, 40, f"round-{rounds}")
+        paced(second)
+    after = gets[at_restart:]
+    seen = set(gets[:at_restart])  # the first daemon's GETs: those it cached, and those a stop cut short
+    for index, key in enumerate(after):
+        if key in seen and (key in cached_before - evicted or key in after[:index]):
+            after = after[:index]  # the next pass begins: an object fetched in this one comes again
+            break
+    assert evicted <= set(after), f"not fetched again in the pass: {sorted(evicted - set(after))[:5]}"
     assert second.stop() == 0
