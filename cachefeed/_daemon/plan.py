@@ -330,6 +330,10 @@ class SamplingPlan:
         if not is_restored:
             if self._listing_shows:  # "Retired samples": what the remote no longer lists, unless it lists nothing
                 self._retire_unlisted()
+            for refused in (self._dropped, self._quarantined):  # no reason why a deleted object is not cached
+                for oid in [oid for oid in refused if not self._is_listed(oid)]:
+                    del refused[oid]
+                    self._reason.pop(oid, None)
             self._adopted.clear()  # what the first listing did not show is gone from the remote
             if not self._is_remote_listed and not self.counters.passes_completed:
                 self._is_changed = True  # an idle pass over it ends now, counted ("Counted passes")

@@ -332,7 +332,8 @@ class Inputs:
                 lines.append(
                     f"{where}the remote lists 0 objects under {safe_url(entry.config.url)}"
                     f"{entry.catalog.why_empty()} matching "
-                    f"{entry.config.pattern!r}: check {keys}"
+                    f"{entry.config.pattern!r}: check {keys} (its cached samples are kept, and epochs read them, "
+                    "until it lists objects again)"
                 )
         return lines
 

@@ -176,3 +176,14 @@ def test_a_restart_catalog_older_than_the_cache_does_not_fetch_again_what_the_se
     plan.update_catalog([RemoteObject("d/a", 1, "v2")])
     assert plan.take_stale() == set()
     assert plan.next(1) == [] and plan.cached_segments() == {3}
+
+
+def test_an_object_dropped_for_a_404_and_then_deleted_is_no_longer_counted_as_dropped() -> None:
+    plan = SamplingPlan()
+    plan.update_catalog([RemoteObject("d/a", 1, "v1"), RemoteObject("d/b", 1, "v1")])
+    drawn = {obj.path: oid for oid, obj in plan.next(2)}
+    plan.failed(drawn["d/a"], "not_found")  # deleted between the listing and its GET
+    plan.done([drawn["d/b"]], 0)
+    assert plan.dropped == 1
+    plan.update_catalog([RemoteObject("d/b", 1, "v1")])  # the next listing no longer shows it
+    assert plan.dropped == 0 and plan.not_cached == {}
