@@ -64,7 +64,9 @@ Contract:
   no longer lists are *stale* (``take_stale`` hands them to the supervisor, which evicts them at once,
   ``CacheStore.retire``): an old version once a page lists another (overwritten), an object a complete listing of
   the remote no longer shows (deleted), and recovered segments of versions the first complete listing does not
-  show. Their other samples go with them (objects drawn again, as after any eviction). A listing that shows no
+  show. Their other samples go with them: those objects are queued again in the current pass once their
+  segments are gone (``evicted``), since no epoch may have read them (a budget eviction waits for reads; these did
+  not). A listing that shows no
   object at all retires nothing: more likely a mount missing or a wrong prefix than a dataset deleted (status
   says so), and the cache is kept for when it lists again.
 * **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
@@ -193,6 +195,7 @@ class SamplingPlan:
         self._adopted: dict[str, dict[str | None, tuple[list[int], int | None]]] = {}
         self._cut: dict[int, int] = {}  # oid -> its first samples cached while the rest are not ("Cut objects")
         self._stale: set[int] = set()  # segments holding samples of versions no longer listed ("Retired samples")
+        self._retiring: set[int] = set()  # stale segments handed out, until ``evicted`` says they are gone
         self._listing_shows = 0  # objects (owned or not) the listing being folded in has shown so far
         self._drawn_this_pass = 0
         self._done_this_pass = 0
@@ -606,6 +609,7 @@ class SamplingPlan:
     def take_stale(self) -> set[int]:
         """The segments found stale since the last call ("Retired samples")."""
         stale, self._stale = self._stale, set()
+        self._retiring |= {seq for seq in stale if seq in self._objects_in}
         return stale
 
     def evicted(self, seqs: Iterable[int]) -> None:
@@ -626,6 +630,11 @@ class SamplingPlan:
                 if self._cut:
                     for oid in whole.tolist():
                         self._cut.pop(oid, None)  # none of its samples is cached: fetched whole
+                if seq in self._retiring:  # "Retired samples": the others, listed, are drawn again in this pass
+                    again = [oid for oid in whole.tolist() if self._is_listed(oid) and oid not in self._in_flight]
+                    if again:
+                        self._queue.append(np.array(again, dtype=np.uint32))
+        self._retiring -= gone
 
     @staticmethod
     def _still_cached(versions: dict[str | None, tuple[list[int], int | None]], gone: set[int]) -> bool:

@@ -187,3 +187,19 @@ def test_an_object_dropped_for_a_404_and_then_deleted_is_no_longer_counted_as_dr
     assert plan.dropped == 1
     plan.update_catalog([RemoteObject("d/b", 1, "v1")])  # the next listing no longer shows it
     assert plan.dropped == 0 and plan.not_cached == {}
+
+
+def test_the_other_objects_of_a_retired_segment_are_drawn_again_in_the_same_pass() -> None:
+    """A retired segment's other samples were evicted before any epoch needed to read them: their objects come back
+    in the pass, not a pass later."""
+    plan = SamplingPlan()
+    plan.update_catalog([RemoteObject("d/a", 1, "v1"), RemoteObject("d/b", 1, "v1"), RemoteObject("d/c", 1, "v1")])
+    drawn = plan.next(3)
+    plan.done([oid for oid, _ in drawn], 0)  # one segment holds all three
+    plan.update_page(plan.fold([RemoteObject("d/a", 1, "v2")]))
+    assert plan.take_stale() == {0}
+    pass_index = plan.pass_index
+    plan.evicted([0])  # the supervisor retired it
+    again = sorted((obj.path, obj.etag) for _, obj in plan.next(5))
+    assert again == [("d/a", "v2"), ("d/b", "v1"), ("d/c", "v1")]
+    assert plan.pass_index == pass_index
