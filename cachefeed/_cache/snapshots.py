@@ -99,6 +99,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -125,10 +126,10 @@ from cachefeed._cache.reads import (
     reads_with_receipts,
     write_served,
 )
-from cachefeed._cache.records import segment_trailer
+from cachefeed._cache.records import SegmentReader, Source, segment_trailer
 from cachefeed._cache.room import Candidate, choose, room_now, top_up, unread_first
 from cachefeed._cache.sources import read_sources
-from cachefeed._errors import SnapshotError
+from cachefeed._errors import CorruptRecordError, SnapshotError
 from cachefeed._fsutil import atomic_write, file_version, open_regular_for_write, remove_tree
 from cachefeed._logs import get_logger
 
@@ -256,6 +257,7 @@ class Snapshot:
         self.wants: int | None = None  # an unread-first snapshot: the samples its epoch needs (``create``)
         self.topup_from: int | None = None  # its first generation of least-read samples, if growth stopped short
         self._passed: set[str] = set()  # published segments its growth does not take (read, or being read)
+        self._versions: dict[str, Linked] | None = None  # the objects its growth linked (``_linked_versions``)
         self._load(manifest)
         self.job = str(manifest.get("job", ""))
         self.ranks = int(manifest.get("ranks", 0))  # type: ignore[call-overload]  # how many local ranks split it
@@ -555,14 +557,18 @@ class Snapshot:
         elif unseen or close:  # nothing new to look at: no ledger to read (every 50 ms while nothing is published)
             reads = reads_with_receipts(self.layout.root, self.layout.snapshots)
             unseen = self._unread(unseen, reads)
-        new: list[str] = []
+        new: dict[str, int] = {}  # name: allocated bytes
         for name, info in unseen:
             if room is not None and pinned + allocated_bytes(info) > room:
                 close = True  # the epoch's room is full (``room.py``): the rest is for the next epoch
                 break
-            new.append(name)
-            pinned += allocated_bytes(info)
-        entries, fresh = _link_entries(self.layout, self.directory, new, reads)
+            new[name] = allocated_bytes(info)
+            pinned += new[name]
+        versions = self._linked_versions() if new or close else None
+        entries, fresh = _link_entries(self.layout, self.directory, list(new), reads, versions=versions)
+        for name in set(new).difference(str(entry[0]) for entry in entries):  # gone, or holding what it holds
+            self._passed.add(name)
+            pinned -= new[name]
         segments: list[object] = [*self._manifest.get("segments", []), *entries]  # type: ignore[misc]
         generations = list(self.generations or ())
         if entries or not generations:
@@ -576,7 +582,9 @@ class Snapshot:
             candidates = _candidates(self.layout, [(n, i) for n, i in listed if n not in taken], reads, pending)
             need, left = self.wants - samples, None if room is None else room - pinned
             pick = lambda rest, room_left, linked: top_up(rest, need - linked, room_left)  # noqa: E731
-            topping, _fresh = _link_picks(self.layout, self.directory, candidates, pick, room=left, reads=reads)
+            topping, _fresh = _link_picks(
+                self.layout, self.directory, candidates, pick, room=left, reads=reads, versions=versions
+            )
             if topping:
                 topup_from = len(generations)
                 segments += topping
@@ -600,6 +608,25 @@ class Snapshot:
         atomic_write(self.directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
         self._load(manifest)
         return added
+
+    def _linked_versions(self) -> dict[str, Linked]:
+        """The objects whose samples the snapshot's segments hold (their source lists): each one's version and the
+        cuts of its linked segments, read once from the segments linked so far; ``_link_entries`` adds what growth
+        links after.
+
+        Why: while an epoch grows, the daemon may publish samples of an object the snapshot holds already. The remote
+        overwrote it (the daemon retires the segments of its old samples and fetches the new version), or it shared
+        a retired segment (fetched again whole, same version). A growing snapshot that took those samples as well
+        would serve the object's keys twice in one epoch, with two contents where it changed. So growth passes over
+        a segment holding another version of an object it holds, or the same part of one (a segment of the same cut:
+        the one holding its last sample, where it is fetched again); the segment's other samples wait for the next
+        epoch. Not seen: an object fetched again and cut across segments elsewhere than before (its first part may be
+        served twice), and an object a segment had no room to name (source lists are best effort)."""
+        if self._versions is None:
+            self._versions = {}
+            for name in self.names:
+                _add_versions(self._versions, _segment_sources(self.directory / name))
+        return self._versions
 
     def _unread(
         self, unseen: list[tuple[str, os.stat_result]], reads: Mapping[str, Counts]
@@ -854,9 +881,10 @@ def _link_picks(
     room: int | None,
     reads: Mapping[str, Counts],
     reading: Collection[str] = (),
+    versions: dict[str, Linked] | None = None,
 ) -> tuple[list[list[object]], int]:
     """Link the segments ``pick`` chooses of ``candidates`` within ``room`` into ``directory``: their MANIFEST
-    entries, oldest first, and their fresh samples (``_link_entries``).
+    entries, oldest first, and their fresh samples (``_link_entries``, with ``versions``).
 
     A segment may be evicted between the listing and its link: any read segment may go at any moment, and the
     least-read read ones, which a snapshot short of unread samples takes, are the very ones the daemon evicts next.
@@ -873,7 +901,9 @@ def _link_picks(
             break
         taken = set(picked)
         candidates = [c for c in candidates if c.seq not in taken]
-        linked, linked_fresh = _link_entries(layout, directory, [segment_name(seq) for seq in picked], reads, reading)
+        linked, linked_fresh = _link_entries(
+            layout, directory, [segment_name(seq) for seq in picked], reads, reading, versions=versions
+        )
         entries += linked
         fresh += linked_fresh
         samples += sum(int(entry[1]) for entry in linked)  # type: ignore[call-overload]
@@ -954,11 +984,17 @@ def _link_entries(
     names: list[str],
     reads: Mapping[str, Counts],
     reading: Collection[str] = (),
+    *,
+    versions: dict[str, Linked] | None = None,
 ) -> tuple[list[list[object]], int]:
     """Hard-link the published segments ``names`` into ``directory``; their MANIFEST entries (name, samples, reads
     level, source tag, reads above the level) and how many of their samples are fresh (no epoch has read them nor
     is reading them: ``room.py``). A segment evicted meanwhile, or empty, is left out. A link already there to the
-    same file is kept: a grower killed between linking and writing its MANIFEST left it (the resumed one links on)."""
+    same file is kept: a grower killed between linking and writing its MANIFEST left it (the resumed one links on).
+
+    With ``versions`` (a growing snapshot's, ``Snapshot._linked_versions``), a segment holding samples the
+    snapshot holds already (another version of an object, or the same part of one) is left out too, and what is
+    linked is added."""
     entries: list[list[object]] = []
     fresh = 0
     for name in names:
@@ -974,6 +1010,19 @@ def _link_entries(
                 except FileNotFoundError:
                     continue
         count, tag = segment_trailer(directory / name)
+        if count > 0 and versions is not None:
+            sources = _segment_sources(directory / name)
+            again = [source.path for source in sources if _holds_already(versions, source)]
+            if again:
+                log.info(
+                    "a growing epoch passes over segment %s: it holds samples of %s (another version, or again),"
+                    " which the epoch serves from an earlier segment; its other samples wait for the next epoch",
+                    name,
+                    again[0] if len(again) == 1 else f"{again[0]} and {len(again) - 1} more objects",
+                )
+                count = 0
+            else:
+                _add_versions(versions, sources)
         if count > 0:
             counts = reads.get(name)
             level, above = encode_reads(counts) if counts is not None and len(counts) == count else (0, b"")
@@ -983,6 +1032,43 @@ def _link_entries(
         else:
             os.unlink(directory / name)
     return entries, fresh
+
+
+def _segment_sources(path: Path) -> list[Source]:
+    """The remote objects a segment names (its source list); none where it cannot be read (gone, or damaged:
+    a reader of it refuses it anyway). Best effort as the list is: a segment that had no room to name an object
+    does not name it."""
+    try:
+        reader = SegmentReader(path)
+    except (OSError, CorruptRecordError):
+        return []
+    try:
+        return reader.sources()
+    except CorruptRecordError:
+        return []
+    finally:
+        reader.close()
+
+
+class Linked(NamedTuple):
+    """An object a growing snapshot holds samples of (``Snapshot._linked_versions``): its version, and the cut of
+    each linked segment holding some of them (None: the one holding its last sample)."""
+
+    version: str | None
+    cuts: frozenset[int | None]
+
+
+def _holds_already(versions: Mapping[str, Linked], source: Source) -> bool:
+    """Whether a segment naming ``source`` holds samples the snapshot of ``versions`` holds already: another
+    version of the object, or the same part of it (the same cut) fetched again."""
+    linked = versions.get(source.path)
+    return linked is not None and (linked.version != source.version or source.cut in linked.cuts)
+
+
+def _add_versions(versions: dict[str, Linked], sources: list[Source]) -> None:
+    for path, version, cut in sources:
+        linked = versions.get(path)
+        versions[path] = Linked(version, frozenset({cut}) if linked is None else linked.cuts | {cut})
 
 
 def _same_file(a: Path, b: Path) -> bool:

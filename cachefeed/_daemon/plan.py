@@ -66,9 +66,13 @@ Contract:
   the remote no longer shows (deleted), and recovered segments of versions the first complete listing does not
   show. Their other samples go with them: those objects are queued again in the current pass once their
   segments are gone (``evicted``), since no epoch may have read them (a budget eviction waits for reads; these did
-  not). A listing that shows no
-  object at all retires nothing: more likely a mount missing or a wrong prefix than a dataset deleted (status
-  says so), and the cache is kept for when it lists again.
+  not). Not covered: an object cut across a stale segment and another one (at most two per segment: the one
+  whose samples begin before it and the one whose samples go on after it). Its samples in the stale segment are
+  missing until its other segments are evicted too and it is drawn again (its next pass). Retiring those as well
+  would only move the cut: each segment's first and last samples are of objects cut across it and its neighbour,
+  along all that a sampler wrote; fetching only some of an object's samples is what it would take. A listing
+  that shows no object at all retires nothing: more likely a mount missing or a wrong prefix than a dataset
+  deleted (status says so), and the cache is kept for when it lists again.
 * **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
   from each segment's source list, which names every object with a sample in it); an object listed at the same
   version is skipped as cached until all those segments are evicted, so a restarted daemon does not download

@@ -32,6 +32,9 @@ workers, its pool's workers read the segments).
   (a cold job's first batch, and the end of its first epoch); a rank with batches left to read leaves the grower
   to its tick, which costs the training process less. Other local ranks re-read the MANIFEST every
   ``GROW_EVERY_S / 2`` while they wait.
+* An object is served in one version, once: growth passes over a segment holding samples of an object the
+  snapshot holds already in another version, or the same part of one (the remote overwrote it, or it shared a
+  retired segment, and the daemon fetched it again: ``Snapshot._linked_versions``).
 * ``len(loader)`` of a growing epoch is an estimate until the snapshot closes (``samples_per_epoch``: exact from
   the start); the factory prepares the next epoch only once the growing one is closed.
 
