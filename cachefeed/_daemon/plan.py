@@ -71,8 +71,10 @@ Contract:
   missing until its other segments are evicted too and it is drawn again (its next pass). Retiring those as well
   would only move the cut: each segment's first and last samples are of objects cut across it and its neighbour,
   along all that a sampler wrote; fetching only some of an object's samples is what it would take. A listing
-  that shows no object at all retires nothing: more likely a mount missing or a wrong prefix than a dataset
-  deleted (status says so), and the cache is kept for when it lists again.
+  that shows no object at all changes nothing (``listed_nothing``): more likely a mount missing or a wrong prefix
+  than a dataset deleted (status says so). It retires nothing and forgets neither what recovered segments hold
+  (``adopt``) nor the objects refused: all kept for when the remote lists again. An object a complete listing no
+  longer shows while it is in flight has its segments stale as they are published.
 * **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
   from each segment's source list, which names every object with a sample in it); an object listed at the same
   version is skipped as cached until all those segments are evicted, so a restarted daemon does not download
@@ -201,6 +203,7 @@ class SamplingPlan:
         self._stale: set[int] = set()  # segments holding samples of versions no longer listed ("Retired samples")
         self._retiring: set[int] = set()  # stale segments handed out, until ``evicted`` says they are gone
         self._listing_shows = 0  # objects (owned or not) the listing being folded in has shown so far
+        self.listed_nothing = False  # the last complete listing of the remote showed no object ("Retired samples")
         self._drawn_this_pass = 0
         self._done_this_pass = 0
         self._not_before = 0.0
@@ -335,8 +338,11 @@ class SamplingPlan:
         self._complete = self._generation
         self._owned = int(np.count_nonzero(self._seen.view >= self._complete))
         if not is_restored:
-            if self._listing_shows:  # "Retired samples": what the remote no longer lists, unless it lists nothing
-                self._retire_unlisted()
+            # A listing that shows nothing changes nothing ("Retired samples"): the cache, what it holds of a
+            # restart's recovered segments, and the objects refused, are kept for when the remote lists again.
+            self.listed_nothing = not self._listing_shows
+        if not is_restored and not self.listed_nothing:
+            self._retire_unlisted()  # "Retired samples": what the remote no longer lists
             for refused in (self._dropped, self._quarantined):  # no reason why a deleted object is not cached
                 for oid in [oid for oid in refused if not self._is_listed(oid)]:
                     del refused[oid]
@@ -481,6 +487,8 @@ class SamplingPlan:
             self._note_resolved(oid, drawn=True)
         if seq is not None:
             self._hold(current, seq)
+            if self._deleted_in_flight(current):
+                self._stale.add(seq)  # "Retired samples": the listing that ended meanwhile no longer shows it
 
     def spanning(self, cuts: Sequence[tuple[int, int]], seq: int) -> None:
         """Segment ``seq`` was published while these objects, still in flight, were being written: it holds some
@@ -494,6 +502,13 @@ class SamplingPlan:
         self._hold([oid for oid, _ in current], seq)
         for oid, cut in current:
             self._cut[oid] = cut
+        if self._deleted_in_flight([oid for oid, _ in current]):
+            self._stale.add(seq)  # as in ``done``
+
+    def _deleted_in_flight(self, oids: Sequence[int]) -> bool:
+        """Whether a complete listing that ended while these objects were in flight no longer shows one of them
+        (deleted from the remote): its samples just published are stale ("Retired samples")."""
+        return self._is_remote_listed and not self.listed_nothing and not all(self._is_listed(oid) for oid in oids)
 
     def _hold(self, oids: Sequence[int], seq: int) -> None:
         """Segment ``seq`` holds samples of the current version of each of ``oids`` (distinct)."""

@@ -381,7 +381,7 @@ class Supervisor:
                     entry.plan.end_listing(is_restored=item.is_restored)
                     if item.is_restored:  # what the file holds already (0 objects: it failed, write it again)
                         entry.catalog_revision = entry.plan.revision if item.objects else -1
-                    else:
+                    elif not entry.plan.listed_nothing:  # a missing mount, say: the catalog kept is the last one
                         self._save_catalog(entry)
                     continue
                 if self._classes is not None:  # before any of the page's objects is handed out with a label

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -127,6 +128,43 @@ def test_a_listing_that_shows_nothing_keeps_the_cache_for_when_the_remote_lists_
         assert daemon.stop() == 0
 
 
+def test_a_restart_while_the_remote_lists_nothing_keeps_what_the_cache_holds_for_when_it_lists_again(
+    tmp_path: Path,
+) -> None:
+    """Restarted twice while the remote's mount is missing, then it lists again: the restarted daemon used to
+    forget what its recovered segments held at the empty listing (and keep an empty restart catalog), and fetched
+    everything again, every sample then cached twice. Witness: the samples in the segment files."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(20):
+        write(remote, i, 0)
+    config = file_daemon_config(tmp_path / "daemon.toml", remote, tmp_path / "cache")
+    daemon = start_daemon(config, tmp_path / "cache", tmp_path / "daemon.err")
+    daemon.wait_status(lambda d: d["cache"]["samples"] == 20, timeout_s=60, what="the remote cached")
+    assert daemon.stop() == 0
+    whole = cached(daemon)
+    aside = tmp_path / "aside"
+    remote.rename(aside)  # a mount missing: the directory is there, and empty
+    remote.mkdir()
+    for run in range(2):
+        daemon = start_daemon(config, tmp_path / "cache", tmp_path / f"empty-{run}.err")
+        wait_for(lambda: "listed 0 objects" in daemon.stderr(), timeout_s=30, what="the empty listing")
+        daemon.wait_status(lambda d: d["remote"]["objects_listed"] == 0, timeout_s=10, what="status: nothing listed")
+        assert daemon.stop() == 0
+    daemon = start_daemon(config, tmp_path / "cache", tmp_path / "back.err")
+    try:
+        wait_for(lambda: "listed 0 objects" in daemon.stderr(), timeout_s=30, what="the empty listing")
+        remote.rmdir()
+        aside.rename(remote)
+        listed_again(daemon)
+        daemon.wait_status(lambda d: d["remote"]["objects_listed"] == 20, timeout_s=10, what="the remote listed")
+        time.sleep(2)  # what a daemon that forgot its cache would fetch again (20 small files: well under a second)
+        assert cached(daemon) == whole, "every sample once in the segment files, none fetched again"
+        assert sorted(epoch(daemon, "back")) == whole
+    finally:
+        assert daemon.stop() == 0
+
+
 # -- the plan: which segments are stale ---------------------------------------------------------------------------
 
 
@@ -187,6 +225,38 @@ def test_an_object_dropped_for_a_404_and_then_deleted_is_no_longer_counted_as_dr
     assert plan.dropped == 1
     plan.update_catalog([RemoteObject("d/b", 1, "v1")])  # the next listing no longer shows it
     assert plan.dropped == 0 and plan.not_cached == {}
+
+
+def test_a_listing_that_shows_nothing_keeps_the_objects_refused_for_when_the_remote_lists_again() -> None:
+    """An object that killed a sampler twice stays quarantined across a missing mount: it used to be forgotten at
+    the empty listing and drawn again once the remote listed it again at the same version."""
+    plan = SamplingPlan()
+    listed = [RemoteObject("d/poison", 1, "v1"), RemoteObject("d/ok", 1, "v1")]
+    plan.update_catalog(listed)
+    drawn = {obj.path: oid for oid, obj in plan.next(2)}
+    plan.failed(drawn["d/poison"], "crash")
+    plan.done([drawn["d/ok"]], 0)
+    plan.update_catalog([])  # the mount is missing
+    assert plan.take_stale() == set()
+    plan.update_catalog(listed)  # back, at the same versions
+    assert [obj.path for _, obj in plan.next(5)] == []
+    assert plan.not_cached  # still said, with its reason
+
+
+def test_an_object_deleted_while_in_flight_has_its_samples_retired_as_they_are_published() -> None:
+    """The listing that no longer shows it ended while it was being fetched: its samples, published after, used to
+    stay until the next complete listing (``remote.refresh_interval``), and epochs served a deleted object."""
+    plan = SamplingPlan()
+    plan.update_catalog([RemoteObject("d/a", 1, "v1"), RemoteObject("d/b", 1, "v1")])
+    drawn = {obj.path: oid for oid, obj in plan.next(2)}
+    plan.update_catalog([RemoteObject("d/b", 1, "v1")])  # d/a deleted while both are in flight
+    assert plan.take_stale() == set()
+    plan.spanning([(drawn["d/a"], 1)], 0)  # its first sample published
+    plan.done([drawn["d/a"]], 1)  # the rest
+    plan.done([drawn["d/b"]], 2)
+    assert plan.take_stale() == {0, 1}
+    plan.evicted([0, 1])
+    assert plan.next(5) == [] and plan.cached_segments() == {2}  # d/a not drawn again: it is gone
 
 
 def test_the_other_objects_of_a_retired_segment_are_drawn_again_in_the_same_pass() -> None:
