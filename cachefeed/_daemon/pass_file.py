@@ -135,9 +135,16 @@ class PassFileWriter:
         self._is_failing = False  # said once until a save succeeds
 
     def carry(self, state: PassState) -> None:
-        """Start the file with what an earlier run kept (read under the same identity), before this run's saves."""
+        """Start the file with what an earlier run kept (read under the same identity), before this run's saves:
+        header and records in one atomic write, so that a crash leaves the earlier file or this one, whole."""
         keys = state.resolved
-        self.save(state.pass_index, state.passes_completed, keys if state.drew else (), () if state.drew else keys)
+        drawn, skipped = (keys, ()) if state.drew else ((), keys)
+        try:
+            self._start(state.pass_index, state.passes_completed, _records(drawn, skipped))
+        except OSError as exc:
+            self._fail(exc)
+        else:
+            self._is_failing = False
 
     def save(self, pass_index: int, passes_completed: int, drawn: _Keys, skipped: _Keys) -> None:
         """Record that ``drawn`` and ``skipped`` (key hashes) were resolved in pass ``pass_index``; a new pass
@@ -148,10 +155,7 @@ class PassFileWriter:
             if pass_index != self._pass:
                 self._start(pass_index, passes_completed)
             if (len(drawn) or len(skipped)) and self._pass is not None:
-                records = np.empty(len(drawn) + len(skipped), _RECORD)
-                records["kind"][: len(drawn)], records["kind"][len(drawn) :] = _DRAWN, _SKIPPED
-                records["key"][: len(drawn)], records["key"][len(drawn) :] = drawn, skipped
-                self._append(records)
+                self._append(_records(drawn, skipped))
         except OSError as exc:
             self._fail(exc)
         else:
@@ -162,7 +166,8 @@ class PassFileWriter:
             self._out.close()
             self._out = None
 
-    def _start(self, pass_index: int, passes_completed: int) -> None:
+    def _start(self, pass_index: int, passes_completed: int, first: npt.NDArray[Any] | None = None) -> None:
+        """Replace the file by one of pass ``pass_index``, holding ``first`` (records) at once."""
         self.close()
         self._pass, self._records, self._is_full = None, 0, False
         header = json.dumps(
@@ -174,12 +179,21 @@ class PassFileWriter:
             },
             separators=(",", ":"),
         ).encode()
-        atomic_write(self.path, MAGIC + _U32.pack(len(header)) + header, mode=self._mode)
+        kept = self._room_for(first if first is not None else np.empty(0, _RECORD), pass_index)
+        atomic_write(self.path, MAGIC + _U32.pack(len(header)) + header + kept.tobytes(), mode=self._mode)
         self._out = self.path.open("ab")
-        self._pass = pass_index
+        self._pass, self._records = pass_index, len(kept)
 
     def _append(self, records: npt.NDArray[Any]) -> None:
         assert self._out is not None
+        kept = self._room_for(records, self._pass)
+        if len(kept):
+            self._out.write(kept.tobytes())
+            self._out.flush()
+            self._records += len(kept)
+
+    def _room_for(self, records: npt.NDArray[Any], pass_index: int | None) -> npt.NDArray[Any]:
+        """Those of ``records`` the file has room for (``max_bytes``); where it has not, said once per pass."""
         room = self._max_records - self._records
         if len(records) > room and not self._is_full:
             self._is_full = True
@@ -188,13 +202,9 @@ class PassFileWriter:
                 "fetched again in it if the daemon restarts",
                 self.path,
                 MAX_SHARE * 100,
-                self._pass,
+                pass_index,
             )
-        kept = records[: max(0, room)]
-        if len(kept):
-            self._out.write(kept.tobytes())
-            self._out.flush()
-            self._records += len(kept)
+        return records[: max(0, room)]
 
     def _fail(self, exc: OSError) -> None:
         if not self._is_failing:
@@ -206,3 +216,11 @@ class PassFileWriter:
             self.path.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def _records(drawn: _Keys, skipped: _Keys) -> npt.NDArray[Any]:
+    """The records of ``drawn`` and ``skipped`` key hashes, in that order."""
+    records = np.empty(len(drawn) + len(skipped), _RECORD)
+    records["kind"][: len(drawn)], records["kind"][len(drawn) :] = _DRAWN, _SKIPPED
+    records["key"][: len(drawn)], records["key"][len(drawn) :] = drawn, skipped
+    return records

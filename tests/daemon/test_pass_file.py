@@ -57,6 +57,33 @@ def test_a_pass_file_reads_back_the_pass_its_count_and_what_was_resolved_in_it(t
     assert state is not None and (state.pass_index, state.resolved.tolist(), state.drew) == (4, [3, 9], True)
 
 
+def test_a_restarted_daemon_killed_as_it_carries_the_pass_on_leaves_the_whole_pass_in_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The carry replaced the file with its header, then appended the records: a kill between the two writes left a
+    file of the pass with nothing resolved in it, and the next start fetched again all the pass had fetched."""
+    path = tmp_path / "pass-00000000.cfpass"
+    writer = PassFileWriter(path, IDENTITY, mode=0o600, max_bytes=1 << 20)
+    writer.save(2, 1, [7, 8], [9])
+    writer.close()
+    state = read_pass_file(path, IDENTITY)
+    assert state is not None
+
+    def killed(self: PassFileWriter, records: Any) -> None:
+        raise SystemExit("killed after the first write")
+
+    monkeypatch.setattr(PassFileWriter, "_append", killed)
+    carried = PassFileWriter(path, IDENTITY, mode=0o600, max_bytes=1 << 20)
+    try:
+        carried.carry(state)
+    except SystemExit:
+        pass
+    finally:
+        carried.close()
+    found = read_pass_file(path, IDENTITY)
+    assert found is not None and found.resolved.tolist() == [7, 8, 9] and found.drew
+
+
 def test_a_pass_file_of_other_settings_is_not_used_and_a_damaged_one_says_so(tmp_path: Path) -> None:
     path = tmp_path / "pass-00000000.cfpass"
     writer = PassFileWriter(path, IDENTITY, mode=0o600, max_bytes=1 << 20)
