@@ -153,6 +153,7 @@ class EpochState:
         self._lock = threading.Lock()
         self._released = False
         self.unpinned = threading.Event()  # set once its release is done: its pin dropped
+        self.was_retired = False  # handed to the teardown thread (``Epochs._retire``): counted until released
         self._final_skipped: int | None = None
 
     @property

@@ -41,6 +41,12 @@ Transitions, who runs them and on which thread:
   ``_TEARDOWN_HOLD_S`` passed; or ``close``): stops a growing snapshot's grower, closes the epoch's iterators and
   passes, waits until every worker has closed its readers of the epoch's segments, closes the dataset, records what
   the epoch served (NOTE [ Read receipts ] in ``_cache/reads.py``) and drops the pin. Idempotent.
+  Releases keep up with the loop: with more than ``_RELEASE_BACKLOG`` epochs retired and not released, teardown
+  steps no longer wait for the handover, and ``activate`` waits (up to ``_RELEASE_WAIT_S``) until they are
+  released. Epochs shorter than a release (a few batches each) used to retire faster than the teardown thread,
+  which waited for each handover, released them: hundreds stayed pinned, their reads reached the daemon hundreds of
+  epochs late (it kept counting the cached samples as unread, so it fetched nothing), and their snapshots' metadata
+  pushed the cache past ``max_bytes``.
 
 While an epoch is current, its iterator reports each batch here (``on_progress``, ``on_wait``, ``on_exhausted``):
 this module learns the pace, decides when to prepare the next epoch and accounts the handover wait.
@@ -95,6 +101,8 @@ _TOUCH_EVERY_S = 5.0  # how often a reading epoch shows progress on its snapshot
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # the cache's filesystem has no room to pin a snapshot
 _FULL_RETRY_S = 0.5  # how often a pin tries again then (the daemon's eviction, or the user, frees room)
 _TEARDOWN_HOLD_S = 1.0  # how long teardown steps wait for the handover to end (the new epoch's first batch)
+_RELEASE_BACKLOG = 2  # epochs retired and not yet released beyond which releases hurry and ``activate`` waits
+_RELEASE_WAIT_S = 30.0  # the longest ``activate`` waits for them (a release stuck on a worker: it goes on)
 # A growing epoch's (and a fill wait's) wait for a daemon that went away: systemd's RestartSec (5 s), the new
 # daemon's start (about a second) and a margin for a machine that stalls
 RESTART_GRACE_S = 15.0
@@ -141,6 +149,8 @@ class Epochs:
         self._teardown = SerialWorker("cachefeed-teardown")
         self._states: dict[int, EpochState] = {}  # built, fed or current (at most one current)
         self._retired: dict[int, EpochState] = {}  # retired or released, kept for their stats
+        self._unreleased = 0  # retired epochs not released yet (``_RELEASE_BACKLOG``)
+        self._released = threading.Condition()  # guards ``_unreleased``, notified at each release
         self._prepared: tuple[int, Future[EpochState]] | None = None  # the epoch on the build thread
         self._taking: set[int] = set()  # epochs being activated: taken from ``_prepared``, not in ``_states`` yet
         self._resume: ResumePoint | None = None
@@ -267,6 +277,10 @@ class Epochs:
             self._tear_down(state, inners, leave_for_resume=leave_for_resume)
         finally:
             state.unpinned.set()
+            if state.was_retired:
+                with self._released:
+                    self._unreleased -= 1
+                    self._released.notify_all()
 
     def _tear_down(self, state: EpochState, inners: list[Iterator[Any]], *, leave_for_resume: bool) -> None:
         """``_release``'s steps, for an epoch just marked released."""
@@ -669,6 +683,8 @@ class Epochs:
                 raise RuntimeError("this EpochLoaderFactory is closed")
             if with_loader:  # a loader's first batch ends the handover (``on_wait``); dataset()/share() have none
                 self._handover_over.clear()
+        self._wait_for_releases(epoch)
+        with self._lock:
             state = self._states.get(epoch)
             prepared = None
             if state is None and self._prepared is not None:
@@ -713,7 +729,25 @@ class Epochs:
             state.build_s += time.perf_counter() - started
         return state
 
+    def _wait_for_releases(self, epoch: int) -> None:
+        """Before ``epoch`` is made current: wait until at most ``_RELEASE_BACKLOG`` retired epochs are unreleased
+        (module docstring, "release"), up to ``_RELEASE_WAIT_S``. Only epochs shorter than a release ever wait."""
+        with self._released:
+            if self._unreleased <= _RELEASE_BACKLOG:
+                return
+            if not self._released.wait_for(lambda: self._unreleased <= _RELEASE_BACKLOG, _RELEASE_WAIT_S):
+                log.warning(
+                    "epoch %d starts with %d earlier epochs not released after %.0fs: a release is stuck (the log "
+                    "says which step, if one failed)",
+                    epoch,
+                    self._unreleased,
+                    _RELEASE_WAIT_S,
+                )
+
     def _retire(self, state: EpochState) -> None:
+        with self._released:
+            self._unreleased += 1
+        state.was_retired = True
         with self._lock:
             state.phase = "retired"
             self._retired[state.epoch] = state
@@ -863,7 +897,8 @@ class Epochs:
         ``_TEARDOWN_HOLD_S`` passed: a loop that stops between epochs), not during it: the teardown thread's Python
         would hold the GIL whenever the training thread makes a system call at the boundary, for up to the switch
         interval (5 ms) each time. Releasing a pin or stopping a pass a moment later costs nothing."""
-        self._handover_over.wait(_TEARDOWN_HOLD_S)
+        if self._unreleased <= _RELEASE_BACKLOG:  # else epochs retire faster than this thread releases them
+            self._handover_over.wait(_TEARDOWN_HOLD_S)
         _logged(fn, what, *args)
 
 
