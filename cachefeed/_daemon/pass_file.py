@@ -10,7 +10,7 @@ One file per source: ``<cache.dir>/pass-<tag>.cfpass`` (``CacheLayout.pass_file`
 the restart catalog is). Layout (little-endian)::
 
     b"CFPASS\\x00\\x01"  u32 n  header JSON (n bytes): {"format", "identity", "pass", "passes_completed"}
-    then the records, appended, one per object resolved in the pass:  u8 kind (1 drawn, 2 skipped)
+    then the records, appended, one per object resolved in the pass:  u8 kind (1 drawn, 2 skipped, 3 again)
                                                                        u64 its path's ``columns.key_hash``
 
 Contract:
@@ -33,9 +33,11 @@ Contract:
   what the first one's records held.
 * **Bounded**: records stop at ``MAX_SHARE`` of ``cache.max_bytes`` (9 bytes an object: a pass over a million
   objects takes 9 MB); what the pass resolves past that is fetched again after a restart (one warning says so).
-* A record names a path, not a version: an object whose new version is listed after its old one was resolved in
-  the pass, and which is still in flight or queued when the daemon stops, waits for the next pass after the
-  restart.
+* **Queued again**: an object the pass resolved and then queued again (its new version listed, or it was in a
+  segment retired for the remote's changes: ``plan.py``, "Retired samples") gets a record of kind 3. An object
+  is resolved where its last record is of kind 1 or 2: one queued again and not resolved since is drawn again
+  after a restart. Each save writes its kinds 1 and 2 before its 3s: an object queued again and resolved within
+  one save is fetched once more after a restart rather than never.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ FORMAT_VERSION = 1
 MAX_SHARE = 0.05  # of cache.max_bytes: the most a pass file's records take
 _U32 = struct.Struct("<I")
 _RECORD = np.dtype([("kind", "u1"), ("key", "<u8")])  # packed: 9 bytes
-_DRAWN, _SKIPPED = 1, 2
+_DRAWN, _SKIPPED, _AGAIN = 1, 2, 3
 _Keys = Sequence[int] | npt.NDArray[np.uint64]
 
 
@@ -113,10 +115,12 @@ def read_pass_file(path: Path, identity: dict[str, Any]) -> PassState | None:
         return None
     body = data[start + n :]
     records = np.frombuffer(body, _RECORD, count=len(body) // _RECORD.itemsize)  # a torn last record: ignored
-    if len(records) and not np.isin(records["kind"], (_DRAWN, _SKIPPED)).all():
+    if len(records) and not np.isin(records["kind"], (_DRAWN, _SKIPPED, _AGAIN)).all():
         raise PassFileError("a record is damaged (an unknown kind)")
-    keys = np.unique(records["key"].astype(np.uint64))
-    return PassState(state[0], state[1], keys, bool((records["kind"] == _DRAWN).any()))
+    latest = records[::-1]  # each key's last record decides: np.unique takes a key's first in this order
+    keys, first = np.unique(latest["key"].astype(np.uint64), return_index=True)
+    resolved = keys[latest["kind"][first] != _AGAIN]
+    return PassState(state[0], state[1], resolved, bool((records["kind"] == _DRAWN).any()))
 
 
 class PassFileWriter:
@@ -146,16 +150,17 @@ class PassFileWriter:
         else:
             self._is_failing = False
 
-    def save(self, pass_index: int, passes_completed: int, drawn: _Keys, skipped: _Keys) -> None:
-        """Record that ``drawn`` and ``skipped`` (key hashes) were resolved in pass ``pass_index``; a new pass
+    def save(self, pass_index: int, passes_completed: int, drawn: _Keys, skipped: _Keys, again: _Keys = ()) -> None:
+        """Record that ``drawn`` and ``skipped`` (key hashes) were resolved in pass ``pass_index``, and ``again``
+        queued again in it (module docstring, "Queued again"); a new pass
         starts the file again. A write that fails is logged (once until one succeeds) and the file removed, so
         that a restart would begin the pass again, as with no file; the next save starts the file again, without
         what it lost."""
         try:
             if pass_index != self._pass:
                 self._start(pass_index, passes_completed)
-            if (len(drawn) or len(skipped)) and self._pass is not None:
-                self._append(_records(drawn, skipped))
+            if (len(drawn) or len(skipped) or len(again)) and self._pass is not None:
+                self._append(_records(drawn, skipped, again))
         except OSError as exc:
             self._fail(exc)
         else:
@@ -218,9 +223,12 @@ class PassFileWriter:
             pass
 
 
-def _records(drawn: _Keys, skipped: _Keys) -> npt.NDArray[Any]:
-    """The records of ``drawn`` and ``skipped`` key hashes, in that order."""
-    records = np.empty(len(drawn) + len(skipped), _RECORD)
-    records["kind"][: len(drawn)], records["kind"][len(drawn) :] = _DRAWN, _SKIPPED
-    records["key"][: len(drawn)], records["key"][len(drawn) :] = drawn, skipped
+def _records(drawn: _Keys, skipped: _Keys, again: _Keys = ()) -> npt.NDArray[Any]:
+    """The records of ``drawn``, ``skipped`` and ``again`` key hashes, in that order."""
+    records = np.empty(len(drawn) + len(skipped) + len(again), _RECORD)
+    at = 0
+    for kind, keys in ((_DRAWN, drawn), (_SKIPPED, skipped), (_AGAIN, again)):
+        records["kind"][at : at + len(keys)] = kind
+        records["key"][at : at + len(keys)] = keys
+        at += len(keys)
     return records

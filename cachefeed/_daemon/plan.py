@@ -58,7 +58,8 @@ Contract:
   its index, the passes completed before it, the objects it had resolved, which are not drawn again in it, and
   whether it had drawn any (then it is counted when it ends, as if drawn in this run). ``take_resolved`` hands out,
   for that file, the objects resolved since the last call: drawn (done or failed), and skipped (cached, dropped,
-  no longer listed) in the current pass; not those in flight.
+  no longer listed) in the current pass; not those in flight; and those queued again in the pass (a new version,
+  the other objects of a retired segment), which the resumed pass draws again.
 * **Retired samples.** The cache holds samples of the listed version of each object only: a sample is named by
   its object's key, and an epoch serves each sample once. So the segments holding samples of a version the remote
   no longer lists are *stale* (``take_stale`` hands them to the supervisor, which evicts them at once,
@@ -217,7 +218,7 @@ class SamplingPlan:
         self._resumed: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)  # key hashes resolved before a restart
         self._resumed_this_pass = 0  # listed objects of this pass resolved before the restart (not drawn)
         self._resumed_drew = False  # this pass drew objects before the restart
-        self._resolved = (_KeyLog(), _KeyLog())  # since ``take_resolved``: drawn, skipped
+        self._resolved = (_KeyLog(), _KeyLog(), _KeyLog())  # since ``take_resolved``: drawn, skipped, again
 
     # -- the catalog ----------------------------------------------------------------------------------------
 
@@ -313,6 +314,7 @@ class SamplingPlan:
             # one more pass of skips per page of a listing.
             self.revision += 1
             self._queue.extend(pass_order([(hashes, joined_oids)], _pass_seed(self.seed, self._pass)))
+            self._note_again(rejoined)  # resolved in this pass before, maybe: drawn again after a restart too
         return len(joined_oids)
 
     def listed_oids(self) -> npt.NDArray[np.intp]:
@@ -446,7 +448,7 @@ class SamplingPlan:
         self._failed_this_pass.clear()
         self._drawn_this_pass = self._done_this_pass = self._skipped_this_pass = self._resumed_this_pass = 0
         self._resumed, self._resumed_drew = self._resumed[:0], False
-        self._resolved = (_KeyLog(), _KeyLog())
+        self._resolved = (_KeyLog(), _KeyLog(), _KeyLog())
         self._queue, self._head = deque(), 0  # (empty by now) freed before the next pass is laid out
         seen, complete = self._seen.data, self._complete
         runs, seed = self.table.runs(), _pass_seed(self.seed, self._pass)
@@ -577,14 +579,19 @@ class SamplingPlan:
         self.counters.passes_completed = passes_completed
         self._resumed, self._resumed_drew = resolved, drew
 
-    def take_resolved(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    def take_resolved(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
         """The key hashes of the objects resolved in the current pass since the last call: those drawn, and those
-        skipped (see "Resumed passes")."""
-        drawn, skipped = self._resolved
-        return drawn.take(), skipped.take()
+        skipped; and those queued again in it since (a new version listed, or what a retired segment held), which
+        a restart draws again however they were resolved before (see "Resumed passes")."""
+        drawn, skipped, again = self._resolved
+        return drawn.take(), skipped.take(), again.take()
 
     def _note_resolved(self, oid: int, *, drawn: bool) -> None:
         self._resolved[0 if drawn else 1].add(self.table.key_hash(oid))
+
+    def _note_again(self, oids: Iterable[int]) -> None:
+        for oid in oids:
+            self._resolved[2].add(self.table.key_hash(int(oid)))
 
     def adopt(self, seq: int, sources: Iterable[Source]) -> None:
         """Segment ``seq``, recovered at start, holds samples of each ``(path, version[, cut])`` in ``sources``
@@ -653,6 +660,7 @@ class SamplingPlan:
                     again = [oid for oid in whole.tolist() if self._is_listed(oid) and oid not in self._in_flight]
                     if again:
                         self._queue.append(np.array(again, dtype=np.uint32))
+                        self._note_again(again)
         self._retiring -= gone
 
     @staticmethod

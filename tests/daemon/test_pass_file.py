@@ -144,9 +144,9 @@ def test_a_resumed_pass_draws_what_it_had_not_resolved_and_the_next_pass_draws_e
     for oid, obj in first.next(15):
         first.done([oid], None)
         visited.append(obj.path)
-    resolved, skipped = first.take_resolved()
+    resolved, skipped, _again = first.take_resolved()
     assert sorted(resolved.tolist()) == sorted(key_hash(path) for path in visited) and not len(skipped)
-    assert [len(keys) for keys in first.take_resolved()] == [0, 0]
+    assert [len(keys) for keys in first.take_resolved()] == [0, 0, 0]
     again = SamplingPlan(seed=3)
     keys = np.unique(resolved)
     again.resume_pass(first.pass_index, first.counters.passes_completed, keys, drew=True)
@@ -164,7 +164,7 @@ def test_resolved_objects_are_handed_out_in_order_across_chunks(monkeypatch: pyt
     drawn = plan.next(10)
     for oid, _ in drawn:
         plan.done([oid], None)
-    resolved, skipped = plan.take_resolved()
+    resolved, skipped, _again = plan.take_resolved()
     assert resolved.dtype == np.uint64 and not len(skipped)
     assert resolved.tolist() == [key_hash(obj.path) for _, obj in drawn]
 
@@ -179,6 +179,31 @@ def test_a_resumed_pass_keeps_its_count_and_resolves_nothing_twice_in_the_file()
     assert plan.next(1) and (plan.pass_index, plan.counters.passes_completed) == (6, 5)
     with pytest.raises(RuntimeError, match="before the first listing page"):
         plan.resume_pass(1, 1, np.zeros(0, np.uint64), drew=False)
+
+
+def test_objects_queued_again_in_a_pass_are_drawn_again_in_it_after_a_restart(tmp_path: Path) -> None:
+    """An object overwritten after the pass fetched it, and the others of the segment that held it (retired), are
+    queued again in the pass; a restart before they were fetched again used to skip them for the rest of the pass
+    (the file said resolved), leaving them out of the cache for a whole pass."""
+    listed = listing(6)
+    plan = SamplingPlan()
+    plan.update_catalog(listed)
+    drawn = plan.next(3)
+    plan.done([oid for oid, _ in drawn], 0)  # one segment holds the three
+    path = tmp_path / "pass-00000000.cfpass"
+    writer = PassFileWriter(path, IDENTITY, mode=0o600, max_bytes=1 << 20)
+    writer.save(plan.pass_index, plan.counters.passes_completed, *plan.take_resolved())
+    changed = RemoteObject(drawn[0][1].path, 1, "v2")
+    plan.update_page(plan.fold([changed]))  # overwritten
+    plan.evicted(plan.take_stale())  # the supervisor retired the segment
+    writer.save(plan.pass_index, plan.counters.passes_completed, *plan.take_resolved())
+    writer.close()
+    state = read_pass_file(path, IDENTITY)
+    assert state is not None
+    resumed = SamplingPlan()
+    resumed.resume_pass(state.pass_index, state.passes_completed, state.resolved, drew=state.drew)
+    resumed.update_catalog([changed if obj.path == changed.path else obj for obj in listed])
+    assert sorted(drain(resumed)) == sorted(obj.path for obj in listed), "those queued again are drawn again"
 
 
 # -- a real daemon, killed and restarted --------------------------------------------------------------------------
