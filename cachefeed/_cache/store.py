@@ -434,7 +434,17 @@ class CacheStore:
         less turnover room than ``max_bytes`` was sized for (``room.py`` computes it from ``max_bytes``)."""
         free = self._free_bytes()
         can_hold = free + self._used() - self.config.min_free_bytes
-        if self.config.max_bytes > can_hold:
+        if can_hold <= 0 and self.config.min_free_bytes > 0:  # no max_bytes can help: the floor is above the room
+            log.warning(
+                "cache.min_free_bytes = %s is more than the filesystem of %s has free (%s): the cache can hold "
+                "nothing; lower cache.min_free_bytes (the space it keeps free for others) below %s, or free space "
+                "there",
+                format_bytes(self.config.min_free_bytes),
+                self.layout.root,
+                format_bytes(free),
+                format_bytes(free + self._used()),
+            )
+        elif self.config.max_bytes > can_hold:
             log.warning(
                 "cache.max_bytes = %s is more than the filesystem of %s can give the cache (%s free, %s cached, "
                 "min_free_bytes %s): the cache will stop at the free-space floor with less turnover room than "
@@ -788,9 +798,17 @@ class CacheStore:
     def out_of_space_reason(self) -> str:
         """What ``is_out_of_space`` means, in words for the log and status, with what to do."""
         inodes = ", no inode left for a file" if self._is_out_of_inodes() else ""
+        free, floor = self._free_bytes(), self.config.min_free_bytes
+        if not inodes and free > floor // 2 and floor > 0:  # the floor stops it, not a full filesystem
+            return (
+                f"the cache's filesystem is at its free-space floor: {format_bytes(free)} free at {self.layout.root}, "
+                f"and cache.min_free_bytes = {format_bytes(floor)} keeps that much free for others; the cache holds "
+                "nothing it may evict: fetching waits for space; lower cache.min_free_bytes, free space on that "
+                "filesystem, or lower cache.max_bytes to what it can hold"
+            )
         return (
-            f"the cache's filesystem is full: {format_bytes(self._free_bytes())} free{inodes} at {self.layout.root} "
-            f"(cache.min_free_bytes = {format_bytes(self.config.min_free_bytes)}), and the cache holds nothing it may "
+            f"the cache's filesystem is full: {format_bytes(free)} free{inodes} at {self.layout.root} "
+            f"(cache.min_free_bytes = {format_bytes(floor)}), and the cache holds nothing it may "
             "evict: fetching waits for space; free space on that filesystem, or lower cache.max_bytes to what it "
             "can hold"
         )

@@ -605,6 +605,25 @@ def test_a_budget_larger_than_the_filesystem_is_named_at_the_start(
     assert "set cache.max_bytes to at most" in caplog.text
 
 
+def test_a_free_space_floor_above_the_free_space_names_min_free_bytes_not_max_bytes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An example config's ``min_free_bytes = "50GiB"`` copied onto a smaller disk: the cache can hold nothing, and
+    the warning and the out-of-space reason used to say to lower ``max_bytes``, which cannot help."""
+    stats = os.statvfs(tmp_path)
+    free = stats.f_bavail * stats.f_frsize
+    with caplog.at_level(logging.WARNING, logger="cachefeed"):
+        store = CacheStore(cache_config(tmp_path / "floor", min_free_bytes=free + (1 << 30)))
+    try:
+        assert "cache.min_free_bytes = " in caplog.text and "the cache can hold nothing" in caplog.text
+        assert "set cache.max_bytes to at most" not in caplog.text
+        assert store.reserve(4096) is None and store.is_out_of_space
+        reason = store.out_of_space_reason()
+        assert "free-space floor" in reason and "lower cache.min_free_bytes" in reason, reason
+    finally:
+        store.close()
+
+
 def test_a_snapshot_one_rank_left_for_a_resume_outlives_the_other_ranks_release(tmp_path: Path) -> None:
     """Two local ranks read an epoch; one is stopped by Ctrl-C and leaves it for a resume, the other finishes its
     share and releases last. That release removed the snapshot, and the resume read other samples. Now the snapshot
