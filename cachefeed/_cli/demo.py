@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (2)")
     parser.add_argument("--remote", metavar="URL", help="train on this remote instead (s3://..., file:///...)")
     parser.add_argument("--pattern", default="**", help="glob under --remote (default **)")
-    parser.add_argument("--decode", default="npz", help="decoder for --remote objects (default npz)")
+    parser.add_argument(
+        "--decode", default="npy", help="decoder for --remote objects (default npy, as the daemon's sampler.decode)"
+    )
     parser.add_argument(
         "--storage-option", action="append", default=[], metavar="KEY=VALUE", help="for --remote (repeatable)"
     )
@@ -184,22 +186,41 @@ def _wait_running(daemon: subprocess.Popen[bytes], cache_dir: Path, log_path: Pa
         time.sleep(0.1)
 
 
-def _check_listed(cache_dir: Path, remote: str, pattern: str, timeout_s: float = 60.0) -> None:
-    """A ``--remote`` that lists no objects (a typo in the URL or the pattern) is a usage error now, rather than a
-    trainer that waits minutes for samples that never come. A listing that fails or takes longer is left to the
-    trainer's wait, whose progress line names the daemon's reason."""
+def _check_listed(cache_dir: Path, args: argparse.Namespace, log_path: Path, timeout_s: float = 60.0) -> None:
+    """A ``--remote`` that lists no objects (a typo in the URL or the pattern), or none of whose objects can be
+    cached (a wrong ``--decode``, say), is a usage error now, naming the daemon's reason, rather than a trainer that
+    waits minutes for samples that never come. A listing that fails or takes longer is left to the trainer's wait,
+    whose progress line names the daemon's reason."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         document = _status_document(cache_dir)
         listing = None if document is None else document["remote"]
         if listing is not None and listing["last_listed_at"]:
-            if listing["objects_listed"] == 0:
+            listed = int(listing["objects_listed"])
+            if listed == 0:
                 raise UsageError(
-                    f"--remote {safe_url(remote)!r} lists no objects matching --pattern {pattern!r}: check the URL "
-                    "and the pattern"
+                    f"--remote {safe_url(args.remote)!r} lists no objects matching --pattern {args.pattern!r}: check "
+                    "the URL and the pattern"
                 )
-            return
+            if document is not None and document["cache"]["samples"]:
+                return
+            refused = listing.get("not_cached") or {}
+            if sum(refused.values()) >= listed:
+                reasons = ", ".join(f"{kind}: {count}" for kind, count in sorted(refused.items()))
+                first = next((line for line in _log_lines(log_path) if "quarantined" in line), "")
+                raise UsageError(
+                    f"none of the {listed} objects --remote lists can be cached ({reasons})"
+                    + (f"; the first: {first.split(': ', 1)[-1]}" if first else "")
+                    + (f"; is --decode {args.decode!r} right for them?" if "decode" in refused else "")
+                )
         time.sleep(0.1)
+
+
+def _log_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 def _wait_for_reads(cache_dir: Path, epochs: int, timeout_s: float = 10.0) -> None:
@@ -341,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
             )
             _wait_running(daemon, cache_dir, log_path)
         if args.remote:
-            _check_listed(cache_dir, args.remote, args.pattern)
+            _check_listed(cache_dir, args, log_path)
         _train(args, cache_dir)
         _wait_for_reads(cache_dir, args.epochs)
         from cachefeed._status.render import render_human

@@ -130,3 +130,20 @@ def test_a_demo_remote_that_lists_nothing_is_a_usage_error_at_once(tmp_path: Pat
         assert "Traceback" not in result.stderr
         assert time.monotonic() - started < 60
     assert not list(tmp_path.glob("cachefeed-demo-*")), "the demo removed what it created"
+
+
+def test_a_demo_remote_none_of_whose_objects_can_be_decoded_is_a_usage_error_naming_why(tmp_path: Path) -> None:
+    """``--remote`` of .npy files with ``--decode npz`` (once the demo's default, unlike the daemon's) quarantined
+    every object and waited minutes, its progress line pointing to a log the demo then removed."""
+    import time
+
+    from tests.support.file_remote import npy_remote
+
+    remote = npy_remote(tmp_path / "npy", 8)
+    started = time.monotonic()
+    result = run_demo(tmp_path, "--remote", remote.as_uri(), "--decode", "npz")
+    assert result.returncode == 64, result.stderr[-2000:]
+    assert "none of the 8 objects --remote lists can be cached (decode: 8); the first: " in result.stderr
+    assert "is --decode 'npz' right for them?" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60
