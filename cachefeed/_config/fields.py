@@ -18,6 +18,7 @@ from typing import Any
 from cachefeed import _images as images
 from cachefeed._codecs import BUILTIN_DECODERS
 from cachefeed._labels import LABEL_RULES
+from cachefeed._patterns import unbalanced_brace
 from cachefeed._units import parse_duration, parse_size
 
 __all__ = [
@@ -58,6 +59,17 @@ def nonempty_string(value: object) -> str:
     text = string(value)
     if not text.strip():
         raise ValueError("expected a non-empty string")
+    return text
+
+
+def glob_pattern(value: object) -> str:
+    """A non-empty glob (``_patterns.py``) whose braces pair up."""
+    text = nonempty_string(value)
+    at = unbalanced_brace(text)
+    if at is not None:
+        raise ValueError(
+            f"the {text[at]!r} at position {at} has no pair: write {{a,b}} for alternatives, with each brace closed"
+        )
     return text
 
 

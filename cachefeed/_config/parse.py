@@ -42,8 +42,16 @@ __all__ = ["BUDGET_FORMULA", "changed_keys", "load_config", "minimum_max_bytes",
 
 def _unknown(kind: str, name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name.rpartition(".")[2], known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = _elsewhere(name.rpartition(".")[2]) or (f"; did you mean {close[0]!r}?" if close else "")
     return f"unknown {kind} {name!r} (expected one of: {', '.join(known)}){hint}"
+
+
+def _elsewhere(key: str) -> str:
+    """Where a key of that name belongs, if another section has it: a key in the wrong section."""
+    owners = [section for section, keys in SCHEMA.items() if key in keys]
+    if not owners:
+        return ""
+    return "; " + " or ".join(f"{section}.{key}" for section in owners) + f" belongs in [{owners[0]}]"
 
 
 def _env_int(env: Mapping[str, str], source: str, *names: str) -> int | None:
@@ -82,6 +90,11 @@ def parse_config(document: Mapping[str, Any], *, source: str = NO_FILE, env: Map
         if section_name == "source":
             continue
         if section_name not in SCHEMA:
+            if not isinstance(body, dict):  # ``url = ...`` above every table header: a key, not a section
+                raise ConfigError(
+                    f"{source}: the key {section_name!r} is outside every section: "
+                    + (_elsewhere(section_name).removeprefix("; ") or "keys go under a [section] header")
+                )
             raise ConfigError(f"{source}: " + _unknown("section", section_name, list(SCHEMA)))
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: [{section_name}] must be a table of keys")

@@ -39,7 +39,7 @@ Parser = Callable[[object], object]
 SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
     "remote": {
         "url": ("url", fields.url, "fsspec URL of the dataset root: s3://bucket/prefix, file:///data, memory://x"),
-        "pattern": ("pattern", fields.nonempty_string, 'glob under url selecting the objects (default "**")'),
+        "pattern": ("pattern", fields.glob_pattern, 'glob under url selecting the objects (default "**")'),
         "storage_options": ("storage_options", fields.table, "passed to fsspec as is (endpoint_url, key, ...)"),
         "refresh_interval": ("refresh_interval_s", fields.positive_duration, "re-list the remote this often (5m)"),
         "manifest": (
@@ -155,7 +155,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Parser, str]]] = {
 SOURCE_SCHEMA: dict[str, tuple[str, Parser, str]] = {
     "name": ("name", fields.source_name, "letters, digits and _.- (at most 64): names the source everywhere"),
     "url": ("url", fields.url, "fsspec URL of this source's root, as remote.url"),
-    "pattern": ("pattern", fields.nonempty_string, 'glob under url, as remote.pattern (default "**")'),
+    "pattern": ("pattern", fields.glob_pattern, 'glob under url, as remote.pattern (default "**")'),
     "storage_options": ("storage_options", fields.table, "passed to fsspec as is, as remote.storage_options"),
     "manifest": ("manifest", fields.optional_url, "this source's listing from a manifest, as remote.manifest"),
     "catalog": ("catalog", fields.optional_url, "this source's listing from a shared catalog, as remote.catalog"),

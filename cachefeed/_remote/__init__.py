@@ -4,7 +4,8 @@
 - ``errors.py``: backend exceptions translated to ``RemoteError`` kinds, through one table.
 - ``limits.py``: backoff, the retry budget, the rate caps.
 - ``integrity.py``: the version pin (ETag, length, local mtime) and the MD5 check.
-- ``patterns.py``: the matcher of ``remote.pattern`` (glob plus brace lists).
+- ``cachefeed/_patterns.py`` (beside this package: the config checks patterns too): the matcher of
+  ``remote.pattern``.
 - ``objects.py``: ``RemoteObject`` and ``RemoteStats``.
 
 Credentials are scrubbed from error messages by ``cachefeed._scrub``, the scrubber the logs use too.

@@ -41,13 +41,13 @@ from fsspec.utils import get_protocol
 from cachefeed._config import RemoteConfig
 from cachefeed._errors import ConfigError, RemoteError, RemoteTransientError
 from cachefeed._logs import get_logger
+from cachefeed._patterns import compile_pattern
 from cachefeed._remote.errors import translate_error
 from cachefeed._remote.integrity import check_local, check_md5, check_s3_response
 from cachefeed._remote.limits import RetryBudget, backoff_delay, rate_bucket
 from cachefeed._remote.listing import OnPage, Pager, list_pages
 from cachefeed._remote.manifest import Manifest
 from cachefeed._remote.objects import RemoteObject, RemoteStats
-from cachefeed._remote.patterns import compile_pattern
 from cachefeed._scrub import Scrubber, safe_url, secrets_from_options
 
 __all__ = ["Remote"]

@@ -381,6 +381,26 @@ def test_did_you_mean_for_a_short_key() -> None:
     assert "did you mean 'dir'?" in rejected({"cache.dri": "/x"})
 
 
+def test_a_key_in_the_wrong_section_or_outside_every_section_names_where_it_belongs() -> None:
+    """``decode`` under [remote], or ``url`` above every header: the error listed the section's keys, or called the
+    key a section, without saying where it goes."""
+    assert "sampler.decode belongs in [sampler]" in rejected({"remote.decode": "npz"})
+    assert "cache.max_bytes belongs in [cache]" in rejected({"remote.max_bytes": "1GiB"})  # not max_bytes_per_s
+    with pytest.raises(ConfigError) as info:
+        parse_config({**document({}), "url": "file:///data"}, env={})
+    assert_one_line(str(info.value))
+    assert "the key 'url' is outside every section: remote.url belongs in [remote]" in str(info.value)
+
+
+def test_a_pattern_with_an_unpaired_brace_is_refused_where_it_was_taken_literally() -> None:
+    """``**/*.{npy`` matched nothing (its brace taken as a character of the names), said only as a listing of 0."""
+    message = rejected({"remote.pattern": "**/*.{npy"})
+    assert_one_line(message)
+    assert "remote.pattern = '**/*.{npy': the '{' at position 5 has no pair" in message
+    assert "the '}' at position 3 has no pair" in rejected({"remote.pattern": "**/}*.npy"})
+    parse_config(document({"remote.pattern": "**/{a,{b,c}}.{jpg,png}"}), env={})
+
+
 def test_the_removed_max_samples_is_refused_saying_what_to_use_instead() -> None:
     """cache.max_samples was a bound it could not keep (253 cached with a limit of 100): it is gone, and a config
     that still sets it is told so rather than silently ignored."""

@@ -214,7 +214,7 @@ def test_a_remote_that_lists_nothing_makes_the_daemon_degraded_naming_url_and_pa
 
 
 def test_brace_lists_in_the_pattern_select_each_alternative(tmp_path: Path) -> None:
-    from cachefeed._remote.patterns import compile_pattern
+    from cachefeed._patterns import compile_pattern
 
     matcher = compile_pattern("**/*.{jpg,png}")
     assert [name for name in ("a.jpg", "x/b.png", "c.gif", "d.jpeg") if matcher.match(name)] == ["a.jpg", "x/b.png"]

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import re
 
-from fsspec.utils import glob_translate
+__all__ = ["compile_pattern", "expand_braces", "unbalanced_brace"]
 
-__all__ = ["compile_pattern", "expand_braces"]
+
+def unbalanced_brace(pattern: str) -> int | None:
+    """The index of the first brace of ``pattern`` without its pair (a ``{`` never closed, or a ``}`` never
+    opened), or None. ``expand_braces`` would take such a brace literally: the config refuses it as a typo."""
+    opened: list[int] = []
+    for i, char in enumerate(pattern):
+        if char == "{":
+            opened.append(i)
+        elif char == "}":
+            if not opened:
+                return i
+            opened.pop()
+    return opened[0] if opened else None
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -33,4 +45,6 @@ def expand_braces(pattern: str) -> list[str]:
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
     """One regular expression matching a path (relative to the remote URL) that any expansion of ``pattern`` does."""
+    from fsspec.utils import glob_translate  # here, not at import: the config imports this module (trainers too)
+
     return re.compile("|".join(f"(?:{glob_translate(p)})" for p in expand_braces(pattern)))
