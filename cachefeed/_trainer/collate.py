@@ -72,8 +72,9 @@ class _Stack:
         self.shape = (len(values), *values[0].shape)
 
 
-def _plan(values: list[Any]) -> Any:
-    """``default_collate(values)``, except that equal-shaped tensors become a ``_Stack`` (stacked later, in place)."""
+def _plan(values: list[Any], field: Any = None) -> Any:
+    """``default_collate(values)``, except that equal-shaped tensors become a ``_Stack`` (stacked later, in place).
+    ``field``: the samples' field these values are (for the error on tensors of different shapes)."""
     first = values[0]
     if isinstance(first, torch.Tensor):
         if first.layout == torch.strided and all(
@@ -81,9 +82,10 @@ def _plan(values: list[Any]) -> Any:
             for v in values
         ):
             return _Stack(values)
+        _check_same_shapes(values, field)
     elif isinstance(first, Mapping) and type(first) is dict:
         _check_same_fields(values)
-        return {key: _plan([value[key] for value in values]) for key in first}
+        return {key: _plan([value[key] for value in values], key) for key in first}
     elif isinstance(first, str | bytes):
         return list(values)
     elif isinstance(first, list | tuple) and not hasattr(first, "_fields") and type(first) in (list, tuple):
@@ -92,6 +94,22 @@ def _plan(values: list[Any]) -> Any:
             transposed = [_plan(list(column)) for column in zip(*values, strict=True)]
             return transposed if type(first) is list else tuple(transposed)
     return default_collate(values)
+
+
+def _check_same_shapes(values: list[Any], field: Any) -> None:
+    """Tensors (or arrays) of one field, of different shapes, are a ``ValueError`` naming the field and two shapes,
+    not ``torch.stack``'s "stack expects each tensor to be equal size" from deep in a worker: most often images
+    of their own sizes, which the daemon resizes where ``sampler.image_size`` is set."""
+    shapes = [tuple(value.shape) for value in values if isinstance(value, torch.Tensor | np.ndarray)]
+    other = next((shape for shape in shapes if shape != shapes[0]), None)
+    if other is None or len(shapes) != len(values):
+        return
+    named = f"field {field!r}" if field is not None else "a field"
+    raise ValueError(
+        f"{named} has different shapes in one batch ({list(shapes[0])} and {list(other)}): samples are stacked "
+        "into batches, so give them one shape: for images decoded by the daemon, set sampler.image_size (it "
+        "resizes them); else a transform= that resizes or crops, or a collate_fn= that pads"
+    )
 
 
 def _check_same_fields(values: list[Any]) -> None:
@@ -120,7 +138,14 @@ def collate_samples(samples: list[Any]) -> Any:
     ``_plan`` checks them in the workers): the collate function of an in-process epoch (``num_workers=0``) where
     the caller gave none or ``default_collate``, so that it fails as a worker's does."""
     _check_nested_fields(samples)
-    return default_collate(samples)
+    try:
+        return default_collate(samples)
+    except RuntimeError:  # torch.stack's, for tensors of different shapes: say which field, and what to do
+        if samples and type(samples[0]) is dict:
+            for key, value in samples[0].items():
+                if isinstance(value, torch.Tensor | np.ndarray):
+                    _check_same_shapes([sample[key] for sample in samples], key)
+        raise
 
 
 def _check_nested_fields(values: list[Any]) -> None:

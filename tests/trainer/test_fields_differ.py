@@ -67,3 +67,20 @@ def test_a_nested_field_that_differs_fails_alike_in_process() -> None:
     samples = [{"__key__": f"k{i}", "meta": {"a": i} if i else {"a": i, "b": 1}} for i in range(3)]
     with pytest.raises(ValueError, match="the samples of one batch have different fields"):
         collate_samples(samples)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_images_of_different_sizes_fail_naming_the_field_and_sampler_image_size(tmp_path: Path, workers: int) -> None:
+    """``decode = "image"`` without ``image_size`` on images of their own sizes: torch.stack's "stack expects each
+    tensor to be equal size" came from deep in a worker, naming neither the field nor the setting."""
+    store = CacheStore(cache_config(tmp_path / "cache", segment_bytes=64 << 10))
+    with CacheWriter(store, segment_bytes=64 << 10, fsync=False) as writer:
+        for i in range(SAMPLES):
+            writer.add({"__key__": f"{i:06d}", "image": np.zeros((3, 28 + i % 2, 28), np.uint8), "label": i % 3})
+    store.close()
+    with EpochLoaderFactory(
+        tmp_path / "cache", batch_size=SAMPLES, num_workers=workers, run_id="sizes", progress=None
+    ) as factory:
+        with pytest.raises(ValueError, match="field 'image' has different shapes in one batch") as raised:
+            next(iter(factory.loader(0)))
+    assert "sampler.image_size" in str(raised.value)
