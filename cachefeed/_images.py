@@ -148,7 +148,8 @@ class DecodeImages:
     Each named field holding ``bytes`` becomes a ``uint8`` tensor ``(3, H, W)`` (resized and centre-cropped to
     ``size`` when given; without it, images of different sizes cannot be batched by the default collate).
     Picklable, so it works with every start method. A sample that cannot be decoded, or that has none of the named
-    fields, raises ``DecodeError`` (a field already decoded, not bytes, is left as it is).
+    fields, raises ``DecodeError`` (a field already decoded, not bytes, is left as it is): in a factory's epoch the
+    sample is skipped, logged and counted as a corrupt record is (its batch holds one sample fewer).
 
     Args:
         fields: the fields to decode, e.g. ``("data",)`` for ``decode = "raw"`` or ``("jpg",)`` for tar shards; one

@@ -137,6 +137,29 @@ def test_the_same_folder_decoded_in_the_workers_from_compressed_bytes(tmp_path: 
         assert daemon.stop() == 0
 
 
+def test_an_image_that_does_not_decode_in_the_workers_is_skipped_not_the_end_of_the_epoch(tmp_path: Path) -> None:
+    """``decode = "raw"`` and ``DecodeImages`` in the workers, one file of the folder not an image: its
+    ``DecodeError`` ended the epoch with a worker's traceback (the daemon's own decoding quarantines it). Now it
+    is skipped and counted, as a corrupt record is; the witness is the keys the loop received."""
+    folder = image_folder(tmp_path / "data")
+    (folder / CLASSES[0] / "0.png").write_bytes(b"not an image at all")
+    daemon = daemon_on(tmp_path, folder, {"decode": "raw", "label": "parent"})
+    try:
+        total = len(CLASSES) * PER_CLASS
+        daemon.wait_status(lambda d: d["cache"]["samples"] == total, timeout_s=60, what="every file cached")
+        decode = DecodeImages(fields=("data",), size=(48, 40))
+        with EpochLoaderFactory(
+            daemon.cache_dir, batch_size=10, num_workers=2, transform=decode, run_id="bad", progress=None
+        ) as factory:
+            keys = [key for batch in factory.loader(0) for key in batch["__key__"]]
+            stats = factory.stats(0)
+        assert len(keys) == len(set(keys)) == total - 1
+        assert not any(key.endswith(f"{CLASSES[0]}/0") for key in keys), sorted(keys)[:5]
+        assert stats.skipped_corrupt == 1
+    finally:
+        assert daemon.stop() == 0
+
+
 def test_two_nodes_build_the_same_class_index_and_label_their_own_share_by_it(tmp_path: Path) -> None:
     """Each node caches a disjoint half of the folder, and both number the classes the same way (from the whole
     listing, not from what each caches), so a label means the same class on every node."""

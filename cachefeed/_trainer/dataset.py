@@ -37,7 +37,8 @@ Corrupt records: ``__getitems__`` (the batched path the DataLoader uses) skips a
 (``CorruptRecordError``), logs it and counts it in ``skipped``; the batch then holds *fewer* samples (never a
 replacement: a replacement would deliver another sample twice in the epoch). A batch whose every record is corrupt
 becomes an empty list; ``loader.py`` drops such batches. ``__getitem__`` (one sample) raises
-``CorruptRecordError`` instead, since it has no batch to shrink.
+``CorruptRecordError`` instead, since it has no batch to shrink. A sample the transform raises ``DecodeError`` for
+(``DecodeImages``: an image that does not decode) is skipped and counted alike.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from torch.utils.data import Dataset, get_worker_info
 from cachefeed._cache.records import SegmentReader, read_records
 from cachefeed._cache.snapshots import Snapshot
 from cachefeed._cache.sources import SOURCE_FIELD
-from cachefeed._errors import CorruptRecordError, SnapshotError
+from cachefeed._errors import CorruptRecordError, DecodeError, SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._trainer.counters import SlotCounters
 
@@ -358,7 +359,13 @@ class SnapshotDataset(Dataset[Any]):
                 sample[SOURCE_FIELD] = names[source_of[segment]]
         if transform is None:
             return samples
-        return [transform(sample) for sample in samples]
+        transformed = []
+        for sample in samples:
+            try:
+                transformed.append(transform(sample))
+            except DecodeError as exc:  # a sample the transform cannot decode (``DecodeImages``): skipped, counted
+                self._skip(exc)
+        return transformed
 
     def _open(self, segment: int) -> SegmentReader | None:
         """This process's reader of a segment, or None where it does not open (``CorruptRecordError``: each of its
@@ -391,14 +398,15 @@ class SnapshotDataset(Dataset[Any]):
                     reader = self._reader(segment)  # a segment failing at open: each of its records is skipped
                     readers = self._readers
                 sample = self._read(reader, segment, record, tensors=tensors)
-            except CorruptRecordError as exc:
+            except (CorruptRecordError, DecodeError) as exc:  # DecodeError: the transform's (``DecodeImages``)
                 self._skip(exc)
                 continue
             yield sample
 
-    def _skip(self, exc: CorruptRecordError) -> None:
+    def _skip(self, exc: CorruptRecordError | DecodeError) -> None:
         self._count_skip()
-        log.warning("skipping a corrupt record in snapshot %s: %s", self.snap_id, exc)
+        what = "a sample its transform cannot decode" if isinstance(exc, DecodeError) else "a corrupt record"
+        log.warning("skipping %s in snapshot %s: %s", what, self.snap_id, exc)
 
     def _count_skip(self) -> None:
         info = get_worker_info()
