@@ -77,7 +77,12 @@ class ClassIndex:
                     ", ".join(new[:10]) + (", ..." if len(new) > 10 else ""),
                 )
             else:
-                log.info("%d classes from the listing (%s)", len(new), ", ".join(new[:10]) + ("..." * (len(new) > 10)))
+                log.info(
+                    "%d %s from the listing (%s)",
+                    len(new),
+                    "class" if len(new) == 1 else "classes",
+                    ", ".join(new[:10]) + ("..." * (len(new) > 10)),
+                )
         return new
 
     def check_listing(self) -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cachefeed._errors import CacheUnusableError
+from cachefeed._errors import CacheLockedError, CacheUnusableError, ConfigError
 from cachefeed._logs import LOG_LEVELS, get_logger, setup_logging
 from cachefeed._scrub import secrets_from_options
 
@@ -74,6 +74,15 @@ def start_without_gc() -> Iterator[None]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE", help="the daemon's TOML config file")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="override log.level from the config file")
+    parser.epilog = "exit status: " + ", ".join(
+        f"{code} {label}"
+        for code, label in (
+            (0, "stopped cleanly"),
+            (ConfigError.exit_code, "bad config"),
+            (CacheUnusableError.exit_code, "cache directory unusable"),
+            (CacheLockedError.exit_code, "another daemon holds the cache"),
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:

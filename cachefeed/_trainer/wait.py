@@ -223,7 +223,7 @@ def wait_for_cache(
                 progress.write(f"cachefeed: {line} {waited:.0f}s\n")
                 progress.flush()
                 shown = waited or 1e-9
-            time.sleep(poll_s)
+        time.sleep(poll_s)  # outside the except: a Ctrl-C here is not "during handling of" the check's error
 
 
 def _caches_inside(root: Path) -> list[Path]:
