@@ -6,7 +6,8 @@ One format serves two uses:
   objects its node owns; a restarted daemon folds it into its plan before READY, so it fetches at once and lists
   in the background. Written atomically (``_fsutil.atomic_write``): a crash leaves the old file or the new one.
   It lies in the cache directory, so the store counts it as metadata in the budget (``layout.metadata_bytes``);
-  a catalog larger than ``MAX_SHARE`` of ``cache.max_bytes`` is not kept (one warning says so).
+  a catalog larger than ``MAX_SHARE`` of ``cache.max_bytes`` (shared equally by the sources' catalogs) is not
+  kept (one warning says so).
 * **The shared catalog** (``cachefeed catalog build URL``, ``remote.catalog``): every object of a remote, written
   as generations next to the data (or where the user says); nodes read the newest instead of listing.
 

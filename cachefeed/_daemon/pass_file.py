@@ -31,8 +31,9 @@ Contract:
   with ``passes_completed`` and draws none of the recorded objects in it (``SamplingPlan.resume_pass``), and the
   file is started again with what it held (``PassFileWriter.carry``): a second restart in the same pass knows
   what the first one's records held.
-* **Bounded**: records stop at ``MAX_SHARE`` of ``cache.max_bytes`` (9 bytes an object: a pass over a million
-  objects takes 9 MB); what the pass resolves past that is fetched again after a restart (one warning says so).
+* **Bounded**: records stop at ``MAX_SHARE`` of ``cache.max_bytes``, shared equally by the sources' files (9
+  bytes an object: a pass over a million objects takes 9 MB); what the pass resolves past that is fetched again
+  after a restart (one warning says so).
 * **Queued again**: an object the pass resolved and then queued again (its new version listed, or it was in a
   segment retired for the remote's changes: ``plan.py``, "Retired samples") gets a record of kind 3. An object
   is resolved where its last record is of kind 1 or 2: one queued again and not resolved since is drawn again
@@ -203,8 +204,8 @@ class PassFileWriter:
         if len(records) > room and not self._is_full:
             self._is_full = True
             log.warning(
-                "the pass file %s reached %.0f%% of cache.max_bytes: objects resolved from now on in pass %s are "
-                "fetched again in it if the daemon restarts",
+                "the pass file %s reached its share of %.0f%% of cache.max_bytes: objects resolved from now on in "
+                "pass %s are fetched again in it if the daemon restarts",
                 self.path,
                 MAX_SHARE * 100,
                 pass_index,

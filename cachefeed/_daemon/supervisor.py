@@ -522,7 +522,7 @@ class Supervisor:
         """Each source's plan goes on with the pass an earlier run was in, if that run had the same seed and source
         settings, and keeps its pass from now on."""
         made_with, mode = self.inputs.made_with(), self.config.cache.file_mode
-        limit = int(self.config.cache.max_bytes * PASS_MAX_SHARE)
+        limit = int(self.config.cache.max_bytes * PASS_MAX_SHARE) // len(self.inputs.inputs)  # the sources' files
         for entry in self.inputs.inputs:
             path = store.layout.pass_file(entry.tag)
             identity = {"seed": self.config.sampler.seed, "settings": made_with[entry.tag]}
@@ -562,7 +562,7 @@ class Supervisor:
             return
         store = self._require_store()
         path = store.layout.catalog_file(entry.tag)
-        limit = int(self.config.cache.max_bytes * MAX_SHARE)
+        limit = int(self.config.cache.max_bytes * MAX_SHARE) // len(self.inputs.inputs)  # every source's catalog
         table, listed, owned = plan.table, plan.listed(), plan.owned  # the rows only grow: no copy of the table
         header, mode = self._restart_header(entry), self.config.cache.file_mode
         entry.catalog_revision = plan.revision
@@ -580,7 +580,8 @@ class Supervisor:
             elif not entry.catalog_too_large:
                 entry.catalog_too_large = True
                 log.warning(
-                    "the catalog of %d objects would exceed %.0f%% of cache.max_bytes: not kept for restarts",
+                    "the catalog of %d objects would exceed its share of %.0f%% of cache.max_bytes: not kept for "
+                    "restarts",
                     owned,
                     MAX_SHARE * 100,
                 )
