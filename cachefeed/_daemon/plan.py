@@ -60,22 +60,22 @@ Contract:
   for that file, the objects resolved since the last call: drawn (done or failed), and skipped (cached, dropped,
   no longer listed) in the current pass; not those in flight; and those queued again in the pass (a new version,
   the other objects of a retired segment), which the resumed pass draws again.
-* **Retired samples.** The cache holds samples of the listed version of each object only: a sample is named by
-  its object's key, and an epoch serves each sample once. So the segments holding samples of a version the remote
-  no longer lists are *stale* (``take_stale`` hands them to the supervisor, which evicts them at once,
-  ``CacheStore.retire``): an old version once a page lists another (overwritten), an object a complete listing of
-  the remote no longer shows (deleted), and recovered segments of versions the first complete listing does not
-  show. Their other samples go with them: those objects are queued again in the current pass once their
-  segments are gone (``evicted``), since no epoch may have read them (a budget eviction waits for reads; these did
-  not). Not covered: an object cut across a stale segment and another one (at most two per segment: the one
-  whose samples begin before it and the one whose samples go on after it). Its samples in the stale segment are
-  missing until its other segments are evicted too and it is drawn again (its next pass). Retiring those as well
-  would only move the cut: each segment's first and last samples are of objects cut across it and its neighbour,
-  along all that a sampler wrote; fetching only some of an object's samples is what it would take. A listing
-  that shows no object at all changes nothing (``listed_nothing``): more likely a mount missing or a wrong prefix
-  than a dataset deleted (status says so). It retires nothing and forgets neither what recovered segments hold
-  (``adopt``) nor the objects refused: all kept for when the remote lists again. An object a complete listing no
-  longer shows while it is in flight has its segments stale as they are published.
+* **Retired samples.** The cache holds samples of the listed version of each object only: a sample is named by its
+  object's key, and an epoch serves each sample once. So the segments holding samples of a version the remote no
+  longer lists are *stale* (``take_stale`` hands them to the supervisor, which evicts them at once,
+  ``CacheStore.retire``): an old version once a page lists another (overwritten), an object a complete listing of the
+  remote no longer shows (deleted), and recovered segments of versions the first complete listing does not show. Their
+  other samples go with them: those objects are queued again in the current pass once their segments are gone
+  (``evicted``), read or not: they left for the remote's changes, not because epochs had read them, as a budget
+  eviction waits for. Not covered: an object cut across a stale segment and another one (at most two per segment: the
+  one whose samples begin before it and the one whose samples go on after it). Its samples in the stale segment are
+  missing until its other segments are evicted too and it is drawn again (its next pass). Retiring those as well would
+  only move the cut: each segment's first and last samples are of objects cut across it and its neighbour, along all
+  that a sampler wrote; fetching only some of an object's samples is what it would take. A listing that shows no
+  object at all changes nothing (``listed_nothing``): more likely a mount missing or a wrong prefix than a dataset
+  deleted (status says so). It retires nothing and forgets neither what recovered segments hold (``adopt``) nor the
+  objects refused: all kept for when the remote lists again. An object a complete listing no longer shows while it is
+  in flight has its segments stale as they are published.
 * **Restarts.** ``adopt`` tells the plan which objects the segments recovered at start hold (path and version,
   from each segment's source list, which names every object with a sample in it); an object listed at the same
   version is skipped as cached until all those segments are evicted, so a restarted daemon does not download
