@@ -389,7 +389,7 @@ class Supervisor:
                     self._classes.add(item.classes or {class_name(path, rule) for path in item.paths})
                 added = entry.plan.update_page(item)
                 if added:  # said once per listing at info (benchmarks.ingest times pass 0 from it), then at debug
-                    of = f" of source {entry.name!r}" if self.inputs.is_named else ""
+                    of = self.inputs.of_source(entry.tag)
                     level = logging.DEBUG if entry.is_joining else logging.INFO
                     log.log(level, "%d new objects%s join pass %d", added, of, entry.plan.pass_index)
                     entry.is_joining = True
@@ -413,7 +413,7 @@ class Supervisor:
                     "other samples are fetched again",
                     segments,
                     samples,
-                    f" of source {entry.name!r}" if self.inputs.is_named else "",
+                    self.inputs.of_source(entry.tag),
                 )
         if retired:
             self._check_evictions()
@@ -540,7 +540,7 @@ class Supervisor:
                 log.info(
                     "going on with pass %d%s: the %d objects it resolved before the restart are not drawn in it",
                     state.pass_index,
-                    f" of source {entry.name!r}" if self.inputs.is_named else "",
+                    self.inputs.of_source(entry.tag),
                     len(state.resolved),
                 )
             entry.pass_file = PassFileWriter(path, identity, mode=mode, max_bytes=limit)
