@@ -9,15 +9,24 @@ __all__ = ["compile_pattern", "expand_braces", "unbalanced_brace"]
 
 def unbalanced_brace(pattern: str) -> int | None:
     """The index of the first brace of ``pattern`` without its pair (a ``{`` never closed, or a ``}`` never
-    opened), or None. ``expand_braces`` would take such a brace literally: the config refuses it as a typo."""
+    opened), or None; a brace inside a bracket expression (``[{]``) is a character, not a brace. ``expand_braces``
+    would take an unpaired brace literally: the config refuses it as a typo."""
     opened: list[int] = []
-    for i, char in enumerate(pattern):
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "[":
+            end = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("!", "^", "]") else i + 1)
+            if end > 0:
+                i = end + 1
+                continue
         if char == "{":
             opened.append(i)
         elif char == "}":
             if not opened:
                 return i
             opened.pop()
+        i += 1
     return opened[0] if opened else None
 
 

@@ -564,7 +564,9 @@ class Snapshot:
                 break
             new[name] = allocated_bytes(info)
             pinned += new[name]
-        versions = self._linked_versions() if new or close else None
+        # a copy, kept once the MANIFEST names what it adds: a grow that fails after linking leaves the links, which
+        # the next grow links again (a copy updated then would take them for the same part fetched again)
+        versions = dict(self._linked_versions()) if new or close else None
         entries, fresh = _link_entries(self.layout, self.directory, list(new), reads, versions=versions)
         for name in set(new).difference(str(entry[0]) for entry in entries):  # gone, or holding what it holds
             self._passed.add(name)
@@ -607,6 +609,8 @@ class Snapshot:
             manifest["topup_from"] = topup_from
         atomic_write(self.directory / MANIFEST, msgpack.packb(manifest), mode=0o640)
         self._load(manifest)
+        if versions is not None:
+            self._versions = versions
         return added
 
     def _linked_versions(self) -> dict[str, Linked]:

@@ -186,11 +186,14 @@ def _wait_running(daemon: subprocess.Popen[bytes], cache_dir: Path, log_path: Pa
         time.sleep(0.1)
 
 
-def _check_listed(cache_dir: Path, args: argparse.Namespace, log_path: Path, timeout_s: float = 60.0) -> None:
+def _check_listed(
+    cache_dir: Path, args: argparse.Namespace, log_path: Path, timeout_s: float = 60.0, first_s: float = 10.0
+) -> None:
     """A ``--remote`` that lists no objects (a typo in the URL or the pattern), or none of whose objects can be
-    cached (a wrong ``--decode``, say), is a usage error now, naming the daemon's reason, rather than a trainer that
-    waits minutes for samples that never come. A listing that fails or takes longer is left to the trainer's wait,
-    whose progress line names the daemon's reason."""
+    cached within ``first_s`` of the listing (a wrong ``--decode``, say), is a usage error now, naming the daemon's
+    reason, rather than a trainer that waits minutes for samples that never come. A listing that fails or takes
+    longer, and a remote slow to deliver its first objects, are left to the trainer's wait, whose progress line
+    names the daemon's reason."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         document = _status_document(cache_dir)
@@ -204,6 +207,7 @@ def _check_listed(cache_dir: Path, args: argparse.Namespace, log_path: Path, tim
                 )
             if document is not None and document["cache"]["samples"]:
                 return
+            deadline = min(deadline, time.monotonic() + first_s)
             refused = listing.get("not_cached") or {}
             if sum(refused.values()) >= listed:
                 reasons = ", ".join(f"{kind}: {count}" for kind, count in sorted(refused.items()))

@@ -43,6 +43,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import json
 import struct
 from collections.abc import Sequence
@@ -199,9 +200,17 @@ class PassFileWriter:
             self._records += len(kept)
 
     def _room_for(self, records: npt.NDArray[Any], pass_index: int | None) -> npt.NDArray[Any]:
-        """Those of ``records`` the file has room for (``max_bytes``); where it has not, said once per pass."""
+        """Those of ``records`` the file has room for (``max_bytes``); where it has not, said once per pass. Records
+        of objects queued again are kept before the others: left out, an earlier record would say resolved, and a
+        restart would skip the object for the rest of the pass. Where even they do not fit, ``OSError`` (the file
+        is removed, ``_fail``: a restart begins the pass again)."""
         room = self._max_records - self._records
-        if len(records) > room and not self._is_full:
+        if len(records) <= room:
+            return records
+        again = records["kind"] == _AGAIN
+        if int(np.count_nonzero(again)) > room:
+            raise OSError(errno.EFBIG, "its share of cache.max_bytes cannot hold the objects queued again in the pass")
+        if not self._is_full:
             self._is_full = True
             log.warning(
                 "the pass file %s reached its share of %.0f%% of cache.max_bytes: objects resolved from now on in "
@@ -210,7 +219,8 @@ class PassFileWriter:
                 MAX_SHARE * 100,
                 pass_index,
             )
-        return records[: max(0, room)]
+        others = records[~again]
+        return np.concatenate([others[: room - int(np.count_nonzero(again))], records[again]])
 
     def _fail(self, exc: OSError) -> None:
         if not self._is_failing:

@@ -102,7 +102,10 @@ _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # the cache's filesystem
 _FULL_RETRY_S = 0.5  # how often a pin tries again then (the daemon's eviction, or the user, frees room)
 _TEARDOWN_HOLD_S = 1.0  # how long teardown steps wait for the handover to end (the new epoch's first batch)
 _RELEASE_BACKLOG = 2  # epochs retired and not yet released beyond which releases hurry and ``activate`` waits
-_RELEASE_WAIT_S = 30.0  # the longest ``activate`` waits for them (a release stuck on a worker: it goes on)
+# The longest ``activate`` waits for them: a release waits for each worker to close its readers, and a worker may
+# first have to hand the training thread a batch too large for its shared memory (through a pipe, which blocks
+# until the training thread reads it): the training thread goes on after this wait, reads, and the release ends.
+_RELEASE_WAIT_S = 1.0
 # A growing epoch's (and a fill wait's) wait for a daemon that went away: systemd's RestartSec (5 s), the new
 # daemon's start (about a second) and a margin for a machine that stalls
 RESTART_GRACE_S = 15.0
@@ -736,13 +739,7 @@ class Epochs:
             if self._unreleased <= _RELEASE_BACKLOG:
                 return
             if not self._released.wait_for(lambda: self._unreleased <= _RELEASE_BACKLOG, _RELEASE_WAIT_S):
-                log.warning(
-                    "epoch %d starts with %d earlier epochs not released after %.0fs: a release is stuck (the log "
-                    "says which step, if one failed)",
-                    epoch,
-                    self._unreleased,
-                    _RELEASE_WAIT_S,
-                )
+                log.debug("epoch %d starts with %d earlier epochs not released yet", epoch, self._unreleased)
 
     def _retire(self, state: EpochState) -> None:
         with self._released:

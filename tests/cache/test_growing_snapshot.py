@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -351,3 +352,43 @@ def test_where_no_observer_starts_a_waiting_rank_is_served_by_the_tick(
         root, lambda samples: samples >= 48, every_s=0.02, publish=lambda: add_segments(root, 16, 32)
     )
     assert sorted(keys) == sorted(f"k{i}" for i in range(48))
+
+
+def test_a_grow_that_fails_after_linking_leaves_its_segments_to_the_next_grow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MANIFEST write of a grow fails (a full filesystem) after its segments were linked; the grower then
+    closes the snapshot (``Grower._close``). That closing grow took the linked segments for the same objects fetched
+    again (the failed grow had noted them as held) and left their samples out of the epoch."""
+    root = tmp_path / "cache"
+    _add_object(root, 0)
+    snapshot = Snapshot.create(root, "e0", growing=True)
+    try:
+        assert snapshot.samples == 8
+        _add_object(root, 1)
+        real = snapshots.atomic_write
+        failed: list[Path] = []
+
+        def full_once(path: Path, data: bytes, **options: Any) -> None:
+            if path.name == snapshots.MANIFEST and not failed:
+                failed.append(path)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(path, data, **options)
+
+        monkeypatch.setattr(snapshots, "atomic_write", full_once)
+        with pytest.raises(OSError):
+            snapshot.grow()
+        snapshot.grow(close=True)
+        assert snapshot.samples == 16, "the closing grow took what the failed one had linked"
+    finally:
+        snapshot.release()
+
+
+def _add_object(root: Path, obj: int) -> None:
+    """Eight samples of remote object ``obj`` in a segment of their own, named in its source list."""
+    store = CacheStore(cache_config(root, segment_bytes=64 << 10))
+    with CacheWriter(store, segment_bytes=64 << 10, fsync=False) as writer:
+        for i in range(8):
+            writer.add(make_sample(f"o{obj}#{i}", 400))
+        writer.add_source(f"remote/o{obj}", "v1")
+    store.close()

@@ -399,6 +399,7 @@ def test_a_pattern_with_an_unpaired_brace_is_refused_where_it_was_taken_literall
     assert "remote.pattern = '**/*.{npy': the '{' at position 5 has no pair" in message
     assert "the '}' at position 3 has no pair" in rejected({"remote.pattern": "**/}*.npy"})
     parse_config(document({"remote.pattern": "**/{a,{b,c}}.{jpg,png}"}), env={})
+    parse_config(document({"remote.pattern": "data[{]*.npy"}), env={})  # a brace in a bracket is a character
 
 
 def test_the_removed_max_samples_is_refused_saying_what_to_use_instead() -> None:

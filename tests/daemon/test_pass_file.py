@@ -118,6 +118,21 @@ def test_a_pass_file_stops_growing_at_its_share_of_the_budget(tmp_path: Path, ca
     assert "fetched again in it if the daemon restarts" in caplog.text
 
 
+def test_a_full_pass_file_still_records_the_objects_queued_again(tmp_path: Path) -> None:
+    """At its share of the budget, the records of objects queued again were left out first: an earlier record said
+    resolved, and a restart skipped them for the rest of the pass. They are kept before the others now, and where
+    even they do not fit the file is removed (a restart begins the pass again)."""
+    path = tmp_path / "pass-00000000.cfpass"
+    writer = PassFileWriter(path, IDENTITY, mode=0o600, max_bytes=9 * 4)
+    writer.save(0, 0, [1, 2, 3], [])
+    writer.save(0, 0, [4, 5], [], [1])  # 1 queued again: room for one record
+    state = read_pass_file(path, IDENTITY)
+    assert state is not None and state.resolved.tolist() == [2, 3], "1 drawn again after a restart, 4 and 5 too"
+    writer.save(0, 0, [], [], [2, 3])  # no room for both
+    writer.close()
+    assert not path.exists(), "a file that cannot say which objects were queued again is not kept"
+
+
 # -- the plan -----------------------------------------------------------------------------------------------------
 
 
