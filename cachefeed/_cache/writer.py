@@ -99,7 +99,7 @@ class CacheWriter:
         self._writer: SegmentWriter | None = None
         self._grant: Grant | None = None
         self._encoder = RecordEncoder(compression=compression)
-        self.published: list[object] = []
+        self.published = 0  # segments published (a count: a list of them grew for the writer's whole life)
         self.before_publish: Callable[[], None] | None = None
         self.source_room = 0  # kept free in each segment for the source its caller names next (records.source_bytes)
         self.source = 0  # the source tag of segments opened from now on (records.py); set it between segments
@@ -196,7 +196,7 @@ class CacheWriter:
             self._provider.abort(grant)
             raise
         result = self._provider.publish(grant)
-        self.published.append(result)
+        self.published += 1
         if self._ramp is not None:
             self._ramp.published(writer.nbytes)
         return result

@@ -379,7 +379,8 @@ class EpochLoaderFactory:
         return snapshot_name(self.run_id, self.job, epoch)
 
     def stats(self, epoch: int) -> EpochStats:
-        """Statistics of an epoch this factory built (KeyError for one it never built)."""
+        """Statistics of an epoch this factory built (KeyError for one it never built, or released more than 1,024
+        epochs ago)."""
         return self._epochs.stats(epoch)
 
     def close(self) -> None:

@@ -65,7 +65,7 @@ class CacheMachine(RuleBasedStateMachine):
         for _ in range(n):
             key = f"k{self.next_key}"
             self.next_key += 1
-            before = len(self.writer.published)
+            before = self.writer.published
             try:
                 self.writer.add(make_sample(key, size))
             except WriterStopped:  # back-pressure: everything is pinned; the previous segment was published
@@ -73,7 +73,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self.pending = []
                 self.backpressured += 1
                 return
-            if len(self.writer.published) > before:  # adding this sample published the previous segment
+            if self.writer.published > before:  # adding this sample published the previous segment
                 self.published.extend(self.pending)
                 self.pending = []
             self.pending.append(key)
