@@ -63,17 +63,23 @@ def listed_again(daemon: DaemonProcess) -> None:
     wait_for(listed, timeout_s=30, interval_s=0.5, what="a listing after SIGHUP")
 
 
-def test_overwritten_and_deleted_objects_leave_the_cache_and_epochs_serve_the_current_content_once(
-    tmp_path: Path,
-) -> None:
+def cached_remote(tmp_path: Path, objects: int = 20) -> tuple[Path, Path, DaemonProcess]:
+    """A remote of ``objects`` objects at version 0, its config, and a daemon that has cached it whole."""
     remote = tmp_path / "remote"
     remote.mkdir()
-    for i in range(OBJECTS):
+    for i in range(objects):
         write(remote, i, 0)
     config = file_daemon_config(tmp_path / "daemon.toml", remote, tmp_path / "cache")
     daemon = start_daemon(config, tmp_path / "cache", tmp_path / "daemon.err")
+    daemon.wait_status(lambda d: d["cache"]["samples"] == objects, timeout_s=60, what="the remote cached")
+    return remote, config, daemon
+
+
+def test_overwritten_and_deleted_objects_leave_the_cache_and_epochs_serve_the_current_content_once(
+    tmp_path: Path,
+) -> None:
+    remote, _config, daemon = cached_remote(tmp_path, OBJECTS)
     try:
-        daemon.wait_status(lambda d: d["cache"]["samples"] == OBJECTS, timeout_s=60, what="the remote cached")
         assert sorted(epoch(daemon, "before")) == [(i, 0) for i in range(OBJECTS)]
         for i in CHANGED:
             write(remote, i, 1)
@@ -101,14 +107,8 @@ def test_overwritten_and_deleted_objects_leave_the_cache_and_epochs_serve_the_cu
 
 
 def test_a_listing_that_shows_nothing_keeps_the_cache_for_when_the_remote_lists_again(tmp_path: Path) -> None:
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    for i in range(20):
-        write(remote, i, 0)
-    config = file_daemon_config(tmp_path / "daemon.toml", remote, tmp_path / "cache")
-    daemon = start_daemon(config, tmp_path / "cache", tmp_path / "daemon.err")
+    remote, _config, daemon = cached_remote(tmp_path)
     try:
-        daemon.wait_status(lambda d: d["cache"]["samples"] == 20, timeout_s=60, what="the remote cached")
         whole = cached(daemon)
         aside = tmp_path / "aside"
         remote.rename(aside)  # a mount missing: the directory is there, and empty
@@ -134,13 +134,7 @@ def test_a_restart_while_the_remote_lists_nothing_keeps_what_the_cache_holds_for
     """Restarted twice while the remote's mount is missing, then it lists again: the restarted daemon used to
     forget what its recovered segments held at the empty listing (and keep an empty restart catalog), and fetched
     everything again, every sample then cached twice. Witness: the samples in the segment files."""
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    for i in range(20):
-        write(remote, i, 0)
-    config = file_daemon_config(tmp_path / "daemon.toml", remote, tmp_path / "cache")
-    daemon = start_daemon(config, tmp_path / "cache", tmp_path / "daemon.err")
-    daemon.wait_status(lambda d: d["cache"]["samples"] == 20, timeout_s=60, what="the remote cached")
+    remote, config, daemon = cached_remote(tmp_path)
     assert daemon.stop() == 0
     whole = cached(daemon)
     aside = tmp_path / "aside"
