@@ -237,8 +237,8 @@ class EpochState:
         return inners
 
     def forget_resources(self) -> None:
-        """A released epoch is kept for its stats only: drop what scales with it (the share's index array, also
-        held by the DataLoader's batch sampler)."""
+        """A released epoch: drop what scales with it (the share's index array, also held by the DataLoader's batch
+        sampler); its statistics stay right (the factory keeps them, ``Epochs._keep_stats``)."""
         self._final_skipped = self.dataset.skipped
         self.indices = self.indices[:0]
         self.batch_list = []

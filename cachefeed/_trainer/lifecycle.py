@@ -295,6 +295,11 @@ class Epochs:
         """A released epoch leaves ``_retired`` for its statistics alone (``_STATS_KEPT`` epochs are kept): the
         state holds its snapshot's entries and more, about 11 KB, and a job of a hundred thousand short epochs kept
         every one (a one-off soak: the training process grew by 1.1 MB a second)."""
+        if not state.was_retired and not state.batches_served:  # prepared ahead, never read (``close``): none
+            with self._lock:
+                if self._retired.get(state.epoch) is state:
+                    del self._retired[state.epoch]
+            return
         try:
             stats = state.stats(handover=True)
         except Exception:  # its snapshot gone under it, say: no statistics is better than a failed release
