@@ -42,8 +42,10 @@ Transitions, who runs them and on which thread:
   passes, waits until every worker has closed its readers of the epoch's segments, closes the dataset, records what
   the epoch served (NOTE [ Read receipts ] in ``_cache/reads.py``) and drops the pin. Idempotent.
   Releases keep up with the loop: with more than ``_RELEASE_BACKLOG`` epochs retired and not released, teardown
-  steps no longer wait for the handover, and ``activate`` waits (up to ``_RELEASE_WAIT_S``) until they are
-  released. Epochs shorter than a release (a few batches each) used to retire faster than the teardown thread,
+  steps no longer wait for the handover, and with more than ``_RELEASE_BOUND``, ``activate`` waits (up to
+  ``_RELEASE_WAIT_S``) until they are released: a bound met only where a release takes longer than an epoch even
+  unhurried (a wait there is a handover's; with the wait at the hurry's threshold, a paced test's epochs of 40 ms
+  had one of 1.5 s). Epochs shorter than a release (a few batches each) used to retire faster than the teardown thread,
   which waited for each handover, released them: hundreds stayed pinned, their reads reached the daemon hundreds of
   epochs late (it kept counting the cached samples as unread, so it fetched nothing), and their snapshots' metadata
   pushed the cache past ``max_bytes``.
@@ -102,7 +104,8 @@ _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # the cache's filesystem
 _FULL_RETRY_S = 0.5  # how often a pin tries again then (the daemon's eviction, or the user, frees room)
 _TEARDOWN_HOLD_S = 1.0  # how long teardown steps wait for the handover to end (the new epoch's first batch)
 _STATS_KEPT = 1024  # released epochs whose statistics ``stats`` still gives
-_RELEASE_BACKLOG = 2  # epochs retired and not yet released beyond which releases hurry and ``activate`` waits
+_RELEASE_BACKLOG = 2  # epochs retired and not yet released beyond which releases hurry (no wait for handovers)
+_RELEASE_BOUND = 8  # ... and beyond which ``activate`` waits for them: a bound, met only where releases are slow
 # The longest ``activate`` waits for them: a release waits for each worker to close its readers, and a worker may
 # first have to hand the training thread a batch too large for its shared memory (through a pipe, which blocks
 # until the training thread reads it): the training thread goes on after this wait, reads, and the release ends.
@@ -762,12 +765,12 @@ class Epochs:
         return state
 
     def _wait_for_releases(self, epoch: int) -> None:
-        """Before ``epoch`` is made current: wait until at most ``_RELEASE_BACKLOG`` retired epochs are unreleased
+        """Before ``epoch`` is made current: wait until at most ``_RELEASE_BOUND`` retired epochs are unreleased
         (module docstring, "release"), up to ``_RELEASE_WAIT_S``. Only epochs shorter than a release ever wait."""
         with self._released:
-            if self._unreleased <= _RELEASE_BACKLOG:
+            if self._unreleased <= _RELEASE_BOUND:
                 return
-            if not self._released.wait_for(lambda: self._unreleased <= _RELEASE_BACKLOG, _RELEASE_WAIT_S):
+            if not self._released.wait_for(lambda: self._unreleased <= _RELEASE_BOUND, _RELEASE_WAIT_S):
                 log.debug("epoch %d starts with %d earlier epochs not released yet", epoch, self._unreleased)
 
     def _retire(self, state: EpochState) -> None:
