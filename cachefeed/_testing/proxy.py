@@ -55,6 +55,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -296,6 +297,7 @@ class FaultProxy:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._closing: asyncio.Event | None = None
+        self._accepted: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()  # closed at ``stop``
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -358,6 +360,8 @@ class FaultProxy:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        for transport in list(self._accepted):  # a connection cleanup left open (a client killed mid-request, say)
+            transport.abort()  # would be closed by the garbage collector, a ResourceWarning in whatever test runs then
 
     # ------------------------------------------------------------------------------------------ test API
 
@@ -433,6 +437,8 @@ class FaultProxy:
         return None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if isinstance(request.transport, asyncio.Transport):
+            self._accepted.add(request.transport)
         info = classify(request.method, unquote(request.rel_url.raw_path), request.rel_url.raw_query_string)
         rule = self._pick(info)
         if rule is not None and rule.fault != "replace_midway":
