@@ -117,24 +117,31 @@ def test_a_folder_of_images_trains_decoded_in_the_daemon_with_labels_from_every_
         assert daemon.stop() == 0
 
 
-def test_the_same_folder_decoded_in_the_workers_from_compressed_bytes(tmp_path: Path) -> None:
-    folder = image_folder(tmp_path / "data")
+def decoded_in_workers(tmp_path: Path, folder: Path, run: str) -> tuple[list[str], Any]:
+    """Epoch 0 of ``folder`` cached as compressed bytes (``decode = "raw"``) and decoded by ``DecodeImages`` in 2
+    workers: the keys the loop received (each batch checked: labels, pixels, shape) and the epoch's statistics."""
+    files = sum(1 for path in folder.rglob("*") if path.is_file())
     daemon = daemon_on(tmp_path, folder, {"decode": "raw", "label": "parent"})
     try:
-        total = len(CLASSES) * PER_CLASS
-        daemon.wait_status(lambda d: d["cache"]["samples"] == total, timeout_s=60, what="every image cached")
+        daemon.wait_status(lambda d: d["cache"]["samples"] == files, timeout_s=60, what="every file cached")
         decode = DecodeImages(fields=("data",), size=(48, 40))
         with EpochLoaderFactory(
-            daemon.cache_dir, batch_size=10, num_workers=2, transform=decode, run_id="raw", progress=None
+            daemon.cache_dir, batch_size=10, num_workers=2, transform=decode, run_id=run, progress=None
         ) as factory:
             keys = []
             for batch in factory.loader(0):
                 batch["image"] = batch.pop("data")
                 check_labelled_batch(batch, factory.classes, (3, 48, 40))
                 keys += batch["__key__"]
-            assert len(keys) == total and len(set(keys)) == total
+            return keys, factory.stats(0)
     finally:
         assert daemon.stop() == 0
+
+
+def test_the_same_folder_decoded_in_the_workers_from_compressed_bytes(tmp_path: Path) -> None:
+    keys, _stats = decoded_in_workers(tmp_path, image_folder(tmp_path / "data"), "raw")
+    total = len(CLASSES) * PER_CLASS
+    assert len(keys) == total and len(set(keys)) == total
 
 
 def test_an_image_that_does_not_decode_in_the_workers_is_skipped_not_the_end_of_the_epoch(tmp_path: Path) -> None:
@@ -143,21 +150,11 @@ def test_an_image_that_does_not_decode_in_the_workers_is_skipped_not_the_end_of_
     is skipped and counted, as a corrupt record is; the witness is the keys the loop received."""
     folder = image_folder(tmp_path / "data")
     (folder / CLASSES[0] / "0.png").write_bytes(b"not an image at all")
-    daemon = daemon_on(tmp_path, folder, {"decode": "raw", "label": "parent"})
-    try:
-        total = len(CLASSES) * PER_CLASS
-        daemon.wait_status(lambda d: d["cache"]["samples"] == total, timeout_s=60, what="every file cached")
-        decode = DecodeImages(fields=("data",), size=(48, 40))
-        with EpochLoaderFactory(
-            daemon.cache_dir, batch_size=10, num_workers=2, transform=decode, run_id="bad", progress=None
-        ) as factory:
-            keys = [key for batch in factory.loader(0) for key in batch["__key__"]]
-            stats = factory.stats(0)
-        assert len(keys) == len(set(keys)) == total - 1
-        assert not any(key.endswith(f"{CLASSES[0]}/0") for key in keys), sorted(keys)[:5]
-        assert stats.skipped_corrupt == 1
-    finally:
-        assert daemon.stop() == 0
+    keys, stats = decoded_in_workers(tmp_path, folder, "bad")
+    assert len(keys) == len(set(keys)) == len(CLASSES) * PER_CLASS - 1
+    bad = [key for key in keys if key.endswith(f"{CLASSES[0]}/0.png")]  # keys are paths: train/<class>/<file>
+    assert not bad and any(posixpath.basename(posixpath.dirname(key)) == CLASSES[0] for key in keys), keys[:5]
+    assert stats.skipped_corrupt == 1
 
 
 def test_two_nodes_build_the_same_class_index_and_label_their_own_share_by_it(tmp_path: Path) -> None:

@@ -41,11 +41,11 @@ Transitions, who runs them and on which thread:
   ``_TEARDOWN_HOLD_S`` passed; or ``close``): stops a growing snapshot's grower, closes the epoch's iterators and
   passes, waits until every worker has closed its readers of the epoch's segments, closes the dataset, records what
   the epoch served (NOTE [ Read receipts ] in ``_cache/reads.py``) and drops the pin. Idempotent.
-  Releases keep up with the loop: with more than ``_RELEASE_BACKLOG`` epochs retired and not released, teardown
-  steps no longer wait for the handover, and with more than ``_RELEASE_BOUND``, ``activate`` waits (up to
+  Releases keep up with the loop: with more than ``_RELEASE_BACKLOG`` epochs retired and not released, teardown steps
+  no longer wait for the handover, and with more than ``_RELEASE_BOUND``, ``activate`` waits (up to
   ``_RELEASE_WAIT_S``) until they are released: a bound met only where a release takes longer than an epoch even
-  unhurried (a wait there is a handover's; with the wait at the hurry's threshold, a paced test's epochs of 40 ms
-  had one of 1.5 s). Epochs shorter than a release (a few batches each) used to retire faster than the teardown thread,
+  unhurried (a wait there is a handover's; with the wait at the hurry's threshold, a paced test's epochs of 40 ms had
+  one of 1.5 s). Epochs shorter than a release (a few batches each) used to retire faster than the teardown thread,
   which waited for each handover, released them: hundreds stayed pinned, their reads reached the daemon hundreds of
   epochs late (it kept counting the cached samples as unread, so it fetched nothing), and their snapshots' metadata
   pushed the cache past ``max_bytes``.
@@ -298,16 +298,12 @@ class Epochs:
         """A released epoch leaves ``_retired`` for its statistics alone (``_STATS_KEPT`` epochs are kept): the
         state holds its snapshot's entries and more, about 11 KB, and a job of a hundred thousand short epochs kept
         every one (a one-off soak: the training process grew by 1.1 MB a second)."""
-        if not state.was_retired and not state.batches_served:  # prepared ahead, never read (``close``): none
-            with self._lock:
-                if self._retired.get(state.epoch) is state:
-                    del self._retired[state.epoch]
-            return
-        try:
-            stats = state.stats(handover=True)
-        except Exception:  # its snapshot gone under it, say: no statistics is better than a failed release
-            log.debug("epoch %d: no statistics kept", state.epoch, exc_info=True)
-            stats = None
+        stats = None
+        if state.was_retired or state.batches_served:  # not an epoch prepared ahead and never read (``close``)
+            try:
+                stats = state.stats(handover=True)
+            except Exception:  # its snapshot gone under it, say: no statistics is better than a failed release
+                log.debug("epoch %d: no statistics kept", state.epoch, exc_info=True)
         with self._lock:
             if self._retired.get(state.epoch) is state:
                 del self._retired[state.epoch]
