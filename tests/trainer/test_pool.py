@@ -7,8 +7,10 @@ an epoch's segments are unmapped by every worker before its pin is dropped.
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -94,6 +96,28 @@ def test_workers_never_preempt_the_training_thread_when_woken(tmp_path: Path) ->
         pids = {pid for batch in f.loader(0) for pid in batch["pid"].tolist()}
         assert pids and all(os.sched_getscheduler(pid) == os.SCHED_BATCH for pid in pids)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def pages_a_full_collection_copies(sample: dict[str, Any]) -> dict[str, Any]:
+    """In a worker: run the collector's full collection and count the pages it faulted in (copied on write)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    gc.collect()
+    sample["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return sample
+
+
+def test_a_workers_full_collection_leaves_the_training_processs_objects_and_pages_alone(tmp_path: Path) -> None:
+    """NOTE [ A worker's collector skips what it inherited ]: the training process holds 300,000 objects (about
+    7,000 pages) when the workers fork; a full collection in a worker walked them all and copied their pages (one
+    page fault each). Now it faults in a few pages of the worker's own."""
+    root = build_cache(tmp_path / "c", 16)
+    ballast = [[i] for i in range(300_000)]  # the training process's objects, on pages the workers share
+    with EpochLoaderFactory(
+        root, batch_size=4, num_workers=1, transform=pages_a_full_collection_copies, run_id="t", progress=None
+    ) as f:
+        faults = [int(n) for batch in f.loader(0) for n in batch["faults"]]
+    assert len(faults) == 16 and len(ballast) == 300_000
+    assert max(faults) < 1_000, f"a worker's full collection copied {max(faults)} pages of the training process"
 
 
 def test_an_epoch_left_early_does_not_leak_its_batches_into_the_next(tmp_path: Path) -> None:
