@@ -99,25 +99,42 @@ def test_workers_never_preempt_the_training_thread_when_woken(tmp_path: Path) ->
 
 
 def pages_a_full_collection_copies(sample: dict[str, Any]) -> dict[str, Any]:
-    """In a worker: run the collector's full collection and count the pages it faulted in (copied on write)."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    gc.collect()
-    sample["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    """In a worker: the pages (page faults) a full collection copies, and then, as a control, what one copies once
+    the worker unfreezes what it inherited."""
+    if not hasattr(pages_a_full_collection_copies, "control"):
+        pages_a_full_collection_copies.control = 0  # type: ignore[attr-defined]  # once per worker
+
+        def faults() -> int:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+        before = faults()
+        gc.collect()
+        frozen = faults() - before
+        gc.unfreeze()
+        before = faults()
+        gc.collect()
+        pages_a_full_collection_copies.control = faults() - before  # type: ignore[attr-defined]
+        pages_a_full_collection_copies.frozen = frozen  # type: ignore[attr-defined]
+    sample["frozen"] = pages_a_full_collection_copies.frozen  # type: ignore[attr-defined]
+    sample["control"] = pages_a_full_collection_copies.control  # type: ignore[attr-defined]
     return sample
 
 
 def test_a_workers_full_collection_leaves_the_training_processs_objects_and_pages_alone(tmp_path: Path) -> None:
-    """NOTE [ A worker's collector skips what it inherited ]: the training process holds 300,000 objects (about
-    7,000 pages) when the workers fork; a full collection in a worker walked them all and copied their pages (one
-    page fault each). Now it faults in a few pages of the worker's own."""
-    root = build_cache(tmp_path / "c", 16)
-    ballast = [[i] for i in range(300_000)]  # the training process's objects, on pages the workers share
+    """NOTE [ A worker's collector skips what it inherited ]: the training process holds 300,000 more objects
+    (about 7,000 pages) when the worker forks. A full collection in the worker copies a few pages of its own; the
+    control in the same worker, a full collection once it unfreezes what it inherited, walks them all and copies
+    their pages (one page fault each), as every worker's first full collection did before."""
+    root = build_cache(tmp_path / "c", 8)
+    ballast = [[i] for i in range(300_000)]  # the training process's objects, on pages the worker shares
     with EpochLoaderFactory(
         root, batch_size=4, num_workers=1, transform=pages_a_full_collection_copies, run_id="t", progress=None
     ) as f:
-        faults = [int(n) for batch in f.loader(0) for n in batch["faults"]]
-    assert len(faults) == 16 and len(ballast) == 300_000
-    assert max(faults) < 1_000, f"a worker's full collection copied {max(faults)} pages of the training process"
+        batches = list(f.loader(0))
+    frozen, control = int(batches[0]["frozen"][0]), int(batches[0]["control"][0])
+    assert len(ballast) == 300_000
+    assert frozen < 1_000, f"a worker's full collection copied {frozen} pages of the training process"
+    assert control > 5_000, f"the control copied only {control} pages: the test shows nothing"
 
 
 def test_an_epoch_left_early_does_not_leak_its_batches_into_the_next(tmp_path: Path) -> None:
