@@ -10,9 +10,10 @@ child would inherit held) takes a fresh interpreter, as does a supervisor that a
 
 What the forked child leaves behind (``sampler.serve_forked``): the supervisor's signal handlers and wakeup
 descriptor, every inherited descriptor but the protocol socket, the cache lock and stdio (stdin becomes
-``/dev/null``, as for the interpreter), the notify variables (``child_env``), and the supervisor's objects, which
-it freezes (``gc.freeze``) so that none is ever finalized in the child; it ends with ``os._exit``, never
-returning into the supervisor's stack. Both ways run the same ``sampler.serve``.
+``/dev/null``, as for the interpreter), the notify variables (``child_env``), and the supervisor's objects: it
+collects the supervisor's garbage once, while the descriptors are still the ones that garbage knew, then freezes
+(``gc.freeze``) what lives, so that none of it is ever finalized in the child after the descriptors are closed; it
+ends with ``os._exit``, never returning into the supervisor's stack. Both ways run the same ``sampler.serve``.
 
 ``ForkedProcess`` gives the pool what it uses of ``subprocess.Popen``: ``pid``, ``poll``, ``wait``, ``terminate``,
 ``kill``, ``send_signal``, ``returncode``.

@@ -77,6 +77,7 @@ import pickle
 import queue
 import random
 import select
+import sysconfig
 import threading
 import time
 import weakref
@@ -145,15 +146,21 @@ class _WorkerSpec:
 # it, with 13,300 pages (52 MiB) copied, to collect 16 objects; both workers did so at the same moment, and the
 # training loop waited 0.15-0.19 s for its next batch (a one-off trace, 2026-11-29, 2 cores). So a worker freezes
 # (``gc.freeze``) what exists when it starts: the collector leaves those objects alone for the worker's life,
-# and collects what the worker allocates as usual. The trade: garbage that was already in the training process
-# at the fork is never finalized in the worker (it is never used there either, and stays shared). A worker
-# started by forkserver or spawn freezes only its own start. The daemon's processes do the same (NOTE [ A
-# daemon's start without the cyclic GC ] in ``_cli/daemon.py``).
+# and collects what the worker allocates as usual. A full collection still empties the interpreter's free lists
+# (tuples, lists, dicts, floats kept for reuse), whose inherited entries it frees: a cost bounded by their caps,
+# far below the walk. The trade: garbage that was already in the training process at the fork is never finalized
+# in the worker (it is never used there either, and stays shared). A worker started by forkserver or spawn
+# freezes only its own start. On a free-threaded Python, freezing marks every object, which would copy every page
+# at the worker's start: there the worker does not freeze. The daemon freezes its start in the supervisor, before
+# it forks samplers (NOTE [ A daemon's start without the cyclic GC ] in ``_cli/daemon.py``); a forked sampler
+# collects once and then freezes, because it closes the descriptors it inherited right after
+# (``sampler.serve_forked``). A worker closes none of them, so it freezes without collecting.
 
 
 def _worker_main(spec: _WorkerSpec, tasks: Connection, results: Connection, arena: Arena) -> None:
     """A worker's life (NOTE above): seed as a DataLoader worker would, then serve tasks until told to stop."""
-    gc.freeze()  # NOTE [ A worker's collector skips what it inherited ]
+    if not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        gc.freeze()  # NOTE [ A worker's collector skips what it inherited ]
     index, num_workers, collate, seed, parent = spec.index, spec.num_workers, spec.collate, spec.seed, spec.parent
     worker_init_fn = spec.worker_init_fn
     direct = os.getppid() == parent  # forked or spawned by the trainer, not by a fork server

@@ -127,6 +127,7 @@ def test_a_workers_full_collection_leaves_the_training_processs_objects_and_page
     their pages (one page fault each), as every worker's first full collection did before."""
     root = build_cache(tmp_path / "c", 8)
     ballast = [[i] for i in range(300_000)]  # the training process's objects, on pages the worker shares
+    gc.collect()  # the free lists empty at the fork: a worker's full collection frees none of their entries
     with EpochLoaderFactory(
         root, batch_size=4, num_workers=1, transform=pages_a_full_collection_copies, run_id="t", progress=None
     ) as f:
