@@ -75,6 +75,13 @@ descriptor is opened, locked and recorded, and closed, under the one lock the at
 one the child does not know of. Claim files live in ``<id>/`` and go with it; a process that may not write there
 reads unclaimed.
 
+Forks: a pin belongs to the process that took it. A process forked while its parent pins snapshots (a worker the
+trainer's pool starts in place of a dead one, mid-training; a user's own fork) would share the parent's locked
+descriptions through its inherited descriptors: after the parent let a pin go, the child's copy held it on, so the
+other ranks' last release found the snapshot held and left it, its segments pinned, for as long as the child lived.
+So pin descriptors are opened and recorded under the one lock the at-fork hooks take (``_open_pin``), and a forked
+child closes its copies at the fork, as it does its claims; a ``Snapshot`` it inherited releases nothing.
+
 Ownership: the MANIFEST names the *job* that created the snapshot (``job``, a nonce the job's ranks agree on,
 ``_trainer/partition.py``) and carries a nonce of the snapshot's own (``nonce``). ``join`` refuses a snapshot of
 another job, and a resumed epoch joins only the snapshot whose nonce its checkpoint names: two jobs never read
@@ -387,7 +394,7 @@ class Snapshot:
             if claim is not None:
                 _drop_claim(claim)
             if fd >= 0:
-                os.close(fd)
+                _close_pin(fd)
 
     @classmethod
     def join(
@@ -751,13 +758,14 @@ class Snapshot:
         if fd is None:
             return
         if os.getpid() != self._owner_pid:
-            # A forked child shares the parent's open lock: touching it would drop or convert the parent's pin.
-            os.close(fd)
+            # A forked child shares the parent's open lock: touching it would drop or convert the parent's pin. Its
+            # copy was closed at the fork (NOTE, "Forks"): the number may be another file's by now.
+            _close_pin(fd)
             return
         try:
             self._remove_if_last(fd)
         finally:
-            os.close(fd)
+            _close_pin(fd)
             _prune_kept_claims()  # this release may have removed the snapshot, its claim files with it
 
     def leave_for_resume(self) -> None:
@@ -779,7 +787,7 @@ class Snapshot:
         except OSError:
             pass
         finally:
-            os.close(fd)
+            _close_pin(fd)
 
     def _unclaim(self) -> None:
         claim, self._claim = self._claim, None
@@ -944,7 +952,7 @@ def _new_lock(layout: CacheLayout, snap_id: str) -> int | None:
     descriptor, or None where a live snapshot has that name (join it)."""
     lock_path = layout.snapshots / f"{snap_id}.lock"
     partial = layout.snapshots / f".{snap_id}.{os.getpid()}.{secrets.token_hex(4)}.partial"
-    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    fd = _open_pin(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
@@ -956,7 +964,7 @@ def _new_lock(layout: CacheLayout, snap_id: str) -> int | None:
     finally:
         os.unlink(partial)
         if fd >= 0:
-            os.close(fd)
+            _close_pin(fd)
 
 
 def _link_lock(partial: Path, lock_path: Path, directory: Path) -> bool:
@@ -1097,20 +1105,20 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
     if not manifest_path.exists():
         return None
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = _open_pin(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        _close_pin(fd)
         return _BUSY
     try:
         if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
             raise FileNotFoundError
         manifest = msgpack.unpackb(manifest_path.read_bytes(), raw=False)
     except (FileNotFoundError, ValueError):
-        os.close(fd)
+        _close_pin(fd)
         return None
     return fd, manifest
 
@@ -1337,6 +1345,29 @@ def _prune_kept_claims() -> None:
                     os.close(fd)
 
 
+# -- pins across a fork (NOTE, "Forks") ------------------------------------------------------------------------------
+
+_pin_fds: set[int] = set()  # this process's pin descriptors: opened and recorded under ``_claims_lock``
+
+
+def _open_pin(path: Path, flags: int, mode: int = 0o777) -> int:
+    """``os.open`` for a pin's lock: recorded under the lock the at-fork hooks take, so that no fork copies a
+    descriptor the child does not know of (NOTE, "Forks")."""
+    with _claims_lock:
+        fd = os.open(path, flags, mode)
+        _pin_fds.add(fd)
+    return fd
+
+
+def _close_pin(fd: int) -> None:
+    """Close a pin's descriptor this process opened; nothing for one a forked child inherited: the child closed
+    its copy at the fork, and the number may be another file's by now."""
+    with _claims_lock:
+        if fd in _pin_fds:
+            _pin_fds.discard(fd)
+            os.close(fd)
+
+
 def _claims_before_fork() -> None:
     _claims_lock.acquire()
 
@@ -1346,13 +1377,18 @@ def _claims_in_parent() -> None:
 
 
 def _claims_in_child() -> None:
-    """A forked child closes its copies of the parent's claims: a copy would hold the claim after the parent let
-    it go (a rank that goes back to an epoch, or restarts, would find its own rank taken)."""
+    """A forked child closes its copies of the parent's claims and pins: a copy would hold the claim after the parent
+    let it go (a rank that goes back to an epoch, or restarts, would find its own rank taken), or the pin (NOTE,
+    "Forks")."""
     global _claims_lock
     for fd, _pins in _claims.values():
         with contextlib.suppress(OSError):
             os.close(fd)
     _claims.clear()
+    for fd in _pin_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _pin_fds.clear()
     _claims_lock = threading.RLock()  # the parent's is held by the forking thread
 
 

@@ -440,6 +440,40 @@ def test_release_in_a_forked_child_leaves_the_parents_pin(tmp_path: Path) -> Non
     assert not (root / "snapshots" / "forked").exists()
 
 
+def test_a_child_forked_while_the_parent_pins_holds_no_copy_of_the_pin(tmp_path: Path) -> None:
+    """A process forked while its parent pins a snapshot (a worker started in place of a dead one, a user's own
+    fork) lives on after the parent leaves the epoch for a resume; once the grace is over the daemon's sweep finds
+    the snapshot unheld and removes it, as when no child lives (NOTE [ Snapshot pinning protocol ], "Forks"). The
+    witness is the snapshot's directory on disk."""
+    root = tmp_path / "c"
+    store = CacheStore(cache_config(root, snapshot_grace_s=0.0))
+    fill(store, range(100))
+    stopped = Snapshot.create(root, "run-e000001")
+    finishing = Snapshot.join(root, "run-e000001", timeout_s=1.0)
+    wake, wait = os.pipe()
+    started, ready = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # past the fork's hooks, it says so, then lives until the test lets it go, as a worker does
+        os.close(wait)
+        os.write(ready, b"r")
+        os.read(wake, 1)
+        os._exit(0)
+    os.close(wake)
+    os.close(ready)
+    assert os.read(started, 1) == b"r"
+    os.close(started)
+    try:
+        stopped.leave_for_resume()
+        finishing.release()
+        store._swept_at = 0
+        assert store.sweep() == ["run-e000001"], "the child's copy of the stopped rank's pin kept the snapshot"
+        assert not (root / "snapshots" / "run-e000001").exists()
+    finally:
+        os.close(wait)
+        os.waitpid(pid, 0)
+    store.close()
+
+
 def test_evictions_report_how_many_epochs_read_each_sample(tmp_path: Path) -> None:
     """Each receipt is one epoch over what it served; evicted samples settle as 'served n times' or 'never served'
     (``evict_after_reads = 0`` here, so unread samples may go). The counters are checked against the files: which
