@@ -77,10 +77,12 @@ reads unclaimed.
 
 Forks: a pin belongs to the process that took it. A process forked while its parent pins snapshots (a worker the
 trainer's pool starts in place of a dead one, mid-training; a user's own fork) would share the parent's locked
-descriptions through its inherited descriptors: after the parent let a pin go, the child's copy held it on, so the
-other ranks' last release found the snapshot held and left it, its segments pinned, for as long as the child lived.
-So pin descriptors are opened and recorded under the one lock the at-fork hooks take (``_open_pin``), and a forked
-child closes its copies at the fork, as it does its claims; a ``Snapshot`` it inherited releases nothing.
+descriptions through its inherited descriptors: after the parent let a pin go (left it for a resume, say), the
+child's copy held it on, so the daemon's sweep (or the other ranks' last release) found the snapshot held and kept
+it, its segments pinned, for as long as the child lived. So pin descriptors are opened and recorded under the one
+lock the at-fork hooks take (``_open_pin``), and a forked child closes its copies at the fork, as it does its
+claims. A ``Snapshot`` it inherited touches, releases and leaves nothing: its descriptor's number may be another
+file's by now, even a pin the child took itself.
 
 Ownership: the MANIFEST names the *job* that created the snapshot (``job``, a nonce the job's ranks agree on,
 ``_trainer/partition.py``) and carries a nonce of the snapshot's own (``nonce``). ``join`` refuses a snapshot of
@@ -716,7 +718,7 @@ class Snapshot:
         to tell a trainer that is slow but reading (paced: normal) from one that stopped (a stuck reader, a
         fault). Trainers call it every few seconds while batches flow; best effort (a rank that may not write the
         creator's lock file is silently skipped: another rank's touch counts for the snapshot)."""
-        if self._lock_fd is not None:
+        if self._lock_fd is not None and os.getpid() == self._owner_pid:
             try:
                 os.utime(self._lock_fd)
             except OSError:
@@ -759,8 +761,7 @@ class Snapshot:
             return
         if os.getpid() != self._owner_pid:
             # A forked child shares the parent's open lock: touching it would drop or convert the parent's pin. Its
-            # copy was closed at the fork (NOTE, "Forks"): the number may be another file's by now.
-            _close_pin(fd)
+            # copy was closed at the fork (NOTE, "Forks"): the number may be another file's, even a pin of its own.
             return
         try:
             self._remove_if_last(fd)
@@ -778,6 +779,9 @@ class Snapshot:
         marks it (NOTE, "Leaving for a resume"). Where the mark cannot be written, the pin is dropped all the same
         (the snapshot then goes with its last holder, and a resume reads a fresh one: its warning says so). The rank
         claim goes first: the resumed rank, in this process or another, claims it again."""
+        if os.getpid() != self._owner_pid:  # inherited across a fork: not this process's pin (NOTE, "Forks")
+            self._claim, self._lock_fd = None, None
+            return
         self._unclaim()
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
@@ -1117,7 +1121,7 @@ def _try_pin(lock_path: Path, manifest_path: Path) -> tuple[int, dict[str, objec
         if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
             raise FileNotFoundError
         manifest = msgpack.unpackb(manifest_path.read_bytes(), raw=False)
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # gone, unreadable (another job's, say) or not msgpack: no pin kept either way
         _close_pin(fd)
         return None
     return fd, manifest
@@ -1385,11 +1389,12 @@ def _claims_in_child() -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     _claims.clear()
-    for fd in _pin_fds:
+    _claims_lock = threading.RLock()  # the parent's is held by the forking thread
+    fds = list(_pin_fds)
+    _pin_fds.clear()  # first: a Snapshot collected in the loop finds nothing to close
+    for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _pin_fds.clear()
-    _claims_lock = threading.RLock()  # the parent's is held by the forking thread
 
 
 os.register_at_fork(before=_claims_before_fork, after_in_parent=_claims_in_parent, after_in_child=_claims_in_child)

@@ -454,10 +454,12 @@ def test_a_child_forked_while_the_parent_pins_holds_no_copy_of_the_pin(tmp_path:
     started, ready = os.pipe()
     pid = os.fork()
     if pid == 0:  # past the fork's hooks, it says so, then lives until the test lets it go, as a worker does
-        os.close(wait)
-        os.write(ready, b"r")
-        os.read(wake, 1)
-        os._exit(0)
+        try:
+            os.close(wait)
+            os.write(ready, b"r")
+            os.read(wake, 1)
+        finally:
+            os._exit(0)
     os.close(wake)
     os.close(ready)
     assert os.read(started, 1) == b"r"
@@ -472,6 +474,56 @@ def test_a_child_forked_while_the_parent_pins_holds_no_copy_of_the_pin(tmp_path:
         os.close(wait)
         os.waitpid(pid, 0)
     store.close()
+
+
+def test_a_child_that_drops_a_snapshot_it_inherited_keeps_the_pin_it_took_itself(tmp_path: Path) -> None:
+    """A forked child pins a snapshot of its own (its descriptor may get the number of the parent's pin, closed at
+    the fork), then drops the ``Snapshot`` it inherited, as its garbage collection or a teardown would: its own pin
+    stays held, and the parent's too (NOTE [ Snapshot pinning protocol ], "Forks"). The witness is the lock table:
+    a probe for an exclusive lock on each snapshot's lock file."""
+    root = tmp_path / "c"
+    store = a_store_of_100_samples(root)
+    inherited = Snapshot.create(root, "parents")
+    report, told = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(report)
+            own = Snapshot.create(root, "childs")
+            inherited.touch()
+            inherited.leave_for_resume()
+            inherited.release()
+            held = [not probe_unheld(root / "snapshots" / f"{name}.lock") for name in ("childs", "parents")]
+            os.write(told, bytes(held))
+            own.release()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(told)
+    try:
+        held = os.read(report, 2)
+    finally:
+        os.close(report)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's own release went through"
+    assert held == bytes([True, True]), "the child's pin and the parent's are both held (childs, parents)"
+    assert not (root / "snapshots" / "parents" / "LEFT").exists(), "the child left nothing for a resume"
+    inherited.release()
+    assert not (root / "snapshots" / "parents").exists(), "the parent, its last holder, removed it"
+    store.close()
+
+
+def probe_unheld(lock: Path) -> bool:
+    """Whether nobody holds ``lock``: an exclusive lock on a descriptor of our own is granted (and let go)."""
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def test_evictions_report_how_many_epochs_read_each_sample(tmp_path: Path) -> None:
