@@ -304,6 +304,14 @@ def test_echo_runs_both_remotes_at_a_small_size_and_renders_its_table(capsys: py
     assert "training at 400 samples/s" in echo.readme_table(document)
 
 
+def test_worker_collection_measures_the_frozen_collection_and_its_control(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import worker_collection
+
+    assert worker_collection.main(["--objects", "100000", "--workers", "1", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "inherited objects frozen" in out and "the control, unfrozen" in out
+
+
 def test_ingest_cli_smallest(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import ingest
 
