@@ -141,10 +141,10 @@ class _WorkerSpec:
 # hundreds of thousands of objects), on pages it shares with that process until one of them writes to a page.
 # The cyclic collector's full collection writes to every object it tracks (its reference count copy), so a
 # worker's first one walks all of them and copies every page they are on. That collection comes when the
-# worker's own allocations reach its threshold: in a cold first epoch of 8,192 samples of 4 KiB, read through 2
-# workers after the benchmark's earlier measurements in the same process, each worker spent 0.12-0.15 s of CPU in
-# it, with 13,300 pages (52 MiB) copied, to collect 16 objects; both workers did so at the same moment, and the
-# training loop waited 0.15-0.19 s for its next batch (a one-off trace, 2026-11-29, 2 cores). So a worker freezes
+# worker's own allocations reach its threshold, whenever that is: with 670,692 objects in the training
+# process, 143 ms of CPU and 17,427 pages copied (``python -m benchmarks.worker_collection``, which measures it in
+# the worker; 0.3 ms and 3 pages once frozen). In a cold 4 KiB epoch of ``benchmarks.run_all`` both workers did so
+# at once, and the training loop waited for its next batch meanwhile (traced). So a worker freezes
 # (``gc.freeze``) what exists when it starts: the collector leaves those objects alone for the worker's life,
 # and collects what the worker allocates as usual. A full collection still empties the interpreter's free lists
 # (tuples, lists, dicts, floats kept for reuse), whose inherited entries it frees: a cost bounded by their caps,

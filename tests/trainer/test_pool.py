@@ -122,7 +122,7 @@ def pages_a_full_collection_copies(sample: dict[str, Any]) -> dict[str, Any]:
 
 def test_a_workers_full_collection_leaves_the_training_processs_objects_and_pages_alone(tmp_path: Path) -> None:
     """NOTE [ A worker's collector skips what it inherited ]: the training process holds 300,000 more objects
-    (about 7,000 pages) when the worker forks. A full collection in the worker copies a few pages of its own; the
+    (thousands of pages) when the worker forks. A full collection in the worker copies a few pages of its own; the
     control in the same worker, a full collection once it unfreezes what it inherited, walks them all and copies
     their pages (one page fault each), as every worker's first full collection did before."""
     root = build_cache(tmp_path / "c", 8)
