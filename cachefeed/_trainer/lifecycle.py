@@ -81,6 +81,7 @@ from cachefeed._cache.snapshots import CLAIM_WAIT_S, RankClaimedError, Snapshot
 from cachefeed._cache.sources import read_sources
 from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
+from cachefeed._status.report import read_report  # the reader of the daemon's document
 from cachefeed._trainer.background import SerialWorker
 from cachefeed._trainer.dataset import SnapshotDataset, Transform
 from cachefeed._trainer.epoch import EpochState, EpochStats, GrowingBatchSampler, SkipEmptyCollate, shutdown_iterator
@@ -449,8 +450,6 @@ class Epochs:
     def _estimated_share(self, snapshot: Snapshot) -> int:
         """This rank's samples if the first epoch grows until it fills the epoch's room (``room.py``) or, without a
         room, the daemon's fill level: what ``len()`` says until the snapshot closes."""
-        from cachefeed._status.report import read_report  # the reader of the daemon's document
-
         total = snapshot.samples
         room = room_now(self.plan.layout)
         pinned = sum(os.lstat(path).st_blocks * 512 for path in snapshot.paths)

@@ -51,6 +51,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.random  # numpy loads it on first use: here, not on the clock of the first batch
 import numpy.typing as npt
 import torch
 from torch.utils.data import Sampler

@@ -27,6 +27,8 @@ from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.records import segment_count
 from cachefeed._errors import CachefeedError, NoSuchCacheError, SnapshotError
 from cachefeed._logs import get_logger
+from cachefeed._status.report import read_report  # the reader of the daemon's document
+from cachefeed._status.verdict import Health
 
 __all__ = [
     "Fill",
@@ -157,8 +159,6 @@ def daemon_note(layout: CacheLayout) -> str:
     start with the job)."""
     if not layout.has_writer():
         return "no daemon runs on this cache"
-    from cachefeed._status.report import read_report  # the reader of the daemon's document
-    from cachefeed._status.verdict import Health
 
     try:
         report = read_report(layout.root)
@@ -315,7 +315,7 @@ def wait_for_segments(
     *,
     timeout_s: float,
     progress: TextIO | None = sys.stderr,
-    poll_s: float = 0.02,
+    poll_s: float = 0.005,
 ) -> int:
     """Block until ``segments`` segments are published, or fewer once the daemon can publish no more
     (``fill_reached``: a small dataset, a paced daemon, no daemon); returns the segments published. What a growing
@@ -430,9 +430,6 @@ def fill_reached(layout: CacheLayout, fraction: float, have: int) -> Fill:
     times (``test_a_daemon_stalled_past_its_heartbeat_limit...`` witnesses the promise). So the
     fill is not judged then; the waits have their own timeouts, whose messages point to ``cachefeed status``.
     """
-    from cachefeed._status.report import read_report  # the reader of the daemon's document
-    from cachefeed._status.verdict import Health
-
     report = read_report(layout.root)
     document = report.document
     if (
