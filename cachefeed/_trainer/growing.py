@@ -93,7 +93,7 @@ from cachefeed._errors import SnapshotError
 from cachefeed._logs import get_logger
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.partition import fixed_size_order, warn_reuse
-from cachefeed._trainer.wait import stop_watch, watch_publishes
+from cachefeed._trainer.wait import PublishWatch, stop_watch, watch_publishes
 
 __all__ = ["GROW_EVERY_S", "Grower", "GrowingEpoch", "GrowingShare"]
 
@@ -227,8 +227,10 @@ class Grower:
     Looks happen every ``every_s``, and, once a rank ``want``s growth, also at each publish and status document of
     the daemon until the next look that changes the snapshot (NOTE above). ``changes`` counts the looks that
     changed it (segments added, or the snapshot closed), under ``lock``; ``wait_for_change`` waits for the next.
-    The observer of the cache is started at the first ``want`` (an epoch whose rank never waits never starts one)
-    and stopped with the growth; where it cannot start, the looks keep to the tick."""
+    The observer of the cache is started at the first ``want`` (an epoch whose rank never waits never starts one),
+    or is given (``watch``: a cold first epoch's, started before it waited for its first segments, so that the
+    rank's first wait for growth does not also wait for an observer to start), and stopped with the growth; where
+    none can start, the looks keep to the tick."""
 
     def __init__(
         self,
@@ -237,6 +239,7 @@ class Grower:
         *,
         every_s: float = GROW_EVERY_S,
         on_closed: Callable[[], None] | None = None,
+        watch: PublishWatch | None = None,
     ) -> None:
         self.snapshot = snapshot
         self._is_done = is_done
@@ -253,7 +256,11 @@ class Grower:
         # Flags written by several threads (single assignments; a lost race costs one tick of ``every_s``):
         self._wanted = False  # a rank waits: a publish wakes the thread
         self._missed = False  # a publish came while not wanted (since the last look)
-        self._watching = False  # the observer was asked for (by the first ``want``)
+        self._watching = False  # the observer was asked for (by the first ``want``), or given running
+        self._given = watch  # stopped with the growth, like one this thread starts
+        if watch is not None and watch.is_running:
+            watch.listen(self._published)
+            self._watching = True
         self._thread = threading.Thread(target=self._run, name="cachefeed-grow", daemon=True)
         self._thread.start()
 
@@ -305,6 +312,8 @@ class Grower:
             except Exception:
                 log.warning("after closing growing snapshot %s", self.snapshot.snap_id, exc_info=True)
         stop_watch(observer)  # last: its threads take milliseconds to end; ``closed`` and ``on_closed`` need not wait
+        if self._given is not None:
+            self._given.stop()
 
     def _watch(self) -> BaseObserver | None:
         """The observer of the daemon's publishes; None (the tick serves) where it cannot start, whatever the

@@ -90,7 +90,14 @@ from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
 from cachefeed._trainer.partition import EpochBatchSampler, RankInfo, rank_share, snapshot_name, warn_reuse
 from cachefeed._trainer.pool import WorkerPool
 from cachefeed._trainer.resume import ResumePoint, resumed_snapshot
-from cachefeed._trainer.wait import DaemonAbsence, fill_reached, wait_for_fill, wait_for_samples, wait_for_segments
+from cachefeed._trainer.wait import (
+    DaemonAbsence,
+    PublishWatch,
+    fill_reached,
+    wait_for_fill,
+    wait_for_samples,
+    wait_for_segments,
+)
 
 __all__ = ["EpochPlan", "Epochs"]
 
@@ -402,8 +409,16 @@ class Epochs:
             return None
         return spe + self.plan.ranks.local_world_size - 1
 
-    def _growing(self, snapshot: Snapshot, dataset: SnapshotDataset, epoch: int, skip_batches: int) -> GrowingEpoch:
-        """This rank's reading of a growing snapshot; its creator (alive in this process) keeps growing it."""
+    def _growing(
+        self,
+        snapshot: Snapshot,
+        dataset: SnapshotDataset,
+        epoch: int,
+        skip_batches: int,
+        watch: PublishWatch | None = None,
+    ) -> GrowingEpoch:
+        """This rank's reading of a growing snapshot; its creator (alive in this process) keeps growing it, with
+        ``watch`` where one was started for it (its grower stops it)."""
         plan = self.plan
         ranks = plan.ranks
         spe = plan.samples_per_epoch
@@ -417,7 +432,7 @@ class Epochs:
             quota=quota,
         )
         grower = (
-            Grower(snapshot, self._growth_done, on_closed=lambda: self._growth_closed(epoch))
+            Grower(snapshot, self._growth_done, on_closed=lambda: self._growth_closed(epoch), watch=watch)
             if snapshot.is_open and ranks.is_creator
             else None
         )
@@ -520,12 +535,20 @@ class Epochs:
                 )
         is_exact_resume = snapshot is not None
         grows = is_first and self._resume is None and self._can_grow()
+        watch: PublishWatch | None = None  # a cold first epoch's observer of the daemon: its grower takes it over
         wants = self._later_wants() if not is_first and plan.ranks.is_creator and not is_exact_resume else None
         if is_exact_resume:
             pass  # its samples are fixed and cached: nothing to wait for
         elif grows and plan.ranks.is_creator:
             need = max(1, plan.num_workers) * plan.ranks.local_world_size  # a segment for every worker to read
-            wait_for_segments(plan.layout, need, timeout_s=plan.wait_timeout_s, progress=plan.progress)
+            watch = PublishWatch(plan.layout)  # started while nothing waits on it (``PublishWatch``)
+            try:
+                wait_for_segments(
+                    plan.layout, need, timeout_s=plan.wait_timeout_s, progress=plan.progress, wake=watch.event
+                )
+            except BaseException:
+                watch.stop()
+                raise
             waited = time.perf_counter() - started
         elif is_first and plan.ranks.is_creator and plan.min_fill is not None:
             wait_for_fill(
@@ -552,7 +575,12 @@ class Epochs:
         if snapshot is not None:
             snap_id = snapshot.snap_id
         else:
-            snapshot = self._pin(epoch, snap_id, growing=grows, wants=wants, join_timeout=join_timeout)
+            try:
+                snapshot = self._pin(epoch, snap_id, growing=grows, wants=wants, join_timeout=join_timeout)
+            except BaseException:
+                if watch is not None:
+                    watch.stop()
+                raise
         dataset: SnapshotDataset | None = None
         growing: GrowingEpoch | None = None
         pid = os.getpid()
@@ -561,8 +589,13 @@ class Epochs:
             if self.pool is None:  # read in this process: keep the segments the epoch being read has mapped
                 dataset.share_open_readers()
             growing = (
-                self._growing(snapshot, dataset, epoch, skip_batches) if snapshot.generations is not None else None
+                self._growing(snapshot, dataset, epoch, skip_batches, watch)
+                if snapshot.generations is not None
+                else None
             )
+            if growing is None or growing.grower is None:
+                _stopped(watch)  # nobody grows this snapshot here: nothing to listen
+                watch = None
             share = self._share(snapshot, epoch) if growing is None else growing.share.indices
             if growing is None and plan.samples_per_epoch is not None and snapshot.samples < plan.samples_per_epoch:
                 warn_reuse(epoch, snapshot.samples, plan.samples_per_epoch)
@@ -599,7 +632,8 @@ class Epochs:
             if os.getpid() != pid:  # unwinding in a forked worker that failed to start: the pin is the parent's
                 raise
             if growing is not None and growing.grower is not None:
-                growing.grower.stop()
+                growing.grower.stop()  # and the watch it took over
+            _stopped(watch)
             if dataset is not None:
                 dataset.close()
             snapshot.release()
@@ -932,3 +966,9 @@ def _logged(fn: Callable[..., object], what: str, *args: object) -> None:
         fn(*args)
     except Exception:
         log.warning("%s failed", what, exc_info=True)
+
+
+def _stopped(watch: PublishWatch | None) -> None:
+    """Stop ``watch`` (None: nothing to stop)."""
+    if watch is not None:
+        watch.stop()

@@ -32,6 +32,7 @@ from cachefeed._status.verdict import Health
 
 __all__ = [
     "Fill",
+    "PublishWatch",
     "SampleCounter",
     "fill_reached",
     "parse_fill",
@@ -315,12 +316,16 @@ def wait_for_segments(
     *,
     timeout_s: float,
     progress: TextIO | None = sys.stderr,
-    poll_s: float = 0.005,
+    poll_s: float = 0.02,
+    wake: threading.Event | None = None,
 ) -> int:
     """Block until ``segments`` segments are published, or fewer once the daemon can publish no more
     (``fill_reached``: a small dataset, a paced daemon, no daemon); returns the segments published. What a growing
     first epoch waits for (``growing.py``): a segment for each worker to read. It polls (a look is a directory
-    listing of a few files): an observer would cost more to start and stop on the training thread than it saves.
+    listing of a few files), and looks at once when ``wake`` is set: a ``PublishWatch.event``, which a cold first
+    epoch starts before this wait for its grower to take over. The daemon's document and the cache directory
+    itself (``layout.check``, three system calls) are looked at only every ``10 * poll_s``: the wait runs while a
+    cold daemon starts, and what it takes of the cores it takes from that start.
 
     Raises:
         NoSuchCacheError: the cache directory is missing.
@@ -336,9 +341,10 @@ def wait_for_segments(
             waited = time.monotonic() - started
             if have >= segments:
                 break
-            if have and waited - checked_at >= 10 * poll_s:  # the daemon's document: now and then, not every poll
+            if waited - checked_at >= 10 * poll_s:  # the directory and the daemon's document: now and then
                 checked_at = waited
-                if fill_reached(layout, 1.0, have).ready:
+                layout.check()
+                if have and fill_reached(layout, 1.0, have).ready:
                     break
             if waited > timeout_s:
                 raise SnapshotError(
@@ -347,8 +353,10 @@ def wait_for_segments(
                     "or raise wait_timeout_s"
                 )
             bar.show(have, waited)
-            time.sleep(poll_s)
-            layout.check()
+            if wake is None:
+                time.sleep(poll_s)
+            elif wake.wait(poll_s):
+                wake.clear()  # before the next look: a publish after it sets the event again
         bar.finish(have, time.monotonic() - started, force=waited > 1.0)
     finally:
         bar.done()
@@ -550,6 +558,37 @@ def watch_publishes(layout: CacheLayout, wake: Callable[[], None], *, status: bo
         log.warning("cannot watch %s (%s): polling for new segments instead", layout.segments, exc)
         return None
     return observer
+
+
+class PublishWatch:
+    """An observer of the daemon's publishes (``watch_publishes``, status documents included) started before whoever
+    will listen to it: a cold first epoch starts one before it waits for its first segments, so that neither that
+    wait (woken by ``event``) nor its grower (which takes it over: ``listen``, and stops it with the growth) waits
+    for the observer's threads to start, milliseconds on a busy machine that a first batch would wait for.
+    ``is_running`` is False where none could start (the waits poll); ``stop`` is idempotent."""
+
+    def __init__(self, layout: CacheLayout) -> None:
+        self.event = threading.Event()  # set at each publish
+        self._listener: Callable[[], None] | None = None
+        self._observer = watch_publishes(layout, self._heard, status=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._observer is not None
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (on the observer's thread) at each publish from now on, as well as setting ``event``."""
+        self._listener = listener
+
+    def stop(self) -> None:
+        observer, self._observer = self._observer, None
+        stop_watch(observer)
+
+    def _heard(self) -> None:
+        self.event.set()
+        listener = self._listener
+        if listener is not None:
+            listener()
 
 
 def stop_watch(observer: BaseObserver | None) -> None:

@@ -22,6 +22,7 @@ from cachefeed._testing.samples import check_sample, make_sample
 from cachefeed._trainer import growing
 from cachefeed._trainer.dataset import SnapshotDataset
 from cachefeed._trainer.growing import Grower, GrowingEpoch, GrowingShare
+from cachefeed._trainer.wait import PublishWatch
 from tests.support.cache_helpers import cache_config
 
 
@@ -81,6 +82,45 @@ def test_a_grower_that_cannot_link_closes_the_snapshot_as_it_is_so_readers_end_t
         reader.release()
     finally:
         snapshot.release()
+
+
+def test_a_grower_given_a_running_watch_grows_at_a_publish_and_stops_the_watch_with_the_growth(tmp_path: Path) -> None:
+    """A cold first epoch starts its observer of the daemon (``PublishWatch``) before it waits for its first
+    segments, and its grower takes it over instead of starting one at the rank's first wait. Witnesses: the
+    process's observer threads (one, the watch's, never a second), the snapshot grown at a publish while the
+    grower's tick is 10 s away, and no observer left once the growth stopped."""
+    from watchdog.observers.api import BaseObserver
+
+    def observers() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if isinstance(thread, BaseObserver)]
+
+    root = tmp_path / "c"
+    add_segments(root, 0, 4)
+    assert not observers()
+    watch = PublishWatch(CacheLayout(root))
+    assert watch.is_running and len(observers()) == 1
+    snapshot = Snapshot.create(root, "e0", growing=True)
+    grower = Grower(snapshot, lambda samples: False, every_s=10.0, watch=watch)
+    try:
+        with grower.lock:
+            seen, before = grower.changes, snapshot.samples
+        grower.want()  # the rank read every batch: the grower looks once, then waits for a publish
+        with grower.lock:
+            seen = grower.changes
+        add_segments(root, 4, 4)
+        started = time.monotonic()
+        grower.wait_for_change(seen, 5.0)
+        with grower.lock:
+            grown = snapshot.samples
+        assert grown > before and time.monotonic() - started < 5.0, "the publish did not wake the grower"
+        assert len(observers()) == 1, "the grower started an observer of its own"
+    finally:
+        grower.stop()
+        snapshot.release()
+    deadline = time.monotonic() + 10.0
+    while observers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not observers(), "the watch outlived the growth"
 
 
 def test_a_grower_reports_the_end_of_growth_by_its_rule_or_a_full_room_but_not_a_stop(
