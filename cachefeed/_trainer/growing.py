@@ -30,7 +30,8 @@ workers, its pool's workers read the segments).
   document it writes (inotify, ``wait.watch_publishes``), not only every ``GROW_EVERY_S``, and the rank wakes at
   the grower's next change. So a rank that waits for the daemon sees a segment within milliseconds of its publish
   (a cold job's first batch, and the end of its first epoch); a rank with batches left to read leaves the grower
-  to its tick, which costs the training process less. Other local ranks re-read the MANIFEST every
+  to its tick, which costs the training process less (a publish then only marks itself seen; the observer hears
+  publishes, never the reads of the cache's files). Other local ranks re-read the MANIFEST every
   ``GROW_EVERY_S / 2`` while they wait.
 * An object is served in one version, once: growth passes over a segment holding samples of an object the
   snapshot holds already in another version, or the same part of one (the remote overwrote it, or it shared a
@@ -303,17 +304,19 @@ class Grower:
                     self._wake.clear()  # after ``stop`` or ``finish``: their flags end the loop above
         except Exception:
             log.warning("growing snapshot %s failed: closing it as it is", self.snapshot.snap_id, exc_info=True)
-        if not self._abandoned:  # left open for a resume, whose creator grows it on, as after a kill
-            self._close()
-        self.closed.set()
-        if self._on_closed is not None and not self._stop.is_set():
-            try:
-                self._on_closed()
-            except Exception:
-                log.warning("after closing growing snapshot %s", self.snapshot.snap_id, exc_info=True)
-        stop_watch(observer)  # last: its threads take milliseconds to end; ``closed`` and ``on_closed`` need not wait
-        if self._given is not None:
-            self._given.stop()
+        try:
+            if not self._abandoned:  # left open for a resume, whose creator grows it on, as after a kill
+                self._close()
+            self.closed.set()
+            if self._on_closed is not None and not self._stop.is_set():
+                try:
+                    self._on_closed()
+                except Exception:
+                    log.warning("after closing growing snapshot %s", self.snapshot.snap_id, exc_info=True)
+        finally:  # last: their threads take milliseconds to end; ``closed`` and ``on_closed`` need not wait
+            stop_watch(observer)
+            if self._given is not None:
+                self._given.stop()
 
     def _watch(self) -> BaseObserver | None:
         """The observer of the daemon's publishes; None (the tick serves) where it cannot start, whatever the

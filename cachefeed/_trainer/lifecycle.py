@@ -431,22 +431,28 @@ class Epochs:
             local_world_size=ranks.local_world_size,
             quota=quota,
         )
+        estimate = quota if quota is not None else self._estimated_share(snapshot)  # before a grower starts
         grower = (
             Grower(snapshot, self._growth_done, on_closed=lambda: self._growth_closed(epoch), watch=watch)
             if snapshot.is_open and ranks.is_creator
             else None
         )
-        return GrowingEpoch(
-            snapshot,
-            dataset,
-            share,
-            batch_size=plan.batch_size,
-            drop_last=plan.drop_last,
-            estimate=quota if quota is not None else self._estimated_share(snapshot),
-            timeout_s=plan.wait_timeout_s,
-            grower=grower,
-            skip_batches=skip_batches,
-        )
+        try:
+            return GrowingEpoch(
+                snapshot,
+                dataset,
+                share,
+                batch_size=plan.batch_size,
+                drop_last=plan.drop_last,
+                estimate=estimate,
+                timeout_s=plan.wait_timeout_s,
+                grower=grower,
+                skip_batches=skip_batches,
+            )
+        except BaseException:
+            if grower is not None:
+                grower.stop()  # and the watch it took over: nobody would read what it grows
+            raise
 
     def _growth_done(self, samples: int) -> bool:
         """The grower's rule (grower thread): the epoch has its samples, or the daemon can fill no further

@@ -2,7 +2,7 @@
 the cache is filled to a level (``min_samples="75%"``, see ``wait_for_fill``).
 
 New segments appear in ``segments/`` by an atomic rename. ``watchdog`` (inotify on Linux) wakes the wait on
-every change there (``watch_publishes``), so the first epoch starts within milliseconds of the segment that
+each such rename there (``watch_publishes``), so the first epoch starts within milliseconds of the segment that
 completes ``min_samples``; if an observer cannot be started (inotify instances exhausted, an unsupported
 filesystem), the wait falls back to polling every ``poll_s``. Counting reads each new segment's trailer once (one
 small ``pread``). A growing epoch's grower (``growing.py``) is woken the same way while a rank waits for it.
@@ -10,6 +10,7 @@ small ``pread``). A growing epoch's grower (``growing.py``) is woken the same wa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, TextIO
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.events import FileCreatedEvent, FileMovedEvent, FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
@@ -66,14 +67,25 @@ class SampleCounter:
         return sum(self._counts.values())
 
 
+# What a publish looks like to inotify: a rename into the watched directory. A segment comes from ``tmp/``, a
+# directory nobody watches, so watchdog reports it created; the status document replaces itself from a temp file
+# beside it: moved. Nothing else may wake a waiter: opens, reads and closes of the same files (every worker's, the
+# grower's own look at the segments and read of the status document) would wake it again at once, a loop of looks
+# that took a core from the daemon its rank waits for (``test_a_waiting_grower_is_woken_by_publishes_not_by_reads``).
+_PUBLISHES: list[type[FileSystemEvent]] = [FileCreatedEvent, FileMovedEvent]
+
+
 class _Wake(FileSystemEventHandler):
-    """Calls ``wake`` on an event; with ``names``, only on one whose file (a rename's target) is one of them."""
+    """Calls ``wake`` on a publish (``_PUBLISHES``); with ``names``, only on one whose file (a rename's target) is
+    one of them."""
 
     def __init__(self, wake: Callable[[], None], names: frozenset[str] | None = None) -> None:
         self._wake = wake
         self._names = names
 
     def on_any_event(self, event: FileSystemEvent) -> None:
+        if not isinstance(event, tuple(_PUBLISHES)):  # the schedule's filter drops the rest already
+            return
         if self._names is not None:
             path = getattr(event, "dest_path", "") or event.src_path
             if os.path.basename(os.fsdecode(path)) not in self._names:
@@ -334,18 +346,20 @@ def wait_for_segments(
     layout.check()
     started = time.monotonic()
     bar = _Progress(progress, str(layout.root), segments, noun="segments", note=lambda: daemon_note(layout))
-    checked_at = 0.0
+    checked_at = layout_at = 0.0
     try:
         while True:
             have = len(layout.list_segments())
             waited = time.monotonic() - started
             if have >= segments:
                 break
-            if waited - checked_at >= 10 * poll_s:  # the directory and the daemon's document: now and then
+            if have and waited - checked_at >= 10 * poll_s:  # the daemon's document: now and then, not every poll
                 checked_at = waited
-                layout.check()
-                if have and fill_reached(layout, 1.0, have).ready:
+                if fill_reached(layout, 1.0, have).ready:
                     break
+            if waited - layout_at >= 10 * poll_s:  # the cache directory, likewise
+                layout_at = waited
+                layout.check()
             if waited > timeout_s:
                 raise SnapshotError(
                     f"only {have} of the {segments} segments the first epoch starts on were published in "
@@ -545,16 +559,20 @@ _STOP_RACE_FILTER = _DropStopRace()
 def watch_publishes(layout: CacheLayout, wake: Callable[[], None], *, status: bool = False) -> BaseObserver | None:
     """An inotify observer that calls ``wake`` (on its own thread: keep it to setting a flag or an event) when a
     segment is published in ``layout`` and, with ``status``, when the daemon replaces its status document (where
-    it says it can fill no further); None where none can start: the caller polls instead. ``stop_watch`` ends it."""
+    it says it can fill no further), and at nothing else (``_PUBLISHES``); None where none can start: the caller
+    polls instead. ``stop_watch`` ends it."""
     logging.getLogger("watchdog.observers.inotify").addFilter(_STOP_RACE_FILTER)  # idempotent: same object
     observer = Observer()
     observer.daemon = True
     try:
-        observer.schedule(_Wake(wake), str(layout.segments), recursive=False)
+        observer.schedule(_Wake(wake), str(layout.segments), recursive=False, event_filter=_PUBLISHES)
         if status:
-            observer.schedule(_Wake(wake, frozenset({layout.status_file.name})), str(layout.root), recursive=False)
+            names = frozenset({layout.status_file.name})
+            observer.schedule(_Wake(wake, names), str(layout.root), recursive=False, event_filter=_PUBLISHES)
         observer.start()
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # no inotify instance or watch left, no thread: the caller polls
+        with contextlib.suppress(Exception):
+            observer.unschedule_all()  # an emitter started before the one that failed stops too
         log.warning("cannot watch %s (%s): polling for new segments instead", layout.segments, exc)
         return None
     return observer

@@ -91,12 +91,13 @@ def test_a_grower_given_a_running_watch_grows_at_a_publish_and_stops_the_watch_w
     grower's tick is 10 s away, and no observer left once the growth stopped."""
     from watchdog.observers.api import BaseObserver
 
+    others = {thread for thread in threading.enumerate() if isinstance(thread, BaseObserver)}  # other tests'
+
     def observers() -> list[threading.Thread]:
-        return [thread for thread in threading.enumerate() if isinstance(thread, BaseObserver)]
+        return [thread for thread in threading.enumerate() if isinstance(thread, BaseObserver) and thread not in others]
 
     root = tmp_path / "c"
     add_segments(root, 0, 4)
-    assert not observers()
     watch = PublishWatch(CacheLayout(root))
     assert watch.is_running and len(observers()) == 1
     snapshot = Snapshot.create(root, "e0", growing=True)
@@ -121,6 +122,41 @@ def test_a_grower_given_a_running_watch_grows_at_a_publish_and_stops_the_watch_w
     while observers() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not observers(), "the watch outlived the growth"
+
+
+def test_a_waiting_grower_is_woken_by_publishes_not_by_reads_of_the_cache(tmp_path: Path) -> None:
+    """The observer hears what the daemon publishes (a segment renamed into ``segments/``, its status document
+    replaced), not the opens and reads of the cache's files: the grower's own read of the status document (its rule
+    asks the daemon's fill) and its look at the segments used to wake it again at once, a loop of looks that took a
+    core from the daemon its rank waits for. Witness: the process's CPU time while its rank waits with nothing
+    published, then a publish that still wakes it."""
+    root = tmp_path / "c"
+    add_segments(root, 0, 4)
+    layout = CacheLayout(root)
+    write_status(layout.status_file, {"state": "running"})
+
+    def is_done(samples: int) -> bool:  # as the factory's rule: it reads the daemon's status document
+        layout.status_file.read_bytes()
+        return False
+
+    snapshot = Snapshot.create(root, "e0", growing=True)
+    grower = Grower(snapshot, is_done, every_s=10.0, watch=PublishWatch(layout))
+    try:
+        with grower.lock:
+            seen = grower.changes
+        grower.want()
+        time.sleep(0.2)  # its look at the want, then nothing to look for
+        used = time.process_time()
+        time.sleep(1.0)
+        used = time.process_time() - used
+        assert used < 0.3, f"the waiting grower took {used:.2f} s of CPU in 1 s with nothing published"
+        add_segments(root, 4, 4)
+        grower.wait_for_change(seen, 5.0)
+        with grower.lock:
+            assert grower.changes != seen, "a publish did not wake the grower"
+    finally:
+        grower.stop()
+        snapshot.release()
 
 
 def test_a_grower_reports_the_end_of_growth_by_its_rule_or_a_full_room_but_not_a_stop(

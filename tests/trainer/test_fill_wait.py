@@ -49,3 +49,31 @@ def test_without_a_restart_grace_a_gone_daemon_starts_the_epoch_at_once(a_daemon
     have = wait.wait_for_fill(a_daemon_that_goes_away, 0.75, timeout_s=5.0, progress=None, poll_s=0.05)
     assert have == 100
     assert time.monotonic() - started < 1.0
+
+
+def test_the_wait_for_the_first_segments_wakes_at_a_publish_not_at_its_next_poll(tmp_path: Path) -> None:
+    """A cold first epoch waits for a segment per worker with a ``PublishWatch`` started before the wait: the wait
+    returns at the publish that completes its count, not at its next poll (5 s apart here), and the watch is left
+    running for the grower that takes it over."""
+    import threading
+
+    from tests.cache.test_growing_snapshot import add_segments
+
+    root = tmp_path / "c"
+    add_segments(root, 0, 8)  # one segment
+    layout = CacheLayout(root)
+    have = len(layout.list_segments())
+    watch = wait.PublishWatch(layout)
+    try:
+        assert watch.is_running
+        publisher = threading.Timer(0.3, add_segments, args=(root, 8, 8))
+        publisher.start()
+        started = time.monotonic()
+        got = wait.wait_for_segments(layout, have + 1, timeout_s=30, progress=None, poll_s=5.0, wake=watch.event)
+        took = time.monotonic() - started
+        publisher.join()
+        assert got >= have + 1
+        assert took < 2.5, f"the wait returned {took:.2f} s in, at its poll rather than at the publish"
+        assert watch.is_running
+    finally:
+        watch.stop()
