@@ -584,8 +584,7 @@ class Epochs:
             try:
                 snapshot = self._pin(epoch, snap_id, growing=grows, wants=wants, join_timeout=join_timeout)
             except BaseException:
-                if watch is not None:
-                    watch.stop()
+                _stopped(watch)
                 raise
         dataset: SnapshotDataset | None = None
         growing: GrowingEpoch | None = None

@@ -83,9 +83,7 @@ class _Wake(FileSystemEventHandler):
         self._wake = wake
         self._names = names
 
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        if not isinstance(event, tuple(_PUBLISHES)):  # the schedule's filter drops the rest already
-            return
+    def on_any_event(self, event: FileSystemEvent) -> None:  # a publish: the schedule's filter drops the rest
         if self._names is not None:
             path = getattr(event, "dest_path", "") or event.src_path
             if os.path.basename(os.fsdecode(path)) not in self._names:
@@ -172,7 +170,6 @@ def daemon_note(layout: CacheLayout) -> str:
     start with the job)."""
     if not layout.has_writer():
         return "no daemon runs on this cache"
-
     try:
         report = read_report(layout.root)
     except (CachefeedError, OSError):
