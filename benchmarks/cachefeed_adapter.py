@@ -6,7 +6,10 @@ What it does, per measurement (``open``):
   same counting moto server as every peer; or ``file://`` of the same files for the local figure), whose cache is
   ``settings.cache_dir`` with ``max_bytes = settings.cache_budget_bytes`` (the same budget as the peers), and starts
   ``python -m cachefeed daemon --config FILE`` *in the measuring process's group* (so the harness kills it on a
-  timeout, and counts it if it outlives ``close``);
+  timeout, and counts it if it outlives ``close``); it returns at once (the local figure: once the daemon has cached
+  the whole dataset), and the trainer starts beside the starting daemon, as in a job that launches both: the
+  factory waits for the cache the daemon creates (``wait_for_cache``). It waited for the daemon's status to say
+  ``running``, polled every 50 ms, until 5674ba2: a wait no job has, which the cold figures counted;
 * returns an :class:`EpochSource` whose ``epoch(e)`` is ``factory.loader(e)`` of one ``EpochLoaderFactory`` built
   with the harness's batch size, workers, start method, persistent workers and prefetch factor, and
   ``collate_fn=samples.collate``; every sample is verified by the harness.
@@ -100,11 +103,12 @@ class CachefeedAdapter:
         daemon = launch_daemon(config_path, cache_dir)
         source = CachefeedSource(daemon, scratch or work_dir, workload, settings)
         try:
-            daemon.wait_status(lambda d: d["state"] in ("running", "degraded"), timeout_s=120.0, what="running")
             if settings.cache_dir is None:
                 # Local figure: the whole dataset cached before the first epoch (warm reads only).
                 count = workload.count
                 daemon.wait_status(lambda d: d["cache"]["samples"] >= count, timeout_s=600.0, what=f"{count} samples")
+            # Otherwise the trainer starts beside the starting daemon (module docstring). A daemon that exits at once
+            # is told by ``epoch``'s check; one that dies while the factory waits, by the harness's hang timeout.
         except BaseException:
             source.close()
             raise

@@ -192,9 +192,11 @@ def _noted(note: str) -> str:
 
 
 def wait_for_cache(
-    layout: CacheLayout, *, timeout_s: float, progress: TextIO | None = sys.stderr, poll_s: float = 0.1
+    layout: CacheLayout, *, timeout_s: float, progress: TextIO | None = sys.stderr, poll_s: float = 0.02
 ) -> None:
-    """Block until the daemon has created the cache at ``layout.root`` (a trainer started together with it).
+    """Block until the daemon has created the cache at ``layout.root`` (a trainer started together with it). A look
+    is a few system calls; every 20 ms by default, so that a trainer started beside its daemon starts its first epoch
+    about as soon as the cache exists (at 100 ms it started 50 ms later on average).
 
     Raises:
         NoSuchCacheError: not there after ``timeout_s``; at once where the path is a file, a directory that
