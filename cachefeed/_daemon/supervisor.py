@@ -105,7 +105,7 @@ _FIRST_LISTING_WAIT_S = 0.01  # the main loop's longest nap while a source's fir
 _ASSIGNED_BYTES_MIN = 16 << 20
 _ASSIGNED_SEGMENTS = 4
 _UPKEEP_INTERVAL_S = 0.5
-_EARLY_STATUS_GAP_S = 0.02  # at most this often a status document published early (``_waited_on`` changed)
+_EARLY_STATUS_GAP_S = 0.02  # at most this often a status document published early (``StatusSchedule``)
 
 
 class Supervisor:
@@ -258,13 +258,12 @@ class Supervisor:
         )
         watchdog_s = self.notifier.watchdog_interval_s()
         now = time.monotonic()
-        next_status = now + self.config.status.interval_s
-        waited_on, published_at = self._waited_on(), now
+        status = StatusSchedule(self.config.status.interval_s, now, self._waited_on())
         next_watchdog = now
         next_upkeep = now
         while True:
             now = time.monotonic()
-            timers = [next_status, next_upkeep] + ([next_watchdog] if watchdog_s else [])
+            timers = [status.next_at(), next_upkeep] + ([next_watchdog] if watchdog_s else [])
             is_listing = any(catalog.pending() for catalog in self.inputs.catalogs())  # pages waiting: no nap
             # Until a first listing ends, its pages are looked for often: they are what the samplers wait for.
             nap = _FIRST_LISTING_WAIT_S if self._is_first_listing() else _MAX_WAIT_S
@@ -280,10 +279,8 @@ class Supervisor:
             if now >= next_upkeep and not self._is_draining:
                 next_upkeep = now + _UPKEEP_INTERVAL_S
                 self._upkeep()
-            signal = self._waited_on()
-            if now >= next_status or (signal != waited_on and now >= published_at + _EARLY_STATUS_GAP_S):
-                waited_on, published_at = signal, now
-                next_status = now + self.config.status.interval_s
+            if status.is_due(now, self._waited_on()):
+                status.published(now)
                 self._publish_status()
                 self.notifier.status(self._status_line())
             if watchdog_s and now >= next_watchdog:
@@ -938,3 +935,40 @@ class Supervisor:
         if self._pool is None:
             raise RuntimeError("the sampler pool is not set up")
         return self._pool
+
+
+class StatusSchedule:
+    """When the main loop publishes the status document: every ``interval_s``, and early when what trainers wait
+    for changes (``Supervisor._waited_on``: a growing epoch ends when the daemon can fill no further, and learns it
+    from the document), at most every ``_EARLY_STATUS_GAP_S``.
+
+    A change the gap holds back is published when the gap ends: ``next_at`` is then the gap's end, so the loop
+    does not nap past it. Until 5b4094c the loop napped on to its next timer (up to ``_MAX_WAIT_S``, 0.25 s): a pass
+    that completed within 20 ms of another publish was told up to 0.25 s late, and a growing first epoch waiting
+    for it ended that late after its last batch. The side-by-side runs' first epochs on tar shards show such waits
+    of 0.24-0.25 s (``end_of_epoch_s`` in ``benchmarks/results/results.json``) in four of the six runs from cad9785
+    to 5b4094c, one or two per run.
+    """
+
+    def __init__(self, interval_s: float, now: float, signal: object) -> None:
+        self._interval_s = interval_s
+        self._next = now + interval_s
+        self._published_at = now
+        self._signal = signal  # what the last document told
+        self._held = False  # a change the gap holds back
+
+    def is_due(self, now: float, signal: object) -> bool:
+        """Whether to publish now, given what trainers wait for at ``now``."""
+        changed = signal != self._signal
+        self._held = changed and now < self._published_at + _EARLY_STATUS_GAP_S
+        if now >= self._next or (changed and not self._held):
+            self._signal = signal
+            return True
+        return False
+
+    def published(self, now: float) -> None:
+        self._published_at, self._next, self._held = now, now + self._interval_s, False
+
+    def next_at(self) -> float:
+        """The latest moment the loop may wait until: the next interval, or the end of the gap holding a change."""
+        return self._published_at + _EARLY_STATUS_GAP_S if self._held else self._next
