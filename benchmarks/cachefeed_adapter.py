@@ -8,8 +8,8 @@ What it does, per measurement (``open``):
   ``python -m cachefeed daemon --config FILE`` *in the measuring process's group* (so the harness kills it on a
   timeout, and counts it if it outlives ``close``); it returns at once (the local figure: once the daemon has cached
   the whole dataset), and the trainer starts beside the starting daemon, as in a job that launches both: the
-  factory waits for the cache the daemon creates (``wait_for_cache``). It waited for the daemon's status to say
-  ``running``, polled every 50 ms, until 5674ba2: a wait no job has, which the cold figures counted;
+  factory waits for the cache the daemon creates (``wait_for_cache``). Through 5674ba2 it waited for the daemon's
+  status to say ``running``, polled every 50 ms: a wait no job has, which the cold figures counted;
 * returns an :class:`EpochSource` whose ``epoch(e)`` is ``factory.loader(e)`` of one ``EpochLoaderFactory`` built
   with the harness's batch size, workers, start method, persistent workers and prefetch factor, and
   ``collate_fn=samples.collate``; every sample is verified by the harness.
@@ -41,9 +41,11 @@ from typing import Any
 from benchmarks.common.adapter import DataLocation, LoaderSettings
 from benchmarks.common.results import REPO_ROOT
 from benchmarks.common.samples import Workload, collate
+from cachefeed._cache.layout import CacheLayout
 from cachefeed._cache.settings import DEFAULT_TURNOVER_PERCENT, METADATA_RESERVE_BYTES
 from cachefeed._config import toml_text
-from cachefeed._testing.daemon import DaemonProcess, daemon_argv
+from cachefeed._errors import NoSuchCacheError
+from cachefeed._testing.daemon import DaemonProcess, daemon_argv, wait_while_running
 from cachefeed._testing.env import checkout_env
 
 # Per-sample overhead of a segment record, only used to size an unbounded cache (``_cache/records.py``, format 4):
@@ -107,8 +109,7 @@ class CachefeedAdapter:
                 # Local figure: the whole dataset cached before the first epoch (warm reads only).
                 count = workload.count
                 daemon.wait_status(lambda d: d["cache"]["samples"] >= count, timeout_s=600.0, what=f"{count} samples")
-            # Otherwise the trainer starts beside the starting daemon (module docstring). A daemon that exits at once
-            # is told by ``epoch``'s check; one that dies while the factory waits, by the harness's hang timeout.
+            # Otherwise the trainer starts beside the starting daemon (module docstring, ``CachefeedSource``).
         except BaseException:
             source.close()
             raise
@@ -256,6 +257,12 @@ class CachefeedSource:
 
     def _factory(self) -> Any:
         if self.factory is None:
+            # The factory waits for the daemon to create its cache (``wait_for_cache``, a look every 20 ms) but
+            # cannot see the daemon: the same wait here fails at once, with the daemon's stderr, where it exits
+            # before (a config it refuses), rather than at the harness's hang timeout.
+            wait_while_running(
+                self.daemon, lambda: _is_cache(self.cache_dir), timeout_s=600.0, interval_s=0.02, what="its cache"
+            )
             self.factory = make_factory(self.cache_dir, self.settings)
         return self.factory
 
@@ -278,3 +285,11 @@ class CachefeedSource:
 
                 self.own_files_read = sequential_read(self.cache_dir / "segments")
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _is_cache(cache_dir: Path) -> bool:
+    try:
+        CacheLayout(cache_dir).check()
+    except NoSuchCacheError:
+        return False
+    return True

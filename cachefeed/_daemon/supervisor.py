@@ -100,7 +100,7 @@ log = get_logger(__name__)
 DRAIN_TIMEOUT_S = 5.0
 CRASHES_TO_QUARANTINE = 2  # samplers that died writing one object before it is quarantined (``_undo``)
 _MAX_WAIT_S = 0.25
-_FIRST_LISTING_WAIT_S = 0.01  # the main loop's longest nap while a source's first listing runs (_serve)
+_SHORT_NAP_S = 0.01  # the main loop's longest nap while a source's first listing runs or the samplers drain (_serve)
 # What one sampler may hold of assigned objects: the larger of these, and always two objects (_assign).
 _ASSIGNED_BYTES_MIN = 16 << 20
 _ASSIGNED_SEGMENTS = 4
@@ -263,10 +263,13 @@ class Supervisor:
         next_upkeep = now
         while True:
             now = time.monotonic()
-            timers = [status.next_at(), next_upkeep] + ([next_watchdog] if watchdog_s else [])
+            timers = [status.next_at()] + ([next_watchdog] if watchdog_s else [])
+            if not self._is_draining:  # upkeep waits while draining: its passed deadline kept the loop from napping
+                timers.append(next_upkeep)
             is_listing = any(catalog.pending() for catalog in self.inputs.catalogs())  # pages waiting: no nap
-            # Until a first listing ends, its pages are looked for often: they are what the samplers wait for.
-            nap = _FIRST_LISTING_WAIT_S if self._is_first_listing() else _MAX_WAIT_S
+            # Until a first listing ends, its pages are looked for often: they are what the samplers wait for; while
+            # draining, the samplers' exits likewise (a sampler reaped a nap after its channel closed stops it late).
+            nap = _SHORT_NAP_S if self._is_first_listing() or self._is_draining else _MAX_WAIT_S
             self._poll(0.0 if is_listing else min(nap, max(0.0, min(timers) - now)))
             if self.should_exit and not self._is_draining:
                 self._begin_drain()
@@ -943,11 +946,11 @@ class StatusSchedule:
     from the document), at most every ``_EARLY_STATUS_GAP_S``.
 
     A change the gap holds back is published when the gap ends: ``next_at`` is then the gap's end, so the loop
-    does not nap past it. Until 5b4094c the loop napped on to its next timer (up to ``_MAX_WAIT_S``, 0.25 s): a pass
-    that completed within 20 ms of another publish was told up to 0.25 s late, and a growing first epoch waiting
-    for it ended that late after its last batch. The side-by-side runs' first epochs on tar shards show such waits
-    of 0.24-0.25 s (``end_of_epoch_s`` in ``benchmarks/results/results.json``) in four of the six runs from cad9785
-    to 5b4094c, one or two per run.
+    does not nap past it. Through 5b4094c (fixed in b94feac) the loop napped on to its next timer (up to
+    ``_MAX_WAIT_S``, 0.25 s): a pass that completed within 20 ms of another publish was told up to 0.25 s late,
+    and a growing first epoch waiting for it ended that late after its last batch. The side-by-side runs' first
+    epochs on tar shards show such waits of 0.24-0.25 s (``end_of_epoch_s`` in ``benchmarks/results/results.json``)
+    in four of the six runs from cad9785 to 5b4094c, one or two per run.
     """
 
     def __init__(self, interval_s: float, now: float, signal: object) -> None:

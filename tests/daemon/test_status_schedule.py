@@ -37,3 +37,15 @@ def test_a_change_told_is_not_told_again() -> None:
     assert schedule.is_due(101.0, (1, False, False))
     schedule.published(101.0)
     assert not schedule.is_due(101.0 + 2 * GAP_S, (1, False, False)), "the document already says it"
+
+
+def test_a_change_undone_within_the_gap_holds_nothing_back() -> None:
+    schedule = StatusSchedule(INTERVAL_S, now=100.0, signal=(0, False, False))
+    assert not schedule.is_due(100.0 + GAP_S / 4, (0, True, False))
+    assert not schedule.is_due(100.0 + GAP_S / 2, (0, False, False)), "back to what the document says"
+    assert schedule.next_at() == 100.0 + INTERVAL_S
+
+
+def test_the_interval_coming_due_publishes_a_change_the_gap_holds() -> None:
+    schedule = StatusSchedule(GAP_S / 2, now=100.0, signal=(0, False, False))
+    assert schedule.is_due(100.0 + GAP_S / 2, (1, False, False)), "the interval, whatever the gap"
