@@ -196,7 +196,7 @@ def wait_for_cache(
 ) -> None:
     """Block until the daemon has created the cache at ``layout.root`` (a trainer started together with it). A look
     is a few system calls; every 20 ms by default, so that a trainer started beside its daemon starts its first epoch
-    about as soon as the cache exists (at 100 ms it started 50 ms later on average).
+    about as soon as the cache exists (a look every 100 ms, the default until 5b4094c, started it up to 0.1 s later).
 
     Raises:
         NoSuchCacheError: not there after ``timeout_s``; at once where the path is a file, a directory that
